@@ -1,0 +1,119 @@
+"""The recorder a user adds to their training loop: batches, losses and checkpoints, on disk."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .runs.batches import batch_bytes
+from .runs.checkpoint import checkpoint_name, save_checkpoint
+from .runs.files import write_bytes_atomic, write_json_atomic
+from .runs.imports import import_string_of
+from .runs.run import MANIFEST, RUN_FORMAT, STEPS, batch_path
+from .runs.steplog import step_line
+
+
+class Recorder:
+    """Records what replay needs: the state before step ``start_step`` and every ``checkpoint_every``
+    steps after, each step's batch and logged loss.
+
+    ``keep_checkpoints`` bounds disk use: only the newest N checkpoints are kept, with the batches
+    needed to replay from the oldest of them.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        model_factory: Callable[..., torch.nn.Module],
+        step_fn: Callable[..., Any],
+        model_kwargs: dict[str, Any] | None = None,
+        optimizer_factory: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+        checkpoint_every: int = 50,
+        keep_checkpoints: int | None = None,
+        start_step: int = 0,
+        overwrite: bool = False,
+    ) -> None:
+        if checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be at least 1")
+        if keep_checkpoints is not None and keep_checkpoints < 1:
+            raise ValueError("keep_checkpoints must be at least 1 (or None to keep all)")
+        self.path = Path(run_dir)
+        if self.path.exists() and any(self.path.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{self.path} is not empty; pass overwrite=True to replace it")
+            shutil.rmtree(self.path)
+        self.model, self.optimizer = model, optimizer
+        self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
+        self.start_step = start_step
+        self._next_step = start_step
+        self._checkpoints: list[int] = []
+        manifest = {
+            "format": RUN_FORMAT,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "torch_version": torch.__version__,
+            "model_factory": import_string_of(model_factory, "model_factory"),
+            "model_kwargs": model_kwargs or {},
+            "step_fn": import_string_of(step_fn, "step_fn"),
+            "optimizer": {"class": import_string_of(type(optimizer), "optimizer class"),
+                          "factory": import_string_of(optimizer_factory, "optimizer_factory") if optimizer_factory else None},
+            "checkpoint_every": checkpoint_every,
+            "keep_checkpoints": keep_checkpoints,
+            "start_step": start_step,
+            "num_threads": torch.get_num_threads(),
+            "device": str(next(model.parameters()).device),
+        }
+        try:
+            json.dumps(manifest, allow_nan=False)
+        except (TypeError, ValueError):
+            raise TypeError("model_kwargs must be JSON data (numbers, strings, lists, dicts)") from None
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path / MANIFEST, manifest)
+        self._steps = open(self.path / STEPS, "a", encoding="utf-8")
+        self._checkpoint(start_step)
+
+    def log(self, step: int, batch: Any, loss: float | torch.Tensor) -> None:
+        """Call once per step, after the user's step function, with the batch it was given."""
+        if self._steps.closed:
+            raise RuntimeError("Recorder.log called after close()")
+        if step != self._next_step:
+            raise ValueError(f"Recorder.log got step {step}, expected {self._next_step}: log every step, in order")
+        value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
+        # The batch is on disk before the step line that announces it, so a reader never meets a step without one.
+        write_bytes_atomic(batch_path(self.path, step), batch_bytes(step, batch), durable=False)
+        self._steps.write(step_line(step, value))
+        self._steps.flush()
+        self._next_step = step + 1
+        if (self._next_step - self.start_step) % self.checkpoint_every == 0:
+            self._checkpoint(self._next_step)
+
+    def _checkpoint(self, step: int) -> None:
+        os.fsync(self._steps.fileno())
+        save_checkpoint(self.path / "checkpoints", step, self.model, self.optimizer)
+        self._checkpoints.append(step)
+        if self.keep_checkpoints is not None and len(self._checkpoints) > self.keep_checkpoints:
+            dropped, self._checkpoints = self._checkpoints[:-self.keep_checkpoints], self._checkpoints[-self.keep_checkpoints:]
+            for old in dropped:
+                shutil.rmtree(self.path / "checkpoints" / checkpoint_name(old), ignore_errors=True)
+            for old_step in range(dropped[0], self._checkpoints[0]):
+                batch_path(self.path, old_step).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if not self._steps.closed:
+            self._steps.flush()
+            os.fsync(self._steps.fileno())
+            self._steps.close()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

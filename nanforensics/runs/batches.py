@@ -1,0 +1,97 @@
+"""A batch (tensor or nested tuple/list/dict of tensors and JSON leaves) <-> one safetensors file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..errors import BadInput
+from .files import TensorFile, tensors_to_bytes
+
+BATCH_FORMAT = "nanforensics.batch/1"
+
+
+def encode(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a batch into its tensors and a JSON tree that says where each one goes."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, where: str) -> dict[str, Any]:
+        if isinstance(node, torch.Tensor):
+            key = str(len(tensors))
+            tensors[key] = node
+            return {"tensor": key}
+        if isinstance(node, tuple):
+            return {"tuple": [walk(v, f"{where}[{i}]") for i, v in enumerate(node)]}
+        if isinstance(node, list):
+            return {"list": [walk(v, f"{where}[{i}]") for i, v in enumerate(node)]}
+        if isinstance(node, dict):
+            if not all(isinstance(k, str) for k in node):
+                raise TypeError(f"batch{where}: dict keys must be strings to be recorded")
+            return {"dict": [[k, walk(v, f"{where}[{k!r}]")] for k, v in node.items()]}
+        try:
+            json.dumps(node, allow_nan=False)
+        except (TypeError, ValueError):
+            raise TypeError(f"batch{where}: {type(node).__name__} is neither a tensor nor JSON data") from None
+        return {"json": node}
+
+    return tensors, walk(batch, "")
+
+
+def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if not isinstance(tree, dict) or len(tree) != 1:
+        raise ValueError(f"malformed batch tree node {tree!r:.60}")
+    (kind, value), = tree.items()
+    if kind == "tensor":
+        return tensors[value]
+    if kind == "tuple":
+        return tuple(decode(v, tensors) for v in value)
+    if kind == "list":
+        return [decode(v, tensors) for v in value]
+    if kind == "dict":
+        return {k: decode(v, tensors) for k, v in value}
+    if kind == "json":
+        return value
+    raise ValueError(f"unknown batch tree node kind {kind!r}")
+
+
+def batch_bytes(step: int, batch: Any) -> bytes:
+    tensors, tree = encode(batch)
+    return tensors_to_bytes(tensors, {"format": BATCH_FORMAT, "step": str(step), "tree": json.dumps(tree)})
+
+
+def read_batch(path: Path) -> Any:
+    f = TensorFile(path)
+    meta = f.metadata()
+    if meta.get("format") != BATCH_FORMAT:
+        raise BadInput(path, f"not a nanforensics batch file (format {meta.get('format')!r})")
+    try:
+        return decode(json.loads(meta["tree"]), f.load_all())
+    except (KeyError, ValueError, TypeError) as e:
+        raise BadInput(path, f"batch structure is malformed ({e})") from None
+
+
+def leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+    """Every leaf with a readable path such as ``batch['x'][0]``."""
+    if isinstance(batch, (list, tuple)):
+        for i, v in enumerate(batch):
+            yield from leaves(v, f"{path}[{i}]")
+    elif isinstance(batch, dict):
+        for k, v in batch.items():
+            yield from leaves(v, f"{path}[{k!r}]")
+    else:
+        yield path, batch
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, tuple):
+        return tuple(map_tensors(v, fn) for v in batch)
+    if isinstance(batch, list):
+        return [map_tensors(v, fn) for v in batch]
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    return batch

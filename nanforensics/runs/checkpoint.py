@@ -1,0 +1,142 @@
+"""Checkpoints of the run format: model, full optimizer state and RNG states, before a step."""
+
+from __future__ import annotations
+
+import base64
+import random
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import BadInput
+from .files import TensorFile, load_json, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic, write_json_atomic
+
+CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The model's name for each parameter, in the optimizer's order (its state-dict indices)."""
+    by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return [by_id.get(id(p), f"param.{i}") for i, p in enumerate(params)]
+
+
+def _rng_state() -> dict[str, Any]:
+    b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    state: dict[str, Any] = {"torch": b64(torch.get_rng_state()), "cuda": [], "numpy": None}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
+    version, internal, gauss = random.getstate()
+    state["python"] = [version, list(internal), gauss]
+    if "numpy" in sys.modules:
+        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    unb64 = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(unb64(state["torch"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([unb64(s) for s in state["cuda"]][: torch.cuda.device_count()])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if state.get("numpy") and "numpy" in sys.modules:
+        np = sys.modules["numpy"]
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _json_value(value: Any) -> Any:
+    """Hyperparameters given as tensors (a tensor lr) are stored as their numbers."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_json_value(v) for v in value]
+    return value
+
+
+def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+    """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact."""
+    names = param_names(model, optimizer)
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, state in sd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{names[index]}/{key}"] = value
+            else:
+                scalars.setdefault(names[index], {})[key] = _json_value(value)
+    groups = [{**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+              for g in sd["param_groups"]]
+    meta = {"format": CHECKPOINT_FORMAT, "step": step, "param_names": names, "param_groups": groups,
+            "state_scalars": scalars, "rng": _rng_state()}
+    file_meta = {"format": CHECKPOINT_FORMAT, "step": str(step)}
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / checkpoint_name(step)
+    build = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder))
+    write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model.state_dict(), file_meta))
+    write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
+    write_json_atomic(build / "meta.json", meta)
+    publish_dir_atomic(build, final)
+    return final
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint on disk; tensors are read only when asked for."""
+
+    path: Path
+    step: int
+
+    @property
+    def model_file(self) -> Path:
+        return self.path / "model.safetensors"
+
+    @property
+    def optimizer_file(self) -> Path:
+        return self.path / "optimizer.safetensors"
+
+    def meta(self) -> dict[str, Any]:
+        meta = load_json(self.path / "meta.json")
+        if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+            raise BadInput(self.path / "meta.json", f"not a {CHECKPOINT_FORMAT} checkpoint")
+        for key in ("param_names", "param_groups", "state_scalars", "rng"):
+            if key not in meta:
+                raise BadInput(self.path / "meta.json", f"missing field {key!r}")
+        return meta
+
+    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Restore model and optimizer state; returns the meta (for the RNG states)."""
+        meta = self.meta()
+        model_sd = TensorFile(self.model_file).load_all()
+        try:
+            model.load_state_dict(model_sd)
+        except RuntimeError as e:
+            raise BadInput(self.model_file, f"does not fit the model built by the manifest's factory: "
+                                            f"{' '.join(str(e).split())[:300]}") from None
+        names = meta["param_names"]
+        index = {n: i for i, n in enumerate(names)}
+        state: dict[int, dict[str, Any]] = {}
+        for key, tensor in TensorFile(self.optimizer_file).items():
+            name, _, skey = key.rpartition("/")
+            if name not in index:
+                raise BadInput(self.optimizer_file, f"state {key!r} names no parameter of the optimizer")
+            state.setdefault(index[name], {})[skey] = tensor
+        for name, values in meta["state_scalars"].items():
+            state.setdefault(index[name], {}).update(values)
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+        try:
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise BadInput(self.optimizer_file, f"does not fit the optimizer: {e}") from None
+        return meta

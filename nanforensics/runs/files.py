@@ -1,0 +1,128 @@
+"""Atomic file writes and safetensors I/O shared by the recorder and the readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from ..errors import BadInput
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write under a temporary name in the same folder, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode(), durable=durable)
+
+
+def publish_dir_atomic(build: Path, final: Path) -> None:
+    """Rename a fully written folder into place, replacing any older one of that name."""
+    _fsync_dir(build)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(build, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(build, final)
+    _fsync_dir(final.parent)
+
+
+def _storable(tensor: torch.Tensor, seen: set[int]) -> torch.Tensor:
+    """safetensors refuses views and shared storage; store such tensors as private copies."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+    if not t.is_contiguous() or (ptr and ptr in seen) or t.storage_offset() or t.untyped_storage().nbytes() != t.nbytes:
+        t = t.clone(memory_format=torch.contiguous_format)
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+    if ptr:
+        seen.add(ptr)
+    return t
+
+
+def tensors_to_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    seen: set[int] = set()
+    return save({k: _storable(v, seen) for k, v in tensors.items()}, metadata=metadata)
+
+
+def load_json(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise BadInput(path, "file is missing") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(path, f"cannot read: {e.__class__.__name__}: {e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+class TensorFile:
+    """A safetensors file opened lazily: tensors are memory-mapped and read one at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._handle = safe_open(str(path), framework="pt", device="cpu")
+        except FileNotFoundError:
+            raise BadInput(path, "file is missing") from None
+        except (SafetensorError, OSError, ValueError) as e:
+            raise BadInput(path, f"not a readable safetensors file ({_one_line(e)})") from None
+
+    def keys(self) -> list[str]:
+        return list(self._handle.keys())
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self._handle.metadata() or {})
+
+    def get(self, key: str) -> torch.Tensor:
+        try:
+            return self._handle.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise BadInput(self.path, f"tensor {key!r} is unreadable ({_one_line(e)})") from None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for key in self.keys():
+            yield key, self.get(key)
+
+    def load_all(self) -> dict[str, torch.Tensor]:
+        return dict(self.items())
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or e.__class__.__name__

@@ -1,0 +1,68 @@
+"""steps.jsonl: the loss the user's loop logged at each step."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadInput
+
+
+def encode_float(x: float) -> float | str:
+    """JSON has no NaN or infinity; they are written as the strings "nan", "inf", "-inf"."""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def decode_float(x: float | int | str) -> float:
+    if isinstance(x, str):
+        if x not in ("nan", "inf", "-inf"):
+            raise ValueError(f"bad number {x!r}")
+        return float(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"bad number {x!r}")
+    return float(x)
+
+
+def step_line(step: int, loss: float) -> str:
+    return json.dumps({"step": step, "loss": encode_float(loss)}) + "\n"
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    step: int
+    loss: float
+
+
+def read_steps(path: Path) -> list[LoggedStep]:
+    """Every complete line; a torn last line (a job killed mid-write) is dropped, garbage elsewhere is an error."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise BadInput(path, "file is missing") from None
+    except OSError as e:
+        raise BadInput(path, f"cannot read: {e}") from None
+    # The piece after the last newline is empty, or a line cut short by a killed writer: dropped.
+    lines = raw.split(b"\n")[:-1]
+    steps: list[LoggedStep] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            entry = LoggedStep(int(obj["step"]), decode_float(obj["loss"]))
+        except (ValueError, KeyError, TypeError):
+            raise BadInput(path, f"line {number} is not a step record: {line[:60]!r}") from None
+        if steps and entry.step != steps[-1].step + 1:
+            raise BadInput(path, f"line {number}: step {entry.step} follows step {steps[-1].step}")
+        steps.append(entry)
+    return steps
+
+
+def first_nonfinite(steps: list[LoggedStep]) -> int | None:
+    return next((s.step for s in steps if not math.isfinite(s.loss)), None)

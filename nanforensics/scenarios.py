@@ -1,0 +1,165 @@
+"""Known ways a run dies with NaN, as small real training runs: shipped samples, tests and benchmarks use them.
+
+Every defect comes from the data through the real forward and backward, never from a hook
+that writes inf. The model log-transforms positive features with a learnable per-feature gain,
+``log(softplus(gain) * x)``: autograd's log backward divides by its input, so a near-zero
+reading such as 3e-45 gives a finite loss (log(3e-45) = -103) and an infinite gradient in
+exactly one coordinate of ``features.gain``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .recorder import Recorder
+
+N_FEATURES = 16
+BATCH = 64
+DEFECT_SAMPLE, DEFECT_FEATURE = 5, 3
+
+
+class LogFeatures(nn.Module):
+    def __init__(self, n_features: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(n_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(F.softplus(self.gain) * x)
+
+
+class ExpLink(nn.Module):
+    """The exp link of a Poisson regression: overflows past 88.7 in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+
+class Regressor(nn.Module):
+    def __init__(self, n_features: int = N_FEATURES, hidden: int = 32, log_features: bool = True,
+                 poisson: bool = False, act: str = "tanh") -> None:
+        super().__init__()
+        self.features: nn.Module = LogFeatures(n_features) if log_features else nn.Identity()
+        self.fc1 = nn.Linear(n_features, hidden)
+        self.act = {"tanh": nn.Tanh, "relu": nn.ReLU}[act]()
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, 1)
+        self.link: nn.Module = ExpLink() if poisson else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(self.features(x)))
+        return self.link(self.head(self.act(self.fc2(h))))
+
+
+def build_model(**kwargs: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return Regressor(**kwargs)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def train_step_clipped(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    optimizer.step()
+    return loss
+
+
+def train_step_poisson(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    rate = model(batch["x"])
+    loss = (rate - batch["y"] * torch.log(rate)).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def make_batch(step: int, seed: int = 0, defect: str | None = None, batch_size: int = BATCH,
+               n_features: int = N_FEATURES) -> dict[str, Any]:
+    """A deterministic batch of positive readings; ``defect`` spoils one sample the way real data does."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.exp(torch.randn(batch_size, n_features, generator=g) * 0.5)
+    y = torch.exp(torch.log(x).mean(dim=1, keepdim=True) + 0.1 * torch.randn(batch_size, 1, generator=g))
+    s, f = DEFECT_SAMPLE, DEFECT_FEATURE
+    if defect == "near_zero":      # a reading squashed into fp32's denormal range
+        x[s, f] = 3e-45
+    elif defect == "spike":        # a glitch reading: the gradient is large and finite, its square is not
+        x[s, f] = 1e13
+    elif defect == "nan":          # a missing value stored as NaN
+        x[s, f] = math.nan
+    elif defect == "huge":         # an unscaled raw count
+        x[s, f] = 1e4
+    elif defect is not None:
+        raise ValueError(f"unknown defect {defect!r}")
+    ids = [f"s{step:05d}-{i:02d}" for i in range(batch_size)]
+    return {"x": x, "y": y, "ids": ids}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A recorded run with a known answer."""
+
+    model_kwargs: dict[str, Any]
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    step_fn: Callable[..., Any]
+    defect: str | None
+    expected_stage: str | None  # stage of the origin replay must name; None for a clean run
+    poisson: bool = False
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "adam_near_zero": Scenario({}, _adam, train_step, "near_zero", "grad"),
+    "clean": Scenario({}, _adam, train_step, None, None),
+    "sgd_near_zero": Scenario({}, _sgd, train_step, "near_zero", "grad"),
+    "clipped_near_zero": Scenario({}, _adam, train_step_clipped, "near_zero", "grad"),
+    "adam_state_overflow": Scenario({"log_features": False, "act": "relu"}, _adam, train_step, "spike",
+                                    "optimizer_state"),
+    "nan_in_data": Scenario({}, _adam, train_step, "nan", "batch"),
+    "poisson_overflow": Scenario({"log_features": False, "poisson": True, "act": "relu"}, _adam, train_step_poisson, "huge",
+                                 "forward"),
+}
+
+
+def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int = 17, checkpoint_every: int = 10,
+           seed: int = 0, keep_checkpoints: int | None = None, stop_on_nan: bool = False) -> list[float]:
+    """Train scenario ``name`` for ``steps`` steps under the recorder; returns the logged losses.
+
+    ``stop_on_nan`` ends the loop a step after the first non-finite loss, as a job that
+    aborts on NaN would.
+    """
+    sc = SCENARIOS[name]
+    model = build_model(**sc.model_kwargs)
+    optimizer = sc.optimizer(model)
+    losses: list[float] = []
+    with Recorder(run_dir, model, optimizer, model_factory=build_model, model_kwargs=sc.model_kwargs,
+                  step_fn=sc.step_fn, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints) as rec:
+        for step in range(steps):
+            batch = make_batch(step, seed, sc.defect if step == defect_step else None)
+            loss = sc.step_fn(model, optimizer, batch)
+            rec.log(step, batch, loss)
+            losses.append(float(loss.detach()))
+            if stop_on_nan and not all(math.isfinite(v) for v in losses[:-1]):
+                break
+    return losses

@@ -30,20 +30,22 @@ def extremes(t: torch.Tensor) -> torch.Tensor:
     return torch.stack((mn, mx)).float()
 
 
-def all_finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
-    """One verdict per tensor with a single host sync."""
-    if not tensors:
-        return []
+def verdicts(extremes_list: Sequence[torch.Tensor]) -> list[bool]:
+    """Finite-or-not for many ``extremes`` results with one host sync per device."""
     by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    flags = [True] * len(tensors)
+    for i, e in enumerate(extremes_list):
+        by_device.setdefault(e.device, []).append(i)
+    flags = [True] * len(extremes_list)
     for indices in by_device.values():
-        stacked = torch.stack([extremes(tensors[i]) for i in indices])
-        ok = torch.isfinite(stacked).all(dim=1).tolist()
+        ok = torch.isfinite(torch.stack([extremes_list[i] for i in indices])).all(dim=1).tolist()
         for i, good in zip(indices, ok):
             flags[i] = good
     return flags
+
+
+def all_finite_flags(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """One verdict per tensor with a single host sync."""
+    return verdicts([extremes(t) for t in tensors])
 
 
 def is_finite(t: torch.Tensor) -> bool:

@@ -19,6 +19,12 @@ from .runs.run import MANIFEST, RUN_FORMAT, STEPS, batch_path
 from .runs.steplog import step_line
 
 
+def _created() -> _dt.datetime:
+    """Now, or SOURCE_DATE_EPOCH where set, so that regenerated sample runs are byte-identical."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    return _dt.datetime.fromtimestamp(int(epoch) if epoch else _dt.datetime.now().timestamp(), _dt.timezone.utc)
+
+
 class Recorder:
     """Records what replay needs: the state before step ``start_step`` and every ``checkpoint_every``
     steps after, each step's batch and logged loss.
@@ -58,7 +64,7 @@ class Recorder:
         self._checkpoints: list[int] = []
         manifest = {
             "format": RUN_FORMAT,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "created": _created().isoformat(timespec="seconds"),
             "torch_version": torch.__version__,
             "model_factory": import_string_of(model_factory, "model_factory"),
             "model_kwargs": model_kwargs or {},

@@ -6,16 +6,89 @@ import dataclasses
 import json
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .runs.files import write_bytes_atomic
 
 
+REPLAY_SCHEMA = "nanforensics.replay/1"
+
+# The order in which a step touches its tensors; within a step, an earlier stage is the cause.
+STAGES = ("batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param")
+
+
+@dataclass
+class Event:
+    """The first non-finite value met at one stage of one step (per state key for optimizer state)."""
+
+    step: int
+    stage: str
+    tensor: str
+    index: list[int]
+    value: str  # "nan" | "inf" | "-inf"
+    state_key: str | None = None
+    elements_nonfinite: int = 0  # over every tensor of this stage (and state key) at this step
+    tensors_nonfinite: int = 0
+    dtype: str | None = None
+
+
+@dataclass
+class BatchRef:
+    step: int
+    file: str
+    leaves: dict[str, Any]  # the batch's non-tensor leaves, such as sample ids
+
+
+@dataclass
+class StepRecord:
+    """One replayed step: losses side by side, and how far the non-finite values have spread."""
+
+    step: int
+    logged_loss: float | None
+    replayed_loss: float
+    params_nonfinite: int
+    params_total: int
+    state_nonfinite: int
+    state_total: int
+
+
+@dataclass
+class ReplaySetup:
+    run: str
+    from_checkpoint: int
+    first_step: int
+    last_step: int
+    device: str
+    num_threads: int
+    imported: list[str]
+
+
+@dataclass
+class ReplayReport:
+    verdict: str  # "nonfinite" | "clean" | "not_reproduced"
+    responsible_step: int | None
+    responsible_batch: BatchRef | None
+    first_nonfinite_loss_step: int | None
+    logged_first_nonfinite_loss_step: int | None
+    origin: Event | None
+    events: list[Event]
+    spread: list[StepRecord]
+    state_poisoned: bool
+    reproduced: bool
+    diverged_at_step: int | None
+    fully_nonfinite_step: int | None
+    findings: list[str]
+    setup: ReplaySetup
+    schema: str = field(default=REPLAY_SCHEMA)
+
+
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses become dicts; non-finite floats become "nan"/"inf"/"-inf" (JSON has no such numbers)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        fields = sorted(dataclasses.fields(obj), key=lambda f: f.name != "schema")  # schema first, for readers
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in fields}
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -143,7 +143,8 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int = 17, checkpoint_every: int = 10,
-           seed: int = 0, keep_checkpoints: int | None = None, stop_on_nan: bool = False) -> list[float]:
+           seed: int = 0, keep_checkpoints: int | None = None, stop_on_nan: bool = False,
+           overwrite: bool = False) -> list[float]:
     """Train scenario ``name`` for ``steps`` steps under the recorder; returns the logged losses.
 
     ``stop_on_nan`` ends the loop a step after the first non-finite loss, as a job that
@@ -154,7 +155,8 @@ def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int 
     optimizer = sc.optimizer(model)
     losses: list[float] = []
     with Recorder(run_dir, model, optimizer, model_factory=build_model, model_kwargs=sc.model_kwargs,
-                  step_fn=sc.step_fn, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints) as rec:
+                  step_fn=sc.step_fn, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                  overwrite=overwrite) as rec:
         for step in range(steps):
             batch = make_batch(step, seed, sc.defect if step == defect_step else None)
             loss = sc.step_fn(model, optimizer, batch)

@@ -85,6 +85,28 @@ def leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
         yield path, batch
 
 
+def has_tensor(node: Any) -> bool:
+    if isinstance(node, torch.Tensor):
+        return True
+    if isinstance(node, (list, tuple)):
+        return any(has_tensor(v) for v in node)
+    if isinstance(node, dict):
+        return any(has_tensor(v) for v in node.values())
+    return False
+
+
+def data_leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+    """The largest tensor-free parts of a batch (sample ids, file names), each whole, by path."""
+    if not has_tensor(batch):
+        yield path, batch
+    elif isinstance(batch, (list, tuple)):
+        for i, v in enumerate(batch):
+            yield from data_leaves(v, f"{path}[{i}]")
+    elif isinstance(batch, dict):
+        for k, v in batch.items():
+            yield from data_leaves(v, f"{path}[{k!r}]")
+
+
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(batch)

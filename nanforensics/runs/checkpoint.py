@@ -86,7 +86,7 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     build = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder))
     write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model.state_dict(), file_meta))
     write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
-    write_json_atomic(build / "meta.json", meta)
+    write_json_atomic(build / "meta.json", meta, indent=None)
     publish_dir_atomic(build, final)
     return final
 

@@ -42,8 +42,8 @@ def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None
         _fsync_dir(path.parent)
 
 
-def write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, allow_nan=False) + "\n").encode(), durable=durable)
+def write_json_atomic(path: Path, obj: Any, *, durable: bool = True, indent: int | None = 2) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=indent, allow_nan=False) + "\n").encode(), durable=durable)
 
 
 def publish_dir_atomic(build: Path, final: Path) -> None:

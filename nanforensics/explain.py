@@ -1,0 +1,75 @@
+"""Plain-language findings drawn from a replay report's facts: what happened and what would have helped."""
+
+from __future__ import annotations
+
+import math
+
+from .report import Event, ReplayReport
+
+
+def describe(e: Event) -> str:
+    """``grad fc2.weight[3, 7] = inf`` (``exp_avg_sq of ...`` for optimizer state)."""
+    where = f"[{', '.join(map(str, e.index))}]" if e.index else ""
+    subject = f"{e.state_key} of {e.tensor}" if e.state_key else e.tensor
+    value = f" = {e.value}" if e.value else ""
+    head = e.stage if subject == e.stage else f"{e.stage} {subject}"
+    return f"{head}{where}{value}"
+
+
+_CAUSE = {
+    "batch": "the batch itself holds a non-finite value: a data defect, before any computation",
+    "forward": "the forward pass produced it from finite inputs (an overflow or an invalid operation in module {t})",
+    "loss": "every module output was finite but the loss computation produced it",
+    "grad": "the forward pass and the loss were finite; the backward pass overflowed",
+    "optimizer_grad": "the gradients were finite after backward; the step function made them non-finite before "
+                      "optimizer.step()",
+    "optimizer_state": "the gradients were finite, but the optimizer state overflowed (a squared gradient past the "
+                       "dtype's largest value, for instance)",
+    "param": "gradients and optimizer state were finite; the parameter update itself produced it",
+}
+
+
+def findings(r: ReplayReport) -> list[str]:
+    out: list[str] = []
+    o = r.origin
+    if o is None:
+        if r.verdict == "not_reproduced":
+            out.append(f"The logged loss was non-finite at step {r.logged_first_nonfinite_loss_step}, but the replay "
+                       "found no non-finite value: the failure did not reproduce here.")
+        else:
+            out.append("No non-finite value in any batch, activation, loss, gradient, optimizer state or parameter "
+                       f"over steps {r.setup.first_step}-{r.setup.last_step}.")
+    else:
+        out.append(f"Origin: step {o.step}, {describe(o)} ({o.dtype}): {_CAUSE[o.stage].format(t=o.tensor)}.")
+        shown = r.logged_first_nonfinite_loss_step
+        if shown is not None and shown != o.step:
+            logged = next((s.logged_loss for s in r.spread if s.step == o.step), None)
+            loss_text = f" ({logged:.6g})" if logged is not None and math.isfinite(logged) else ""
+            out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "
+                       f"The logged loss first shows NaN at step {shown}, {shown - o.step} step(s) later; "
+                       f"the batch to inspect is step {o.step}'s, not step {shown}'s.")
+        step_events = [e for e in r.events if e.step == o.step]
+        grad_inf = next((e for e in step_events if e.stage == "grad" and e.value in ("inf", "-inf")), None)
+        opt_grad = next((e for e in step_events if e.stage == "optimizer_grad"), None)
+        if grad_inf and opt_grad and opt_grad.value == "nan":
+            out.append(f"The step function turned the {grad_inf.value} gradient into NaN before optimizer.step(): "
+                       "gradient clipping cannot rescue an infinity (total norm = inf, clip factor = max_norm/inf = 0, "
+                       "inf*0 = NaN).")
+        elif grad_inf:
+            out.append("Gradient clipping would not have rescued this: the total norm is inf, the clip factor "
+                       "max_norm/inf is 0, and inf*0 = NaN.")
+    state = [e for e in r.events if e.stage == "optimizer_state"]
+    if state:
+        first = min(e.step for e in state)
+        keys = sorted({e.state_key or "" for e in state if e.step == first})
+        out.append(f"Optimizer state ({', '.join(keys)}) holds non-finite values from step {first}: the state is "
+                   "absorbing (beta*NaN stays NaN, no later gradient repairs it). Skipping the step after "
+                   "optimizer.step() has written it would not save the run: skip before the state is written "
+                   "(check the gradients first, as GradScaler does), or repair or reset the state.")
+    if r.fully_nonfinite_step is not None:
+        out.append(f"Every parameter is non-finite by step {r.fully_nonfinite_step}.")
+    if not r.reproduced:
+        out.append(f"Replayed losses differ from the logged ones from step {r.diverged_at_step}: the replay is not "
+                   "an exact copy of the run (non-deterministic kernels, another device or thread count, or a loop "
+                   "that draws random numbers between steps).")
+    return out

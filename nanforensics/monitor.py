@@ -1,0 +1,135 @@
+"""Per-step hooks that check every stage of a training step for non-finite values.
+
+Two modes. *Detect* (the default) computes ``aminmax`` per tensor on the device and syncs once
+per step: cheap enough to run on every replayed step. *Locate* checks each tensor the moment
+a hook sees it and, when one is bad, records its first coordinate and value before later code
+mutates it (gradient clipping turns inf into NaN in place). Replay runs a step in locate mode
+only after detect mode has flagged it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from . import finite
+from .report import STAGES, Event
+from .runs.batches import leaves
+
+_RANK = {s: i for i, s in enumerate(STAGES)}
+
+
+class StepMonitor:
+    """Hooks on one model and its optimizer; ``begin`` and ``end`` bracket each step."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.param_names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        self._handles: list[Any] = []
+        self.step = -1
+        self.locate = False
+        self._pending: list[tuple[str, str, str | None, torch.Tensor]] = []
+        self._events: dict[tuple[str, str | None], Event] = {}
+
+    # -- installation ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "StepMonitor":
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_hook(self._forward_hook(name or "<root>")))
+        for p, name in self.param_names.items():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
+        self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre_hook))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _forward_hook(self, name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            for i, t in enumerate(tree_leaves(output)):
+                self.check("forward", name if i == 0 else f"{name}[{i}]", t)
+        return hook
+
+    def _grad_hook(self, name: str) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            self.check("grad", name, p.grad)
+        return hook
+
+    def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for p in self._optimizer_params():
+            if p.grad is not None:
+                self.check("optimizer_grad", self._name(p), p.grad)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _name(self, p: torch.Tensor) -> str:
+        return self.param_names.get(p, f"param.{id(p):x}")
+
+    def begin(self, step: int, batch: Any, locate: bool) -> None:
+        self.step, self.locate = step, locate
+        self._pending.clear()
+        self._events = {}
+        for path, leaf in leaves(batch):
+            self.check("batch", path, leaf)
+
+    def end(self, loss: Any) -> list[Event]:
+        """Check loss, optimizer state and parameters; return this step's events in stage order.
+
+        In detect mode an event only names the stage and tensor; its index is empty.
+        """
+        if isinstance(loss, torch.Tensor):
+            self.check("loss", "loss", loss)
+        elif isinstance(loss, (int, float)) and not math.isfinite(loss):
+            self._add("loss", "loss", None, torch.tensor(float(loss)))
+        for p in self._optimizer_params():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                self.check("optimizer_state", self._name(p), value, state_key=key)
+        for p in self._optimizer_params():
+            self.check("param", self._name(p), p)
+        if self._pending:
+            flags = finite.verdicts([e for *_, e in self._pending])
+            for (stage, name, key, _), ok in zip(self._pending, flags):
+                if not ok:
+                    self._note(stage, name, key, index=[], value="", elements=0, dtype=None)
+            self._pending.clear()
+        return sorted(self._events.values(), key=lambda e: (_RANK[e.stage], e.state_key or ""))
+
+    def check(self, stage: str, name: str, t: Any, state_key: str | None = None) -> None:
+        if not finite.checkable(t):
+            return
+        if self.locate:
+            if not finite.is_finite(t):
+                self._add(stage, name, state_key, t)
+        else:
+            self._pending.append((stage, name, state_key, finite.extremes(t)))
+
+    def _add(self, stage: str, name: str, key: str | None, t: torch.Tensor) -> None:
+        where = finite.locate(t)
+        assert where is not None
+        self._note(stage, name, key, index=where.index, value=where.value,
+                   elements=finite.count_nonfinite(t), dtype=str(t.dtype).removeprefix("torch."))
+
+    def _note(self, stage: str, name: str, key: str | None, *, index: list[int], value: str, elements: int,
+              dtype: str | None) -> None:
+        event = self._events.get((stage, key))
+        if event is None:
+            self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype)
+        else:
+            event.tensors_nonfinite += 1
+            event.elements_nonfinite += elements
+
+
+def totals(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """Element counts of the parameters and of the optimizer's floating-point state."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = sum(v.numel() for p in params for v in optimizer.state.get(p, {}).values() if finite.checkable(v))
+    return sum(p.numel() for p in params), state

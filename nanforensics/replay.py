@@ -1,0 +1,227 @@
+"""Replay a recorded run with per-step checks and name the step, batch and coordinate where NaN began."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .errors import BadInput
+from .explain import findings
+from .monitor import StepMonitor, totals
+from .report import BatchRef, Event, ReplayReport, ReplaySetup, StepRecord
+from .runs.batches import data_leaves, map_tensors
+from .runs.checkpoint import Checkpoint, restore_rng
+from .runs.run import Run, UserCode
+from .runs.steplog import first_nonfinite
+from . import finite
+
+ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
+
+
+@dataclass
+class ReplayOptions:
+    from_step: int | None = None
+    device: str = "auto"
+    after: int = 1  # steps replayed after the whole model went non-finite
+    max_steps: int | None = None
+    code_paths: Sequence[Path] = ()
+    trust_run_dir: bool = False
+    loss_rtol: float | None = None  # None: exact on the recording device type, 1e-3 elsewhere
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise BadInput("--device", f"unknown device {name!r}; use auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput("--device", "cuda was asked for but this torch sees no CUDA device")
+    return torch.device(name)
+
+
+@contextmanager
+def _threads(n: int | None) -> Iterator[int]:
+    """Pin the recording's thread count: CPU reductions split work by thread count, and so round by it."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(int(n))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _start_checkpoint(run: Run, target: int | None) -> Checkpoint:
+    """The newest checkpoint at or before ``target`` whose parameters and state are all finite."""
+    checkpoints = run.checkpoints()
+    if not checkpoints:
+        raise BadInput(run.path / "checkpoints", "the run has no checkpoints")
+    candidates = [c for c in checkpoints if target is None or c.step <= target]
+    if not candidates:
+        raise BadInput(run.path / "checkpoints", f"no checkpoint at or before step {target} "
+                                                 f"(oldest is step {checkpoints[0].step})")
+    for c in reversed(candidates):
+        if _checkpoint_finite(c):
+            return c
+    raise BadInput(run.path / "checkpoints", f"every checkpoint up to step {candidates[-1].step} already holds "
+                                             "non-finite values: the origin lies before the oldest one kept "
+                                             "(run `nanforensics bisect` on the folder)")
+
+
+def _checkpoint_finite(c: Checkpoint) -> bool:
+    from .runs.files import TensorFile
+
+    for path in (c.model_file, c.optimizer_file):
+        f = TensorFile(path)
+        for _, t in f.items():
+            if finite.checkable(t) and not finite.is_finite(t):
+                return False
+    return True
+
+
+def _losses_match(logged: float, replayed: float, rtol: float) -> bool:
+    if math.isnan(logged) or math.isnan(replayed):
+        return math.isnan(logged) and math.isnan(replayed)
+    if math.isinf(logged) or math.isinf(replayed):
+        return logged == replayed
+    return abs(logged - replayed) <= rtol * abs(logged)
+
+
+def _loss_value(loss: Any, where: Path) -> float:
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach().float().item())
+    if isinstance(loss, (int, float)):
+        return float(loss)
+    raise BadInput(where, f"the step function returned {type(loss).__name__}, not a scalar loss")
+
+
+class _Replayer:
+    """Rebuilds the model at a checkpoint and runs the user's steps, monitored or plain."""
+
+    def __init__(self, run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> None:
+        self.run, self.code, self.checkpoint, self.device = run, code, checkpoint, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.model, self.optimizer, meta = self.code.build(self.run, self.checkpoint, self.device)
+        restore_rng(meta["rng"])
+        self.step = self.checkpoint.step
+
+    def run_step(self, monitor: StepMonitor | None, locate: bool) -> tuple[float, list[Event]]:
+        batch = map_tensors(self.run.batch(self.step), lambda t: t.to(self.device))
+        if monitor:
+            monitor.begin(self.step, batch, locate)
+        try:
+            loss = self.code.step_fn(self.model, self.optimizer, batch)
+        except BadInput:
+            raise
+        except Exception as e:
+            raise BadInput(self.run.path / "manifest.json", f"step function {self.run.manifest.step_fn} raised "
+                                                            f"{e.__class__.__name__} at step {self.step}: {e}") from None
+        value = _loss_value(loss, self.run.path / "manifest.json")
+        events = monitor.end(loss) if monitor else []
+        self.step += 1
+        return value, events
+
+
+def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
+               progress: ProgressFn | None = None) -> ReplayReport:
+    """Replay from the last clean checkpoint before the first non-finite logged loss (or ``from_step``)."""
+    opts = options or ReplayOptions()
+    run = Run(run_dir)
+    logged = {s.step: s.loss for s in run.steps}
+    if not logged:
+        raise BadInput(run.path / "steps.jsonl", "no steps were logged")
+    logged_first = first_nonfinite(run.steps)
+    device = resolve_device(opts.device)
+    code = UserCode.load(run, opts.code_paths, opts.trust_run_dir)
+    checkpoint = _start_checkpoint(run, opts.from_step if opts.from_step is not None else
+                                   (logged_first if logged_first is not None else run.steps[-1].step))
+    last = run.steps[-1].step
+    if opts.max_steps is not None:
+        last = min(last, checkpoint.step + opts.max_steps - 1)
+    rtol = opts.loss_rtol if opts.loss_rtol is not None else (
+        0.0 if device.type == str(run.manifest.raw.get("device", "cpu")).split(":")[0] else 1e-3)
+
+    with _threads(run.manifest.num_threads if device.type == "cpu" else None) as threads:
+        r = _Replayer(run, code, checkpoint, device)
+        params_total, state_total = totals(r.model, r.optimizer)
+        events: list[Event] = []
+        spread: list[StepRecord] = []
+        located_from: int | None = None
+        monitor = StepMonitor(r.model, r.optimizer)
+        monitor.__enter__()
+        try:
+            while r.step <= last:
+                step = r.step
+                locate = located_from is not None
+                loss, step_events = r.run_step(monitor, locate)
+                if step_events and not locate:
+                    # Detect mode flagged this step: rewind and re-run it in locate mode, so the
+                    # values are read before anything later in the step changes them.
+                    monitor.__exit__()
+                    r.reset()
+                    while r.step < step:
+                        r.run_step(None, False)
+                    monitor = StepMonitor(r.model, r.optimizer)
+                    monitor.__enter__()
+                    located_from = step
+                    continue
+                if progress:
+                    progress(step, checkpoint.step, last)
+                events += step_events
+                p_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "param")
+                s_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "optimizer_state")
+                state_total = max(state_total, totals(r.model, r.optimizer)[1])  # lazily created state
+                spread.append(StepRecord(step, logged.get(step), loss, p_bad, params_total, s_bad, state_total))
+                if located_from is not None and step >= _horizon(events, spread) + opts.after:
+                    break
+                if located_from is None and logged_first is not None and step >= logged_first + opts.after:
+                    break  # the logged NaN did not reproduce; no point replaying the rest
+        finally:
+            monitor.__exit__()
+
+    return _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol)
+
+
+def _horizon(events: list[Event], spread: list[StepRecord]) -> int:
+    """The step the chain is complete at: the whole model non-finite, else a step past the NaN loss."""
+    full = next((s.step for s in spread if s.params_nonfinite == s.params_total), None)
+    if full is not None:
+        return full
+    nan_loss = next((s.step for s in spread if not math.isfinite(s.replayed_loss)), events[0].step)
+    return max(nan_loss, events[0].step) + 1
+
+
+def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int, code: UserCode,
+            events: list[Event], spread: list[StepRecord], logged_first: int | None, rtol: float) -> ReplayReport:
+    origin = events[0] if events else None
+    diverged = next((s.step for s in spread if s.logged_loss is not None
+                     and not _losses_match(s.logged_loss, s.replayed_loss, rtol)), None)
+    replayed_first = next((s.step for s in spread if not math.isfinite(s.replayed_loss)), None)
+    full = next((s.step for s in spread if s.params_total and s.params_nonfinite == s.params_total), None)
+    if origin is not None:
+        verdict = "nonfinite"
+    elif logged_first is not None:
+        verdict = "not_reproduced"
+    else:
+        verdict = "clean"
+    batch_ref = None
+    if origin is not None:
+        path = run.batch_file(origin.step)
+        batch_ref = BatchRef(origin.step, str(path), dict(data_leaves(run.batch(origin.step))))
+    setup = ReplaySetup(str(run.path), checkpoint.step, spread[0].step if spread else checkpoint.step,
+                        spread[-1].step if spread else checkpoint.step, str(device), threads, code.imported)
+    report = ReplayReport(
+        verdict=verdict, responsible_step=origin.step if origin else None, responsible_batch=batch_ref,
+        first_nonfinite_loss_step=replayed_first, logged_first_nonfinite_loss_step=logged_first, origin=origin,
+        events=events, spread=spread, state_poisoned=any(e.stage == "optimizer_state" for e in events),
+        reproduced=diverged is None, diverged_at_step=diverged, fully_nonfinite_step=full, findings=[],
+        setup=setup)
+    report.findings = findings(report)
+    return report

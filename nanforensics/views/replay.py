@@ -1,0 +1,121 @@
+"""Two views of a ReplayReport: rich for the terminal, Markdown for CI summaries and issues."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from ..explain import describe
+from ..report import Event, ReplayReport, StepRecord
+
+_VERDICT = {
+    "nonfinite": ("bold white on red", "NON-FINITE"),
+    "clean": ("bold white on green", "CLEAN"),
+    "not_reproduced": ("bold black on yellow", "NOT REPRODUCED"),
+}
+
+
+def _loss(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.6g}" if math.isfinite(x) else str(x)
+
+
+def _leaf_text(value: Any) -> str:
+    if isinstance(value, list) and len(value) > 4:
+        return f"{value[0]} ... {value[-1]} ({len(value)})"
+    return str(value)
+
+
+def _spread_rows(r: ReplayReport) -> list[StepRecord]:
+    """From the step before the origin: the clean steps before it are all zeros."""
+    start = (r.responsible_step - 1) if r.responsible_step is not None else r.spread[-1].step - 2 if r.spread else 0
+    return [s for s in r.spread if s.step >= start]
+
+
+def _counts(e: Event) -> str:
+    if e.tensors_nonfinite <= 1 and e.elements_nonfinite <= 1:
+        return ""
+    return f"  ({e.elements_nonfinite:,} values in {e.tensors_nonfinite} tensor{'s' * (e.tensors_nonfinite > 1)})"
+
+
+def headline(r: ReplayReport) -> str:
+    if r.verdict == "nonfinite":
+        shown = r.logged_first_nonfinite_loss_step
+        tail = f"; logged loss first NaN at step {shown}" if shown is not None else "; logged losses all finite"
+        return f"responsible step {r.responsible_step}{tail}"
+    if r.verdict == "not_reproduced":
+        return f"logged loss NaN at step {r.logged_first_nonfinite_loss_step}, not reproduced by the replay"
+    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed, all finite"
+
+
+def render_terminal(r: ReplayReport, console: Console) -> None:
+    style, word = _VERDICT[r.verdict]
+    s = r.setup
+    title = Text.assemble((f" {word} ", style), "  ", (headline(r), "bold"))
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="dim")
+    facts.add_column()
+    facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
+                         f"{s.device}, {s.num_threads} threads)")
+    if r.responsible_batch:
+        b = r.responsible_batch
+        extra = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items())
+        facts.add_row("responsible batch", Text(f"step {b.step}  {b.file}" + (f"\n{extra}" if extra else "")))
+    if r.origin:
+        facts.add_row("origin", Text(f"step {r.origin.step}  {describe(r.origin)}  ({r.origin.dtype})", style="bold red"))
+    facts.add_row("reproduced", "yes: replayed losses equal the logged ones" if r.reproduced
+                  else f"no: losses diverge from step {r.diverged_at_step}")
+    parts: list[Any] = [facts]
+    if r.events:
+        chain = Tree("[bold]propagation chain")
+        for step in sorted({e.step for e in r.events}):
+            node = chain.add(f"[bold]step {step}")
+            for e in (e for e in r.events if e.step == step):
+                node.add(Text(describe(e) + _counts(e)))
+        parts += [Text(), chain]
+    rows = _spread_rows(r)
+    if rows:
+        table = Table(title="spread of non-finite values", title_justify="left", show_edge=False)
+        for col in ("step", "logged loss", "replayed loss", "parameters", "optimizer state"):
+            table.add_column(col, justify="right")
+        for x in rows:
+            mark = "bold red" if x.params_nonfinite or x.state_nonfinite else ""
+            table.add_row(str(x.step), _loss(x.logged_loss), _loss(x.replayed_loss),
+                          f"{x.params_nonfinite:,}/{x.params_total:,}", f"{x.state_nonfinite:,}/{x.state_total:,}",
+                          style=mark)
+        parts += [Text(), table]
+    if r.findings:
+        parts += [Text(), Text("\n".join(f"- {f}" for f in r.findings))]
+    console.print(Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
+
+
+def render_markdown(r: ReplayReport) -> str:
+    _, word = _VERDICT[r.verdict]
+    s = r.setup
+    out = [f"## nanforensics replay: {word.lower()} - {headline(r)}", "",
+           f"Run `{s.run}`, replayed from the checkpoint at step {s.from_checkpoint} over steps "
+           f"{s.first_step}-{s.last_step} on {s.device}.", ""]
+    if r.responsible_batch:
+        out.append(f"- **Responsible batch:** step {r.responsible_batch.step}, `{r.responsible_batch.file}`")
+    if r.origin:
+        out.append(f"- **Origin:** step {r.origin.step}, `{describe(r.origin)}` ({r.origin.dtype})")
+    out.append(f"- **Reproduced:** {'yes' if r.reproduced else f'no, diverges from step {r.diverged_at_step}'}")
+    if r.events:
+        out += ["", "### Propagation chain", ""]
+        out += [f"{i}. step {e.step}: `{describe(e)}`{_counts(e)}" for i, e in enumerate(r.events, 1)]
+    rows = _spread_rows(r)
+    if rows:
+        out += ["", "### Spread", "", "| step | logged loss | replayed loss | parameters | optimizer state |",
+                "|---:|---:|---:|---:|---:|"]
+        out += [f"| {x.step} | {_loss(x.logged_loss)} | {_loss(x.replayed_loss)} | "
+                f"{x.params_nonfinite}/{x.params_total} | {x.state_nonfinite}/{x.state_total} |" for x in rows]
+    if r.findings:
+        out += ["", "### Findings", ""] + [f"- {f}" for f in r.findings]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,44 @@
+"""Regenerate the shipped sample runs: python sample_runs/generate.py [--out DIR]
+
+Each run is a real training run of nanforensics.scenarios under the project's own recorder,
+deterministic on CPU (fixed seeds, thread count and timestamp: every tensor and JSON value
+comes out the same; safetensors may order its metadata keys differently), stopped a step
+after the first NaN loss as a job that aborts on NaN would be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from pathlib import Path
+
+import numpy
+import torch
+
+from nanforensics import scenarios
+
+SAMPLES = {
+    # name: (scenario, steps, defect step)
+    "seed_adam": ("adam_near_zero", 40, 27),
+    "clean": ("clean", 40, 27),
+    "sgd_momentum": ("sgd_near_zero", 40, 27),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    args = parser.parse_args()
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")  # 2025-12-02: fixed, so files are byte-identical
+    torch.set_num_threads(2)
+    random.seed(0)
+    numpy.random.seed(0)  # torch imports numpy when present; its RNG state is checkpointed too
+    for name, (scenario, steps, defect_step) in SAMPLES.items():
+        losses = scenarios.record(args.out / name, scenario, steps=steps, defect_step=defect_step,
+                                  checkpoint_every=10, stop_on_nan=True, overwrite=True)
+        print(f"{name}: {len(losses)} steps, last logged loss {losses[-1]:.4g}")
+
+
+if __name__ == "__main__":
+    main()

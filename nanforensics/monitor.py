@@ -33,6 +33,7 @@ class StepMonitor:
         self.locate = False
         self._pending: list[tuple[str, str, str | None, torch.Tensor]] = []
         self._events: dict[tuple[str, str | None], Event] = {}
+        self._grad_seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its grad, version) at backward
 
     # -- installation ---------------------------------------------------------------------------
 
@@ -58,13 +59,20 @@ class StepMonitor:
 
     def _grad_hook(self, name: str) -> Any:
         def hook(p: torch.Tensor) -> None:
+            self._grad_seen[p] = (p.grad, p.grad._version)
             self.check("grad", name, p.grad)
         return hook
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for p in self._optimizer_params():
-            if p.grad is not None:
-                self.check("optimizer_grad", self._name(p), p.grad)
+            if p.grad is None:
+                continue
+            # Detect mode skips a gradient nothing touched since backward (same tensor, same version
+            # counter): the grad stage already checked those values. Clipping or unscaling bumps the version.
+            seen = self._grad_seen.get(p)
+            if not self.locate and seen is not None and seen[0] is p.grad and seen[1] == p.grad._version:
+                continue
+            self.check("optimizer_grad", self._name(p), p.grad)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -77,6 +85,7 @@ class StepMonitor:
     def begin(self, step: int, batch: Any, locate: bool) -> None:
         self.step, self.locate = step, locate
         self._pending.clear()
+        self._grad_seen.clear()
         self._events = {}
         for path, leaf in leaves(batch):
             self.check("batch", path, leaf)

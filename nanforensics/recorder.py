@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import json
 import os
+import queue
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +20,65 @@ from .runs.files import write_bytes_atomic, write_json_atomic
 from .runs.imports import import_string_of
 from .runs.run import MANIFEST, RUN_FORMAT, STEPS, batch_path
 from .runs.steplog import step_line
+
+
+class _StepWriter:
+    """Writes batches and step lines on a background thread, so the training loop does not wait on the disk.
+
+    The queue is bounded (back-pressure instead of unbounded memory); a write error is raised in the
+    training loop at the next ``put``, ``drain`` or ``close`` rather than batches being dropped silently.
+    """
+
+    def __init__(self, run_dir: Path, depth: int = 8) -> None:
+        self.run_dir = run_dir
+        self._steps = open(run_dir / STEPS, "a", encoding="utf-8")
+        self._queue: queue.Queue[tuple[int, bytes, str] | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="nanforensics-recorder", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # a loop that forgets close() still gets its last steps written
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    step, data, line = item
+                    # The batch is on disk before the line that announces it: a reader never meets a step without one.
+                    write_bytes_atomic(batch_path(self.run_dir, step), data, durable=False)
+                    self._steps.write(line)
+                    self._steps.flush()
+            except BaseException as e:  # noqa: BLE001 - handed to the training loop
+                self._error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise OSError(f"nanforensics recorder could not write to {self.run_dir}: {self._error}") from self._error
+
+    def put(self, step: int, data: bytes, line: str) -> None:
+        if self._steps.closed:
+            raise RuntimeError("Recorder.log called after close()")
+        self._raise()
+        self._queue.put((step, data, line))
+
+    def drain(self) -> None:
+        """Everything queued is written and the step log is on stable storage."""
+        self._queue.join()
+        self._raise()
+        os.fsync(self._steps.fileno())
+
+    def close(self) -> None:
+        if self._steps.closed:
+            return
+        try:
+            self.drain()
+        finally:
+            self._queue.put(None)
+            self._thread.join()
+            self._steps.close()
+            atexit.unregister(self.close)
 
 
 def _created() -> _dt.datetime:
@@ -83,26 +145,21 @@ class Recorder:
             raise TypeError("model_kwargs must be JSON data (numbers, strings, lists, dicts)") from None
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / MANIFEST, manifest)
-        self._steps = open(self.path / STEPS, "a", encoding="utf-8")
+        self._writer = _StepWriter(self.path)
         self._checkpoint(start_step)
 
     def log(self, step: int, batch: Any, loss: float | torch.Tensor) -> None:
         """Call once per step, after the user's step function, with the batch it was given."""
-        if self._steps.closed:
-            raise RuntimeError("Recorder.log called after close()")
         if step != self._next_step:
             raise ValueError(f"Recorder.log got step {step}, expected {self._next_step}: log every step, in order")
         value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
-        # The batch is on disk before the step line that announces it, so a reader never meets a step without one.
-        write_bytes_atomic(batch_path(self.path, step), batch_bytes(step, batch), durable=False)
-        self._steps.write(step_line(step, value))
-        self._steps.flush()
+        self._writer.put(step, batch_bytes(step, batch), step_line(step, value))  # bytes: a snapshot of the batch
         self._next_step = step + 1
         if (self._next_step - self.start_step) % self.checkpoint_every == 0:
             self._checkpoint(self._next_step)
 
     def _checkpoint(self, step: int) -> None:
-        os.fsync(self._steps.fileno())
+        self._writer.drain()
         save_checkpoint(self.path / "checkpoints", step, self.model, self.optimizer)
         self._checkpoints.append(step)
         if self.keep_checkpoints is not None and len(self._checkpoints) > self.keep_checkpoints:
@@ -113,10 +170,8 @@ class Recorder:
                 batch_path(self.path, old_step).unlink(missing_ok=True)
 
     def close(self) -> None:
-        if not self._steps.closed:
-            self._steps.flush()
-            os.fsync(self._steps.fileno())
-            self._steps.close()
+        """Wait for every logged step to reach the disk; re-raises a write error from the background."""
+        self._writer.close()
 
     def __enter__(self) -> "Recorder":
         return self

@@ -41,13 +41,20 @@ class ExpLink(nn.Module):
         return torch.exp(x)
 
 
+class SquaredReLU(nn.Module):
+    """relu(x)**2, the activation of Primer: squares magnitudes, so overflow comes twice as fast."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) ** 2
+
+
 class Regressor(nn.Module):
     def __init__(self, n_features: int = N_FEATURES, hidden: int = 32, log_features: bool = True,
                  poisson: bool = False, act: str = "tanh") -> None:
         super().__init__()
         self.features: nn.Module = LogFeatures(n_features) if log_features else nn.Identity()
         self.fc1 = nn.Linear(n_features, hidden)
-        self.act = {"tanh": nn.Tanh, "relu": nn.ReLU}[act]()
+        self.act = {"tanh": nn.Tanh, "relu": nn.ReLU, "relu2": SquaredReLU}[act]()
         self.fc2 = nn.Linear(hidden, hidden)
         self.head = nn.Linear(hidden, 1)
         self.link: nn.Module = ExpLink() if poisson else nn.Identity()
@@ -101,8 +108,10 @@ def make_batch(step: int, seed: int = 0, defect: str | None = None, batch_size: 
         x[s, f] = 1e13
     elif defect == "nan":          # a missing value stored as NaN
         x[s, f] = math.nan
-    elif defect == "huge":         # an unscaled raw count
-        x[s, f] = 1e4
+    elif defect == "huge":         # one sample left in raw units, 10^4 times the others
+        x[s] *= 1e4
+    elif defect == "nano":         # one sample never converted from nano-units
+        x[s] *= 1e10
     elif defect is not None:
         raise ValueError(f"unknown defect {defect!r}")
     ids = [f"s{step:05d}-{i:02d}" for i in range(batch_size)]
@@ -137,8 +146,9 @@ SCENARIOS: dict[str, Scenario] = {
     "adam_state_overflow": Scenario({"log_features": False, "act": "relu"}, _adam, train_step, "spike",
                                     "optimizer_state"),
     "nan_in_data": Scenario({}, _adam, train_step, "nan", "batch"),
-    "poisson_overflow": Scenario({"log_features": False, "poisson": True, "act": "relu"}, _adam, train_step_poisson, "huge",
-                                 "forward"),
+    "squared_relu_overflow": Scenario({"log_features": False, "act": "relu2"}, _adam, train_step, "nano", "forward"),
+    "poisson_log_zero": Scenario({"log_features": False, "poisson": True, "act": "relu"}, _adam, train_step_poisson,
+                                 "huge", "loss"),
 }
 
 

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny real runs recorded by the project's own recorder, and the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nanforensics import scenarios
+
+DEFECT_STEP = 17
+STEPS = 24
+
+
+def cli_command() -> list[str]:
+    """The installed console script when there is one (the real entry point), else ``python -m``."""
+    script = Path(sys.executable).parent / "nanforensics"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "nanforensics"]
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+def run_cli(*args: str | Path, cwd: Path | None = None) -> Result:
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
+    env.pop("NANFORENSICS_DEBUG", None)
+    p = subprocess.run([*cli_command(), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd,
+                       timeout=300)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under root with its content hash and mode: equal digests mean an untouched folder."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest() + oct(p.stat().st_mode)
+    return out
+
+
+def assert_one_line_error(result: Result, *needles: str) -> None:
+    assert result.code == 2, (result.code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One recorded run per scenario, the defect at step 17, checkpoints every 10 steps."""
+    root = tmp_path_factory.mktemp("runs")
+    return {name: _record(root / name, name) for name in scenarios.SCENARIOS}
+
+
+def _record(path: Path, name: str) -> Path:
+    scenarios.record(path, name, steps=STEPS, defect_step=DEFECT_STEP, checkpoint_every=10)
+    return path
+
+
+@pytest.fixture
+def copy_run(tmp_path: Path, runs: dict[str, Path]):
+    """A private copy of a recorded run, for tests that damage it."""
+    def make(name: str) -> Path:
+        dest = tmp_path / name
+        shutil.copytree(runs[name], dest)
+        return dest
+    return make

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from . import finite
 from .errors import BadInput
 from .explain import findings
 from .monitor import StepMonitor, totals
 from .report import BatchRef, Event, ReplayReport, ReplaySetup, StepRecord
-from .runs.batches import data_leaves, map_tensors
-from .runs.checkpoint import Checkpoint, restore_rng
+from .runs.batches import data_leaves
+from .runs.checkpoint import Checkpoint
+from .runs.files import TensorFile
 from .runs.run import Run, UserCode
 from .runs.steplog import first_nonfinite
-from . import finite
+from .session import Session, pinned_threads, resolve_device
 
 ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
 
@@ -32,28 +33,6 @@ class ReplayOptions:
     code_paths: Sequence[Path] = ()
     trust_run_dir: bool = False
     loss_rtol: float | None = None  # None: exact on the recording device type, 1e-3 elsewhere
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise BadInput("--device", f"unknown device {name!r}; use auto, cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput("--device", "cuda was asked for but this torch sees no CUDA device")
-    return torch.device(name)
-
-
-@contextmanager
-def _threads(n: int | None) -> Iterator[int]:
-    """Pin the recording's thread count: CPU reductions split work by thread count, and so round by it."""
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(int(n))
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
 
 
 def _start_checkpoint(run: Run, target: int | None) -> Checkpoint:
@@ -74,8 +53,6 @@ def _start_checkpoint(run: Run, target: int | None) -> Checkpoint:
 
 
 def _checkpoint_finite(c: Checkpoint) -> bool:
-    from .runs.files import TensorFile
-
     for path in (c.model_file, c.optimizer_file):
         f = TensorFile(path)
         for _, t in f.items():
@@ -90,43 +67,6 @@ def _losses_match(logged: float, replayed: float, rtol: float) -> bool:
     if math.isinf(logged) or math.isinf(replayed):
         return logged == replayed
     return abs(logged - replayed) <= rtol * abs(logged)
-
-
-def _loss_value(loss: Any, where: Path) -> float:
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return float(loss.detach().float().item())
-    if isinstance(loss, (int, float)):
-        return float(loss)
-    raise BadInput(where, f"the step function returned {type(loss).__name__}, not a scalar loss")
-
-
-class _Replayer:
-    """Rebuilds the model at a checkpoint and runs the user's steps, monitored or plain."""
-
-    def __init__(self, run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> None:
-        self.run, self.code, self.checkpoint, self.device = run, code, checkpoint, device
-        self.reset()
-
-    def reset(self) -> None:
-        self.model, self.optimizer, meta = self.code.build(self.run, self.checkpoint, self.device)
-        restore_rng(meta["rng"])
-        self.step = self.checkpoint.step
-
-    def run_step(self, monitor: StepMonitor | None, locate: bool) -> tuple[float, list[Event]]:
-        batch = map_tensors(self.run.batch(self.step), lambda t: t.to(self.device))
-        if monitor:
-            monitor.begin(self.step, batch, locate)
-        try:
-            loss = self.code.step_fn(self.model, self.optimizer, batch)
-        except BadInput:
-            raise
-        except Exception as e:
-            raise BadInput(self.run.path / "manifest.json", f"step function {self.run.manifest.step_fn} raised "
-                                                            f"{e.__class__.__name__} at step {self.step}: {e}") from None
-        value = _loss_value(loss, self.run.path / "manifest.json")
-        events = monitor.end(loss) if monitor else []
-        self.step += 1
-        return value, events
 
 
 def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
@@ -148,8 +88,8 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
         0.0 if device.type == str(run.manifest.raw.get("device", "cpu")).split(":")[0] else 1e-3)
 
-    with _threads(run.manifest.num_threads if device.type == "cpu" else None) as threads:
-        r = _Replayer(run, code, checkpoint, device)
+    with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None) as threads:
+        r = Session(run, code, checkpoint, device)
         params_total, state_total = totals(r.model, r.optimizer)
         events: list[Event] = []
         spread: list[StepRecord] = []
@@ -166,8 +106,7 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                     # values are read before anything later in the step changes them.
                     monitor.__exit__()
                     r.reset()
-                    while r.step < step:
-                        r.run_step(None, False)
+                    r.advance_to(step)
                     monitor = StepMonitor(r.model, r.optimizer)
                     monitor.__enter__()
                     located_from = step

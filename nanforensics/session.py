@@ -1,0 +1,90 @@
+"""A run's model and optimizer rebuilt at a checkpoint, stepping through the logged batches with the
+user's own step function. Replay, what-if replays and root-cause passes all drive one of these."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .errors import BadInput
+from .monitor import StepMonitor
+from .report import Event
+from .runs.batches import map_tensors
+from .runs.checkpoint import Checkpoint, restore_rng
+from .runs.run import Run, UserCode
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise BadInput("--device", f"unknown device {name!r}; use auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput("--device", "cuda was asked for but this torch sees no CUDA device")
+    return torch.device(name)
+
+
+@contextmanager
+def pinned_threads(n: int | None) -> Iterator[int]:
+    """Pin the recording's thread count: CPU reductions split work by thread count, and so round by it."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(int(n))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _loss_value(loss: Any, where: Path) -> float:
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach().float().item())
+    if isinstance(loss, (int, float)):
+        return float(loss)
+    raise BadInput(where, f"the step function returned {type(loss).__name__}, not a scalar loss")
+
+
+class Session:
+    """Rebuilds the model at a checkpoint and runs the user's steps from there, monitored or plain."""
+
+    def __init__(self, run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> None:
+        self.run, self.code, self.checkpoint, self.device = run, code, checkpoint, device
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the checkpoint: fresh model and optimizer, its RNG states restored."""
+        self.model, self.optimizer, meta = self.code.build(self.run, self.checkpoint, self.device)
+        restore_rng(meta["rng"])
+        self.step = self.checkpoint.step
+
+    def batch(self, step: int) -> Any:
+        return map_tensors(self.run.batch(step), lambda t: t.to(self.device))
+
+    def call_step(self, batch: Any) -> Any:
+        """The user's step function on one batch; what it raises becomes a one-line error."""
+        try:
+            return self.code.step_fn(self.model, self.optimizer, batch)
+        except BadInput:
+            raise
+        except Exception as e:
+            raise BadInput(self.run.path / "manifest.json", f"step function {self.run.manifest.step_fn} raised "
+                                                            f"{e.__class__.__name__} at step {self.step}: {e}") from None
+
+    def run_step(self, monitor: StepMonitor | None = None, locate: bool = False) -> tuple[float, list[Event]]:
+        """Run the next logged step; returns its loss and, with a monitor, its events."""
+        batch = self.batch(self.step)
+        if monitor:
+            monitor.begin(self.step, batch, locate)
+        loss = self.call_step(batch)
+        value = _loss_value(loss, self.run.path / "manifest.json")
+        events = monitor.end(loss) if monitor else []
+        self.step += 1
+        return value, events
+
+    def advance_to(self, step: int) -> None:
+        """Plain steps up to (not including) ``step``."""
+        while self.step < step:
+            self.run_step()

@@ -55,6 +55,71 @@ class StepRecord:
 
 
 @dataclass
+class DataDefect:
+    """A value in a logged batch that is non-finite, beyond the magnitude limit, or subnormal."""
+
+    step: int
+    file: str
+    tensor: str          # batch leaf path, e.g. batch['x']
+    kind: str            # "nonfinite" | "extreme" | "subnormal"
+    count: int
+    index: list[int]     # first such coordinate: [sample, feature, ...]
+    value: str
+
+
+@dataclass
+class OpSite:
+    """Where an aten operation ran: phase, module path, the user's source line."""
+
+    op: str                       # e.g. "aten::div.Tensor"
+    phase: str                    # "forward" | "backward" | "optimizer"
+    module: str | None            # module path the op ran under ("<root>" for the model, None outside it)
+    source: str | None            # "file.py:line in function" of the user's code
+    input_dtypes: list[str]
+    input_ranges: list[list[str]]  # [min, max] of each floating input, as strings ("inf", "2.8e-45", ...)
+    output_dtypes: list[str]
+
+
+@dataclass
+class OperationCulprit:
+    """The first operation of the responsible step whose output is non-finite while its inputs were finite."""
+
+    site: OpSite
+    output_value: str             # "nan" | "inf" | "-inf"
+    output_index: list[int]
+    autograd_node: str | None = None   # for a backward op, e.g. "LogBackward0"
+    forward: OpSite | None = None      # for a backward op, the forward operation it differentiates
+    note: str | None = None
+
+
+@dataclass
+class SampleAttribution:
+    """Which samples of the responsible batch reproduce the non-finite gradient on their own."""
+
+    status: str                   # "attributed" | "coupled" | "batch_wide" | "not_reproduced" | "opted_out" | "unsplittable"
+    batch_size: int | None
+    samples: list[int]            # positions in the batch
+    sample_leaves: dict[str, list[Any]]  # logged non-tensor leaves (ids) of those samples
+    passes: int                   # forward/backward passes spent
+    coupled_groups: list[list[int]]
+    message: str
+
+
+@dataclass
+class Precursor:
+    """Per-step magnitudes that show a drift towards overflow before the event."""
+
+    step: int
+    grad_norm: float | None
+    grad_max_abs: float | None
+    update_max_abs: float | None
+    state_max_abs: dict[str, float]   # per optimizer-state key (exp_avg_sq: Adam's v), over all parameters
+    activation_max_abs: float | None
+    activation_dtype: str | None
+    activation_headroom: float | None  # max |activation| / the dtype's largest finite value
+
+
+@dataclass
 class ReplaySetup:
     run: str
     from_checkpoint: int
@@ -81,6 +146,10 @@ class ReplayReport:
     fully_nonfinite_step: int | None
     findings: list[str]
     setup: ReplaySetup
+    data_defects: list[DataDefect] = field(default_factory=list)
+    operation: OperationCulprit | None = None
+    samples: SampleAttribution | None = None
+    precursors: list[Precursor] = field(default_factory=list)
     schema: str = field(default=REPLAY_SCHEMA)
 
 

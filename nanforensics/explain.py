@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .report import Event, ReplayReport
+from .report import Event, OpSite, ReplayReport
 
 
 def describe(e: Event) -> str:
@@ -14,6 +14,35 @@ def describe(e: Event) -> str:
     value = f" = {e.value}" if e.value else ""
     head = e.stage if subject == e.stage else f"{e.stage} {subject}"
     return f"{head}{where}{value}"
+
+
+def describe_site(op: OpSite) -> str:
+    where = f" in module `{op.module}`" if op.module else " outside any module"
+    return f"{op.op}{where}" + (f" ({op.source})" if op.source else "")
+
+
+def _root_cause(r: ReplayReport) -> list[str]:
+    out = []
+    for d in r.data_defects:
+        if r.responsible_step is None or d.step == r.responsible_step:
+            kind = {"nonfinite": "a non-finite", "extreme": "an extreme", "subnormal": "a subnormal"}[d.kind]
+            out.append(f"Data: the batch of step {d.step} holds {kind} value, {d.tensor}"
+                       f"[{', '.join(map(str, d.index))}] = {d.value} ({d.count} such in {d.file}).")
+    op = r.operation
+    if op is not None:
+        ranges = ", ".join(f"[{lo}, {hi}]" for lo, hi in op.site.input_ranges)
+        if op.site.phase == "backward" and op.forward is not None:
+            fwd_ranges = ", ".join(f"[{lo}, {hi}]" for lo, hi in op.forward.input_ranges)
+            out.append(f"Operation: {op.site.op} in the backward of {describe_site(op.forward)}, autograd node "
+                       f"{op.autograd_node}, produced {op.output_value} at [{', '.join(map(str, op.output_index))}] "
+                       f"from finite inputs {ranges}; the forward op's inputs ranged over {fwd_ranges}.")
+        else:
+            out.append(f"Operation: {op.site.phase} {describe_site(op.site)} produced {op.output_value} at "
+                       f"[{', '.join(map(str, op.output_index))}] from finite inputs {ranges}.")
+    if r.samples is not None:
+        ids = "; ".join(f"{k} = {v}" for k, v in r.samples.sample_leaves.items())
+        out.append(f"Samples: {r.samples.message}" + (f" ({ids})" if ids else "") + ".")
+    return out
 
 
 _CAUSE = {
@@ -48,6 +77,7 @@ def findings(r: ReplayReport) -> list[str]:
             out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "
                        f"The logged loss first shows NaN at step {shown}, {shown - o.step} step(s) later; "
                        f"the batch to inspect is step {o.step}'s, not step {shown}'s.")
+        out += _root_cause(r)
         step_events = [e for e in r.events if e.step == o.step]
         grad_inf = next((e for e in step_events if e.stage == "grad" and e.value in ("inf", "-inf")), None)
         opt_grad = next((e for e in step_events if e.stage == "optimizer_grad"), None)

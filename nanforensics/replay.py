@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -10,15 +11,20 @@ from typing import Callable, Sequence
 import torch
 
 from . import finite
+from .datacheck import DEFAULT_MAX_ABS, check_batches
 from .errors import BadInput
 from .explain import findings
 from .monitor import StepMonitor, totals
-from .report import BatchRef, Event, ReplayReport, ReplaySetup, StepRecord
+from .ops import trace_step
+from .precursors import PrecursorProbe
+from .report import (BatchRef, Event, OperationCulprit, Precursor, ReplayReport, ReplaySetup, SampleAttribution,
+                     StepRecord)
 from .runs.batches import data_leaves
 from .runs.checkpoint import Checkpoint
 from .runs.files import TensorFile
 from .runs.run import Run, UserCode
 from .runs.steplog import first_nonfinite
+from .samples import attribute_samples
 from .session import Session, pinned_threads, resolve_device
 
 ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
@@ -33,6 +39,8 @@ class ReplayOptions:
     code_paths: Sequence[Path] = ()
     trust_run_dir: bool = False
     loss_rtol: float | None = None  # None: exact on the recording device type, 1e-3 elsewhere
+    explain: bool = True  # operation and sample attribution for the responsible step
+    data_max_abs: float = DEFAULT_MAX_ABS  # batch values beyond this magnitude are reported as data defects
 
 
 def _start_checkpoint(run: Run, target: int | None) -> Checkpoint:
@@ -88,27 +96,37 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
         0.0 if device.type == str(run.manifest.raw.get("device", "cpu")).split(":")[0] else 1e-3)
 
+    data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs)
+
     with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None) as threads:
         r = Session(run, code, checkpoint, device)
         params_total, state_total = totals(r.model, r.optimizer)
         events: list[Event] = []
         spread: list[StepRecord] = []
+        precursors: list[Precursor] = []
         located_from: int | None = None
-        monitor = StepMonitor(r.model, r.optimizer)
-        monitor.__enter__()
+        hooks = ExitStack()
+        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
+        probe: PrecursorProbe | None = None
         try:
             while r.step <= last:
                 step = r.step
-                locate = located_from is not None
-                loss, step_events = r.run_step(monitor, locate)
-                if step_events and not locate:
-                    # Detect mode flagged this step: rewind and re-run it in locate mode, so the
-                    # values are read before anything later in the step changes them.
-                    monitor.__exit__()
+                loss, step_events = r.run_step(monitor, located_from is not None)
+                if probe is not None:
+                    precursors.append(probe.take(step))
+                if step_events and located_from is None:
+                    # Detect mode flagged this step: rewind and re-run it in locate mode, so the values
+                    # are read before anything later in the step changes them. The steps up to it are
+                    # re-run with the precursor probe, which detection is too cheap to carry.
+                    hooks.close()
                     r.reset()
-                    r.advance_to(step)
-                    monitor = StepMonitor(r.model, r.optimizer)
-                    monitor.__enter__()
+                    with PrecursorProbe(r.model, r.optimizer) as warmup:
+                        while r.step < step:
+                            r.run_step()
+                            precursors.append(warmup.take(r.step - 1))
+                    hooks = ExitStack()
+                    monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
+                    probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
                     located_from = step
                     continue
                 if progress:
@@ -123,9 +141,23 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                 if located_from is None and logged_first is not None and step >= logged_first + opts.after:
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
-            monitor.__exit__()
+            hooks.close()
+        operation, samples = _explain(r, events[0].step) if events and opts.explain else (None, None)
 
-    return _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol)
+    report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol)
+    report.data_defects, report.precursors, report.operation, report.samples = (
+        data_defects, precursors, operation, samples)
+    report.findings = findings(report)
+    return report
+
+
+def _explain(session: Session, step: int) -> tuple[OperationCulprit | None, SampleAttribution]:
+    """Root cause inside the responsible step: which samples (group testing), then which operation."""
+    session.reset()
+    session.advance_to(step)
+    samples = attribute_samples(session)
+    operation = trace_step(session.model, session.optimizer, session.run_step)
+    return operation, samples
 
 
 def _horizon(events: list[Event], spread: list[StepRecord]) -> int:
@@ -162,5 +194,4 @@ def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int
         events=events, spread=spread, state_poisoned=any(e.stage == "optimizer_state" for e in events),
         reproduced=diverged is None, diverged_at_step=diverged, fully_nonfinite_step=full, findings=[],
         setup=setup)
-    report.findings = findings(report)
     return report

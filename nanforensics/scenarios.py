@@ -26,12 +26,16 @@ DEFECT_SAMPLE, DEFECT_FEATURE = 5, 3
 
 
 class LogFeatures(nn.Module):
-    def __init__(self, n_features: int) -> None:
+    def __init__(self, n_features: int, masked: bool = False) -> None:
         super().__init__()
         self.gain = nn.Parameter(torch.zeros(n_features))
+        self.masked = masked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log(F.softplus(self.gain) * x)
+        u = F.softplus(self.gain) * x
+        if self.masked:  # zero readings mean "absent": the classic masked branch, whose gradient is still 0/0
+            return torch.where(u > 0, torch.log(u), torch.zeros_like(u))
+        return torch.log(u)
 
 
 class ExpLink(nn.Module):
@@ -50,17 +54,18 @@ class SquaredReLU(nn.Module):
 
 class Regressor(nn.Module):
     def __init__(self, n_features: int = N_FEATURES, hidden: int = 32, log_features: bool = True,
-                 poisson: bool = False, act: str = "tanh") -> None:
+                 poisson: bool = False, act: str = "tanh", masked_log: bool = False, batchnorm: bool = False) -> None:
         super().__init__()
-        self.features: nn.Module = LogFeatures(n_features) if log_features else nn.Identity()
+        self.features: nn.Module = LogFeatures(n_features, masked_log) if log_features else nn.Identity()
         self.fc1 = nn.Linear(n_features, hidden)
+        self.norm: nn.Module = nn.BatchNorm1d(hidden) if batchnorm else nn.Identity()
         self.act = {"tanh": nn.Tanh, "relu": nn.ReLU, "relu2": SquaredReLU}[act]()
         self.fc2 = nn.Linear(hidden, hidden)
         self.head = nn.Linear(hidden, 1)
         self.link: nn.Module = ExpLink() if poisson else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.fc1(self.features(x)))
+        h = self.act(self.norm(self.fc1(self.features(x))))
         return self.link(self.head(self.act(self.fc2(h))))
 
 
@@ -95,6 +100,26 @@ def train_step_poisson(model: nn.Module, optimizer: torch.optim.Optimizer, batch
     return loss
 
 
+def train_step_logcosh(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """The log-cosh loss written naively: cosh overflows past |error| = 89, in the loss, outside any module."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = torch.log(torch.cosh(model(batch["x"]) - batch["y"])).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def train_step_fp16(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """Forward under fp16 autocast without a GradScaler: activations past 65504 are inf."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(batch["x"].device.type, dtype=torch.float16):
+        pred = model(batch["x"])
+    loss = F.mse_loss(pred.float(), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def make_batch(step: int, seed: int = 0, defect: str | None = None, batch_size: int = BATCH,
                n_features: int = N_FEATURES) -> dict[str, Any]:
     """A deterministic batch of positive readings; ``defect`` spoils one sample the way real data does."""
@@ -112,6 +137,12 @@ def make_batch(step: int, seed: int = 0, defect: str | None = None, batch_size: 
         x[s] *= 1e4
     elif defect == "nano":         # one sample never converted from nano-units
         x[s] *= 1e10
+    elif defect == "zero":         # an absent reading stored as 0
+        x[s, f] = 0.0
+    elif defect == "raw":          # one sample left in raw units, 10^5 times the others
+        x[s] *= 1e5
+    elif defect == "hundred":      # one sample in centi-units, 100 times the others
+        x[s] *= 100
     elif defect is not None:
         raise ValueError(f"unknown defect {defect!r}")
     ids = [f"s{step:05d}-{i:02d}" for i in range(batch_size)]
@@ -147,6 +178,11 @@ SCENARIOS: dict[str, Scenario] = {
                                     "optimizer_state"),
     "nan_in_data": Scenario({}, _adam, train_step, "nan", "batch"),
     "squared_relu_overflow": Scenario({"log_features": False, "act": "relu2"}, _adam, train_step, "nano", "forward"),
+    "masked_log_zero": Scenario({"masked_log": True}, _adam, train_step, "zero", "grad"),
+    "logcosh_overflow": Scenario({"log_features": False, "act": "relu"}, _adam, train_step_logcosh, "raw", "loss"),
+    "fp16_activation_overflow": Scenario({"log_features": False, "act": "relu2"}, _adam, train_step_fp16, "hundred",
+                                         "forward"),
+    "batchnorm_near_zero": Scenario({"batchnorm": True}, _adam, train_step, "near_zero", "grad"),
     "poisson_log_zero": Scenario({"log_features": False, "poisson": True, "act": "relu"}, _adam, train_step_poisson,
                                  "huge", "loss"),
 }

@@ -3,6 +3,7 @@ user's own step function. Replay, what-if replays and root-cause passes all driv
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,7 +14,7 @@ from .errors import BadInput
 from .monitor import StepMonitor
 from .report import Event
 from .runs.batches import map_tensors
-from .runs.checkpoint import Checkpoint, restore_rng
+from .runs.checkpoint import Checkpoint, restore_rng, rng_state
 from .runs.run import Run, UserCode
 
 
@@ -83,6 +84,18 @@ class Session:
         events = monitor.end(loss) if monitor else []
         self.step += 1
         return value, events
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state before the next step, in memory: restoring it is cheaper than replaying from the checkpoint."""
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        self.model.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+        self.optimizer.zero_grad(set_to_none=True)
+        restore_rng(snapshot["rng"])
+        self.step = snapshot["step"]
 
     def advance_to(self, step: int) -> None:
         """Plain steps up to (not including) ``step``."""

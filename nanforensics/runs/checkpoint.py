@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import base64
+import math
 import random
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..errors import BadInput
 from .files import TensorFile, load_json, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic, write_json_atomic
+from .steplog import decode_float, encode_float
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
+EXTRAS_FILE = "extras.safetensors"  # tensors of the scaler's and scheduler's state, when they hold any
 
 
 def checkpoint_name(step: int) -> str:
@@ -29,7 +32,7 @@ def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return [by_id.get(id(p), f"param.{i}") for i, p in enumerate(params)]
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
     state: dict[str, Any] = {"torch": b64(torch.get_rng_state()), "cuda": [], "numpy": None}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -64,8 +67,42 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Path:
-    """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact."""
+def state_to_json(state: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+    """A scaler's or scheduler's ``state_dict()`` as plain JSON, without pickle: a tensor is moved to ``tensors``
+    and referenced as ``{"$tensor": key}``; inf and nan, which JSON lacks, become ``{"$float": "inf"}``."""
+    if isinstance(state, torch.Tensor):
+        tensors[path] = state
+        return {"$tensor": path}
+    if isinstance(state, float) and not math.isfinite(state):
+        return {"$float": encode_float(state)}
+    if isinstance(state, dict):
+        if not all(isinstance(k, str) for k in state):
+            raise TypeError(f"{path}: state_dict keys must be strings to be recorded")
+        return {k: state_to_json(v, tensors, f"{path}.{k}") for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [state_to_json(v, tensors, f"{path}.{i}") for i, v in enumerate(state)]
+    return state
+
+
+def state_from_json(value: Any, tensors: Callable[[], TensorFile]) -> Any:
+    """The inverse of ``state_to_json``; ``tensors`` opens the extras file, only when a tensor is referenced."""
+    if isinstance(value, dict):
+        if value.keys() == {"$tensor"}:
+            return tensors().get(value["$tensor"])
+        if value.keys() == {"$float"}:
+            return decode_float(value["$float"])
+        return {k: state_from_json(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [state_from_json(v, tensors) for v in value]
+    return value
+
+
+def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                    scaler: Any = None, scheduler: Any = None) -> Path:
+    """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact.
+
+    A GradScaler's and an LR scheduler's state, when given, go to meta.json under ``scaler`` and ``scheduler``.
+    """
     names = param_names(model, optimizer)
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -79,13 +116,19 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     groups = [{**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
               for g in sd["param_groups"]]
     meta = {"format": CHECKPOINT_FORMAT, "step": step, "param_names": names, "param_groups": groups,
-            "state_scalars": scalars, "rng": _rng_state()}
+            "state_scalars": scalars, "rng": rng_state()}
+    extras: dict[str, torch.Tensor] = {}
+    for key, holder in (("scaler", scaler), ("scheduler", scheduler)):
+        if holder is not None:
+            meta[key] = state_to_json(holder.state_dict(), extras, key)
     file_meta = {"format": CHECKPOINT_FORMAT, "step": str(step)}
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
     build = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder))
     write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model.state_dict(), file_meta))
     write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
+    if extras:
+        write_bytes_atomic(build / EXTRAS_FILE, tensors_to_bytes(extras, file_meta))
     write_json_atomic(build / "meta.json", meta, indent=None)
     publish_dir_atomic(build, final)
     return final
@@ -115,8 +158,10 @@ class Checkpoint:
                 raise BadInput(self.path / "meta.json", f"missing field {key!r}")
         return meta
 
-    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Restore model and optimizer state; returns the meta (for the RNG states)."""
+    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any = None,
+                  scheduler: Any = None) -> dict[str, Any]:
+        """Restore model and optimizer state (and the scaler's and scheduler's, when the run recorded them);
+        returns the meta (for the RNG states)."""
         meta = self.meta()
         model_sd = TensorFile(self.model_file).load_all()
         try:
@@ -139,4 +184,13 @@ class Checkpoint:
             optimizer.load_state_dict({"state": state, "param_groups": groups})
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(self.optimizer_file, f"does not fit the optimizer: {e}") from None
+        for key, holder in (("scaler", scaler), ("scheduler", scheduler)):
+            if holder is None:
+                continue
+            if key not in meta:
+                raise BadInput(self.path / "meta.json", f"holds no {key} state, but the run recorded a {key}")
+            try:
+                holder.load_state_dict(state_from_json(meta[key], lambda: TensorFile(self.path / EXTRAS_FILE)))
+            except (ValueError, KeyError, RuntimeError, TypeError) as e:
+                raise BadInput(self.path / "meta.json", f"{key} state does not fit: {e}") from None
         return meta

@@ -33,6 +33,44 @@ def _leaf_text(value: Any) -> str:
     return str(value)
 
 
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float | None]) -> str:
+    """Log-scale sparkline; a non-finite value is '!', a missing one a space."""
+    finite = [abs(v) for v in values if v is not None and math.isfinite(v) and v != 0]
+    lo, hi = (math.log10(min(finite)), math.log10(max(finite))) if finite else (0.0, 0.0)
+    out = []
+    for v in values:
+        if v is None:
+            out.append(" ")
+        elif not math.isfinite(v):
+            out.append("!")
+        elif v == 0 or hi == lo:
+            out.append(_BARS[0])
+        else:
+            out.append(_BARS[round((math.log10(abs(v)) - lo) / (hi - lo) * (len(_BARS) - 1))])
+    return "".join(out)
+
+
+def precursor_rows(r: ReplayReport) -> list[tuple[str, list[float | None]]]:
+    """(metric, value per replayed precursor step) for every metric the report has."""
+    p = r.precursors
+    rows: list[tuple[str, list[float | None]]] = [
+        ("grad norm", [x.grad_norm for x in p]), ("max |grad|", [x.grad_max_abs for x in p]),
+        ("max |update|", [x.update_max_abs for x in p])]
+    for key in sorted({k for x in p for k in x.state_max_abs}):
+        rows.append((f"max |{key}|", [x.state_max_abs.get(key) for x in p]))
+    dtype = next((x.activation_dtype for x in p if x.activation_dtype), "")
+    rows.append((f"max |activation| ({dtype})", [x.activation_max_abs for x in p]))
+    return rows
+
+
+def _last_finite(values: list[float | None]) -> str:
+    v = next((v for v in reversed(values) if v is not None and math.isfinite(v)), None)
+    return "-" if v is None else f"{v:.3g}"
+
+
 def _spread_rows(r: ReplayReport) -> list[StepRecord]:
     """From the step before the origin: the clean steps before it are all zeros."""
     start = (r.responsible_step - 1) if r.responsible_step is not None else r.spread[-1].step - 2 if r.spread else 0
@@ -70,6 +108,17 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         facts.add_row("responsible batch", Text(f"step {b.step}  {b.file}" + (f"\n{extra}" if extra else "")))
     if r.origin:
         facts.add_row("origin", Text(f"step {r.origin.step}  {describe(r.origin)}  ({r.origin.dtype})", style="bold red"))
+    if r.samples is not None and r.samples.samples:
+        ids = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in r.samples.sample_leaves.items())
+        facts.add_row("samples", Text(f"{', '.join(map(str, r.samples.samples))} of {r.samples.batch_size}"
+                                      + (f"  ({ids})" if ids else "")))
+    elif r.samples is not None:
+        facts.add_row("samples", Text(r.samples.status.replace("_", " ")))
+    if r.operation is not None:
+        op = r.operation
+        via = f" <- {op.forward.op}" if op.forward else ""
+        facts.add_row("operation", Text(f"{op.site.phase} {op.site.op}{via} -> {op.output_value}  "
+                                        f"module {op.site.module or '(none)'}  {op.site.source or ''}"))
     facts.add_row("reproduced", "yes: replayed losses equal the logged ones" if r.reproduced
                   else f"no: losses diverge from step {r.diverged_at_step}")
     parts: list[Any] = [facts]
@@ -90,6 +139,15 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
             table.add_row(str(x.step), _loss(x.logged_loss), _loss(x.replayed_loss),
                           f"{x.params_nonfinite:,}/{x.params_total:,}", f"{x.state_nonfinite:,}/{x.state_total:,}",
                           style=mark)
+        parts += [Text(), table]
+    if r.precursors:
+        steps = f"{r.precursors[0].step}-{r.precursors[-1].step}"
+        table = Table(title=f"precursors, steps {steps} (log scale, ! = non-finite)", title_justify="left",
+                      show_edge=False)
+        for col, justify in (("metric", "left"), ("trend", "left"), ("last finite", "right")):
+            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for name, values in precursor_rows(r):
+            table.add_row(name, sparkline(values), _last_finite(values))
         parts += [Text(), table]
     if r.findings:
         parts += [Text(), Text("\n".join(f"- {f}" for f in r.findings))]
@@ -116,6 +174,10 @@ def render_markdown(r: ReplayReport) -> str:
                 "|---:|---:|---:|---:|---:|"]
         out += [f"| {x.step} | {_loss(x.logged_loss)} | {_loss(x.replayed_loss)} | "
                 f"{x.params_nonfinite}/{x.params_total} | {x.state_nonfinite}/{x.state_total} |" for x in rows]
+    if r.precursors:
+        out += ["", f"### Precursors, steps {r.precursors[0].step}-{r.precursors[-1].step}", "",
+                "| metric | trend (log scale, ! = non-finite) | last finite |", "|---|---|---:|"]
+        out += [f"| {name} | `{sparkline(values)}` | {_last_finite(values)} |" for name, values in precursor_rows(r)]
     if r.findings:
         out += ["", "### Findings", ""] + [f"- {f}" for f in r.findings]
     return "\n".join(out) + "\n"

@@ -1,0 +1,87 @@
+"""Precursors: per step, how close the run is to overflow — so a slow drift shows before the blow-up.
+
+Measured only while replaying the window before and after the responsible step (the rewind after a
+detection), never on the detection pass: the update size needs a copy of the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from . import finite
+from .report import Precursor
+
+
+def _max_abs(extremes: torch.Tensor) -> torch.Tensor:
+    return extremes.abs().max()
+
+
+class PrecursorProbe:
+    """Forward and optimizer hooks; ``take(step)`` returns that step's figures and starts the next."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self._handles: list[Any] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._act: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._grad_norm: torch.Tensor | None = None
+        self._grad_max: torch.Tensor | None = None
+        self._before: list[torch.Tensor] = []
+        self._update_max: torch.Tensor | None = None
+        self._state: dict[str, list[torch.Tensor]] = {}
+
+    def __enter__(self) -> "PrecursorProbe":
+        for module in self.model.modules():
+            self._handles.append(module.register_forward_hook(self._forward))
+        self._handles.append(self.optimizer.register_step_pre_hook(self._pre))
+        self._handles.append(self.optimizer.register_step_post_hook(self._post))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        for t in tree_leaves(output):
+            if finite.checkable(t):
+                self._act.setdefault(t.dtype, []).append(_max_abs(finite.extremes(t)))
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        grads = [p.grad.detach() for p in self._params() if p.grad is not None]
+        if grads:
+            self._grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+            self._grad_max = torch.stack([_max_abs(finite.extremes(g)) for g in grads]).max()
+        self._before = [p.detach().clone() for p in self._params()]
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = self._params()
+        if self._before:
+            self._update_max = torch.stack([(p.detach() - b).abs().max() for p, b in zip(params, self._before)
+                                            if p.numel()]).max()
+        self._before = []
+        for p in params:
+            for key, value in optimizer.state.get(p, {}).items():
+                if finite.checkable(value) and value.ndim > 0:
+                    self._state.setdefault(key, []).append(_max_abs(finite.extremes(value)))
+
+    def take(self, step: int) -> Precursor:
+        value = lambda t: None if t is None else float(t)  # noqa: E731
+        act_dtype, act_max, headroom = None, None, None
+        for dtype, maxima in self._act.items():
+            m = float(torch.stack(maxima).max())
+            ratio = m / torch.finfo(dtype).max
+            if headroom is None or ratio > headroom:
+                act_dtype, act_max, headroom = str(dtype).removeprefix("torch."), m, ratio
+        p = Precursor(step, value(self._grad_norm), value(self._grad_max), value(self._update_max),
+                      {k: float(torch.stack(v).max()) for k, v in self._state.items()}, act_max, act_dtype, headroom)
+        self._reset()
+        return p

@@ -1,0 +1,156 @@
+"""Sample level: which samples of the responsible batch produce the non-finite gradient.
+
+Group testing: forward and backward on halves of the batch, recursing into the halves that still
+fail, with the optimizer step disabled and the model, optimizer and RNG restored before every
+pass, so nothing is touched. k bad samples cost O(k log B) passes instead of B. A failing set
+whose halves both pass is *coupled* (BatchNorm statistics, a loss normalised over the batch): it
+is reported as such, never narrowed down by guessing.
+
+A step function can opt out (its batch is not split along dimension 0) by setting
+``train_step.nanforensics_splittable = False``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .errors import BadInput
+from .monitor import StepMonitor
+from .report import SampleAttribution
+from .runs.batches import data_leaves
+from .session import Session
+
+_BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad")
+
+
+def batch_size(batch: Any) -> int | None:
+    """The common first dimension of the batch's tensors, or None when they disagree."""
+    sizes = {t.shape[0] for t in _tensors(batch) if t.ndim >= 1}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _tensors(v)
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+
+
+def select(batch: Any, indices: list[int], size: int) -> Any:
+    """The samples at ``indices``: tensors and per-sample lists of length ``size`` are indexed, the rest kept."""
+    if isinstance(batch, torch.Tensor):
+        return batch[torch.tensor(indices, device=batch.device)] if batch.ndim >= 1 and batch.shape[0] == size else batch
+    if isinstance(batch, list) and len(batch) == size and not any(isinstance(v, (torch.Tensor, list, tuple, dict))
+                                                                  for v in batch):
+        return [batch[i] for i in indices]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(select(v, indices, size) for v in batch)
+    if isinstance(batch, dict):
+        return {k: select(v, indices, size) for k, v in batch.items()}
+    return batch
+
+
+@contextmanager
+def _no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing."""
+    optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del optimizer.step
+
+
+class _Tester:
+    def __init__(self, session: Session, batch: Any, size: int) -> None:
+        self.session, self.batch, self.size = session, batch, size
+        self.snapshot = session.snapshot()
+        self.passes = 0
+        self.errors: list[str] = []
+
+    def fails(self, indices: list[int]) -> bool:
+        """One forward/backward pass on the subset; True when a non-finite value appears before the optimizer."""
+        self.passes += 1
+        s = self.session
+        s.restore(self.snapshot)
+        subset = select(self.batch, indices, self.size)
+        with StepMonitor(s.model, s.optimizer) as monitor, _no_optimizer_step(s.optimizer):
+            monitor.begin(s.step, subset, locate=False)
+            try:
+                loss = s.call_step(subset)
+            except BadInput as e:  # e.g. BatchNorm refuses a single sample: this subset cannot be judged
+                self.errors.append(e.problem)
+                return False
+            events = monitor.end(loss)
+        return any(e.stage in _BEFORE_OPTIMIZER for e in events)
+
+
+def group_test(size: int, fails: Callable[[list[int]], bool],
+               max_bad: int) -> tuple[list[int], list[list[int]]] | None:
+    """Adaptive halving over a batch known to fail as a whole: (failing samples, coupled groups).
+
+    None when more than ``max_bad`` disjoint parts fail on their own (a batch-wide property).
+    """
+    bad: list[int] = []
+    coupled: list[list[int]] = []
+    pending = [list(range(size))]
+    while pending:
+        group = pending.pop(0)
+        if len(group) == 1:
+            bad.append(group[0])
+            continue
+        if len(bad) + len(coupled) + len(pending) >= max_bad:
+            return None
+        half = len(group) // 2
+        halves = [h for h in (group[:half], group[half:]) if fails(h)]
+        if halves:
+            pending += halves
+        else:
+            coupled.append(group)
+    return bad, coupled
+
+
+def attribute_samples(session: Session, max_bad: int = 8) -> SampleAttribution:
+    """Group-test the batch of ``session.step``; the session's state is restored afterwards."""
+    step_fn = session.code.step_fn
+    batch = session.batch(session.step)
+    leaves = dict(data_leaves(session.run.batch(session.step)))
+    if getattr(step_fn, "nanforensics_splittable", True) is False:
+        return SampleAttribution("opted_out", None, [], {}, 0, [],
+                                 "the step function opted out of batch splitting (nanforensics_splittable = False)")
+    size = batch_size(batch)
+    if size is None or size < 2:
+        return SampleAttribution("unsplittable", size, [], {}, 0, [],
+                                 "the batch's tensors share no first dimension to split along")
+    tester = _Tester(session, batch, size)
+    try:
+        if not tester.fails(list(range(size))):
+            return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
+                                     "forward and backward on the whole batch stay finite: the failure needs the "
+                                     "optimizer update, not a sample")
+        outcome = group_test(size, tester.fails, max_bad)
+    finally:
+        session.restore(tester.snapshot)
+    if outcome is None:
+        return SampleAttribution(
+            "batch_wide", size, [], {}, tester.passes, [],
+            f"more than {max_bad} disjoint parts of the batch fail on their own: a property of the batch "
+            "as a whole (a constant feature, a shared scale), not of individual samples")
+    bad, coupled = outcome
+    samples = sorted(bad)
+    per_sample = {k: [v[i] for i in samples] for k, v in leaves.items() if isinstance(v, list) and len(v) == size}
+    if coupled:
+        why = f" (single samples could not be run: {tester.errors[0]})" if tester.errors else ""
+        message = (f"no smaller subset reproduces the failure of samples {coupled[0]}: they fail only together "
+                   f"(batch-coupled operations such as BatchNorm, or a loss normalised over the batch){why}")
+        return SampleAttribution("coupled", size, samples, per_sample, tester.passes, coupled, message)
+    return SampleAttribution("attributed", size, samples, per_sample, tester.passes, [],
+                             f"sample{'s' * (len(samples) > 1)} {', '.join(map(str, samples))} of {size} "
+                             f"{'produce' if len(samples) > 1 else 'produces'} the "
+                             f"non-finite value alone ({tester.passes} forward/backward passes)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,10 @@ def test_layout_of_a_recorded_run(runs):
     assert [c.step for c in run.checkpoints()] == [0, 10, 20]
     assert [s.step for s in run.steps] == list(range(24))
     assert all(run.batch_file(s).exists() for s in range(24))
+    old = os.umask(0o022)
+    os.umask(old)
+    if old == 0o022:  # files are created like any other, readable by the CI job that collects them
+        assert all(p.stat().st_mode & 0o044 == 0o044 for p in run.path.rglob("*"))
     meta = run.checkpoints()[1].meta()
     assert meta["param_names"][0] == "features.gain"
     assert meta["param_groups"][0]["lr"] == 0.01

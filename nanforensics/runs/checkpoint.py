@@ -6,7 +6,6 @@ import base64
 import math
 import random
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +13,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import BadInput
-from .files import TensorFile, load_json, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic, write_json_atomic
+from .files import (TensorFile, load_json, make_build_dir, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic,
+                    write_json_atomic)
 from .steplog import decode_float, encode_float
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
@@ -124,7 +124,7 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     file_meta = {"format": CHECKPOINT_FORMAT, "step": str(step)}
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
-    build = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder))
+    build = make_build_dir(final)
     write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model.state_dict(), file_meta))
     write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
     if extras:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import itertools
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -14,6 +15,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from ..errors import BadInput
+
+_counter = itertools.count()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -24,11 +27,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _temporary_name(path: Path) -> Path:
+    """Unique per process, thread and call; hidden, so readers listing the folder never take it for data."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp")
+
+
 def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Write under a temporary name in the same folder, then rename: readers never see half a file."""
+    """Write under a temporary name in the same folder, then rename: readers never see half a file.
+
+    The file is created with mode 0o666 less the umask, like any file the user writes (mkstemp's 0o600
+    would make a run directory unreadable to the CI job that collects it).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = _temporary_name(path)
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if durable:
@@ -36,10 +49,17 @@ def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     if durable:
         _fsync_dir(path.parent)
+
+
+def make_build_dir(final: Path) -> Path:
+    """A hidden sibling folder to fill before ``publish_dir_atomic`` renames it to ``final``."""
+    build = _temporary_name(final)
+    build.mkdir(parents=True)
+    return build
 
 
 def write_json_atomic(path: Path, obj: Any, *, durable: bool = True, indent: int | None = 2) -> None:

@@ -44,6 +44,8 @@ def resolve(spec: str, *, where: Path, search_paths: Sequence[Path] = (), forbid
         raise BadInput(where, f"import string {spec!r} is not of the form module:name or file.py:name")
     added = [str(p) for p in search_paths if str(p) not in sys.path]
     sys.path[:0] = added
+    # No __pycache__ beside the user's code: it may be the very run directory under examination.
+    bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.append(str(Path.cwd()))
     try:
@@ -52,6 +54,7 @@ def resolve(spec: str, *, where: Path, search_paths: Sequence[Path] = (), forbid
         else:
             module = _load_module(target, spec, where, forbidden)
     finally:
+        sys.dont_write_bytecode = bytecode
         for p in added:
             sys.path.remove(p)
     obj: Any = module
@@ -68,13 +71,18 @@ def _inside(path: Path, folder: Path | None) -> bool:
 
 
 def _load_module(name: str, spec: str, where: Path, forbidden: Path | None) -> Any:
-    found = None
+    # Locate the top-level package without importing anything: find_spec("pkg.mod") would run
+    # pkg/__init__.py before we could refuse it.
+    top = None
     try:
-        found = importlib.util.find_spec(name)
+        top = importlib.util.find_spec(name.partition(".")[0])
     except (ImportError, ValueError):
         pass
-    if found is not None and found.origin and _inside(Path(found.origin), forbidden):
-        raise BadInput(where, f"{spec!r} resolves inside the run directory ({found.origin}); "
+    locations = [top.origin] if top is not None and top.origin else []
+    locations += list(top.submodule_search_locations or []) if top is not None else []
+    inside = next((p for p in locations if _inside(Path(p), forbidden)), None)
+    if inside is not None:
+        raise BadInput(where, f"{spec!r} resolves inside the run directory ({inside}); "
                               "pass --trust-run-dir to allow code shipped with the run")
     try:
         return importlib.import_module(name)

@@ -20,7 +20,7 @@ import torch
 from .errors import BadInput
 from .monitor import StepMonitor
 from .report import SampleAttribution
-from .runs.batches import data_leaves
+from .runs.batches import data_leaves, leaves
 from .session import Session
 
 _BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad")
@@ -28,19 +28,8 @@ _BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad")
 
 def batch_size(batch: Any) -> int | None:
     """The common first dimension of the batch's tensors, or None when they disagree."""
-    sizes = {t.shape[0] for t in _tensors(batch) if t.ndim >= 1}
+    sizes = {t.shape[0] for _, t in leaves(batch) if isinstance(t, torch.Tensor) and t.ndim >= 1}
     return sizes.pop() if len(sizes) == 1 else None
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from _tensors(v)
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            yield from _tensors(v)
 
 
 def select(batch: Any, indices: list[int], size: int) -> Any:

@@ -73,38 +73,29 @@ def read_batch(path: Path) -> Any:
         raise BadInput(path, f"batch structure is malformed ({e})") from None
 
 
-def leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
-    """Every leaf with a readable path such as ``batch['x'][0]``."""
-    if isinstance(batch, (list, tuple)):
-        for i, v in enumerate(batch):
-            yield from leaves(v, f"{path}[{i}]")
+def _walk(batch: Any, path: str, whole: Callable[[Any], bool]) -> Iterator[tuple[str, Any]]:
+    if whole(batch) or not isinstance(batch, (list, tuple, dict)):
+        yield path, batch
     elif isinstance(batch, dict):
         for k, v in batch.items():
-            yield from leaves(v, f"{path}[{k!r}]")
+            yield from _walk(v, f"{path}[{k!r}]", whole)
     else:
-        yield path, batch
+        for i, v in enumerate(batch):
+            yield from _walk(v, f"{path}[{i}]", whole)
+
+
+def leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+    """Every leaf with a readable path such as ``batch['x'][0]``."""
+    return _walk(batch, path, lambda node: False)
 
 
 def has_tensor(node: Any) -> bool:
-    if isinstance(node, torch.Tensor):
-        return True
-    if isinstance(node, (list, tuple)):
-        return any(has_tensor(v) for v in node)
-    if isinstance(node, dict):
-        return any(has_tensor(v) for v in node.values())
-    return False
+    return any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(node))
 
 
 def data_leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
     """The largest tensor-free parts of a batch (sample ids, file names), each whole, by path."""
-    if not has_tensor(batch):
-        yield path, batch
-    elif isinstance(batch, (list, tuple)):
-        for i, v in enumerate(batch):
-            yield from data_leaves(v, f"{path}[{i}]")
-    elif isinstance(batch, dict):
-        for k, v in batch.items():
-            yield from data_leaves(v, f"{path}[{k!r}]")
+    return _walk(batch, path, lambda node: not has_tensor(node))
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

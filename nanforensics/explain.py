@@ -71,7 +71,12 @@ def findings(r: ReplayReport) -> list[str]:
     else:
         out.append(f"Origin: step {o.step}, {describe(o)} ({o.dtype}): {_CAUSE[o.stage].format(t=o.tensor)}.")
         shown = r.logged_first_nonfinite_loss_step
-        if shown is not None and shown != o.step:
+        if shown is not None and shown < o.step:
+            caught = r.amp is not None and any(c.step == shown for c in r.amp.caught)
+            out.append(f"The logged loss was already non-finite at step {shown}, before the origin: "
+                       + ("an overflow the scaler caught, skipping that step with the state intact."
+                          if caught else "it reached neither the parameters nor the optimizer state."))
+        elif shown is not None and shown != o.step:
             logged = next((s.logged_loss for s in r.spread if s.step == o.step), None)
             loss_text = f" ({logged:.6g})" if logged is not None and math.isfinite(logged) else ""
             out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "

@@ -93,6 +93,11 @@ class Recorder:
 
     ``keep_checkpoints`` bounds disk use: only the newest N checkpoints are kept, with the batches
     needed to replay from the oldest of them.
+
+    A mixed-precision loop passes its ``scaler`` (``torch.amp.GradScaler``), a loop with an LR scheduler its
+    ``scheduler`` and an importable ``scheduler_factory(optimizer)`` that builds it again: their state is
+    checkpointed, and replay calls the step function with ``scaler=`` and ``scheduler=`` keyword arguments
+    (only those recorded), as the loop did.
     """
 
     def __init__(
@@ -109,7 +114,13 @@ class Recorder:
         keep_checkpoints: int | None = None,
         start_step: int = 0,
         overwrite: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+        scheduler: Any = None,
+        scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
+        if (scheduler is None) != (scheduler_factory is None):
+            raise ValueError("pass scheduler= and scheduler_factory= together: replay rebuilds the scheduler with "
+                             "scheduler_factory(optimizer), then loads its recorded state")
         if checkpoint_every < 1:
             raise ValueError("checkpoint_every must be at least 1")
         if keep_checkpoints is not None and keep_checkpoints < 1:
@@ -119,7 +130,7 @@ class Recorder:
             if not overwrite:
                 raise FileExistsError(f"{self.path} is not empty; pass overwrite=True to replace it")
             shutil.rmtree(self.path)
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
         self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
         self.start_step = start_step
         self._next_step = start_step
@@ -139,6 +150,10 @@ class Recorder:
             "num_threads": torch.get_num_threads(),
             "device": str(next(model.parameters()).device),
         }
+        if scaler is not None:
+            manifest["scaler"] = {"enabled": scaler.is_enabled()}
+        if scheduler_factory is not None:
+            manifest["scheduler"] = {"factory": import_string_of(scheduler_factory, "scheduler_factory")}
         try:
             json.dumps(manifest, allow_nan=False)
         except (TypeError, ValueError):
@@ -160,7 +175,8 @@ class Recorder:
 
     def _checkpoint(self, step: int) -> None:
         self._writer.drain()
-        save_checkpoint(self.path / "checkpoints", step, self.model, self.optimizer)
+        save_checkpoint(self.path / "checkpoints", step, self.model, self.optimizer, scaler=self.scaler,
+                        scheduler=self.scheduler)
         self._checkpoints.append(step)
         if self.keep_checkpoints is not None and len(self._checkpoints) > self.keep_checkpoints:
             dropped, self._checkpoints = self._checkpoints[:-self.keep_checkpoints], self._checkpoints[-self.keep_checkpoints:]

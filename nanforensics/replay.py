@@ -6,11 +6,12 @@ import math
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
-from . import finite
+from . import finite, whatif
+from .amp import AmpLog, findings as amp_findings
 from .datacheck import DEFAULT_MAX_ABS, check_batches
 from .errors import BadInput
 from .explain import findings
@@ -41,6 +42,8 @@ class ReplayOptions:
     loss_rtol: float | None = None  # None: exact on the recording device type, 1e-3 elsewhere
     explain: bool = True  # operation and sample attribution for the responsible step
     data_max_abs: float = DEFAULT_MAX_ABS  # batch values beyond this magnitude are reported as data defects
+    what_if: Sequence[whatif.Intervention] = ()  # each a replay from the checkpoint changing the responsible step
+    what_if_steps: int = 5  # steps after the responsible one a what-if must stay finite for
 
 
 def _start_checkpoint(run: Run, target: int | None) -> Checkpoint:
@@ -100,6 +103,7 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
 
     with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None) as threads:
         r = Session(run, code, checkpoint, device)
+        amp = AmpLog()
         params_total, state_total = totals(r.model, r.optimizer)
         events: list[Event] = []
         spread: list[StepRecord] = []
@@ -111,7 +115,8 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
         try:
             while r.step <= last:
                 step = r.step
-                loss, step_events = r.run_step(monitor, located_from is not None)
+                # a step whose overflow the scaler caught returns no events: they are kept aside in amp
+                loss, step_events = amp.run_step(r, monitor, located_from is not None)
                 if probe is not None:
                     precursors.append(probe.take(step))
                 if step_events and located_from is None:
@@ -138,16 +143,21 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                 spread.append(StepRecord(step, logged.get(step), loss, p_bad, params_total, s_bad, state_total))
                 if located_from is not None and step >= _horizon(events, spread) + opts.after:
                     break
-                if located_from is None and logged_first is not None and step >= logged_first + opts.after:
+                if (located_from is None and logged_first is not None and step >= logged_first + opts.after
+                        and logged_first not in amp.caught):
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
         operation, samples = _explain(r, events[0].step) if events and opts.explain else (None, None)
+        what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
+                                         opts.what_if_steps) if events and opts.what_if else []
 
-    report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol)
+    report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol, amp.caught)
+    report.amp, report.what_if = amp.report(r.model, events), what_if
     report.data_defects, report.precursors, report.operation, report.samples = (
         data_defects, precursors, operation, samples)
-    report.findings = findings(report)
+    report.findings = (findings(report) + amp_findings(report.amp)
+                       + whatif.findings(report.what_if, requested=bool(opts.what_if)))
     return report
 
 
@@ -170,7 +180,8 @@ def _horizon(events: list[Event], spread: list[StepRecord]) -> int:
 
 
 def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int, code: UserCode,
-            events: list[Event], spread: list[StepRecord], logged_first: int | None, rtol: float) -> ReplayReport:
+            events: list[Event], spread: list[StepRecord], logged_first: int | None, rtol: float,
+            caught: Collection[int] = ()) -> ReplayReport:
     origin = events[0] if events else None
     diverged = next((s.step for s in spread if s.logged_loss is not None
                      and not _losses_match(s.logged_loss, s.replayed_loss, rtol)), None)
@@ -178,8 +189,8 @@ def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int
     full = next((s.step for s in spread if s.params_total and s.params_nonfinite == s.params_total), None)
     if origin is not None:
         verdict = "nonfinite"
-    elif logged_first is not None:
-        verdict = "not_reproduced"
+    elif logged_first is not None and not (diverged is None and logged_first in caught):
+        verdict = "not_reproduced"  # unless the logged NaN was an overflow the scaler caught, replayed as such
     else:
         verdict = "clean"
     batch_ref = None

@@ -1,4 +1,4 @@
-"""Reports are plain dataclasses; this turns them into JSON (the one machine-readable view)."""
+"""Reports are plain dataclasses; this turns them into JSON (the one machine-readable view) and back."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import dataclasses
 import json
 import math
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,48 @@ class Precursor:
 
 
 @dataclass
+class ScalerStep:
+    """One replayed step of the loss-scaling control loop (or of a loop that skips steps on its own)."""
+
+    step: int
+    scale: float | None       # the GradScaler's scale before the step; None without one
+    next_scale: float | None  # after the step's scaler.update()
+    adjustment: str           # "backoff" | "growth" | "hold" ("hold" too without a scaler)
+    skipped: bool             # optimizer.step() did not run
+    overflow: str | None      # where the step's first non-finite value arose: "data", "forward", "loss",
+                              # "backward", "unscale", "optimizer" or "update"; None when all was finite
+    caught: bool              # skipped with optimizer state and parameters intact: benign
+
+
+@dataclass
+class AmpReport:
+    """Mixed precision: the scaler as a control loop, its caught overflows apart from the failure that got through."""
+
+    autocast: str | None      # dtype the forward ran in under torch.autocast ("float16", "bfloat16")
+    param_dtype: str
+    scaler: bool
+    steps: list[ScalerStep]
+    caught: list[Event]       # first non-finite value of each step skipped before the moments were written
+    state_poisoned_by: Event | None  # the first non-finite value that reached optimizer state: the real failure
+
+
+@dataclass
+class WhatIfResult:
+    """One replay from the start checkpoint with one change at the responsible step, checked for K steps after."""
+
+    intervention: str         # as given ("clip=1.0", "skip", ...); "none" for the replay as recorded
+    description: str
+    step: int                 # the step it changed
+    last_step: int            # the last step checked
+    finite: bool              # loss, parameters and optimizer state stayed finite from `step` to `last_step`
+    first_nonfinite_step: int | None
+    first_nonfinite: str | None  # what went first: "loss", "param fc1.weight", "exp_avg of fc1.weight"
+    first_nonfinite_loss_step: int | None
+    losses: list[float | None]   # per step from `step` to `last_step`; None where the step did not run
+    detail: str | None        # what the change met (the total gradient norm it clipped, the values it reset)
+
+
+@dataclass
 class ReplaySetup:
     run: str
     from_checkpoint: int
@@ -151,6 +195,8 @@ class ReplayReport:
     samples: SampleAttribution | None = None
     precursors: list[Precursor] = field(default_factory=list)
     schema: str = field(default=REPLAY_SCHEMA)
+    amp: AmpReport | None = None
+    what_if: list[WhatIfResult] = field(default_factory=list)
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -167,6 +213,63 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
     return obj
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def from_jsonable(kind: Any, data: Any, where: str = "report") -> Any:
+    """The inverse of ``to_jsonable`` for the type ``kind``: saved reports are re-rendered without replaying.
+
+    Fields a newer writer of the same schema added are ignored (the schemas promise only additions);
+    a missing field or a value of the wrong type is a ``ValueError`` that says where it is.
+    """
+    if kind is Any:
+        return data
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if data is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return from_jsonable(option, data, where)
+            except ValueError as e:
+                errors.append(e)
+        raise errors[0] if errors else ValueError(f"{where}: null where a value is required")
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected an object, found {type(data).__name__}")
+        hints = typing.get_type_hints(kind)
+        values = {}
+        for f in dataclasses.fields(kind):
+            if f.name in data:
+                values[f.name] = from_jsonable(hints[f.name], data[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{where}: field {f.name!r} is missing")
+        return kind(**values)
+    if origin is list:
+        if not isinstance(data, list):
+            raise ValueError(f"{where}: expected a list, found {type(data).__name__}")
+        return [from_jsonable(args[0], v, f"{where}[{i}]") for i, v in enumerate(data)]
+    if origin is dict:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected an object, found {type(data).__name__}")
+        return {k: from_jsonable(args[1], v, f"{where}.{k}") for k, v in data.items()}
+    if kind is float:
+        if isinstance(data, str) and data in _NONFINITE:
+            return _NONFINITE[data]
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            return data  # an int stays an int: that is how to_json wrote it
+    elif kind is int:
+        if isinstance(data, int) and not isinstance(data, bool):
+            return data
+    elif kind in (str, bool):
+        if isinstance(data, kind):
+            return data
+    else:
+        raise TypeError(f"{where}: cannot load a {kind!r}")
+    raise ValueError(f"{where}: expected {kind.__name__}, found {json.dumps(data)[:40]}")
 
 
 def to_json(report: Any) -> str:

@@ -48,12 +48,19 @@ def select(batch: Any, indices: list[int], size: int) -> Any:
 
 @contextmanager
 def _no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing."""
+    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing.
+
+    An LR scheduler may already have put its own wrapper there; it is put back as it was.
+    """
+    own = vars(optimizer).get("step")
     optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del optimizer.step
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own  # type: ignore[method-assign]
 
 
 class _Tester:

@@ -54,7 +54,8 @@ class SquaredReLU(nn.Module):
 
 class Regressor(nn.Module):
     def __init__(self, n_features: int = N_FEATURES, hidden: int = 32, log_features: bool = True,
-                 poisson: bool = False, act: str = "tanh", masked_log: bool = False, batchnorm: bool = False) -> None:
+                 poisson: bool = False, act: str = "tanh", masked_log: bool = False, batchnorm: bool = False,
+                 dtype: str = "float32") -> None:
         super().__init__()
         self.features: nn.Module = LogFeatures(n_features, masked_log) if log_features else nn.Identity()
         self.fc1 = nn.Linear(n_features, hidden)
@@ -63,6 +64,7 @@ class Regressor(nn.Module):
         self.fc2 = nn.Linear(hidden, hidden)
         self.head = nn.Linear(hidden, 1)
         self.link: nn.Module = ExpLink() if poisson else nn.Identity()
+        self.to(getattr(torch, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.norm(self.fc1(self.features(x))))
@@ -120,6 +122,39 @@ def train_step_fp16(model: nn.Module, optimizer: torch.optim.Optimizer, batch: d
     return loss
 
 
+def train_step_amp(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
+                   scaler: torch.amp.GradScaler, scheduler: Any) -> torch.Tensor:
+    """The textbook mixed-precision step: fp16 autocast, scaled backward, scaler.step skips a step that overflowed."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(batch["x"].device.type, dtype=torch.float16):
+        pred = model(batch["x"])
+    loss = F.mse_loss(pred.float(), batch["y"])
+    scaler.scale(loss).backward()
+    scale = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    if scaler.get_scale() >= scale:  # a back-off means the scaler skipped the step: the schedule waits too
+        scheduler.step()
+    return loss
+
+
+def train_step_bf16(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """``train_step`` under bf16 autocast: fp32's range, so no scaler; the near-zero reading still breaks log's
+    backward."""
+    with torch.autocast(batch["x"].device.type, dtype=torch.bfloat16):
+        return train_step(model, optimizer, batch)
+
+
+def train_step_half(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """A model held in float16 throughout (no fp32 master weights): Adam's moments live in float16 too."""
+    optimizer.zero_grad(set_to_none=True)
+    pred = model(batch["x"].to(next(model.parameters()).dtype))
+    loss = F.mse_loss(pred.float(), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def make_batch(step: int, seed: int = 0, defect: str | None = None, batch_size: int = BATCH,
                n_features: int = N_FEATURES) -> dict[str, Any]:
     """A deterministic batch of positive readings; ``defect`` spoils one sample the way real data does."""
@@ -141,6 +176,8 @@ def make_batch(step: int, seed: int = 0, defect: str | None = None, batch_size: 
         x[s, f] = 0.0
     elif defect == "raw":          # one sample left in raw units, 10^5 times the others
         x[s] *= 1e5
+    elif defect == "gain500":      # one sample read with the amplifier gain 500 times too high
+        x[s] *= 500
     elif defect == "hundred":      # one sample in centi-units, 100 times the others
         x[s] *= 100
     elif defect is not None:
@@ -159,6 +196,8 @@ class Scenario:
     defect: str | None
     expected_stage: str | None  # stage of the origin replay must name; None for a clean run
     poisson: bool = False
+    scaler: Callable[[], torch.amp.GradScaler] | None = None  # a mixed-precision loop's GradScaler
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None  # an LR scheduler's factory
 
 
 def _adam(model: nn.Module) -> torch.optim.Optimizer:
@@ -167,6 +206,20 @@ def _adam(model: nn.Module) -> torch.optim.Optimizer:
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+
+def _adam_fp16(model: nn.Module) -> torch.optim.Optimizer:
+    """eps=1e-4: the default 1e-8 is 0 in float16."""
+    return torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+
+
+def scaler_2_24() -> torch.amp.GradScaler:
+    """Starts high and grows every 5 clean steps, so a short run shows the control loop: back-off and growth."""
+    return torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=5)
+
+
+def cosine_lr(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=60)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -185,6 +238,15 @@ SCENARIOS: dict[str, Scenario] = {
     "batchnorm_near_zero": Scenario({"batchnorm": True}, _adam, train_step, "near_zero", "grad"),
     "poisson_log_zero": Scenario({"log_features": False, "poisson": True, "act": "relu"}, _adam, train_step_poisson,
                                  "huge", "loss"),
+    # a GradScaler catches every overflow: the scale too high early on (backward), a nano-unit sample (forward)
+    "fp16_scaler_catches": Scenario({"log_features": False, "act": "relu"}, _adam, train_step_amp, "nano", None,
+                                    scaler=scaler_2_24, scheduler=cosine_lr),
+    # fp16 without a scaler: the forward stays below 65504, the backward does not, and Adam takes the inf
+    "fp16_backward_overflow": Scenario({"log_features": False, "act": "relu"}, _adam, train_step_fp16, "huge", "grad"),
+    "bf16_near_zero": Scenario({}, _adam, train_step_bf16, "near_zero", "grad"),
+    # a float16 model: a large but finite gradient (total norm ~2e4) whose square overflows Adam's exp_avg_sq
+    "fp16_adam_state_overflow": Scenario({"log_features": False, "act": "relu", "dtype": "float16"}, _adam_fp16,
+                                         train_step_half, "gain500", "optimizer_state"),
 }
 
 
@@ -199,13 +261,16 @@ def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int 
     sc = SCENARIOS[name]
     model = build_model(**sc.model_kwargs)
     optimizer = sc.optimizer(model)
+    scaler = sc.scaler() if sc.scaler else None
+    scheduler = sc.scheduler(optimizer) if sc.scheduler else None
+    extras = {k: v for k, v in (("scaler", scaler), ("scheduler", scheduler)) if v is not None}
     losses: list[float] = []
     with Recorder(run_dir, model, optimizer, model_factory=build_model, model_kwargs=sc.model_kwargs,
                   step_fn=sc.step_fn, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                  overwrite=overwrite) as rec:
+                  overwrite=overwrite, scaler=scaler, scheduler=scheduler, scheduler_factory=sc.scheduler) as rec:
         for step in range(steps):
             batch = make_batch(step, seed, sc.defect if step == defect_step else None)
-            loss = sc.step_fn(model, optimizer, batch)
+            loss = sc.step_fn(model, optimizer, batch, **extras)
             rec.log(step, batch, loss)
             losses.append(float(loss.detach()))
             if stop_on_nan and not all(math.isfinite(v) for v in losses[:-1]):

@@ -56,8 +56,9 @@ class Session:
         self.reset()
 
     def reset(self) -> None:
-        """Back to the checkpoint: fresh model and optimizer, its RNG states restored."""
-        self.model, self.optimizer, meta = self.code.build(self.run, self.checkpoint, self.device)
+        """Back to the checkpoint: fresh model, optimizer, scaler and scheduler, its RNG states restored."""
+        self.model, self.optimizer, self.scaler, self.scheduler, meta = self.code.build(self.run, self.checkpoint,
+                                                                                        self.device)
         restore_rng(meta["rng"])
         self.step = self.checkpoint.step
 
@@ -65,18 +66,22 @@ class Session:
         return map_tensors(self.run.batch(step), lambda t: t.to(self.device))
 
     def call_step(self, batch: Any) -> Any:
-        """The user's step function on one batch; what it raises becomes a one-line error."""
+        """The user's step function on one batch, given the scaler and scheduler as keyword arguments where the
+        run recorded them; what it raises becomes a one-line error."""
+        extras = {k: v for k, v in (("scaler", self.scaler), ("scheduler", self.scheduler)) if v is not None}
         try:
-            return self.code.step_fn(self.model, self.optimizer, batch)
+            return self.code.step_fn(self.model, self.optimizer, batch, **extras)
         except BadInput:
             raise
         except Exception as e:
             raise BadInput(self.run.path / "manifest.json", f"step function {self.run.manifest.step_fn} raised "
                                                             f"{e.__class__.__name__} at step {self.step}: {e}") from None
 
-    def run_step(self, monitor: StepMonitor | None = None, locate: bool = False) -> tuple[float, list[Event]]:
-        """Run the next logged step; returns its loss and, with a monitor, its events."""
-        batch = self.batch(self.step)
+    def run_step(self, monitor: StepMonitor | None = None, locate: bool = False,
+                 batch: Any = None) -> tuple[float, list[Event]]:
+        """Run the next logged step (on ``batch`` instead of the logged one where given: a what-if drops samples);
+        returns its loss and, with a monitor, its events."""
+        batch = self.batch(self.step) if batch is None else batch
         if monitor:
             monitor.begin(self.step, batch, locate)
         loss = self.call_step(batch)
@@ -88,7 +93,9 @@ class Session:
     def snapshot(self) -> dict[str, Any]:
         """The state before the next step, in memory: restoring it is cheaper than replaying from the checkpoint."""
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step}
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         self.model.load_state_dict(snapshot["model"])
@@ -96,6 +103,10 @@ class Session:
         self.optimizer.zero_grad(set_to_none=True)
         restore_rng(snapshot["rng"])
         self.step = snapshot["step"]
+        if self.scaler is not None:
+            self.scaler.load_state_dict(snapshot["scaler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(snapshot["scheduler"]))
 
     def advance_to(self, step: int) -> None:
         """Plain steps up to (not including) ``step``."""

@@ -95,7 +95,7 @@ def has_tensor(node: Any) -> bool:
 
 def data_leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
     """The largest tensor-free parts of a batch (sample ids, file names), each whole, by path."""
-    return _walk(batch, path, lambda node: not has_tensor(node))
+    return ((p, v) for p, v in _walk(batch, path, lambda node: not has_tensor(node)) if not has_tensor(v))
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -37,6 +37,8 @@ class Manifest:
     start_step: int
     num_threads: int | None
     raw: dict[str, Any] = field(repr=False)
+    scaler_enabled: bool | None = None  # None: the run recorded no GradScaler
+    scheduler_factory: str | None = None
 
     @classmethod
     def read(cls, path: Path) -> "Manifest":
@@ -53,7 +55,9 @@ class Manifest:
             m = cls(model_factory=str(raw["model_factory"]), step_fn=str(raw["step_fn"]),
                     model_kwargs=dict(raw.get("model_kwargs") or {}), optimizer_class=str(opt["class"]),
                     optimizer_factory=opt.get("factory"), checkpoint_every=int(raw["checkpoint_every"]),
-                    start_step=int(raw.get("start_step", 0)), num_threads=raw.get("num_threads"), raw=raw)
+                    start_step=int(raw.get("start_step", 0)), num_threads=raw.get("num_threads"), raw=raw,
+                    scaler_enabled=bool(raw["scaler"]["enabled"]) if raw.get("scaler") is not None else None,
+                    scheduler_factory=raw["scheduler"]["factory"] if raw.get("scheduler") is not None else None)
         except (KeyError, TypeError, ValueError) as e:
             raise BadInput(path, f"manifest field missing or malformed: {e}") from None
         return m
@@ -97,6 +101,16 @@ class Run:
         return read_batch(path)
 
 
+class Rebuilt(NamedTuple):
+    """The run's objects as they were at a checkpoint; scaler and scheduler only where the run recorded them."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    scheduler: Any
+    meta: dict[str, Any]
+
+
 @dataclass
 class UserCode:
     """The user's model factory, step function and optimizer, reached through the manifest's import strings."""
@@ -106,6 +120,7 @@ class UserCode:
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None
     optimizer_class: type
     imported: list[str]
+    scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
 
     @classmethod
     def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False) -> "UserCode":
@@ -115,10 +130,12 @@ class UserCode:
             spec, where=where, search_paths=code_paths, forbidden=None if trust_run_dir else run.path)
         opt_factory = resolve(m.optimizer_factory) if m.optimizer_factory else None
         imported = [m.model_factory, m.step_fn, m.optimizer_class] + ([m.optimizer_factory] if m.optimizer_factory else [])
-        return cls(resolve(m.model_factory), resolve(m.step_fn), opt_factory, resolve(m.optimizer_class), imported)
+        imported += [m.scheduler_factory] if m.scheduler_factory else []
+        return cls(resolve(m.model_factory), resolve(m.step_fn), opt_factory, resolve(m.optimizer_class), imported,
+                   resolve(m.scheduler_factory) if m.scheduler_factory else None)
 
-    def build(self, run: Run, checkpoint: Checkpoint, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
-        """Model and optimizer as they were at ``checkpoint``; returns the checkpoint meta too."""
+    def build(self, run: Run, checkpoint: Checkpoint, device: torch.device) -> Rebuilt:
+        """Model, optimizer, scaler and scheduler as they were at ``checkpoint``, and the checkpoint meta."""
         where = run.path / MANIFEST
         try:
             model = self.model_factory(**run.manifest.model_kwargs)
@@ -140,5 +157,14 @@ class UserCode:
                 optimizer = self.optimizer_class(groups)
             except Exception as e:
                 raise BadInput(where, f"cannot rebuild optimizer {run.manifest.optimizer_class}: {e}") from None
-        checkpoint.load_into(model, optimizer)
-        return model, optimizer, meta
+        scheduler = None
+        if self.scheduler_factory is not None:  # before the state is loaded: building a scheduler sets the groups' lr
+            try:
+                scheduler = self.scheduler_factory(optimizer)
+            except Exception as e:
+                raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} raised "
+                                      f"{e.__class__.__name__}: {e}") from None
+        enabled = run.manifest.scaler_enabled
+        scaler = torch.amp.GradScaler(device.type, enabled=enabled) if enabled is not None else None
+        checkpoint.load_into(model, optimizer, scaler=scaler, scheduler=scheduler)
+        return Rebuilt(model, optimizer, scaler, scheduler, meta)

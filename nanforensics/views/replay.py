@@ -12,7 +12,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from ..explain import describe
-from ..report import Event, ReplayReport, StepRecord
+from ..report import AmpReport, Event, ReplayReport, StepRecord, WhatIfResult
 
 _VERDICT = {
     "nonfinite": ("bold white on red", "NON-FINITE"),
@@ -93,6 +93,46 @@ def headline(r: ReplayReport) -> str:
     return f"steps {r.setup.first_step}-{r.setup.last_step} replayed, all finite"
 
 
+_COLUMNS = ("change", "stays finite", "first non-finite", "NaN loss at", "loss trend")
+
+
+def whatif_rows(results: list[WhatIfResult]) -> list[tuple[str, ...]]:
+    return [("as recorded" if w.intervention == "none" else w.intervention, "yes" if w.finite else "no",
+             "-" if w.finite else f"step {w.first_nonfinite_step}: {w.first_nonfinite}",
+             "-" if w.first_nonfinite_loss_step is None else str(w.first_nonfinite_loss_step),
+             sparkline(w.losses)) for w in results]
+
+
+def _details(results: list[WhatIfResult]) -> list[str]:
+    return [f"{w.intervention}: {w.detail}" for w in results if w.detail]
+
+
+def whatif_title(results: list[WhatIfResult]) -> str:
+    w = results[0]
+    return f"what-if: step {w.step} changed, each replayed from the checkpoint, checked through step {w.last_step}"
+
+
+def whatif_parts(r: ReplayReport) -> list[Any]:
+    if not r.what_if:
+        return []
+    table = Table(title=whatif_title(r.what_if), title_justify="left", show_edge=False)
+    for col in _COLUMNS:
+        table.add_column(col, no_wrap=col == "change")
+    for row in whatif_rows(r.what_if):
+        table.add_row(*row, style="green" if row[1] == "yes" else "red")
+    details = _details(r.what_if)
+    return [table] + ([Text("\n".join(f"- {d}" for d in details))] if details else [])
+
+
+def whatif_markdown(r: ReplayReport) -> list[str]:
+    if not r.what_if:
+        return []
+    out = ["", "### What-if", "", whatif_title(r.what_if) + ".", "", "| " + " | ".join(_COLUMNS) + " |",
+           "|---|---|---|---:|---|"]
+    out += ["| " + " | ".join(row[:4] + (f"`{row[4]}`",)) + " |" for row in whatif_rows(r.what_if)]
+    return out + [""] + [f"- {d}" for d in _details(r.what_if)]
+
+
 def render_terminal(r: ReplayReport, console: Console) -> None:
     style, word = _VERDICT[r.verdict]
     s = r.setup
@@ -149,6 +189,8 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         for name, values in precursor_rows(r):
             table.add_row(name, sparkline(values), _last_finite(values))
         parts += [Text(), table]
+    for extra in amp_parts(r) + whatif_parts(r):
+        parts += [Text(), extra]
     if r.findings:
         parts += [Text(), Text("\n".join(f"- {f}" for f in r.findings))]
     console.print(Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
@@ -180,4 +222,55 @@ def render_markdown(r: ReplayReport) -> str:
         out += [f"| {name} | `{sparkline(values)}` | {_last_finite(values)} |" for name, values in precursor_rows(r)]
     if r.findings:
         out += ["", "### Findings", ""] + [f"- {f}" for f in r.findings]
+    out += amp_markdown(r) + whatif_markdown(r)
     return "\n".join(out) + "\n"
+
+
+# ---- mixed precision: the loss scaler as a control loop ------------------------------------------------
+
+_AMP_COLUMNS = ("step", "scale", "after", "optimizer.step()", "overflow", "outcome")
+
+
+def amp_rows(amp: AmpReport) -> list[tuple[str, ...]]:
+    """The steps where the control loop did something: a skip, a back-off or growth, an overflow."""
+    rows = []
+    for s in amp.steps:
+        if not (s.skipped or s.overflow or s.adjustment != "hold"):
+            continue
+        outcome = ("caught: state intact" if s.caught else "reached the optimizer state"
+                   if amp.state_poisoned_by is not None and amp.state_poisoned_by.step == s.step else "")
+        rows.append((str(s.step), "-" if s.scale is None else f"{s.scale:g}",
+                     "-" if s.next_scale is None else f"{s.next_scale:g} ({s.adjustment})",
+                     "skipped" if s.skipped else "ran", s.overflow or "", outcome))
+    return rows
+
+
+def amp_headline(amp: AmpReport) -> str:
+    precision = f"autocast {amp.autocast}" if amp.autocast else f"{amp.param_dtype} parameters"
+    caught = ", ".join(str(e.step) for e in amp.caught) or "none"
+    failure = describe(amp.state_poisoned_by) if amp.state_poisoned_by else "none"
+    return (f"{precision}, {'a GradScaler' if amp.scaler else 'no GradScaler'}; caught before the moments were "
+            f"written (benign): {caught}; first to reach the optimizer state (the failure): {failure}")
+
+
+def amp_parts(r: ReplayReport) -> list[Any]:
+    """Terminal renderables for ``r.amp`` (none without it)."""
+    if r.amp is None:
+        return []
+    table = Table(title=f"mixed precision: {amp_headline(r.amp)}", title_justify="left", show_edge=False)
+    for col in _AMP_COLUMNS:
+        table.add_column(col, justify="right" if col in ("step", "scale") else "left")
+    for row in amp_rows(r.amp):
+        table.add_row(*row, style="bold red" if row[-1].startswith("reached") else "")
+    return [table]
+
+
+def amp_markdown(r: ReplayReport) -> list[str]:
+    if r.amp is None:
+        return []
+    out = ["", "### Mixed precision", "", amp_headline(r.amp) + ".", ""]
+    rows = amp_rows(r.amp)
+    if rows:
+        out += ["| " + " | ".join(_AMP_COLUMNS) + " |", "|---:|---:|---|---|---|---|"]
+        out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out

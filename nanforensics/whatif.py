@@ -1,0 +1,287 @@
+"""What-if replays: the responsible step run again with one change, from the same checkpoint, to see
+whether the run would have stayed finite for K steps after it.
+
+A change acts around the user's own, unchanged step function: through optimizer step hooks (clip,
+skip, reset-state, lr) or by handing the step another batch (drop-samples, drop-batch). Each what-if
+builds its own Session from the checkpoint files (model, optimizer, scaler, scheduler, RNG), so it
+shares nothing mutable with the replay or with the other what-ifs. Repair applies the same changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Sequence
+
+import torch
+
+from . import finite
+from .errors import BadInput
+from .report import WhatIfResult
+from .runs.checkpoint import Checkpoint
+from .runs.run import Run, UserCode
+from .samples import batch_size, select
+from .session import Session
+
+USAGE = "clip=MAX_NORM, skip, skip-after-moments, reset-state, lr=VALUE, drop-samples=I,J or drop-batch"
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+class Intervention:
+    """A change to one step. ``batch`` may replace its batch (None: the step does not run); ``before`` and
+    ``after`` bracket ``optimizer.step()`` as hooks; ``detail`` says what the change met."""
+
+    acts_on_optimizer = True
+
+    def __init__(self, spec: str, description: str) -> None:
+        self.spec, self.description = spec, description
+        self.detail: str | None = None
+
+    def batch(self, batch: Any) -> Any | None:
+        return batch
+
+    def before(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def after(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+
+class Clip(Intervention):
+    def __init__(self, spec: str, max_norm: float) -> None:
+        super().__init__(spec, f"gradients clipped to total norm {max_norm:g} (clip_grad_norm_) before "
+                               "optimizer.step()")
+        self.max_norm = max_norm
+
+    def before(self, optimizer: torch.optim.Optimizer) -> None:
+        params = [p for p in _params(optimizer) if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_norm))
+        grads = [p.grad for p in params]
+        name = finite.value_name(norm)
+        if not math.isfinite(norm) and not all(finite.all_finite_flags(grads)):
+            self.detail = (f"total gradient norm {name}: the clip factor {self.max_norm:g}/{name} is 0 (or NaN) "
+                           "and inf*0 = NaN, so clipping made the gradient NaN")
+        elif not math.isfinite(norm):
+            self.detail = (f"total gradient norm {name} from finite gradients (their squares overflow): the clip "
+                           "factor is 0 and the whole gradient was zeroed")
+        elif norm > self.max_norm:
+            self.detail = f"total gradient norm {norm:.4g}, scaled down to {self.max_norm:g}"
+        else:
+            self.detail = f"total gradient norm {norm:.4g}, within {self.max_norm:g}: nothing clipped"
+
+
+class LearningRate(Intervention):
+    def __init__(self, spec: str, lr: float) -> None:
+        super().__init__(spec, f"learning rate {lr:g} for this step")
+        self.lr = lr
+        self._saved: list[Any] = []
+
+    def before(self, optimizer: torch.optim.Optimizer) -> None:
+        self._saved = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = torch.full_like(g["lr"], self.lr) if isinstance(g["lr"], torch.Tensor) else self.lr
+
+    def after(self, optimizer: torch.optim.Optimizer) -> None:
+        for g, lr in zip(optimizer.param_groups, self._saved):  # a scheduler after the step sees what it set
+            g["lr"] = lr
+
+
+class Undo(Intervention):
+    """optimizer.step() undone: the parameters put back and, for ``skip``, the optimizer state too."""
+
+    def __init__(self, spec: str, restore_state: bool) -> None:
+        super().__init__(spec, "optimizer.step() skipped before the moments were written: parameters and optimizer "
+                               "state restored (what GradScaler does)" if restore_state else
+                               "the moments written, the parameter update abandoned (what a guard after "
+                               "optimizer.step() does)")
+        self.restore_state = restore_state
+        self._params: list[torch.Tensor] = []
+        self._state: dict[torch.Tensor, dict[str, Any]] = {}
+
+    def before(self, optimizer: torch.optim.Optimizer) -> None:
+        self._params = [p.detach().clone() for p in _params(optimizer)]
+        if self.restore_state:
+            self._state = {p: copy.deepcopy(optimizer.state.get(p, {})) for p in _params(optimizer)}
+
+    def after(self, optimizer: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            for p, saved in zip(_params(optimizer), self._params):
+                p.copy_(saved)
+        for p, state in self._state.items():
+            optimizer.state[p] = state
+
+
+class ResetState(Intervention):
+    def __init__(self, spec: str = "reset-state") -> None:
+        super().__init__(spec, "after optimizer.step(), every state tensor zeroed at the coordinates where one is "
+                               "non-finite, and non-finite parameter values put back as they were before the step")
+        self._params: list[torch.Tensor] = []
+
+    def before(self, optimizer: torch.optim.Optimizer) -> None:
+        self._params = [p.detach().clone() for p in _params(optimizer)]
+
+    def after(self, optimizer: torch.optim.Optimizer) -> None:
+        zeroed = restored = 0
+        with torch.no_grad():
+            for p, saved in zip(_params(optimizer), self._params):
+                # A coordinate's state is all its per-element tensors together (Adam's exp_avg and exp_avg_sq):
+                # a finite exp_avg left over a reset exp_avg_sq would make the next update huge.
+                coords = [v for v in optimizer.state.get(p, {}).values() if finite.checkable(v) and v.shape == p.shape]
+                bad_flags = [not ok for ok in finite.all_finite_flags(coords)]
+                if any(bad_flags):
+                    bad = torch.stack([~torch.isfinite(v) for v, b in zip(coords, bad_flags) if b]).any(dim=0)
+                    zeroed += int(bad.sum())
+                    for v in coords:
+                        v.masked_fill_(bad, 0)
+                if not finite.is_finite(p):
+                    bad = ~torch.isfinite(p)
+                    restored += int(bad.sum())
+                    p[bad] = saved[bad]
+        self.detail = f"zeroed the optimizer state of {zeroed} coordinate(s), put back {restored} parameter value(s)"
+
+
+class DropSamples(Intervention):
+    acts_on_optimizer = False
+
+    def __init__(self, spec: str, samples: Sequence[int]) -> None:
+        super().__init__(spec, f"sample(s) {', '.join(map(str, samples))} left out of the batch")
+        self.samples = sorted(set(samples))
+
+    def batch(self, batch: Any) -> Any | None:
+        size = batch_size(batch)
+        if size is None:
+            raise BadInput("--what-if", f"{self.spec}: the batch's tensors share no first dimension to drop along")
+        outside = [i for i in self.samples if i >= size]
+        if outside:
+            raise BadInput("--what-if", f"{self.spec}: sample {outside[0]} is outside the batch of {size}")
+        keep = [i for i in range(size) if i not in self.samples]
+        return select(batch, keep, size) if keep else None
+
+
+class DropBatch(Intervention):
+    acts_on_optimizer = False
+
+    def __init__(self, spec: str = "drop-batch") -> None:
+        super().__init__(spec, "the batch left out: the step function not called for it")
+
+    def batch(self, batch: Any) -> Any | None:
+        return None
+
+
+def _number(spec: str, text: str, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadInput("--what-if", f"{spec!r}: {text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise BadInput("--what-if", f"{spec!r}: needs a finite {'positive' if positive else 'non-negative'} number")
+    return value
+
+
+def _indices(spec: str, text: str) -> list[int]:
+    try:
+        indices = [int(i) for i in text.split(",")]
+    except ValueError:
+        raise BadInput("--what-if", f"{spec!r}: samples are positions in the batch, as I,J,...") from None
+    if any(i < 0 for i in indices):
+        raise BadInput("--what-if", f"{spec!r}: sample positions start at 0")
+    return indices
+
+
+def parse(spec: str) -> Intervention:
+    """``clip=1.0``, ``skip``, ... as an Intervention; anything else is a one-line BadInput."""
+    name, has_value, text = spec.strip().partition("=")
+    if name in ("skip", "skip-after-moments", "reset-state", "drop-batch") and not has_value:
+        return {"skip": lambda: Undo(spec, restore_state=True),
+                "skip-after-moments": lambda: Undo(spec, restore_state=False),
+                "reset-state": lambda: ResetState(spec), "drop-batch": lambda: DropBatch(spec)}[name]()
+    if name == "clip" and has_value:
+        return Clip(spec, _number(spec, text, positive=True))
+    if name == "lr" and has_value:
+        return LearningRate(spec, _number(spec, text, positive=False))
+    if name == "drop-samples" and has_value:
+        return DropSamples(spec, _indices(spec, text))
+    raise BadInput("--what-if", f"cannot read {spec!r}; use {USAGE}")
+
+
+def _changed_step(session: Session, change: Intervention) -> float | None:
+    """Run the session's next step with ``change``; None when it drops the step."""
+    batch = change.batch(session.batch(session.step))
+    if batch is None:
+        session.step += 1  # the batch is left out: this step does not happen
+        return None
+    fired: list[bool] = []
+
+    def before(optimizer: torch.optim.Optimizer, *_: Any) -> None:  # a pre-hook's return value would replace args
+        fired.append(True)
+        change.before(optimizer)
+
+    handles = [session.optimizer.register_step_pre_hook(before),
+               session.optimizer.register_step_post_hook(lambda o, *_: change.after(o))]
+    try:
+        loss, _ = session.run_step(batch=batch)
+    finally:
+        for h in handles:
+            h.remove()
+    if change.acts_on_optimizer and not fired:
+        change.detail = "optimizer.step() did not run at this step (the scaler skipped it): nothing to change"
+    return loss
+
+
+def nonfinite_in(session: Session, loss: float | None) -> str | None:
+    """The first non-finite thing after a step, by name: optimizer state, then parameters, then the loss."""
+    names = {p: n for n, p in reversed(list(session.model.named_parameters(remove_duplicate=False)))}
+    params = _params(session.optimizer)
+    named = [(f"{key} of {names.get(p, 'param')}", v) for p in params
+             for key, v in session.optimizer.state.get(p, {}).items() if finite.checkable(v)]
+    named += [(f"param {names.get(p, 'param')}", p) for p in params]
+    for (what, _), ok in zip(named, finite.all_finite_flags([t for _, t in named])):
+        if not ok:
+            return what
+    return "loss" if loss is not None and not math.isfinite(loss) else None
+
+
+def replay_with(session: Session, change: Intervention | None, last: int) -> WhatIfResult:
+    """From the session's next step (the one to change) through ``last``: the change, then the logged steps,
+    each checked for non-finite loss, parameters and optimizer state."""
+    change = copy.copy(change)  # its notes are this replay's own
+    step = session.step
+    losses: list[float | None] = []
+    first_step = first_what = nan_loss = None
+    for s in range(step, last + 1):
+        loss = _changed_step(session, change) if s == step and change is not None else session.run_step()[0]
+        losses.append(loss)
+        what = nonfinite_in(session, loss)
+        if what is not None and first_step is None:
+            first_step, first_what = s, what
+        if loss is not None and not math.isfinite(loss) and nan_loss is None:
+            nan_loss = s
+    return WhatIfResult(change.spec if change else "none",
+                        change.description if change else "the replay as recorded", step, last, first_step is None,
+                        first_step, first_what, nan_loss, losses, change.detail if change else None)
+
+
+def what_if_replays(run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device, step: int,
+                    changes: Sequence[Intervention], steps_after: int) -> list[WhatIfResult]:
+    """The replay as recorded, then one replay per change, each from a fresh Session at ``checkpoint``."""
+    last = min(step + steps_after, run.steps[-1].step)
+    results = []
+    for change in [None, *changes]:
+        session = Session(run, code, checkpoint, device)
+        session.advance_to(step)
+        results.append(replay_with(session, change, last))
+    return results
+
+
+def findings(results: list[WhatIfResult], requested: bool) -> list[str]:
+    if not results:
+        return ["What-if replays not run: the replay found no responsible step to change."] if requested else []
+    r0 = results[0]
+    survived = [r.intervention for r in results[1:] if r.finite]
+    failed = [f"{r.intervention} (step {r.first_nonfinite_step}: {r.first_nonfinite})" for r in results[1:]
+              if not r.finite]
+    return [f"What-if at step {r0.step}, checked through step {r0.last_step}: the run stays finite with "
+            f"{', '.join(survived) or 'no change tried'}; it still goes non-finite with {', '.join(failed) or 'none'}."]

@@ -11,6 +11,7 @@ from typing import Annotated, Callable, Iterator, Optional
 import typer
 from rich.console import Console
 
+from .datacheck import DEFAULT_MAX_ABS
 from .errors import BadInput
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -70,6 +71,11 @@ _REPLAY_EXIT = {"clean": EXIT_CLEAN, "nonfinite": EXIT_FOUND, "not_reproduced": 
 
 
 def emit_markdown(text: str, destination: Optional[str]) -> None:
+    emit_text(text, destination, "Markdown")
+
+
+def emit_text(text: str, destination: Optional[str], what: str) -> None:
+    """A rendered report written atomically to ``destination`` (when given)."""
     if destination is None:
         return
     from .runs.files import write_bytes_atomic
@@ -77,7 +83,7 @@ def emit_markdown(text: str, destination: Optional[str]) -> None:
     try:
         write_bytes_atomic(Path(destination), text.encode(), durable=False)
     except OSError as e:
-        raise BadInput(destination, f"cannot write the Markdown report ({e.strerror or e})") from None
+        raise BadInput(destination, f"cannot write the {what} report ({e.strerror or e})") from None
 
 
 @app.command()
@@ -95,6 +101,16 @@ def replay(
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
                                                      "directory.")] = False,
+    explain: Annotated[bool, typer.Option(help="Find the operation and the samples behind the responsible "
+                                               "step (re-runs that one step).")] = True,
+    data_max_abs: Annotated[float, typer.Option(help="Batch values beyond this magnitude are reported as data "
+                                                     "defects.")] = DEFAULT_MAX_ABS,
+    what_if: Annotated[Optional[list[str]], typer.Option(help="Replay again from the checkpoint with the responsible "
+                                                              "step changed (repeatable): clip=MAX_NORM, skip, "
+                                                              "skip-after-moments, reset-state, lr=VALUE, "
+                                                              "drop-samples=I,J, drop-batch.")] = None,
+    what_if_steps: Annotated[int, typer.Option(min=0, help="Steps after the responsible one a what-if must stay "
+                                                           "finite for.")] = 5,
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
 
@@ -102,9 +118,12 @@ def replay(
     """
     from .replay import ReplayOptions, replay_run
     from .views.replay import render_markdown, render_terminal
+    from .whatif import parse
 
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
-                            code_paths=code_path or [], trust_run_dir=trust_run_dir)
+                            code_paths=code_path or [], trust_run_dir=trust_run_dir, explain=explain,
+                            data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
+                            what_if_steps=what_if_steps)
     with step_progress("replaying") as progress:
         report = replay_run(run_dir, options, progress=progress)
     emit_json(report, json_out)
@@ -112,6 +131,185 @@ def replay(
     if json_out != "-":
         render_terminal(report, stdout_console())
     raise typer.Exit(_REPLAY_EXIT[report.verdict])
+
+
+@app.command()
+def repair(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder (only read).")],
+    out: Annotated[Path, typer.Option(help="Folder to write the repaired checkpoint to (created; never inside "
+                                           "the run).")],
+    reset_state: Annotated[bool, typer.Option("--reset-state", help="Keep the responsible step and zero its "
+                                                                    "poisoned optimizer-state coordinates, instead "
+                                                                    "of leaving its batch out.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty --out folder.")] = False,
+    verify_steps: Annotated[int, typer.Option(min=0, help="Logged steps replayed from the written checkpoint; all "
+                                                          "must stay finite.")] = 5,
+    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu or cuda.")] = "auto",
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the repair report as JSON to PATH (- "
+                                                                   "for stdout, which silences the terminal "
+                                                                   "view).")] = None,
+    code_path: Annotated[Optional[list[Path]], typer.Option(help="Folder to import the run's model and step "
+                                                                 "function from (repeatable).")] = None,
+    trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
+                                                     "directory.")] = False,
+) -> None:
+    """Write a checkpoint that resumes cleanly: the responsible batch (or its bad samples) left out, verified.
+
+    Exit codes: 0 written and verified, 1 the repaired run did not stay finite (nothing written), 2 bad input.
+    """
+    from .repair import RepairOptions, repair_run
+    from .views.repair import render_repair_terminal
+
+    options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
+                            code_paths=code_path or [], trust_run_dir=trust_run_dir)
+    with step_progress("replaying") as progress:
+        report = repair_run(run_dir, out, options, progress=progress)
+    emit_json(report, json_out)
+    if json_out != "-":
+        render_repair_terminal(report, stdout_console())
+    raise typer.Exit(EXIT_CLEAN if report.written else EXIT_FOUND)
+
+
+_FULL_HELP = "Read and count every tensor instead of stopping at the first non-finite one."
+_MARGIN_HELP = "Warn when a tensor's max |x| is within this factor of its dtype's largest finite value."
+
+
+@app.command()
+def scan(
+    checkpoint: Annotated[Path, typer.Argument(help="A .pt/.pth/.safetensors file, a checkpoint folder of a run "
+                                                    "(RUN/checkpoints/step_...) or a Hugging Face checkpoint folder.")],
+    full: Annotated[bool, typer.Option("--full", help=_FULL_HELP)] = False,
+    margin: Annotated[float, typer.Option(help=_MARGIN_HELP)] = 1000.0,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+                                                                   "stdout, which silences the terminal view).")] = None,
+    markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
+) -> None:
+    """Scan one checkpoint: every tensor's non-finite values and headroom, model and optimizer state apart.
+
+    Exit codes: 0 clean, 1 poisoned (parameters or optimizer state), 2 bad input.
+    """
+    from .formats import open_checkpoint
+    from .scan import CLEAN, scan_checkpoint
+    from .views.checkpoints import bytes_progress, render_scan_markdown, render_scan_terminal
+
+    source = open_checkpoint(checkpoint)
+    with bytes_progress(stderr_console()) as progress:
+        report = scan_checkpoint(source, full=full, margin=margin, progress=progress)
+    emit_json(report, json_out)
+    emit_markdown(render_scan_markdown(report), markdown)
+    if json_out != "-":
+        render_scan_terminal(report, stdout_console())
+    raise typer.Exit(EXIT_CLEAN if report.verdict == CLEAN else EXIT_FOUND)
+
+
+@app.command()
+def bisect(
+    checkpoints: Annotated[list[str], typer.Argument(help="Run directories, folders of checkpoints, globs "
+                                                          "(quoted) or checkpoint files.")],
+    linear: Annotated[bool, typer.Option("--linear", help="Read every checkpoint instead of bisecting.")] = False,
+    full: Annotated[bool, typer.Option("--full", help=_FULL_HELP)] = False,
+    margin: Annotated[float, typer.Option(help=_MARGIN_HELP)] = 1000.0,
+    run_replay: Annotated[bool, typer.Option("--replay", help="Then replay the window from the last clean "
+                                                              "checkpoint (runs of nanforensics only).")] = False,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+                                                                   "stdout, which silences the terminal view).")] = None,
+    markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
+) -> None:
+    """Find the first poisoned checkpoint in about log2(n) checkpoint reads.
+
+    Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input.
+    """
+    from .bisect import bisect as bisect_checkpoints
+    from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
+
+    with bytes_progress(stderr_console()) as progress:
+        report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
+    emit_json(report, json_out)
+    emit_markdown(render_bisect_markdown(report), markdown)
+    if json_out != "-":
+        render_bisect_terminal(report, stdout_console())
+    if run_replay and report.replay is None:
+        stderr_console().print(f"nanforensics: no replay: {report.replay_unavailable or 'not a run of nanforensics'}",
+                               markup=False, soft_wrap=True)
+    elif run_replay and report.replay is not None:
+        from .replay import ReplayOptions, replay_run
+        from .views.replay import render_terminal
+
+        with step_progress("replaying") as step_bar:
+            replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step),
+                                  progress=step_bar)
+        if json_out != "-":
+            render_terminal(replayed, stdout_console())
+    raise typer.Exit(EXIT_CLEAN if report.first_poisoned is None else EXIT_FOUND)
+
+
+_SUMMARY_HELP = ("Write the summary as Markdown to PATH; by default it is appended to $GITHUB_STEP_SUMMARY when "
+                 "that is set.")
+
+
+def append_step_summary(text: str, destination: Optional[str]) -> None:
+    """GitHub's job summary: appended to the file $GITHUB_STEP_SUMMARY names, as other steps do."""
+    if destination is None:
+        return
+    try:
+        with open(destination, "a", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise BadInput(destination, f"cannot append to $GITHUB_STEP_SUMMARY ({e.strerror or e})") from None
+
+
+@app.command()
+def postmortem(
+    directory: Annotated[Path, typer.Argument(help="A failed job's artifact: a run directory, or a folder of "
+                                                   "checkpoints.")],
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+                                                                   "stdout, which silences the terminal view).")] = None,
+    markdown: Annotated[Optional[str], typer.Option(help=_SUMMARY_HELP)] = None,
+    junit: Annotated[Optional[str], typer.Option(help="Write JUnit XML to PATH: the diagnosis as a failed test "
+                                                      "case.")] = None,
+    html: Annotated[Optional[str], typer.Option(help="Write a self-contained HTML report to PATH.")] = None,
+) -> None:
+    """Everything the directory allows: step log, checkpoint bisection, replay, spread per tensor.
+
+    Exit codes: 0 no non-finite value, 1 found (pinned to a step, or bracketed), 2 bad input,
+    3 logged NaN reproduced neither by the replay nor in the checkpoints.
+    """
+    from .postmortem import check_outputs
+    from .postmortem import postmortem as examine
+    from .views.html import render_html
+    from .views.postmortem import render_junit, render_markdown, render_terminal, status_line
+
+    check_outputs(directory, {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html})
+    with step_progress("replaying") as progress:
+        report = examine(directory, progress, note=status_line(stderr_console()))
+    emit_json(report, json_out)
+    emit_text(render_junit(report), junit, "JUnit")
+    emit_text(render_html(report), html, "HTML")
+    summary = render_markdown(report)
+    if markdown is not None:
+        emit_markdown(summary, markdown)
+    else:
+        append_step_summary(summary, os.environ.get("GITHUB_STEP_SUMMARY") or None)
+    if json_out != "-":
+        render_terminal(report, stdout_console())
+    raise typer.Exit(_REPLAY_EXIT[report.verdict])
+
+
+@app.command("report")
+def report_command(
+    saved: Annotated[Path, typer.Argument(help="A JSON report written by replay, bisect or postmortem --json.")],
+    markdown: Annotated[Optional[str], typer.Option(help="Write it as Markdown to PATH.")] = None,
+    html: Annotated[Optional[str], typer.Option(help="Write it as a self-contained HTML page to PATH.")] = None,
+) -> None:
+    """Re-render a saved report on the terminal, as Markdown or as HTML, without replaying anything."""
+    from .saved import load_report
+    from .views.html import render_html
+    from .views.report import render_markdown, render_terminal
+
+    loaded = load_report(saved)
+    emit_markdown(render_markdown(loaded), markdown)
+    emit_text(render_html(loaded), html, "HTML")
+    render_terminal(loaded, stdout_console())
 
 
 # ---- entry point ------------------------------------------------------------------------------

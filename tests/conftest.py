@@ -10,7 +10,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 
@@ -36,10 +36,11 @@ class Result:
         return json.loads(self.stdout)
 
 
-def run_cli(*args: str | Path, cwd: Path | None = None) -> Result:
+def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = ()) -> Result:
+    """``wrapper`` prefixes the command line (``setpriv ...``: the CLI without root's permission override)."""
     env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
     env.pop("NANFORENSICS_DEBUG", None)
-    p = subprocess.run([*cli_command(), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd,
+    p = subprocess.run([*wrapper, *cli_command(), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd,
                        timeout=300)
     return Result(p.returncode, p.stdout, p.stderr)
 

@@ -1,0 +1,195 @@
+"""Scan throughput against memory bandwidth, peak memory against the largest tensor, bisection's read count.
+
+    python bench/bench_scan.py [--gib 2] [--rounds 5] [--keep DIR]
+
+1. A ~2 GiB transformer-shaped fp32 safetensors checkpoint (weights and Adam moments; the
+   embedding and its moments are the largest tensors). Each round warms the page cache by
+   reading the file, then times, in turn on the same bytes: ``scan_checkpoint(full=True)`` on the
+   file, a ``sum`` over the same tensors already in memory (the plain memory-read bandwidth) and
+   an ``aminmax`` over them (the check's own arithmetic, for reference). Shared 2-core machines
+   swing several-fold within a minute, so both the median of each round's scan/sum ratio and
+   the ratio of the best times are printed.
+2. Peak RSS of a scan in a fresh process (its ``VmHWM`` from /proc: ``ru_maxrss`` would carry
+   over the bench's own RSS through fork and exec) beside the largest tensor and the process's
+   RSS before the scan (Python + torch), and the same for a scan through ``safe_open``
+   (``TensorFile``) for comparison.
+3. The checkpoints read by ``bisect`` over 1000 tiny checkpoints against ``--linear``.
+
+Targets (issue 3): scan >= 0.7 of the sum's bandwidth; peak RSS < largest tensor + 200 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from nanforensics.bisect import bisect, scan_bound
+from nanforensics.formats import open_checkpoint
+from nanforensics.scan import scan_checkpoint
+
+MB = 1e6
+
+
+def model_shapes(d: int = 1024, vocab: int = 32000, layers: int = 8) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
+    for i in range(layers):
+        shapes |= {f"layers.{i}.attn.qkv.weight": (3 * d, d), f"layers.{i}.attn.out.weight": (d, d),
+                   f"layers.{i}.mlp.up.weight": (4 * d, d), f"layers.{i}.mlp.down.weight": (d, 4 * d),
+                   f"layers.{i}.norm1.weight": (d,), f"layers.{i}.norm2.weight": (d,)}
+    return shapes | {"norm.weight": (d,), "lm_head.weight": (vocab, d)}
+
+
+def make_checkpoint(path: Path, gib: float) -> dict[str, torch.Tensor]:
+    """Weights and both Adam moments, layers added until about ``gib``; returns the tensors (kept in memory)."""
+    per_layer = sum(math.prod(s) for n, s in model_shapes(layers=1).items() if n.startswith("layers.")) * 4 * 3
+    fixed = sum(math.prod(s) for n, s in model_shapes(layers=0).items()) * 4 * 3
+    layers = max(1, round((gib * 2**30 - fixed) / per_layer))
+    g = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in model_shapes(layers=layers).items():
+        tensors[name] = torch.randn(shape, generator=g) * 0.02
+        tensors[f"optimizer.{name}.exp_avg"] = torch.randn(shape, generator=g) * 1e-4
+        tensors[f"optimizer.{name}.exp_avg_sq"] = torch.rand(shape, generator=g) * 1e-8
+    if not path.exists():
+        save_file(tensors, path, metadata={"step": "1000"})
+    return tensors
+
+
+def warm(path: Path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def throughput(path: Path, tensors: list[torch.Tensor], rounds: int) -> None:
+    nbytes = sum(t.nbytes for t in tensors)
+    source = open_checkpoint(path)
+    scan_s, sum_s, aminmax_s, ratios = [], [], [], []
+    for _ in range(rounds):
+        warm(path)
+        scan_s.append(timed(lambda: scan_checkpoint(source, full=True)))
+        sum_s.append(timed(lambda: [t.sum() for t in tensors]))
+        aminmax_s.append(timed(lambda: [torch.aminmax(t) for t in tensors]))
+        ratios.append(sum_s[-1] / scan_s[-1])
+
+    def gbs(seconds: list[float], pick: Callable[[list[float]], float]) -> str:
+        return f"{nbytes / pick(seconds) / 1e9:6.1f}"
+
+    ratio, best = statistics.median(ratios), min(sum_s) / min(scan_s)
+    print(f"\nthroughput, warm page cache, {rounds} rounds       median       best")
+    print(f"  scan_checkpoint (file)        {gbs(scan_s, statistics.median)} GB/s {gbs(scan_s, min)} GB/s")
+    print(f"  sum over tensors in memory    {gbs(sum_s, statistics.median)} GB/s {gbs(sum_s, min)} GB/s"
+          "   (plain memory-read bandwidth)")
+    print(f"  aminmax over tensors in mem.  {gbs(aminmax_s, statistics.median)} GB/s {gbs(aminmax_s, min)} GB/s"
+          "   (the check's arithmetic alone)")
+    print(f"  scan / memory bandwidth       {ratio:6.2f}      {best:6.2f}        (median of the per-round ratios; "
+          f"best scan / best sum)")
+    print(f"    per round: {' '.join(f'{r:.2f}' for r in ratios)}   target >= 0.70: "
+          f"{'met' if ratio >= 0.7 else 'NOT met'} (median), {'met' if best >= 0.7 else 'NOT met'} (best)")
+
+
+_CHILD = """
+import sys
+from pathlib import Path
+import torch
+from nanforensics.formats import open_checkpoint
+from nanforensics.scan import scan_checkpoint
+from nanforensics.runs.files import TensorFile
+from nanforensics import finite
+status = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
+before = status("VmRSS:")
+path = Path(sys.argv[2])
+if sys.argv[1] == "scan":
+    assert scan_checkpoint(open_checkpoint(path), full=True).verdict == "clean"
+else:
+    f = TensorFile(path)
+    for key in f.keys():
+        t = f.get(key)
+        finite.extremes(t)
+        del t
+print(before, status("VmHWM:"))
+"""
+
+
+def child_rss(mode: str, path: Path) -> tuple[float, float]:
+    """(RSS before the scan, peak RSS) of a fresh process, in MB."""
+    warm(path)
+    out = subprocess.run([sys.executable, "-c", _CHILD, mode, str(path)], check=True, capture_output=True, text=True)
+    before, peak = out.stdout.split()[-2:]
+    return int(before) * 1024 / MB, int(peak) * 1024 / MB
+
+
+def memory(path: Path, largest: int) -> None:
+    before, peak = child_rss("scan", path)
+    _, peak_safe_open = child_rss("safe_open", path)
+    limit = largest / MB + 200
+    print("\npeak RSS of a scan in a fresh process (full=True)")
+    print(f"  scan_checkpoint               {peak:6.0f} MB   ({before:.0f} MB before the scan: Python + torch; "
+          f"+{peak - before:.0f} MB while scanning)")
+    print(f"  largest tensor                {largest / MB:6.0f} MB   target: peak < largest + 200 MB = {limit:.0f} MB: "
+          f"{'met' if peak < limit else 'NOT met'}")
+    print(f"  for comparison, safe_open     {peak_safe_open:6.0f} MB   (maps the whole file for the handle's life)")
+
+
+def bisection(n: int = 1000, first_poisoned: int = 737) -> None:
+    with tempfile.TemporaryDirectory(prefix="nf-bench-bisect-") as d:
+        started = time.perf_counter()
+        for i in range(n):
+            value = float("nan") if i >= first_poisoned else 1.0
+            save_file({"w": torch.full((8,), value)}, Path(d) / f"ckpt-{i:04d}.safetensors",
+                      metadata={"step": str(i * 10)})
+        fast, linear = bisect([d]), bisect([d], linear=True)
+        took = time.perf_counter() - started
+    assert fast.first_poisoned and linear.first_poisoned and fast.last_clean
+    assert fast.first_poisoned.step == linear.first_poisoned.step == first_poisoned * 10
+    print(f"\nbisect over {n} checkpoints (first poisoned: step {fast.first_poisoned.step}, last clean: step "
+          f"{fast.last_clean.step})")
+    print(f"  bisect reads {fast.scans} checkpoints (bound ceil(log2 {n}) + 2 = {scan_bound(n)}); --linear reads "
+          f"{linear.scans}   ({took:.1f} s for both, writing the files included)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=2.0, help="checkpoint size")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--keep", type=Path, help="folder to keep (and reuse) the checkpoint in")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="nf-bench-scan-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"bench-{args.gib:g}gib.safetensors"
+    try:
+        started = time.perf_counter()
+        tensors = list(make_checkpoint(path, args.gib).values())
+        largest = max(t.nbytes for t in tensors)
+        print(f"checkpoint: {path} ({sum(t.nbytes for t in tensors) / 2**30:.2f} GiB, {len(tensors)} fp32 tensors, "
+              f"largest {largest / MB:.0f} MB; made in {time.perf_counter() - started:.0f} s); "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        throughput(path, tensors, args.rounds)
+        tensors.clear()
+        memory(path, largest)
+        bisection()
+    finally:
+        if args.keep is None:
+            path.unlink(missing_ok=True)
+            folder.rmdir()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Checkpoints written by ``torch.distributed.checkpoint`` (DCP: FSDP's sharded format), read one tensor at a time.
+
+A DCP checkpoint is a folder: ``.metadata`` (a pickle of the layout: every tensor's dtype, size and
+chunks, and where each chunk's bytes lie) and ``__<rank>_<n>.distcp`` files holding each chunk as a
+``torch.save`` blob at an offset. The metadata pickle is read by an unpickler that constructs only the
+layout classes DCP itself writes, and refuses anything else, so a doctored ``.metadata`` runs nothing;
+chunks are loaded with ``weights_only=True``, like every PyTorch file here. A tensor sharded over
+ranks is assembled from its chunks, so a scan sees whole tensors with global coordinates, and memory
+stays one tensor (plus one chunk) at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from ..errors import BadInput
+from .source import _OPTIMIZER_KEYS, MODEL, OPTIMIZER, TensorInfo, _Entry, _group_of_key
+
+METADATA = ".metadata"
+_LAYOUT_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    *((_LAYOUT_MODULE, n) for n in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                                     "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
+                                     "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    *(("pathlib", n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+}
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Constructs DCP's layout dataclasses, torch sizes and dtypes; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: Path
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    fqn: str
+    path: tuple[Any, ...]  # where it sat in the saved (nested) state dict
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    chunks: tuple[_Chunk, ...]
+
+
+class Layout:
+    """A DCP checkpoint's ``.metadata``, checked against the files it names."""
+
+    def __init__(self, metadata: Path) -> None:
+        self.folder = metadata.parent
+        try:
+            with open(metadata, "rb") as f:
+                md = _LayoutUnpickler(f).load()
+        except FileNotFoundError:
+            raise BadInput(metadata, "file is missing") from None
+        except OSError as e:
+            raise BadInput(metadata, f"cannot read ({e.strerror or e})") from None
+        except pickle.UnpicklingError as e:
+            raise BadInput(metadata, f"refused, not loaded: it asks for {e}, which the metadata of "
+                                     "torch.distributed.checkpoint never holds") from None
+        except Exception as e:  # a truncated or corrupt pickle fails in many ways
+            raise BadInput(metadata, f"not a readable torch.distributed.checkpoint metadata file "
+                                     f"({e.__class__.__name__}: {e})") from None
+        self.path = metadata
+        try:
+            self.items: dict[str, Any] = dict(md.state_dict_metadata)
+            storage = {(i.fqn, tuple(i.offset or ())): s for i, s in dict(md.storage_data).items()}
+            nested: dict[str, tuple[Any, ...]] = dict(md.planner_data or {})
+        except (AttributeError, TypeError) as e:
+            raise BadInput(metadata, f"not the metadata of a torch.distributed.checkpoint ({e})") from None
+        self.tensors = [self._tensor(fqn, item, storage, nested.get(fqn, (fqn,)))
+                        for fqn, item in self.items.items() if hasattr(item, "chunks")]
+        self.storage = storage
+        self.nested = nested
+
+    def _tensor(self, fqn: str, item: Any, storage: dict[tuple[str, tuple[int, ...]], Any],
+                path: tuple[Any, ...]) -> _Tensor:
+        chunks = []
+        for c in item.chunks:
+            info = storage.get((fqn, tuple(c.offsets)))
+            if info is None:
+                raise BadInput(self.path, f"tensor {fqn!r}: no storage recorded for its chunk at {list(c.offsets)}")
+            chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), self._file(fqn, info), info.offset, info.length))
+        return _Tensor(fqn, tuple(path), item.properties.dtype, tuple(item.size), tuple(chunks))
+
+    def _file(self, fqn: str, info: Any) -> Path:
+        if getattr(info, "transform_descriptors", None):
+            raise BadInput(self.path, f"tensor {fqn!r} is stored through {list(info.transform_descriptors)} "
+                                      "(a storage extension such as compression), which this nanforensics cannot read")
+        name = Path(str(info.relative_path))
+        if name.is_absolute() or ".." in name.parts:
+            raise BadInput(self.path, f"tensor {fqn!r} names {name}, outside the checkpoint folder")
+        return self.folder / name
+
+    def read_bytes_item(self, fqn: str) -> Any:
+        """A non-tensor entry (an int step, a hyperparameter), loaded weights-only."""
+        info = self.storage.get((fqn, ()))
+        if info is None:
+            raise BadInput(self.path, f"entry {fqn!r} has no recorded storage")
+        file = self._file(fqn, info)
+        with _Blob(file, info.offset, info.length, fqn) as f:
+            return _load(f, file, fqn)
+
+
+def values(metadata: Path, keys: Iterable[str]) -> dict[str, Any]:
+    """The top-level non-tensor entries among ``keys`` (``step``, ``global_step``), for ordering checkpoints."""
+    layout = Layout(metadata)
+    return {k: layout.read_bytes_item(k) for k in keys if k in layout.items and not hasattr(layout.items[k], "chunks")}
+
+
+def dcp_entries(metadata: Path, group: str | None) -> list[_Entry]:
+    layout = Layout(metadata)
+    shaped = _optimizer_prefixes(layout.nested.values())
+    out = []
+    for t in layout.tensors:
+        nbytes = math.prod(t.size) * t.dtype.itemsize
+        info = TensorInfo(t.fqn, group or _group(t, shaped), t.dtype, t.size, nbytes, metadata)
+        out.append(_Entry(info, partial(_assemble, t), _drop))
+    return out
+
+
+def _drop(tensor: torch.Tensor) -> None:
+    """Assembled tensors are private copies: their memory goes with them."""
+
+
+def _optimizer_prefixes(paths: Iterable[tuple[Any, ...]]) -> set[tuple[Any, ...]]:
+    """Prefixes of the saved state dict holding an ``optimizer.state_dict()`` (``state`` and ``param_groups`` both)."""
+    state, groups = set(), set()
+    for p in paths:
+        for i, key in enumerate(p):
+            (state if key == "state" else groups if key == "param_groups" else set()).add(tuple(p[:i]))
+    return state & groups
+
+
+def _group(t: _Tensor, optimizer_prefixes: set[tuple[Any, ...]]) -> str:
+    if any(str(k).lower() in _OPTIMIZER_KEYS for k in t.path[:-1]):
+        return OPTIMIZER
+    if any(t.path[:len(p) + 1] == (*p, "state") for p in optimizer_prefixes):
+        return OPTIMIZER
+    return _group_of_key(t.fqn) if t.path == (t.fqn,) else MODEL
+
+
+def _assemble(t: _Tensor) -> torch.Tensor:
+    """The whole tensor: its only chunk as loaded, or its chunks copied into place."""
+    if len(t.chunks) == 1 and t.chunks[0].sizes == t.size:
+        return _chunk(t, t.chunks[0])
+    out = torch.empty(t.size, dtype=t.dtype)
+    for c in t.chunks:
+        if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, t.size)):
+            raise BadInput(c.file, f"tensor {t.fqn!r}: chunk at {list(c.offsets)} of size {list(c.sizes)} lies "
+                                   f"outside its size {list(t.size)}")
+        view = out
+        for dim, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+            view = view.narrow(dim, o, s)
+        view.copy_(_chunk(t, c))
+    return out
+
+
+def _chunk(t: _Tensor, c: _Chunk) -> torch.Tensor:
+    with _Blob(c.file, c.start, c.length, t.fqn) as f:
+        value = _load(f, c.file, t.fqn)
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != c.sizes or value.dtype != t.dtype:
+        got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise BadInput(c.file, f"tensor {t.fqn!r}: the chunk at {list(c.offsets)} holds {got}, the metadata says "
+                               f"{t.dtype} {list(c.sizes)}")
+    return value
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of a file, seekable, as ``torch.load`` wants: no copy of the whole blob."""
+
+    def __init__(self, f: io.BufferedReader, start: int, length: int) -> None:
+        self._f, self._start, self._length, self._pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
+
+
+class _Blob:
+    """A window on one blob of a ``.distcp`` file, its bounds checked against the file's size."""
+
+    def __init__(self, file: Path, start: int, length: int, fqn: str) -> None:
+        self.file, self.start, self.length, self.fqn = file, start, length, fqn
+
+    def __enter__(self) -> io.BufferedReader:
+        try:
+            self._f = open(self.file, "rb")
+        except FileNotFoundError:
+            raise BadInput(self.file, f"is missing (it holds {self.fqn!r})") from None
+        except OSError as e:
+            raise BadInput(self.file, f"cannot read ({e.strerror or e})") from None
+        size = os.fstat(self._f.fileno()).st_size
+        if self.start < 0 or self.length < 0 or self.start + self.length > size:
+            self._f.close()
+            raise BadInput(self.file, f"truncated: {self.fqn!r} lies at bytes {self.start}-{self.start + self.length}, "
+                                      f"the file has {size}")
+        return io.BufferedReader(_Window(self._f, self.start, self.length))
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+
+def _load(f: io.BufferedReader, file: Path, fqn: str) -> Any:
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):
+            raise BadInput(file, f"refused, not loaded: {fqn!r} needs more than tensors and plain values, and "
+                                 "weights_only loading runs nothing else") from None
+        raise BadInput(file, f"{fqn!r} is not a readable torch.save blob ({_short(e)})") from None
+    except Exception as e:
+        raise BadInput(file, f"{fqn!r} is not a readable torch.save blob ({_short(e)})") from None
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or e.__class__.__name__
+    return text[:200]

@@ -1,0 +1,243 @@
+"""Finding checkpoints and their order: our run directories, folders, globs, single files, Hugging Face folders.
+
+Order is by the step a checkpoint's own metadata records when every checkpoint has one, else by
+the number in its name (the last number in its file or folder name, looking up the folders
+below the common root when the name has none, as in ``checkpoint-500/model.safetensors``).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import BadInput
+from ..runs.checkpoint import Checkpoint
+from ..runs.files import load_json
+from ..runs.run import MANIFEST, Run
+from . import dcp, torch_file
+from .safetensors_file import SafetensorsFile
+from .source import MODEL, OPTIMIZER, CheckpointSource
+
+FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
+_STEP_KEYS = ("step", "global_step")
+_HF_OPTIMIZER_FILES = ("optimizer.pt", "optimizer.pth")
+
+
+@dataclass
+class Collection:
+    """Checkpoints in the order bisection walks them, and what that order came from."""
+
+    checkpoints: list[CheckpointSource]
+    order: str  # "metadata": the steps recorded inside them; "name": the numbers in their names
+
+
+def open_checkpoint(path: Path) -> CheckpointSource:
+    """One checkpoint: a tensor file, one of our checkpoint folders, or a Hugging Face folder."""
+    if not path.exists():
+        raise BadInput(path, "no such file or directory")
+    if path.is_dir():
+        if (path / MANIFEST).exists():
+            count = len(Run(path).checkpoints())
+            raise BadInput(path, f"is a run directory with {count} checkpoints: scan one of them "
+                                 f"({path / 'checkpoints'}/step_...), or bisect the run")
+        source = _folder_checkpoint(path)
+        if source is None:
+            raise BadInput(path, "not a checkpoint folder (no meta.json of a nanforensics checkpoint, "
+                                 "no *.index.json, no model.safetensors, no .metadata of torch.distributed.checkpoint)")
+        return _with_own_step(source)
+    return _with_own_step(_file_checkpoint(path))
+
+
+def discover(targets: Sequence[str | Path]) -> Collection:
+    """Every checkpoint the targets name, deduplicated and ordered."""
+    found: dict[str, CheckpointSource] = {}
+    for target in targets:
+        for source in _expand(str(target)):
+            found.setdefault(os.path.realpath(source.path), source)
+    if not found:
+        raise BadInput(", ".join(map(str, targets)) or None, "no checkpoints given")
+    return _ordered(list(found.values()))
+
+
+def _expand(target: str) -> list[CheckpointSource]:
+    if not os.path.exists(target) and any(c in target for c in "*?["):
+        matches = _candidates(Path(m) for m in sorted(glob.glob(target)))
+        if not matches:
+            raise BadInput(target, "the pattern matches no checkpoint")
+        return matches
+    path = Path(target)
+    if not path.exists():
+        raise BadInput(path, "no such file or directory")
+    if not path.is_dir():
+        return [_file_checkpoint(path)]
+    if (path / MANIFEST).exists():
+        run = Run(path)
+        sources = [_ours(c, run.path) for c in run.checkpoints()]
+        if not sources:
+            raise BadInput(path / "checkpoints", "the run has no checkpoints")
+        return sources
+    own = _folder_checkpoint(path)
+    if own is not None:
+        return [own]
+    children = _candidates(sorted(path.iterdir()))
+    if not children:
+        raise BadInput(path, f"holds no checkpoints (looked for {', '.join(FILE_SUFFIXES)} files and checkpoint "
+                             "folders)")
+    return children
+
+
+def _candidates(paths: Any) -> list[CheckpointSource]:
+    """The checkpoints among some paths; other files (logs, configs, hidden temporaries) are passed over."""
+    out = []
+    for p in paths:
+        if p.name.startswith("."):
+            continue
+        if p.is_dir():
+            source = _folder_checkpoint(p)
+            if source is not None:
+                out.append(source)
+        elif p.suffix in FILE_SUFFIXES:
+            out.append(_file_checkpoint(p))
+    return out
+
+
+def _file_checkpoint(path: Path) -> CheckpointSource:
+    """A single file: safetensors by its suffix, anything else through the weights-only PyTorch loader."""
+    if path.suffix == ".safetensors":
+        return CheckpointSource(path, "safetensors", [(path, None)], meta_step=_step_of(SafetensorsFile(path).metadata))
+    obj, _ = torch_file.load(path)
+    return CheckpointSource(path, "pytorch", [(path, None)], meta_step=_step_of(obj))
+
+
+def _folder_checkpoint(path: Path) -> CheckpointSource | None:
+    if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
+        run_dir = path.parent.parent if (path.parent.parent / MANIFEST).is_file() else None
+        return _ours(Checkpoint(path, step=-1), run_dir)
+    if (path / dcp.METADATA).is_file():
+        return CheckpointSource(path, "dcp", [(path / dcp.METADATA, None)],
+                                meta_step=_step_of(dcp.values(path / dcp.METADATA, _STEP_KEYS)))
+    return _huggingface(path)
+
+
+def _ours(c: Checkpoint, run_dir: Path | None) -> CheckpointSource:
+    meta = c.meta()
+    step = meta.get("step")
+    if not isinstance(step, int):
+        raise BadInput(c.path / "meta.json", f"step {step!r} is not an integer")
+    return CheckpointSource(c.path, "nanforensics", [(c.model_file, MODEL), (c.optimizer_file, OPTIMIZER)],
+                            meta_step=step, run_dir=run_dir)
+
+
+def _huggingface(path: Path) -> CheckpointSource | None:
+    """A folder holding a ``*.index.json`` over shards, or ``model.safetensors``; ``optimizer.pt`` beside it
+    and ``trainer_state.json``'s ``global_step`` as the Trainer writes them."""
+    indexes = sorted(path.glob("*.index.json"))
+    if len(indexes) > 1:
+        indexes = [p for p in indexes if p.name.endswith(".safetensors.index.json")] or indexes
+    if len(indexes) > 1:
+        raise BadInput(path, f"holds several index files ({', '.join(p.name for p in indexes)}); name one shard set")
+    step = None
+    if indexes:
+        files, index_meta = _shards(indexes[0])
+        step = _step_of(index_meta)
+        kind = "safetensors-sharded"
+    elif (path / "model.safetensors").is_file():
+        files, kind = [path / "model.safetensors"], "safetensors"
+        step = _step_of(SafetensorsFile(files[0]).metadata)
+    else:
+        return None
+    state = path / "trainer_state.json"
+    if state.is_file():
+        step = _step_of(load_json(state)) if step is None else step
+    tensor_files: list[tuple[Path, str | None]] = [(f, MODEL) for f in files]
+    tensor_files += [(path / n, OPTIMIZER) for n in _HF_OPTIMIZER_FILES if (path / n).is_file()][:1]
+    return CheckpointSource(path, kind, tensor_files, meta_step=step)
+
+
+def _shards(index: Path) -> tuple[list[Path], dict[str, Any]]:
+    raw = load_json(index)
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise BadInput(index, "not a sharded-checkpoint index (no weight_map)")
+    shards = []
+    for name in sorted(set(map(str, weight_map.values()))):
+        shard = index.parent / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise BadInput(index, f"shard {name!r} lies outside the checkpoint folder")
+        if not shard.is_file():
+            raise BadInput(shard, f"is missing (named by {index.name})")
+        shards.append(shard)
+    meta = raw.get("metadata")
+    return shards, meta if isinstance(meta, dict) else {}
+
+
+def _step_of(meta: Any) -> int | None:
+    """``step`` or ``global_step`` at the top of a metadata mapping or a checkpoint dict."""
+    if not isinstance(meta, dict):
+        return None
+    for key in _STEP_KEYS:
+        value = meta.get(key)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _name_number(path: Path, root: Path) -> int | None:
+    """The last number in the name; failing that, in the folders between it and ``root``."""
+    try:
+        parts = path.absolute().relative_to(root).parts
+    except ValueError:
+        parts = (path.name,)
+    for part in reversed(parts or (path.name,)):
+        numbers = re.findall(r"\d+", part.removesuffix(".index.json").removesuffix(path.suffix))
+        if numbers:
+            return int(numbers[-1])
+    return None
+
+
+def _with_own_step(source: CheckpointSource) -> CheckpointSource:
+    """A checkpoint on its own: its metadata step, else the number in its name or its folder's
+    (``checkpoint-500/model.safetensors``)."""
+    if source.meta_step is not None:
+        source.step, source.step_source = source.meta_step, "metadata"
+    else:
+        root = source.path.parent if source.path.is_dir() else source.path.parent.parent
+        source.step = _name_number(source.path, root.absolute())
+        source.step_source = "name" if source.step is not None else None
+    return source
+
+
+def _ordered(sources: list[CheckpointSource]) -> Collection:
+    if len(sources) == 1:
+        only = _with_own_step(sources[0])
+        return Collection([only], only.step_source or "name")
+    if all(s.meta_step is not None for s in sources):
+        order = "metadata"
+        for s in sources:
+            s.step, s.step_source = s.meta_step, order
+    else:
+        order = "name"
+        root = Path(os.path.commonpath([str(s.path.absolute().parent) for s in sources]))
+        for s in sources:
+            s.step, s.step_source = _name_number(s.path, root), order
+            if s.step is None:
+                raise BadInput(s.path, "cannot order the checkpoints: this one records no step in its metadata "
+                                       "and has no number in its name")
+    sources.sort(key=lambda s: s.step)  # type: ignore[arg-type, return-value]
+    for a, b in zip(sources, sources[1:]):
+        if a.step == b.step:
+            raise BadInput(b.path, f"cannot order the checkpoints: it and {a.path} both are step {a.step} "
+                                   f"(by {order})")
+    return Collection(sources, order)

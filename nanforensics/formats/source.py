@@ -1,0 +1,154 @@
+"""A checkpoint as a list of tensor files, read one tensor at a time: model tensors first, then optimizer state."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import torch_file
+from .pages import drop_pages
+from .safetensors_file import SafetensorsFile
+
+MODEL, OPTIMIZER = "model", "optimizer"
+_OPTIMIZER_KEYS = frozenset({"optimizer", "optimizers", "optim", "optimizer_state", "optimizer_states",
+                             "optimizer_state_dict", "optim_state", "opt_state"})
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    group: str  # MODEL or OPTIMIZER
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    file: Path
+
+
+Release = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    info: TensorInfo
+    load: Callable[[], torch.Tensor]
+    release: Release
+
+
+class TensorStream:
+    """An opened checkpoint: what it holds, and its tensors one at a time.
+
+    Each tensor comes with ``release(view)``, which hands back the resident pages of a
+    contiguous part of it once read (the tensor stays valid: the pages fault back in from the
+    page cache). A consumer that releases as it goes and drops each tensor (``del``) before
+    asking for the next keeps its resident set near one chunk, whatever the checkpoint's size.
+    """
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        self._entries = entries
+        self.infos = [e.info for e in entries]
+        self.nbytes = sum(i.nbytes for i in self.infos)
+
+    def tensors(self, start: int = 0) -> Iterator[tuple[TensorInfo, torch.Tensor, Release]]:
+        """From the ``start``-th tensor on; the ones before are skipped without being read."""
+        for entry in self._entries[start:]:
+            tensor = entry.load()
+            yield entry.info, tensor, entry.release
+            entry.release(tensor)
+            del tensor
+
+
+@dataclass
+class CheckpointSource:
+    """One checkpoint on disk in any supported format; nothing is read until ``open``.
+
+    ``files`` pairs each tensor file with the group all of its tensors belong to, or None when
+    the group comes from the names inside it (an ``optimizer`` key, an optimizer state dict).
+    """
+
+    path: Path
+    format: str
+    files: list[tuple[Path, str | None]]
+    meta_step: int | None = None  # the step its own metadata records
+    step: int | None = None  # the step it is ordered by
+    step_source: str | None = None  # "metadata" or "name"
+    run_dir: Path | None = None  # our run directory, when it lies in one
+
+    def open(self) -> TensorStream:
+        entries: list[_Entry] = []
+        for file, group in self.files:
+            entries += _entries(file, group)
+        entries.sort(key=lambda e: e.info.group != MODEL)  # stable: model first keeps early stopping sound
+        return TensorStream(entries)
+
+
+def _entries(file: Path, group: str | None) -> list[_Entry]:
+    if file.suffix == ".safetensors":
+        return _safetensors_entries(file, group)
+    if file.name == ".metadata":  # torch.distributed.checkpoint; imported here because it builds on this module
+        from .dcp import dcp_entries
+
+        return dcp_entries(file, group)
+    return _torch_entries(file, group)
+
+
+def _safetensors_entries(path: Path, group: str | None) -> list[_Entry]:
+    f = SafetensorsFile(path)
+    return [_Entry(TensorInfo(e.name, group or _group_of_key(e.name), e.dtype, e.shape, e.end - e.start, path),
+                   partial(f.read, e), drop_pages) for e in f.entries]
+
+
+def _torch_entries(path: Path, group: str | None) -> list[_Entry]:
+    obj, release = torch_file.load(path)
+    entries = []
+    for name, in_optimizer, t in tree_tensors(obj):
+        nbytes = t.numel() * t.element_size() if t.layout == torch.strided else 0
+        info = TensorInfo(name, group or (OPTIMIZER if in_optimizer else MODEL), t.dtype, tuple(t.shape), nbytes, path)
+        entries.append(_Entry(info, partial(_same, t), release))
+    return entries
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _group_of_key(key: str) -> str:
+    """A flat key (safetensors) belongs to the optimizer when its first component says so."""
+    return OPTIMIZER if re.split(r"[./]", key, maxsplit=1)[0].lower() in _OPTIMIZER_KEYS else MODEL
+
+
+def tree_tensors(obj: Any, prefix: tuple[str, ...] = (), in_optimizer: bool = False
+                 ) -> Iterator[tuple[str, bool, torch.Tensor]]:
+    """Every tensor in nested dicts/lists, dotted name and whether it is optimizer state.
+
+    Optimizer state is what lies under an optimizer-named key or inside a dict shaped like
+    ``optimizer.state_dict()``; its per-parameter entries are named by ``param_names`` when the
+    optimizer recorded them (torch >= 2.5 with named parameters), else by index.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield ".".join(prefix) or "tensor", in_optimizer, obj
+    elif isinstance(obj, dict):
+        shaped = isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list)
+        names = _param_names(obj["param_groups"]) if shaped else {}
+        for key, value in obj.items():
+            inside = in_optimizer or shaped or str(key).lower() in _OPTIMIZER_KEYS
+            if shaped and key == "state":
+                for index, state in value.items():
+                    yield from tree_tensors(state, prefix + ("state", str(names.get(index, index))), True)
+            else:
+                yield from tree_tensors(value, prefix + (str(key),), inside)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from tree_tensors(value, prefix + (str(i),), in_optimizer)
+
+
+def _param_names(groups: list[Any]) -> dict[Any, str]:
+    names: dict[Any, str] = {}
+    for g in groups:
+        if isinstance(g, dict) and isinstance(g.get("param_names"), list) and isinstance(g.get("params"), list):
+            names.update(zip(g["params"], map(str, g["param_names"])))
+    return names

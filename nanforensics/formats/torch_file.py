@@ -1,0 +1,102 @@
+"""PyTorch pickles (.pt/.pth), loaded with ``weights_only=True`` only: a pickle that needs more is refused, never run.
+
+Zip-format files are memory-mapped (``mmap=True``): tensors are views of one private map of the
+whole file, so ``release`` hands a tensor's pages back once they have been read, keeping the
+resident set near one chunk. Legacy (pre-1.6) files cannot be mapped and are read whole.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..errors import BadInput
+from ..runs.files import _one_line
+from .pages import drop_pages, span
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _brief(e: BaseException, limit: int = 200) -> str:
+    """torch.load's messages run to paragraphs; the error line keeps their start."""
+    text = _one_line(e)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _refusal(message: str) -> str:
+    """What the pickle asked for that weights_only loading would not give it."""
+    m = re.search(r"GLOBAL ([\w.]+)", message)
+    if m:
+        return f"it imports {m.group(1)}"
+    line = next((ln.strip() for ln in message.splitlines() if "Unsupported" in ln or "unsupported" in ln), "")
+    return line[:160] or "it needs more than tensors and plain containers"
+
+
+def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
+    """The unpickled object and a ``release(view)`` that drops the pages of a part of a tensor already read."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise BadInput(path, "file is missing") from None
+    except OSError as e:
+        raise BadInput(path, f"cannot read ({e.strerror or e})") from None
+    if not magic:
+        raise BadInput(path, "empty file, not a PyTorch checkpoint")
+    mapped = magic == _ZIP_MAGIC
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pickle protocol")
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+        except pickle.UnpicklingError as e:
+            if "Weights only load failed" in str(e):
+                raise BadInput(path, f"refused, not loaded: {_refusal(str(e))}, and weights_only loading runs "
+                                     "nothing but tensors and plain containers (convert the file to "
+                                     "safetensors where you trust it)") from None
+            raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
+        except Exception as e:  # noqa: BLE001 -- torch.load reports damage with many exception types
+            raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
+    return obj, (_PageRelease(path) if mapped else _keep)
+
+
+def _keep(tensor: torch.Tensor) -> None:
+    """Tensors of a file read whole: their memory goes when the object does."""
+
+
+class _PageRelease:
+    """Drop the pages of a (part of a) tensor that lies in this file's own private map.
+
+    Views elsewhere (a tensor built while unpickling, a copy) are left alone: dropping
+    anonymous pages would zero them.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._ranges = list(_file_maps(path))
+
+    def __call__(self, view: torch.Tensor) -> None:
+        if view.layout != torch.strided or not view.is_contiguous() or view.numel() == 0:
+            return
+        lo, hi = span(view)
+        if any(start <= lo and hi <= end for start, end in self._ranges):
+            drop_pages(view)
+
+
+def _file_maps(path: Path) -> Iterator[tuple[int, int]]:
+    target = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].rstrip("\n") == target:
+            start, end = fields[0].split("-")
+            yield int(start, 16), int(end, 16)
+

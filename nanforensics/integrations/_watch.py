@@ -1,0 +1,125 @@
+"""What the Lightning and Hugging Face callbacks share: the recorder under someone else's loop, the
+learning rate and clipping the loop applied recorded with each batch (so replay repeats a scheduler
+without rebuilding it), and the post-mortem when the loss goes non-finite."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..postmortem import PostmortemReport, postmortem
+from ..recorder import Recorder
+from ..report import write_json
+from ..runs.files import write_bytes_atomic
+
+log = logging.getLogger("nanforensics")
+
+
+def lrs(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Each group's learning rate now: what the step about to run uses, whatever scheduler set it."""
+    return [float(g["lr"]) for g in optimizer.param_groups]
+
+
+def set_lrs(optimizer: torch.optim.Optimizer, values: list[float]) -> None:
+    for group, lr in zip(optimizer.param_groups, values):
+        group["lr"] = lr
+
+
+def clip(optimizer: torch.optim.Optimizer, value: float | None, algorithm: str = "norm") -> None:
+    """The clipping the loop applied, over the optimizer's parameters as the frameworks do."""
+    if not value:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if algorithm == "value":
+        torch.nn.utils.clip_grad_value_(params, value)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, value)
+
+
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The loss in what a training step or a model returned: a tensor, ``{"loss": ...}``, ``.loss`` or ``[0]``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return output.get("loss")
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer under wrappers such as accelerate's, which replay could not rebuild."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class Watcher:
+    """The part of both callbacks that is not the framework's: records steps into ``run_dir`` and, at the first
+    non-finite loss, runs the post-mortem and writes its reports.
+
+    ``step_fn`` defaults to the framework's own step (``default_step_fn`` of the callback class). Reports go to
+    ``report_dir`` (default ``<run_dir>.postmortem``, beside the run: nothing is written into the run
+    directory the post-mortem examines); ``report`` holds the post-mortem once one ran.
+    """
+
+    default_step_fn: Callable[..., Any]
+
+    def __init__(self, run_dir: str | Path, *, model_factory: Callable[..., torch.nn.Module] | None = None,
+                 model_kwargs: dict[str, Any] | None = None, step_fn: Callable[..., Any] | None = None,
+                 checkpoint_every: int = 50, keep_checkpoints: int | None = None, postmortem_on_nan: bool = True,
+                 stop_on_nan: bool = True, report_dir: str | Path | None = None, overwrite: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.report_dir = Path(report_dir) if report_dir is not None else self.run_dir.with_name(
+            self.run_dir.name + ".postmortem")
+        self.model_factory, self.model_kwargs = model_factory, model_kwargs
+        self.step_fn = step_fn or type(self).default_step_fn
+        self.checkpoint_every, self.keep_checkpoints, self.overwrite = checkpoint_every, keep_checkpoints, overwrite
+        self.postmortem_on_nan, self.stop_on_nan = postmortem_on_nan, stop_on_nan
+        self.recorder: Recorder | None = None
+        self.report: PostmortemReport | None = None
+        self.steps_recorded = 0
+
+    def start_recording(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        model_factory: Callable[..., torch.nn.Module], model_kwargs: dict[str, Any] | None) -> None:
+        self.recorder = Recorder(self.run_dir, model, unwrapped(optimizer), model_factory=model_factory,
+                                 model_kwargs=model_kwargs, step_fn=self.step_fn,
+                                 checkpoint_every=self.checkpoint_every, keep_checkpoints=self.keep_checkpoints,
+                                 overwrite=self.overwrite)
+
+    def record_step(self, batch: Any, loss: torch.Tensor | float) -> bool:
+        """Record one step; True when its loss is non-finite and the loop should stop."""
+        if self.recorder is None:
+            return False
+        self.recorder.log(self.steps_recorded, batch, loss)
+        self.steps_recorded += 1
+        value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
+        if math.isfinite(value):
+            return False
+        log.warning("nanforensics: the loss is %s at step %d", value, self.steps_recorded - 1)
+        if self.postmortem_on_nan:
+            self.run_postmortem()
+        return self.stop_on_nan
+
+    def close_recording(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def run_postmortem(self) -> PostmortemReport:
+        """Close the recording and examine it; the reports land in ``report_dir``."""
+        from ..views.html import render_html
+        from ..views.postmortem import render_markdown
+
+        self.close_recording()
+        self.report = postmortem(self.run_dir)
+        write_json(self.report, str(self.report_dir / "postmortem.json"))
+        write_bytes_atomic(self.report_dir / "postmortem.md", render_markdown(self.report).encode(), durable=False)
+        write_bytes_atomic(self.report_dir / "postmortem.html", render_html(self.report).encode(), durable=False)
+        log.warning("nanforensics post-mortem: %s (reports in %s)", self.report.headline, self.report_dir)
+        return self.report

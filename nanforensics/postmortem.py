@@ -1,0 +1,310 @@
+"""The post-mortem of a failed job's artifact: every analysis the directory allows, and why not the others.
+
+A CI job that failed with NaN leaves a directory: a run recorded by ``nanforensics.Recorder``, or only a
+folder of checkpoints. The post-mortem reads the step log, bisects the checkpoints, replays where the
+batches and the user's code are importable here, and maps the spread per tensor. Each analysis that
+cannot run says why, and the verdict rests on the ones that did: with a replay it names the step,
+without one it brackets it between a clean checkpoint and the first poisoned checkpoint or NaN loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import __version__, spread
+from .bisect import BisectReport, bisect
+from .errors import BadInput
+from .explain import describe
+from .replay import ProgressFn, ReplayOptions, replay_run
+from .report import ReplayReport
+from .runs import imports
+from .runs.run import MANIFEST, Run, UserCode
+from .runs.steplog import LoggedStep, first_nonfinite
+from .spread import SpreadMap
+
+POSTMORTEM_SCHEMA = "nanforensics.postmortem/1"
+DONE, SKIPPED, FAILED = "done", "skipped", "failed"
+STEP_LOG, CHECKPOINTS, REPLAY, TENSOR_SPREAD = "step_log", "checkpoints", "replay", "tensor_spread"
+CURVE_POINTS = 2000  # loss curve points kept; longer logs are thinned, keeping the steps around the first NaN
+CHECKPOINT_ONLY = ": checkpoint-only analysis"
+
+
+@dataclass
+class Analysis:
+    name: str  # STEP_LOG, CHECKPOINTS, REPLAY or TENSOR_SPREAD
+    status: str  # DONE, SKIPPED or FAILED
+    detail: str  # what it found, or why it was skipped or failed
+
+
+@dataclass
+class StepLogSummary:
+    steps_logged: int
+    first_step: int
+    last_step: int
+    first_nonfinite_loss_step: int | None
+    curve_steps: list[int]  # the loss curve, thinned to at most CURVE_POINTS points
+    curve_losses: list[float]
+
+
+@dataclass
+class Window:
+    """Where the origin lies when no replay pinned it: steps ``first``..``last`` (either may be unknown)."""
+
+    first: int | None
+    last: int | None
+    basis: list[str]  # what each bound rests on
+
+
+@dataclass
+class PostmortemReport:
+    verdict: str  # "nonfinite" | "clean" | "not_reproduced"
+    headline: str
+    directory: str
+    kind: str  # "run": recorded by nanforensics; "checkpoints": a folder of checkpoints only
+    responsible_step: int | None
+    window: Window | None
+    analyses: list[Analysis]
+    step_log: StepLogSummary | None
+    checkpoints: BisectReport | None
+    replay: ReplayReport | None
+    tensor_spread: SpreadMap | None
+    findings: list[str]
+    generator: str = field(default=f"nanforensics {__version__}")
+    schema: str = field(default=POSTMORTEM_SCHEMA)
+
+    def analysis(self, name: str) -> Analysis:
+        return next(a for a in self.analyses if a.name == name)
+
+
+def postmortem(directory: str | Path, progress: ProgressFn | None = None,
+               note: Callable[[str], None] | None = None) -> PostmortemReport:
+    """Analyse ``directory`` as far as it allows; ``note`` hears which analysis starts (for a status line)."""
+    path = Path(directory)
+    if not path.exists():
+        raise BadInput(path, "no such directory")
+    if not path.is_dir():
+        raise BadInput(path, "not a directory: the post-mortem takes a run directory or a folder of checkpoints")
+    say = note or (lambda _: None)
+    run, not_run = _open_run(path)
+    analyses: list[Analysis] = []
+
+    say("reading the step log")
+    steps = _step_log(run, not_run, analyses)
+    say("bisecting the checkpoints")
+    # A run whose manifest is unreadable still has its checkpoint folders, which bisect reads without it.
+    checkpoints = _checkpoints(path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run,
+                               analyses)
+    say("replaying")
+    replay, advice = _replay(run, not_run, steps, analyses, progress)
+    say("mapping the spread per tensor")
+    tensor_spread = _tensor_spread(run, replay, analyses)
+    if not any(a.status == DONE for a in analyses):
+        raise BadInput(path, "nothing could be analysed: " + "; ".join(f"{a.name}: {a.detail}" for a in analyses))
+
+    summary = _summary(steps) if steps is not None else None
+    return _report(path, analyses, summary, checkpoints, replay, tensor_spread, advice)
+
+
+# ---- the analyses ------------------------------------------------------------------------------
+
+
+def _open_run(path: Path) -> tuple[Run | None, Analysis]:
+    """The run; or None, and the step-log analysis saying why not: skipped (no manifest) or failed (a broken one)."""
+    if not (path / MANIFEST).exists():
+        return None, Analysis(STEP_LOG, SKIPPED, "not a run recorded by nanforensics (no manifest.json)")
+    try:
+        return Run(path), Analysis(STEP_LOG, DONE, "")
+    except BadInput as e:
+        return None, Analysis(STEP_LOG, FAILED, str(e))
+
+
+def _step_log(run: Run | None, not_run: Analysis, analyses: list[Analysis]) -> list[LoggedStep] | None:
+    if run is None:
+        analyses.append(not_run)
+        return None
+    try:
+        steps = run.steps
+    except BadInput as e:
+        analyses.append(Analysis(STEP_LOG, FAILED, str(e)))
+        return None
+    if not steps:
+        analyses.append(Analysis(STEP_LOG, FAILED, "no steps were logged"))
+        return None
+    first = first_nonfinite(steps)
+    found = f"loss first non-finite at step {first}" if first is not None else "every logged loss is finite"
+    analyses.append(Analysis(STEP_LOG, DONE, f"{len(steps)} steps logged ({steps[0].step}-{steps[-1].step}); {found}"))
+    return steps
+
+
+def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis]) -> BisectReport | None:
+    if run is not None and not run.checkpoints():
+        analyses.append(Analysis(CHECKPOINTS, SKIPPED, "the run kept no checkpoints"))
+        return None
+    try:
+        report = bisect([path])
+    except BadInput as e:
+        analyses.append(Analysis(CHECKPOINTS, FAILED, str(e)))
+        return None
+    if report.first_poisoned is None:
+        found = "none poisoned"
+    else:
+        found = f"first poisoned at step {report.first_poisoned.step}" + (
+            f", last clean at step {report.last_clean.step}" if report.last_clean else "")
+    if report.verdict == "non_monotonic":
+        found += "; history not monotonic (a restart or repair?)"
+    analyses.append(Analysis(CHECKPOINTS, DONE, f"{report.checkpoints} checkpoints, {report.scans} read; {found}"))
+    return report
+
+
+def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, analyses: list[Analysis],
+            progress: ProgressFn | None) -> tuple[ReplayReport | None, list[str]]:
+    """The replay, or None; and what would make it possible when it is the user's code that is missing here."""
+    if run is None:
+        analyses.append(Analysis(REPLAY, SKIPPED, not_run.detail + CHECKPOINT_ONLY))
+        return None, []
+    if steps is None:
+        analyses.append(Analysis(REPLAY, SKIPPED, "the step log is unusable, so there is nothing to replay against"))
+        return None, []
+    missing = _unimportable(run)
+    if missing:
+        analyses.append(Analysis(REPLAY, SKIPPED, missing + CHECKPOINT_ONLY))
+        return None, [f"To pin the step, run the post-mortem where the training code is importable (the training "
+                      f"repository's root), or `nanforensics replay {run.path} --code-path DIR`."]
+    try:
+        report = replay_run(run.path, ReplayOptions(), progress)
+    except BadInput as e:
+        analyses.append(Analysis(REPLAY, FAILED, str(e)))
+        return None, []
+    s = report.setup
+    found = {"nonfinite": f"responsible step {report.responsible_step}",
+             "clean": "no non-finite value",
+             "not_reproduced": "the logged NaN did not reproduce"}[report.verdict]
+    analyses.append(Analysis(REPLAY, DONE, f"steps {s.first_step}-{s.last_step} from the checkpoint at step "
+                                           f"{s.from_checkpoint} on {s.device}; {found}"))
+    return report, []
+
+
+def _unimportable(run: Run) -> str | None:
+    """Which of the run's callables cannot be imported here, and why; None when all of them can."""
+    m = run.manifest
+    roles = [("model factory", m.model_factory), ("step function", m.step_fn),
+             ("optimizer", m.optimizer_factory or m.optimizer_class)]
+    roles += [("scheduler factory", m.scheduler_factory)] if m.scheduler_factory else []
+    for role, spec in roles:
+        try:
+            imports.resolve(spec, where=run.path / MANIFEST, forbidden=run.path)
+        except BadInput as e:  # the problem usually starts with the spec itself: say it once
+            problem = e.problem.removeprefix(f"{spec!r} ")
+            return f"{role} `{spec}` {problem}" if problem != e.problem else f"{role} `{spec}`: {problem}"
+    return None
+
+
+def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis]) -> SpreadMap | None:
+    if run is None or replay is None:
+        analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "needs a replay"))
+        return None
+    if replay.responsible_step is None:
+        analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value to map"))
+        return None
+    try:
+        m = spread.trace(run, UserCode.load(run), replay)
+    except BadInput as e:
+        analyses.append(Analysis(TENSOR_SPREAD, FAILED, str(e)))
+        return None
+    differs = spread.disagreement(m, replay)
+    detail = f"{len(m.rows)} parameters over steps {m.steps[0]}-{m.steps[-1]}"
+    if differs is not None:
+        detail += f"; the re-run's counts differ from the replay's from step {differs} (non-deterministic kernels?)"
+    analyses.append(Analysis(TENSOR_SPREAD, DONE, detail))
+    return m
+
+
+# ---- conclusions -------------------------------------------------------------------------------
+
+
+def _summary(steps: list[LoggedStep]) -> StepLogSummary:
+    first = first_nonfinite(steps)
+    keep = range(len(steps))
+    if len(steps) > CURVE_POINTS:
+        stride = math.ceil(len(steps) / (CURVE_POINTS - 8))
+        around = next((i for i, s in enumerate(steps) if s.step == first), len(steps) - 1)
+        keep = sorted({*range(0, len(steps), stride), *range(max(0, around - 3), min(len(steps), around + 4)),
+                       len(steps) - 1})
+    return StepLogSummary(len(steps), steps[0].step, steps[-1].step, first,
+                          [steps[i].step for i in keep], [steps[i].loss for i in keep])
+
+
+def _window(checkpoints: BisectReport | None, summary: StepLogSummary | None) -> Window | None:
+    first, last, basis = None, None, []
+    if checkpoints is not None and checkpoints.verdict == "poisoned":
+        if checkpoints.first_poisoned.step is not None:
+            last = checkpoints.first_poisoned.step - 1
+            basis.append(f"the checkpoint at step {checkpoints.first_poisoned.step} already holds non-finite values")
+        if checkpoints.last_clean is not None and checkpoints.last_clean.step is not None:
+            first = checkpoints.last_clean.step
+            basis.append(f"the checkpoint at step {first} is clean")
+    elif checkpoints is not None and checkpoints.verdict == "clean" and checkpoints.last_clean.step is not None:
+        first = checkpoints.last_clean.step
+        basis.append(f"the last checkpoint, at step {first}, is clean")
+    nan_loss = summary.first_nonfinite_loss_step if summary else None
+    if nan_loss is not None and (last is None or nan_loss < last):
+        last = nan_loss
+        basis.append(f"the logged loss is non-finite at step {nan_loss}")
+    return Window(first, last, basis) if basis else None
+
+
+def span(w: Window) -> str:
+    """``in steps 10-18``, ``at or before step 18`` or ``at or after step 10``."""
+    if w.first is not None and w.last is not None:
+        return f"in steps {w.first}-{w.last}"
+    return f"at or before step {w.last}" if w.last is not None else f"at or after step {w.first}"
+
+
+def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None,
+            checkpoints: BisectReport | None, replay: ReplayReport | None, tensor_spread: SpreadMap | None,
+            advice: list[str]) -> PostmortemReport:
+    nan_loss = summary.first_nonfinite_loss_step if summary else None
+    poisoned = checkpoints is not None and checkpoints.first_poisoned is not None
+    window = None
+    findings: list[str] = []
+    if replay is not None and replay.verdict == "nonfinite":
+        verdict, responsible = "nonfinite", replay.responsible_step
+        shown = f"; the logged loss first shows it at step {nan_loss}" if nan_loss is not None else ""
+        headline = f"non-finite values began at step {responsible}: {describe(replay.origin)}{shown}"
+    elif poisoned or (nan_loss is not None and (replay is None or replay.verdict != "not_reproduced")):
+        verdict, responsible, window = "nonfinite", None, _window(checkpoints, summary)
+        if window is not None:
+            headline = f"non-finite values began {span(window)}, not pinned by a replay"
+            findings.append(f"The origin lies {span(window)}: " + "; ".join(window.basis) + ".")
+        else:
+            headline = "the checkpoints hold non-finite values, but their history is not monotonic (a restart or " \
+                       "a repair?), so they do not bracket the origin"
+    elif replay is not None and replay.verdict == "not_reproduced":
+        verdict, responsible = "not_reproduced", None
+        clean = ", nor do the checkpoints hold any" if checkpoints is not None else ""
+        headline = f"the logged loss is non-finite at step {nan_loss}, but the replay does not reproduce it{clean}"
+    else:
+        verdict, responsible = "clean", None
+        looked = [a.name.replace("_", " ") for a in analyses if a.status == DONE and a.name != TENSOR_SPREAD]
+        headline = f"no non-finite value found ({', '.join(looked)})"
+    if replay is not None and replay.verdict == "not_reproduced" and poisoned:
+        findings.append("The replay did not reproduce the logged NaN, yet the checkpoints hold non-finite values: "
+                        "the replay is not an exact copy of the run (see its findings).")
+    if verdict != "clean" and replay is None:  # what would pin the step
+        hint = [f"To pin the step: `{checkpoints.replay.command}`."] if checkpoints and checkpoints.replay else []
+        findings += advice or hint
+    return PostmortemReport(verdict=verdict, headline=headline, directory=str(path),
+                            kind="run" if (path / MANIFEST).exists() else "checkpoints",
+                            responsible_step=responsible, window=window, analyses=analyses, step_log=summary,
+                            checkpoints=checkpoints, replay=replay, tensor_spread=tensor_spread, findings=findings)
+
+
+def check_outputs(directory: Path, outputs: dict[str, str | None]) -> None:
+    """Refuse a report path inside the examined directory, before any work: nothing is written there."""
+    for option, destination in outputs.items():
+        if destination and destination != "-" and Path(destination).resolve().is_relative_to(directory.resolve()):
+            raise BadInput(option, f"{destination} lies inside {directory}, which the post-mortem examines and "
+                                   "never writes into")

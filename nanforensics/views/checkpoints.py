@@ -1,0 +1,233 @@
+"""Views of ScanReport and BisectReport: rich for the terminal, Markdown for CI summaries and issues,
+and the bytes/s progress bar scans draw on stderr."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from ..bisect import BisectReport, CheckpointRef, ScanRecord
+from ..scan import CLEAN, POISONED_PARAMETERS, POISONED_STATE, ScanReport, TensorScan
+
+SHOWN = 20  # tensors listed per table; the JSON report has all of them
+
+_SCAN_VERDICT = {
+    CLEAN: ("bold white on green", "CLEAN"),
+    POISONED_PARAMETERS: ("bold white on red", "POISONED PARAMETERS"),
+    POISONED_STATE: ("bold black on yellow", "POISONED OPTIMIZER STATE"),
+}
+_BISECT_VERDICT = {
+    "clean": ("bold white on green", "CLEAN"),
+    "poisoned": ("bold white on red", "POISONED"),
+    "non_monotonic": ("bold black on yellow", "NON-MONOTONIC"),
+}
+_MEANING = {
+    CLEAN: "every tensor read is finite",
+    POISONED_PARAMETERS: "the model's parameters hold non-finite values",
+    POISONED_STATE: "optimizer state only: the parameters are still finite, but the next step reads this state "
+                    "and goes non-finite (a NaN moment) or freezes those coordinates (an infinite second moment)",
+}
+_TENSOR_HEADERS = ["tensor", "group", "dtype", "shape", "non-finite", "first at", "max |x| / limit"]
+_READ_HEADERS = ["#", "step", "checkpoint", "verdict", "bytes"]
+_GROUP_HEADERS = ["group", "tensors", "read", "bytes", "non-finite tensors", "non-finite values", "near limit"]
+
+
+class ProgressBar:
+    """Bytes read and bytes/s per checkpoint, on stderr; one bar per scan, cleared when done."""
+
+    def __init__(self, console: Console) -> None:
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                  TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True)
+        self._task: int | None = None
+
+    def __enter__(self) -> ProgressBar:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def start(self, label: str, total_bytes: int) -> None:
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+        self._task = self._progress.add_task(escape(label), total=total_bytes)
+
+    def advance(self, nbytes: int) -> None:
+        if self._task is not None:
+            self._progress.advance(self._task, nbytes)
+
+
+@contextmanager
+def bytes_progress(console: Console) -> Iterator[ProgressBar | None]:
+    """A bar when the console is a terminal; nothing in logs and pipes."""
+    if not console.is_terminal:
+        yield None
+        return
+    with ProgressBar(console) as bar:
+        yield bar
+
+
+def _step(step: int | None, source: str | None = None) -> str:
+    if step is None:
+        return "step unknown"
+    return f"step {step}" + (f" from its {source}" if source else "")
+
+
+def _ref(ref: CheckpointRef | None) -> str:
+    return "none" if ref is None else f"{_step(ref.step)}  {ref.path}"
+
+
+def _group_rows(r: ScanReport) -> list[list[str]]:
+    return [[name, str(g.tensors), str(g.read), f"{g.bytes:,}", str(g.nonfinite_tensors), str(g.nonfinite_values),
+             str(g.near_limit)] for name, g in r.groups.items()]
+
+
+def _tensor_row(t: TensorScan) -> list[str]:
+    first = f"{t.first_nonfinite.index} = {t.first_nonfinite.value}" if t.first_nonfinite else "-"
+    peak = "-" if t.max_abs is None or t.dtype_max is None else f"{t.max_abs:.3g} / {t.dtype_max:.3g}"
+    return [t.name, t.group, t.dtype, str(t.shape), str(t.nonfinite) if t.checked else "unchecked", first, peak]
+
+
+def _notable(tensors: Sequence[TensorScan]) -> tuple[list[TensorScan], list[TensorScan]]:
+    return [t for t in tensors if t.nonfinite], [t for t in tensors if t.near_limit and not t.nonfinite]
+
+
+def _scan_notes(r: ScanReport) -> list[str]:
+    notes = [f"Verdict: {_MEANING[r.verdict]}."]
+    if not r.complete:
+        notes.append("Stopped at the first non-finite tensor; --full reads and counts every tensor.")
+    _, near = _notable(r.tensors)
+    if near:
+        notes.append(f"{len(near)} finite tensor(s) within a factor {r.margin:g} of their dtype's largest value: "
+                     "a precursor of overflow.")
+    return notes
+
+
+def _bisect_notes(r: BisectReport) -> list[str]:
+    how = "the step in their metadata" if r.order == "metadata" else "the number in their names"
+    mode = "linear" if r.mode == "linear" else f"bisection, at most {r.max_scans}"
+    notes = [f"{r.checkpoints} checkpoint(s) ordered by {how}; {r.scans} read ({mode})."]
+    if r.first_poisoned_verdict:
+        notes.append(f"First poisoned: {_MEANING[r.first_poisoned_verdict]}.")
+    if r.first_poisoned is not None and r.last_clean is not None:
+        notes.append(f"The first non-finite value arose between {_step(r.last_clean.step)} and "
+                     f"{_step(r.first_poisoned.step)}.")
+    for nm in r.non_monotonic:
+        notes.append(f"Not monotonic: {_step(nm.clean_after.step)} ({nm.clean_after.path}) is clean after poisoned "
+                     f"{_step(nm.poisoned.step)}: a restart or a manual repair? Non-finite values are absorbing, so "
+                     "bisection cannot be trusted here" + ("." if r.mode == "linear" else "; --linear reads them all."))
+    if r.verdict == "clean" and r.mode == "bisect" and r.scans < r.checkpoints:
+        notes.append("Only the first and last were read: absorption makes the ones between clean too, unless the run "
+                     "was repaired in between (--linear reads them all).")
+    if r.replay_unavailable:
+        notes.append(f"No replay: {r.replay_unavailable}.")
+    return notes
+
+
+def render_scan_terminal(r: ScanReport, console: Console) -> None:
+    style, label = _SCAN_VERDICT[r.verdict]
+    console.print(f"[{style}] {label} [/] {escape(r.path)}  [dim]{r.format}, {_step(r.step, r.step_source)}[/]")
+    groups = Table(box=None, pad_edge=False)
+    for h in _GROUP_HEADERS:
+        groups.add_column(h, justify="left" if h == "group" else "right")
+    for row in _group_rows(r):
+        groups.add_row(*row)
+    console.print(groups)
+    _terminal_tensors(r.tensors, console)
+    for note in _scan_notes(r):
+        console.print(escape(note), soft_wrap=True)
+
+
+def _terminal_tensors(tensors: Sequence[TensorScan], console: Console) -> None:
+    for title, rows in zip(("non-finite", "near the dtype's limit"), _notable(tensors)):
+        if not rows:
+            continue
+        table = Table(title=f"{title} ({len(rows)})", title_justify="left", box=None, pad_edge=False)
+        for h in _TENSOR_HEADERS:  # names fold rather than truncate: they are what the reader needs
+            table.add_column(h, overflow="fold", no_wrap=h != "tensor", min_width=12 if h == "tensor" else None)
+        for t in rows[:SHOWN]:
+            table.add_row(*map(escape, _tensor_row(t)))
+        console.print(table)
+        if len(rows) > SHOWN:
+            console.print(f"[dim]... and {len(rows) - SHOWN} more (every one in --json)[/]")
+
+
+def render_bisect_terminal(r: BisectReport, console: Console) -> None:
+    style, label = _BISECT_VERDICT[r.verdict]
+    console.print(f"[{style}] {label} [/] first poisoned: {escape(_ref(r.first_poisoned))}")
+    console.print(f"{' ' * (len(label) + 2)} last clean:    {escape(_ref(r.last_clean))}")
+    reads = Table(title="checkpoints read", title_justify="left", box=None, pad_edge=False)
+    for h in _READ_HEADERS:
+        reads.add_column(h)
+    for n, rec in _history_rows(r):
+        if rec is None:
+            reads.add_row("", "", f"[dim]... {n} more like the rows around[/]", "", "")
+        else:
+            reads.add_row(str(n), str(rec.step), escape(rec.path), rec.verdict, f"{rec.bytes_read:,}")
+    console.print(reads)
+    _terminal_tensors(r.poisoned_tensors, console)
+    for note in _bisect_notes(r):
+        console.print(escape(note), soft_wrap=True)
+    if r.replay:
+        console.print(f"Replay the window: [bold]{escape(r.replay.command)}[/]  (or add --replay)", soft_wrap=True)
+
+
+def _history_rows(r: BisectReport) -> list[tuple[int, ScanRecord | None]]:
+    """Reads in order, with long runs of one verdict (a linear scan) cut to their ends: (n, None) stands for n rows."""
+    rows: list[tuple[int, ScanRecord | None]] = []
+    run: list[tuple[int, ScanRecord]] = []
+    for n, rec in [*enumerate(r.history, 1), (0, None)]:
+        if rec is not None and run and rec.verdict == run[-1][1].verdict:
+            run.append((n, rec))
+            continue
+        rows += run if len(run) <= 4 else [run[0], (len(run) - 2, None), run[-1]]
+        run = [(n, rec)] if rec is not None else []
+    return rows
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(map(_cell, headers)) + " |", "|" + "---|" * len(headers),
+            *("| " + " | ".join(map(_cell, row)) + " |" for row in rows), ""]
+
+
+def _md_tensors(tensors: Sequence[TensorScan]) -> list[str]:
+    out: list[str] = []
+    for title, rows in zip(("Non-finite tensors", "Near the dtype's limit"), _notable(tensors)):
+        if rows:
+            out += [f"**{title}** ({len(rows)})", ""]
+            out += _md_table(_TENSOR_HEADERS, [[f"`{c}`" if i == 0 else c for i, c in enumerate(_tensor_row(t))]
+                                               for t in rows[:SHOWN]])
+            if len(rows) > SHOWN:
+                out += [f"... and {len(rows) - SHOWN} more (every one in the JSON report)", ""]
+    return out
+
+
+def render_scan_markdown(r: ScanReport) -> str:
+    out = [f"### nanforensics scan: {_SCAN_VERDICT[r.verdict][1]}", "",
+           f"`{r.path}` ({r.format}, {_step(r.step, r.step_source)})", ""]
+    out += _md_table(_GROUP_HEADERS, _group_rows(r))
+    out += _md_tensors(r.tensors)
+    out += [*_scan_notes(r), ""]
+    return "\n".join(out)
+
+
+def render_bisect_markdown(r: BisectReport) -> str:
+    out = [f"### nanforensics bisect: {_BISECT_VERDICT[r.verdict][1]}", "",
+           f"- first poisoned: {_ref(r.first_poisoned)}", f"- last clean: {_ref(r.last_clean)}", ""]
+    out += _md_table(_READ_HEADERS,
+                     [[str(n), str(rec.step), f"`{rec.path}`", rec.verdict, f"{rec.bytes_read:,}"] if rec else
+                      ["", "", f"... {n} more like the rows around", "", ""] for n, rec in _history_rows(r)])
+    out += _md_tensors(r.poisoned_tensors)
+    out += [*_bisect_notes(r), ""]
+    if r.replay:
+        out += ["Replay the window:", "", "```", r.replay.command, "```", ""]
+    return "\n".join(out)

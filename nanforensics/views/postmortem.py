@@ -1,0 +1,118 @@
+"""Views of a PostmortemReport: rich for the CI log, Markdown for $GITHUB_STEP_SUMMARY, JUnit XML for test
+dashboards. The replay and bisect sections are those commands' own views."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from typing import Any, Callable
+
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .. import spread
+from ..postmortem import DONE, FAILED, SKIPPED, PostmortemReport
+from . import checkpoints, heatmap, replay
+
+VERDICT = {
+    "nonfinite": ("bold white on red", "NON-FINITE"),
+    "clean": ("bold white on green", "CLEAN"),
+    "not_reproduced": ("bold black on yellow", "NOT REPRODUCED"),
+}
+_STATUS_STYLE = {DONE: "green", SKIPPED: "yellow", FAILED: "red"}
+
+
+def spread_map(r: PostmortemReport) -> spread.SpreadMap | None:
+    """Per tensor where the post-mortem measured it, else the replay's whole-model totals."""
+    if r.tensor_spread is not None:
+        return r.tensor_spread
+    return spread.from_replay(r.replay) if r.replay is not None else None
+
+
+def _label(name: str) -> str:
+    return name.replace("_", " ")
+
+
+def render_terminal(r: PostmortemReport, console: Console) -> None:
+    style, word = VERDICT[r.verdict]
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="dim")
+    table.add_column(no_wrap=True)
+    table.add_column()
+    kind = "a recorded run" if r.kind == "run" else "checkpoints only"
+    table.add_row("directory", "", Text(f"{r.directory}  ({kind})"))  # Text: paths and errors are not markup
+    for a in r.analyses:
+        table.add_row(_label(a.name), Text(a.status, style=_STATUS_STYLE[a.status]), Text(a.detail))
+    parts: list[Any] = [Text(r.headline, style="bold"), Text(), table]
+    if r.findings:
+        parts += [Text(), Text("\n".join(f"- {f}" for f in r.findings))]
+    title = Text.assemble((f" {word} ", style), "  ", ("nanforensics post-mortem", "bold"))
+    console.print(Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
+    m = spread_map(r)
+    if m is not None:
+        heatmap.render_terminal(m, console)
+    if r.replay is not None:
+        replay.render_terminal(r.replay, console)
+    elif r.checkpoints is not None:  # the evidence when there is no replay; beside one, the summary row suffices
+        checkpoints.render_bisect_terminal(r.checkpoints, console)
+
+
+def render_markdown(r: PostmortemReport) -> str:
+    _, word = VERDICT[r.verdict]
+    out = [f"## nanforensics post-mortem: {word.lower()} - {r.headline}", "",
+           f"`{r.directory}`, {'a run recorded by nanforensics' if r.kind == 'run' else 'checkpoints only'}.", "",
+           "| analysis | status | result |", "|---|---|---|"]
+    out += [f"| {_label(a.name)} | {a.status} | {a.detail.replace('|', '/')} |" for a in r.analyses]
+    if r.findings:
+        out += ["", *[f"- {f}" for f in r.findings]]
+    m = spread_map(r)
+    if m is not None:
+        out += ["", "### Spread of non-finite values", "", "```text", heatmap.render_text(m), "```"]
+    if r.replay is not None:
+        out += ["", "<details><summary>Replay</summary>", "", replay.render_markdown(r.replay), "</details>"]
+    if r.checkpoints is not None:
+        out += ["", "<details><summary>Checkpoints</summary>", "", checkpoints.render_bisect_markdown(r.checkpoints),
+                "</details>"]
+    return "\n".join(out) + "\n"
+
+
+def failure_message(r: PostmortemReport) -> str:
+    """One line for a CI dashboard: the responsible step, its batch and the origin, or the window."""
+    batch = r.replay.responsible_batch if r.replay is not None and r.responsible_step is not None else None
+    return r.headline + (f" (batch {batch.file})" if batch else "")
+
+
+def render_junit(r: PostmortemReport) -> str:
+    """A suite with the diagnosis as one test case (failed unless clean) and one case per analysis."""
+    failures = int(r.verdict != "clean")
+    errors = sum(a.status == FAILED for a in r.analyses)
+    skipped = sum(a.status == SKIPPED for a in r.analyses)
+    suite = ET.Element("testsuite", name="nanforensics.postmortem", tests=str(1 + len(r.analyses)),
+                       failures=str(failures), errors=str(errors), skipped=str(skipped))
+    case = ET.SubElement(suite, "testcase", classname="nanforensics.postmortem",
+                         name=f"no non-finite values in {r.directory}")
+    if failures:
+        failure = ET.SubElement(case, "failure", type=r.verdict, message=failure_message(r))
+        failure.text = render_markdown(r)
+    for a in r.analyses:
+        case = ET.SubElement(suite, "testcase", classname="nanforensics.postmortem.analysis", name=a.name)
+        if a.status == FAILED:
+            ET.SubElement(case, "error", message=a.detail)
+        elif a.status == SKIPPED:
+            ET.SubElement(case, "skipped", message=a.detail)
+        else:
+            ET.SubElement(case, "system-out").text = a.detail
+    root = ET.Element("testsuites", name="nanforensics", tests=suite.get("tests", "0"), failures=str(failures),
+                      errors=str(errors), skipped=str(skipped))
+    root.append(suite)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def status_line(console: Console) -> Callable[[str], None] | None:
+    """What the post-mortem is doing, when ``console`` is a terminal (CI logs get the report only)."""
+    if not console.is_terminal:
+        return None
+    return lambda what: console.print(f"[dim]post-mortem: {escape(what)}...[/]")

@@ -1,0 +1,361 @@
+"""Every command over damaged copies of a recorded run: one table, one CLI call per (damage, command).
+
+Each case must end in a one-line error naming the file and the problem with exit code 2 (never the
+catch-all line for unforeseen exceptions), or, where the damage leaves enough, work (exit 0/1) or give a
+post-mortem marked partial (an analysis failed, naming the file; no step pinned). Either way the input
+directory is byte-identical afterwards and, on an error, the earlier report at the --json path is left
+as it was and no Markdown report is written. The calls run concurrently (a pool as wide as the CPUs),
+since most of each is the import of torch; a summary of damaged inputs by command ends the session.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import struct
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from conftest import DEFECT_STEP, Result, _record, run_cli, tree_digest
+from nanforensics.errors import BadInput
+from nanforensics.formats import open_checkpoint
+from nanforensics.formats.safetensors_file import SafetensorsFile
+from nanforensics.runs.files import TensorFile
+from nanforensics.scan import scan_checkpoint
+
+SCENARIO = "adam_near_zero"
+CK = Path("checkpoints") / "step_00000010"  # the last clean checkpoint before the defect: replay starts here
+MODEL = CK / "model.safetensors"
+EARLIER = "an earlier report\n"
+# root reads through any permission bits; without these two capabilities it is held to them like any user
+NO_OVERRIDE = ("setpriv", "--bounding-set=-dac_override,-dac_read_search", "--")
+ERROR, WORKS, PARTIAL = "error", "works", "partial"
+
+
+# ---- damage: each changes a copy of the run (and may prepare the output folder) -------------------------
+
+
+def _cut(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def truncated_header(run: Path, out: Path) -> None:
+    _cut(run / MODEL, 40)
+
+
+def truncated_body(run: Path, out: Path) -> None:
+    _cut(run / MODEL, (run / MODEL).stat().st_size - 100)
+
+
+def sizes_beyond_file(run: Path, out: Path) -> None:
+    """A self-consistent header whose largest tensor claims ten times the rows it has bytes for."""
+    data = (run / MODEL).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    spec = header["fc2.weight"]
+    spec["shape"][0] *= 10
+    spec["data_offsets"][1] = spec["data_offsets"][0] + math.prod(spec["shape"]) * 4
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (run / MODEL).write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def huge_header_length(run: Path, out: Path) -> None:
+    data = (run / MODEL).read_bytes()
+    (run / MODEL).write_bytes(struct.pack("<Q", 1 << 62) + data[8:])
+
+
+def _retensor(run: Path, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Rewrite one model tensor as a valid safetensors file, keeping the file's metadata."""
+    tensors = load_file(run / MODEL)
+    tensors[name] = change(tensors[name])
+    save_file(tensors, run / MODEL, metadata=SafetensorsFile(run / MODEL).metadata)
+
+
+def wrong_dtype(run: Path, out: Path) -> None:
+    _retensor(run, "fc2.weight", lambda t: t.half())
+
+
+def wrong_shape(run: Path, out: Path) -> None:
+    _retensor(run, "fc2.weight", lambda t: t[:16].clone())
+
+
+def missing_optimizer_state(run: Path, out: Path) -> None:
+    (run / CK / "optimizer.safetensors").unlink()
+
+
+def _edit_manifest(run: Path, **changes: str) -> None:
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**manifest, **changes}, indent=2))
+
+
+def malformed_manifest(run: Path, out: Path) -> None:
+    _cut(run / "manifest.json", 60)
+
+
+def future_manifest(run: Path, out: Path) -> None:
+    _edit_manifest(run, format="nanforensics.run/9")
+
+
+def manifest_missing_module(run: Path, out: Path) -> None:
+    _edit_manifest(run, model_factory="no_such_faults_module:build_model")
+
+
+def batches_missing_mid_window(run: Path, out: Path) -> None:
+    for step in (13, 14):
+        (run / "batches" / f"step_{step:08d}.safetensors").unlink()
+
+
+def garbage_log_lines(run: Path, out: Path) -> None:
+    lines = (run / "steps.jsonl").read_bytes().splitlines(keepends=True)
+    (run / "steps.jsonl").write_bytes(b"".join(lines[:5] + [b"\x00\xffgarbage{\n"] + lines[5:]))
+
+
+def torn_last_line(run: Path, out: Path) -> None:
+    """A job killed in the middle of writing its last step record."""
+    _cut(run / "steps.jsonl", (run / "steps.jsonl").stat().st_size - 9)
+
+
+def empty_directory(run: Path, out: Path) -> None:
+    for child in list(run.iterdir()):
+        shutil.rmtree(child)
+
+
+def unreadable_directory(run: Path, out: Path) -> None:
+    """The run folder, and the checkpoint folder scan is given, without read or search permission."""
+    (run / CK).chmod(0)
+    run.chmod(0)
+
+
+def unwritable_output(run: Path, out: Path) -> None:
+    """A folder where the Markdown report goes; a file where repair's --out folder goes."""
+    (out / "report.md").mkdir()
+    (out / "repaired").write_text("a file, not a folder")
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Expect:
+    outcome: str  # ERROR, WORKS or PARTIAL
+    needles: tuple[str, ...] = ()  # in the error line (ERROR), in a failed analysis' detail (PARTIAL)
+
+
+def error(*needles: str) -> Expect:
+    return Expect(ERROR, needles)
+
+
+def partial(*needles: str) -> Expect:
+    return Expect(PARTIAL, needles)
+
+
+@dataclass(frozen=True)
+class Damage:
+    apply: Callable[[Path, Path], None]
+    expect: dict[str, Expect]  # by command: only the commands the damage means something to
+    wrapper: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.apply.__name__
+
+
+_BAD_MODEL = ("model.safetensors",)
+DAMAGES = [
+    Damage(truncated_header, {c: error(*_BAD_MODEL, "truncated") for c in ("scan", "bisect", "replay")}
+           | {"postmortem": partial(*_BAD_MODEL, "truncated")}),
+    Damage(truncated_body, {c: error(*_BAD_MODEL, "truncated") for c in ("scan", "bisect", "replay", "repair")}
+           | {"postmortem": partial(*_BAD_MODEL, "truncated")}),
+    Damage(sizes_beyond_file, {c: error(*_BAD_MODEL, "fc2.weight") for c in ("scan", "bisect", "replay")}),
+    Damage(huge_header_length, {c: error(*_BAD_MODEL, "header") for c in ("scan", "replay")}),
+    Damage(wrong_dtype, {"replay": error(*_BAD_MODEL, "fc2.weight", "dtype"),
+                         "repair": error(*_BAD_MODEL, "fc2.weight", "dtype")}),
+    Damage(wrong_shape, {"replay": error(*_BAD_MODEL, "fc2.weight", "does not fit"),
+                         "postmortem": partial(*_BAD_MODEL, "fc2.weight")}),
+    Damage(missing_optimizer_state, {c: error("optimizer.safetensors", "missing")
+                                     for c in ("scan", "bisect", "replay")}),
+    Damage(malformed_manifest, {c: error("manifest.json", "not valid JSON") for c in ("bisect", "replay", "repair")}
+           | {"postmortem": partial("manifest.json", "not valid JSON")}),
+    Damage(future_manifest, {"replay": error("manifest.json", "newer"),
+                             "postmortem": partial("manifest.json", "newer")}),
+    Damage(manifest_missing_module, {c: error("manifest.json", "no_such_faults_module") for c in ("replay", "repair")}
+           | {"postmortem": Expect(WORKS)}),  # checkpoint-only: test_postmortem checks how it is marked
+    Damage(batches_missing_mid_window, {c: error("step_00000013.safetensors", "missing") for c in ("replay", "repair")}
+           | {"postmortem": partial("step_00000013.safetensors", "missing")}),
+    Damage(garbage_log_lines, {c: error("steps.jsonl", "line 6") for c in ("replay", "repair")}
+           | {"postmortem": partial("steps.jsonl", "line 6")}),
+    Damage(torn_last_line, {"replay": Expect(WORKS), "postmortem": Expect(WORKS)}),
+    Damage(empty_directory, {"scan": error("run", "not a checkpoint folder"), "bisect": error("run", "holds no checkpoints"),
+                             "replay": error("manifest.json", "missing"), "repair": error("manifest.json", "missing"),
+                             "postmortem": error("run", "nothing could be analysed")}),
+    Damage(unreadable_directory, {c: error("run", "ermission denied") for c in ("scan", "bisect", "replay",
+                                                                               "postmortem")},
+           wrapper=NO_OVERRIDE),
+    Damage(unwritable_output, {c: error("report.md") for c in ("scan", "bisect", "replay", "postmortem")}
+           | {"repair": error("repaired", "not a directory")}),
+]
+CASES = [pytest.param(d, command, id=f"{d.name}-{command}") for d in DAMAGES for command in d.expect]
+
+
+def command_line(command: str, run: Path, out: Path) -> list[str | Path]:
+    """The command over the damaged run (scan: its start checkpoint, or the run folder when none is left)."""
+    reports: list[str | Path] = ["--json", out / "report.json"]
+    if command == "repair":
+        return ["repair", run, "--out", out / "repaired", *reports]
+    target = run / CK if command == "scan" and (run / CK).is_dir() else run
+    return [command, target, *reports, "--markdown", out / "report.md"]
+
+
+@dataclass
+class Outcome:
+    result: Result
+    untouched: bool  # the input directory byte-identical afterwards
+    json_report: str  # the --json path's content afterwards
+    markdown_written: bool
+
+
+def _attempt(recorded: Path, root: Path, damage: Damage, command: str) -> Outcome:
+    run, out = root / "run", root / "out"
+    shutil.copytree(recorded, run)
+    out.mkdir()
+    (out / "report.json").write_text(EARLIER)
+    damage.apply(run, out)
+    before = tree_digest(run)
+    result = run_cli(*command_line(command, run, out), wrapper=damage.wrapper)
+    for folder in (run, run / CK):  # the digest reads as root; the checks need the folders back to their modes
+        if folder.exists():
+            folder.chmod(0o755)
+    return Outcome(result, tree_digest(run) == before, (out / "report.json").read_text(),
+                   (out / "report.md").is_file())
+
+
+@pytest.fixture(scope="module")
+def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
+    """Every case collected in this session, run concurrently: most of each call is importing torch."""
+    recorded = _record(tmp_path_factory.mktemp("recorded") / SCENARIO, SCENARIO)
+    wanted = [item.callspec.params for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec") and "damage" in item.callspec.params]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        futures = {f"{p['damage'].name}-{p['command']}": pool.submit(
+            _attempt, recorded, tmp_path_factory.mktemp("case"), p["damage"], p["command"]) for p in wanted}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@dataclass
+class Tally:
+    tried: Counter[str] = field(default_factory=Counter)
+    passed: Counter[str] = field(default_factory=Counter)
+
+
+TALLY = Tally()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After the module: damaged inputs tried and passed, by command, on the terminal (even without -s)."""
+    yield
+    if not TALLY.tried:
+        return
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    lines = ["", "damaged inputs by command (passed/tried):"]
+    lines += [f"  {c:<11} {TALLY.passed[c]}/{TALLY.tried[c]}" for c in sorted(TALLY.tried)]
+    lines += [f"  {'all':<11} {sum(TALLY.passed.values())}/{sum(TALLY.tried.values())}"]
+    for line in lines:
+        (reporter.write_line if reporter else print)(line)
+
+
+@pytest.mark.parametrize("damage, command", CASES)
+def test_damaged_input(outcomes: dict[str, Outcome], damage: Damage, command: str) -> None:
+    TALLY.tried[command] += 1
+    o, expect = outcomes[f"{damage.name}-{command}"], damage.expect[command]
+    r = o.result
+    assert "Traceback" not in r.stderr and "NANFORENSICS_DEBUG" not in r.stderr, r.stderr
+    assert o.untouched, "the command changed the directory it examined"
+    if expect.outcome == ERROR:
+        assert r.code == 2, (r.code, r.stderr, r.stdout[-2000:])
+        [line] = r.stderr.strip().splitlines() or [""]
+        assert line.startswith("nanforensics: error: "), r.stderr
+        for needle in expect.needles:
+            assert needle in line, (needle, line)
+        assert o.json_report == EARLIER and not o.markdown_written, "a failed command wrote a report"
+    else:
+        assert r.code in (0, 1, 3), (r.code, r.stderr)
+        report = json.loads(o.json_report)
+        if command == "replay":
+            assert report["responsible_step"] == DEFECT_STEP
+        if expect.outcome == WORKS and command == "postmortem":
+            assert report["verdict"] == "nonfinite", report["headline"]
+        if expect.outcome == PARTIAL:
+            assert report["responsible_step"] is None and report["window"] is not None, report["headline"]
+            failed = [a["detail"] for a in report["analyses"] if a["status"] == "failed"]
+            assert any(all(n in d for n in expect.needles) for d in failed), report["analyses"]
+    TALLY.passed[command] += 1
+
+
+# ---- the readers under random corruption of a valid checkpoint file -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A recorded checkpoint's model.safetensors, as bytes."""
+    torch.manual_seed(0)
+    tensors = {"fc.weight": torch.randn(8, 4), "fc.bias": torch.randn(8), "steps": torch.arange(3)}
+    path = tmp_path_factory.mktemp("valid") / "model.safetensors"
+    save_file(tensors, path, metadata={"format": "nanforensics.checkpoint/1", "step": "10"})
+    return path.read_bytes()
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """A hang becomes a test failure (hypothesis' deadline only measures examples that finish)."""
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"a reader ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+_edits = st.lists(st.tuples(st.one_of(st.integers(0, 200), st.integers(0, 1 << 20)), st.binary(min_size=1, max_size=8)),
+                  min_size=1, max_size=4)
+
+
+@settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=_edits, keep=st.one_of(st.none(), st.integers(0, 1 << 20)))
+def test_corrupt_checkpoint_is_bad_input_or_readable(tmp_path: Path, model_file: bytes,
+                                                     edits: list[tuple[int, bytes]], keep: int | None) -> None:
+    data = bytearray(model_file)
+    for position, junk in edits:  # the header is the first ~300 bytes: half the edits land in it
+        position %= len(data)
+        data[position:position + len(junk)] = junk
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(bytes(data[:keep]) if keep is not None else bytes(data))
+    readers: list[Callable[[], object]] = [
+        lambda: TensorFile(path).load_all(),
+        lambda: [f.read(e) for f in [SafetensorsFile(path)] for e in f.entries],
+        lambda: scan_checkpoint(open_checkpoint(path), full=True),
+    ]
+    for read in readers:
+        try:
+            with time_limit(10):
+                read()
+        except BadInput as e:
+            assert "model.safetensors" in str(e) and "\n" not in str(e)

@@ -54,6 +54,23 @@ def step_progress(what: str) -> Iterator[Optional[Callable[[int, int, int], None
         yield update
 
 
+def check_destinations(*destinations: Optional[str]) -> None:
+    """Before any work, refuse a report path that cannot be written: a failed command leaves every earlier report
+    as it was (the writes come one after another at the end), and a long replay is not wasted."""
+    for destination in destinations:
+        if destination is None or destination == "-":
+            continue
+        path = Path(destination)
+        if path.is_dir():
+            raise BadInput(destination, "is a directory; reports are written to files")
+        # Missing folders are created on writing; the nearest one that exists must be a writable folder.
+        existing = next(p for p in path.absolute().parents if p.exists())
+        if not existing.is_dir():
+            raise BadInput(destination, f"cannot write a report there: {existing} is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise BadInput(destination, f"cannot write a report there: {existing} is not writable")
+
+
 def emit_json(report: object, destination: Optional[str]) -> None:
     if destination is None:
         return
@@ -88,7 +105,7 @@ def emit_text(text: str, destination: Optional[str], what: str) -> None:
 
 @app.command()
 def replay(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder.")],
+    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder.", readable=False)],
     from_step: Annotated[Optional[int], typer.Option(help="Replay from the last checkpoint at or before this "
                                                           "step, instead of before the first NaN loss.")] = None,
     device: Annotated[str, typer.Option(help="auto (cuda when present), cpu or cuda.")] = "auto",
@@ -120,6 +137,7 @@ def replay(
     from .views.replay import render_markdown, render_terminal
     from .whatif import parse
 
+    check_destinations(json_out, markdown)
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, explain=explain,
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
@@ -135,7 +153,8 @@ def replay(
 
 @app.command()
 def repair(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder (only read).")],
+    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder (only read).",
+                                            readable=False)],
     out: Annotated[Path, typer.Option(help="Folder to write the repaired checkpoint to (created; never inside "
                                            "the run).")],
     reset_state: Annotated[bool, typer.Option("--reset-state", help="Keep the responsible step and zero its "
@@ -160,6 +179,7 @@ def repair(
     from .repair import RepairOptions, repair_run
     from .views.repair import render_repair_terminal
 
+    check_destinations(json_out)
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir)
     with step_progress("replaying") as progress:
@@ -177,7 +197,8 @@ _MARGIN_HELP = "Warn when a tensor's max |x| is within this factor of its dtype'
 @app.command()
 def scan(
     checkpoint: Annotated[Path, typer.Argument(help="A .pt/.pth/.safetensors file, a checkpoint folder of a run "
-                                                    "(RUN/checkpoints/step_...) or a Hugging Face checkpoint folder.")],
+                                                    "(RUN/checkpoints/step_...) or a Hugging Face checkpoint folder.",
+                                             readable=False)],
     full: Annotated[bool, typer.Option("--full", help=_FULL_HELP)] = False,
     margin: Annotated[float, typer.Option(help=_MARGIN_HELP)] = 1000.0,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
@@ -192,6 +213,7 @@ def scan(
     from .scan import CLEAN, scan_checkpoint
     from .views.checkpoints import bytes_progress, render_scan_markdown, render_scan_terminal
 
+    check_destinations(json_out, markdown)
     source = open_checkpoint(checkpoint)
     with bytes_progress(stderr_console()) as progress:
         report = scan_checkpoint(source, full=full, margin=margin, progress=progress)
@@ -222,6 +244,7 @@ def bisect(
     from .bisect import bisect as bisect_checkpoints
     from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
 
+    check_destinations(json_out, markdown)
     with bytes_progress(stderr_console()) as progress:
         report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
     emit_json(report, json_out)
@@ -261,7 +284,7 @@ def append_step_summary(text: str, destination: Optional[str]) -> None:
 @app.command()
 def postmortem(
     directory: Annotated[Path, typer.Argument(help="A failed job's artifact: a run directory, or a folder of "
-                                                   "checkpoints.")],
+                                                   "checkpoints.", readable=False)],
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(help=_SUMMARY_HELP)] = None,
@@ -280,6 +303,7 @@ def postmortem(
     from .views.postmortem import render_junit, render_markdown, render_terminal, status_line
 
     check_outputs(directory, {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html})
+    check_destinations(json_out, markdown, junit, html)
     with step_progress("replaying") as progress:
         report = examine(directory, progress, note=status_line(stderr_console()))
     emit_json(report, json_out)
@@ -306,6 +330,7 @@ def report_command(
     from .views.html import render_html
     from .views.report import render_markdown, render_terminal
 
+    check_destinations(markdown, html)
     loaded = load_report(saved)
     emit_markdown(render_markdown(loaded), markdown)
     emit_text(render_html(loaded), html, "HTML")
@@ -329,6 +354,9 @@ def main() -> None:
     except Exception as e:
         if os.environ.get("NANFORENSICS_DEBUG"):
             raise
-        stderr_console().print(f"nanforensics: error: {e.__class__.__name__}: {e} "
-                               "(set NANFORENSICS_DEBUG=1 for the traceback)", markup=False, soft_wrap=True)
+        if isinstance(e, OSError) and e.filename is not None:  # a file the system refused (permissions): bad input
+            message = f"{e.filename}: {e.strerror or e}"
+        else:
+            message = f"{e.__class__.__name__}: {e} (set NANFORENSICS_DEBUG=1 for the traceback)"
+        stderr_console().print(f"nanforensics: error: {message}", markup=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)

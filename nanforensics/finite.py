@@ -26,8 +26,10 @@ def extremes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
+    if t.element_size() == 1:  # fp8: aminmax has no CPU kernel for it
+        t = t.float()
     mn, mx = torch.aminmax(t)
-    return torch.stack((mn, mx)).float()
+    return torch.stack((mn, mx)).double()  # float32 would read a finite float64 past 3.4e38 as inf
 
 
 def verdicts(extremes_list: Sequence[torch.Tensor]) -> list[bool]:

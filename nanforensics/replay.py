@@ -10,10 +10,11 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
-from . import finite, whatif
+from . import whatif
 from .amp import AmpLog, findings as amp_findings
 from .datacheck import DEFAULT_MAX_ABS, check_batches
 from .errors import BadInput
+from .formats.discover import open_checkpoint
 from .explain import findings
 from .monitor import StepMonitor, totals
 from .ops import trace_step
@@ -22,10 +23,10 @@ from .report import (BatchRef, Event, OperationCulprit, Precursor, ReplayReport,
                      StepRecord)
 from .runs.batches import data_leaves
 from .runs.checkpoint import Checkpoint
-from .runs.files import TensorFile
 from .runs.run import Run, UserCode
 from .runs.steplog import first_nonfinite
 from .samples import attribute_samples
+from .scan import CLEAN, scan_checkpoint
 from .session import Session, pinned_threads, resolve_device
 
 ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
@@ -64,12 +65,8 @@ def _start_checkpoint(run: Run, target: int | None) -> Checkpoint:
 
 
 def _checkpoint_finite(c: Checkpoint) -> bool:
-    for path in (c.model_file, c.optimizer_file):
-        f = TensorFile(path)
-        for _, t in f.items():
-            if finite.checkable(t) and not finite.is_finite(t):
-                return False
-    return True
+    """Streamed, one tensor at a time, stopping at the first non-finite one."""
+    return scan_checkpoint(open_checkpoint(c.path)).verdict == CLEAN
 
 
 def _losses_match(logged: float, replayed: float, rtol: float) -> bool:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInput
-from ..runs.files import _one_line
+from ..runs.files import one_line
 from .pages import drop_pages, span
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -25,7 +25,7 @@ _ZIP_MAGIC = b"PK\x03\x04"
 
 def _brief(e: BaseException, limit: int = 200) -> str:
     """torch.load's messages run to paragraphs; the error line keeps their start."""
-    text = _one_line(e)
+    text = one_line(e)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

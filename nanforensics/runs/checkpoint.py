@@ -33,7 +33,7 @@ def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
 
 
 def rng_state() -> dict[str, Any]:
-    b64 = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    b64 = lambda t: base64.b64encode(bytes(t.tolist())).decode()  # noqa: E731 - uint8 tensors; numpy is optional
     state: dict[str, Any] = {"torch": b64(torch.get_rng_state()), "cuda": [], "numpy": None}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
@@ -164,6 +164,12 @@ class Checkpoint:
         returns the meta (for the RNG states)."""
         meta = self.meta()
         model_sd = TensorFile(self.model_file).load_all()
+        # load_state_dict casts silently: a float16 file would replay a run that never was
+        expected = model.state_dict()
+        for name, tensor in model_sd.items():
+            if name in expected and tensor.dtype != expected[name].dtype:
+                raise BadInput(self.model_file, f"tensor {name!r} is {tensor.dtype}, the model built by the "
+                                                f"manifest's factory holds {expected[name].dtype}")
         try:
             model.load_state_dict(model_sd)
         except RuntimeError as e:

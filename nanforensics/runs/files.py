@@ -116,13 +116,16 @@ class TensorFile:
     """A safetensors file opened lazily: tensors are memory-mapped and read one at a time."""
 
     def __init__(self, path: Path) -> None:
+        # The header checked first: safe_open calls a truncated file "incomplete metadata" and an unreadable
+        # one "No such file"; SafetensorsFile names the problem and the tensor. Imported here: formats reads runs.
+        from ..formats.safetensors_file import SafetensorsFile
+
         self.path = path
+        SafetensorsFile(path)
         try:
             self._handle = safe_open(str(path), framework="pt", device="cpu")
-        except FileNotFoundError:
-            raise BadInput(path, "file is missing") from None
         except (SafetensorError, OSError, ValueError) as e:
-            raise BadInput(path, f"not a readable safetensors file ({_one_line(e)})") from None
+            raise BadInput(path, f"not a readable safetensors file ({one_line(e)})") from None
 
     def keys(self) -> list[str]:
         return list(self._handle.keys())
@@ -134,7 +137,7 @@ class TensorFile:
         try:
             return self._handle.get_tensor(key)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise BadInput(self.path, f"tensor {key!r} is unreadable ({_one_line(e)})") from None
+            raise BadInput(self.path, f"tensor {key!r} is unreadable ({one_line(e)})") from None
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
@@ -144,5 +147,5 @@ class TensorFile:
         return dict(self.items())
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or e.__class__.__name__

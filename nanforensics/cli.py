@@ -18,7 +18,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Forensics for training runs that died with NaN: name the batch responsible.")
 
 
-
 @app.callback()
 def _commands() -> None:
     """Forensics for training runs that died with NaN: name the batch responsible."""

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .runs.batches import batch_bytes
+from .runs.batches import encoded_bytes, snapshot
 from .runs.checkpoint import checkpoint_name, save_checkpoint
 from .runs.files import write_bytes_atomic, write_json_atomic
 from .runs.imports import import_string_of
@@ -32,7 +32,8 @@ class _StepWriter:
     def __init__(self, run_dir: Path, depth: int = 8) -> None:
         self.run_dir = run_dir
         self._steps = open(run_dir / STEPS, "a", encoding="utf-8")
-        self._queue: queue.Queue[tuple[int, bytes, str] | None] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor], dict[str, Any], str] | None] = \
+            queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="nanforensics-recorder", daemon=True)
         self._thread.start()
@@ -42,9 +43,9 @@ class _StepWriter:
         while (item := self._queue.get()) is not None:
             try:
                 if self._error is None:
-                    step, data, line = item
+                    step, tensors, tree, line = item
                     # The batch is on disk before the line that announces it: a reader never meets a step without one.
-                    write_bytes_atomic(batch_path(self.run_dir, step), data, durable=False)
+                    write_bytes_atomic(batch_path(self.run_dir, step), encoded_bytes(step, tensors, tree), durable=False)
                     self._steps.write(line)
                     self._steps.flush()
             except BaseException as e:  # noqa: BLE001 - handed to the training loop
@@ -57,11 +58,11 @@ class _StepWriter:
         if self._error is not None:
             raise OSError(f"nanforensics recorder could not write to {self.run_dir}: {self._error}") from self._error
 
-    def put(self, step: int, data: bytes, line: str) -> None:
+    def put(self, step: int, batch: tuple[dict[str, torch.Tensor], dict[str, Any]], line: str) -> None:
         if self._steps.closed:
             raise RuntimeError("Recorder.log called after close()")
         self._raise()
-        self._queue.put((step, data, line))
+        self._queue.put((step, *batch, line))
 
     def drain(self) -> None:
         """Everything queued is written and the step log is on stable storage."""
@@ -168,7 +169,7 @@ class Recorder:
         if step != self._next_step:
             raise ValueError(f"Recorder.log got step {step}, expected {self._next_step}: log every step, in order")
         value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
-        self._writer.put(step, batch_bytes(step, batch), step_line(step, value))  # bytes: a snapshot of the batch
+        self._writer.put(step, snapshot(batch), step_line(step, value))  # serialised and written in the background
         self._next_step = step + 1
         if (self._next_step - self.start_step) % self.checkpoint_every == 0:
             self._checkpoint(self._next_step)

@@ -57,9 +57,19 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     raise ValueError(f"unknown batch tree node kind {kind!r}")
 
 
-def batch_bytes(step: int, batch: Any) -> bytes:
+def snapshot(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The batch's structure and private CPU copies of its tensors: what a background writer may keep while
+    the training loop reuses or mutates the originals. Refuses what cannot be recorded, here and now."""
     tensors, tree = encode(batch)
+    return {k: t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format) for k, t in tensors.items()}, tree
+
+
+def encoded_bytes(step: int, tensors: dict[str, torch.Tensor], tree: dict[str, Any]) -> bytes:
     return tensors_to_bytes(tensors, {"format": BATCH_FORMAT, "step": str(step), "tree": json.dumps(tree)})
+
+
+def batch_bytes(step: int, batch: Any) -> bytes:
+    return encoded_bytes(step, *encode(batch))
 
 
 def read_batch(path: Path) -> Any:

@@ -62,12 +62,27 @@ class Located:
     value: str  # "nan", "inf" or "-inf"
 
 
-def value_name(x: float) -> str:
+def encode_float(x: float) -> float | str:
+    """JSON has no NaN or infinity; they are written as the strings "nan", "inf", "-inf"."""
     if math.isnan(x):
         return "nan"
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
-    return repr(x)
+    return x
+
+
+def decode_float(x: float | int | str) -> float:
+    if isinstance(x, str):
+        if x not in ("nan", "inf", "-inf"):
+            raise ValueError(f"bad number {x!r}")
+        return float(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"bad number {x!r}")
+    return float(x)
+
+
+def value_name(x: float) -> str:
+    return str(encode_float(x))
 
 
 def locate(t: torch.Tensor) -> Located | None:

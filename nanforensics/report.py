@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import types
 import typing
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .finite import decode_float, encode_float
 from .runs.files import write_bytes_atomic
 
 
@@ -210,12 +210,9 @@ def to_jsonable(obj: Any) -> Any:
         return [to_jsonable(v) for v in obj]
     if isinstance(obj, Path):
         return str(obj)
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, float):
+        return encode_float(obj)
     return obj
-
-
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def from_jsonable(kind: Any, data: Any, where: str = "report") -> Any:
@@ -257,8 +254,11 @@ def from_jsonable(kind: Any, data: Any, where: str = "report") -> Any:
             raise ValueError(f"{where}: expected an object, found {type(data).__name__}")
         return {k: from_jsonable(args[1], v, f"{where}.{k}") for k, v in data.items()}
     if kind is float:
-        if isinstance(data, str) and data in _NONFINITE:
-            return _NONFINITE[data]
+        if isinstance(data, str):
+            try:
+                return decode_float(data)
+            except ValueError:
+                pass
         if isinstance(data, (int, float)) and not isinstance(data, bool):
             return data  # an int stays an int: that is how to_json wrote it
     elif kind is int:

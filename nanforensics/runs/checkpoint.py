@@ -13,9 +13,9 @@ from typing import Any, Callable
 import torch
 
 from ..errors import BadInput
+from ..finite import decode_float, encode_float
 from .files import (TensorFile, load_json, make_build_dir, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic,
                     write_json_atomic)
-from .steplog import decode_float, encode_float
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
 EXTRAS_FILE = "extras.safetensors"  # tensors of the scaler's and scheduler's state, when they hold any

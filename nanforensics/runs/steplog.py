@@ -8,25 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput
-
-
-def encode_float(x: float) -> float | str:
-    """JSON has no NaN or infinity; they are written as the strings "nan", "inf", "-inf"."""
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return x
-
-
-def decode_float(x: float | int | str) -> float:
-    if isinstance(x, str):
-        if x not in ("nan", "inf", "-inf"):
-            raise ValueError(f"bad number {x!r}")
-        return float(x)
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise ValueError(f"bad number {x!r}")
-    return float(x)
+from ..finite import decode_float, encode_float
 
 
 def step_line(step: int, loss: float) -> str:

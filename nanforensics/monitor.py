@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 from . import finite
 from .report import STAGES, Event
 from .runs.batches import leaves
+from .runs.checkpoint import optimizer_params
 
 _RANK = {s: i for i, s in enumerate(STAGES)}
 
@@ -64,7 +65,7 @@ class StepMonitor:
         return hook
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for p in self._optimizer_params():
+        for p in optimizer_params(self.optimizer):
             if p.grad is None:
                 continue
             # Detect mode skips a gradient nothing touched since backward (same tensor, same version
@@ -75,9 +76,6 @@ class StepMonitor:
             self.check("optimizer_grad", self._name(p), p.grad)
 
     # -- one step -------------------------------------------------------------------------------
-
-    def _optimizer_params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _name(self, p: torch.Tensor) -> str:
         return self.param_names.get(p, f"param.{id(p):x}")
@@ -99,10 +97,10 @@ class StepMonitor:
             self.check("loss", "loss", loss)
         elif isinstance(loss, (int, float)) and not math.isfinite(loss):
             self._add("loss", "loss", None, torch.tensor(float(loss)))
-        for p in self._optimizer_params():
+        for p in optimizer_params(self.optimizer):
             for key, value in self.optimizer.state.get(p, {}).items():
                 self.check("optimizer_state", self._name(p), value, state_key=key)
-        for p in self._optimizer_params():
+        for p in optimizer_params(self.optimizer):
             self.check("param", self._name(p), p)
         if self._pending:
             flags = finite.verdicts([e for *_, e in self._pending])
@@ -139,6 +137,6 @@ class StepMonitor:
 
 def totals(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """Element counts of the parameters and of the optimizer's floating-point state."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = optimizer_params(optimizer)
     state = sum(v.numel() for p in params for v in optimizer.state.get(p, {}).values() if finite.checkable(v))
     return sum(p.numel() for p in params), state

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import finite
 from .report import Precursor
+from .runs.checkpoint import optimizer_params
 
 
 def _max_abs(extremes: torch.Tensor) -> torch.Tensor:
@@ -47,23 +48,20 @@ class PrecursorProbe:
             h.remove()
         self._handles.clear()
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
     def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         for t in tree_leaves(output):
             if finite.checkable(t):
                 self._act.setdefault(t.dtype, []).append(_max_abs(finite.extremes(t)))
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        grads = [p.grad.detach() for p in self._params() if p.grad is not None]
+        grads = [p.grad.detach() for p in optimizer_params(self.optimizer) if p.grad is not None]
         if grads:
             self._grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
             self._grad_max = torch.stack([_max_abs(finite.extremes(g)) for g in grads]).max()
-        self._before = [p.detach().clone() for p in self._params()]
+        self._before = [p.detach().clone() for p in optimizer_params(self.optimizer)]
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        params = self._params()
+        params = optimizer_params(self.optimizer)
         if self._before:
             self._update_max = torch.stack([(p.detach() - b).abs().max() for p, b in zip(params, self._before)
                                             if p.numel()]).max()

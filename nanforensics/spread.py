@@ -17,7 +17,7 @@ import torch
 from . import finite
 from .errors import BadInput
 from .report import ReplayReport
-from .runs.checkpoint import param_names
+from .runs.checkpoint import optimizer_params, param_names
 from .runs.run import Run, UserCode
 from .session import Session, pinned_threads
 
@@ -68,7 +68,7 @@ def trace(run: Run, code: UserCode, replay: ReplayReport) -> SpreadMap:
     with pinned_threads(s.num_threads if device.type == "cpu" else None):
         session = Session(run, code, checkpoint, device)
         session.advance_to(first)
-        params = [p for g in session.optimizer.param_groups for p in g["params"]]
+        params = optimizer_params(session.optimizer)
         names = param_names(session.model, session.optimizer)
         counts: list[tuple[list[int], list[int]]] = [([], []) for _ in params]
         for _ in steps:

@@ -18,16 +18,12 @@ import torch
 from . import finite
 from .errors import BadInput
 from .report import WhatIfResult
-from .runs.checkpoint import Checkpoint
+from .runs.checkpoint import Checkpoint, optimizer_params
 from .runs.run import Run, UserCode
 from .samples import batch_size, select
 from .session import Session
 
 USAGE = "clip=MAX_NORM, skip, skip-after-moments, reset-state, lr=VALUE, drop-samples=I,J or drop-batch"
-
-
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 class Intervention:
@@ -57,7 +53,7 @@ class Clip(Intervention):
         self.max_norm = max_norm
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
-        params = [p for p in _params(optimizer) if p.grad is not None]
+        params = [p for p in optimizer_params(optimizer) if p.grad is not None]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_norm))
         grads = [p.grad for p in params]
         name = finite.value_name(norm)
@@ -102,13 +98,13 @@ class Undo(Intervention):
         self._state: dict[torch.Tensor, dict[str, Any]] = {}
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
-        self._params = [p.detach().clone() for p in _params(optimizer)]
+        self._params = [p.detach().clone() for p in optimizer_params(optimizer)]
         if self.restore_state:
-            self._state = {p: copy.deepcopy(optimizer.state.get(p, {})) for p in _params(optimizer)}
+            self._state = {p: copy.deepcopy(optimizer.state.get(p, {})) for p in optimizer_params(optimizer)}
 
     def after(self, optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
-            for p, saved in zip(_params(optimizer), self._params):
+            for p, saved in zip(optimizer_params(optimizer), self._params):
                 p.copy_(saved)
         for p, state in self._state.items():
             optimizer.state[p] = state
@@ -121,12 +117,12 @@ class ResetState(Intervention):
         self._params: list[torch.Tensor] = []
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
-        self._params = [p.detach().clone() for p in _params(optimizer)]
+        self._params = [p.detach().clone() for p in optimizer_params(optimizer)]
 
     def after(self, optimizer: torch.optim.Optimizer) -> None:
         zeroed = restored = 0
         with torch.no_grad():
-            for p, saved in zip(_params(optimizer), self._params):
+            for p, saved in zip(optimizer_params(optimizer), self._params):
                 # A coordinate's state is all its per-element tensors together (Adam's exp_avg and exp_avg_sq):
                 # a finite exp_avg left over a reset exp_avg_sq would make the next update huge.
                 coords = [v for v in optimizer.state.get(p, {}).values() if finite.checkable(v) and v.shape == p.shape]
@@ -234,7 +230,7 @@ def _changed_step(session: Session, change: Intervention) -> float | None:
 def nonfinite_in(session: Session, loss: float | None) -> str | None:
     """The first non-finite thing after a step, by name: optimizer state, then parameters, then the loss."""
     names = {p: n for n, p in reversed(list(session.model.named_parameters(remove_duplicate=False)))}
-    params = _params(session.optimizer)
+    params = optimizer_params(session.optimizer)
     named = [(f"{key} of {names.get(p, 'param')}", v) for p in params
              for key, v in session.optimizer.state.get(p, {}).items() if finite.checkable(v)]
     named += [(f"param {names.get(p, 'param')}", p) for p in params]

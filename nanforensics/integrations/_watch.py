@@ -14,6 +14,7 @@ import torch
 from ..postmortem import PostmortemReport, postmortem
 from ..recorder import Recorder
 from ..report import write_json
+from ..runs.checkpoint import optimizer_params
 from ..runs.files import write_bytes_atomic
 
 log = logging.getLogger("nanforensics")
@@ -33,7 +34,7 @@ def clip(optimizer: torch.optim.Optimizer, value: float | None, algorithm: str =
     """The clipping the loop applied, over the optimizer's parameters as the frameworks do."""
     if not value:
         return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = optimizer_params(optimizer)
     if algorithm == "value":
         torch.nn.utils.clip_grad_value_(params, value)
     else:

@@ -25,11 +25,15 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter the optimizer steps, in its order (the indices of its state dict)."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
 def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The model's name for each parameter, in the optimizer's order (its state-dict indices)."""
     by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return [by_id.get(id(p), f"param.{i}") for i, p in enumerate(params)]
+    return [by_id.get(id(p), f"param.{i}") for i, p in enumerate(optimizer_params(optimizer))]
 
 
 def rng_state() -> dict[str, Any]:

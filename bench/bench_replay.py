@@ -25,10 +25,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from nanforensics import Recorder
-from nanforensics.monitor import StepMonitor
+from nanforensics.replay.monitor import StepMonitor
+from torch import nn
 
 
 def build(width: int = 1024, depth: int = 4) -> nn.Module:

@@ -11,12 +11,16 @@ testing each sample alone would cost), with the samples found checked against th
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from nanforensics import finite
+from nanforensics.rootcause.samples import group_test, select
 
-from nanforensics import finite, scenarios
-from nanforensics.samples import group_test, select
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import scenarios  # noqa: E402 - the test scenarios, outside the installed package
 
 
 def main() -> None:

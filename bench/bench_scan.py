@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
-
-from nanforensics.bisect import bisect, scan_bound
+from nanforensics.checkpoints.bisect import bisect, scan_bound
+from nanforensics.checkpoints.scan import scan_checkpoint
 from nanforensics.formats import open_checkpoint
-from nanforensics.scan import scan_checkpoint
+from safetensors.torch import save_file
 
 MB = 1e6
 
@@ -109,7 +108,7 @@ import sys
 from pathlib import Path
 import torch
 from nanforensics.formats import open_checkpoint
-from nanforensics.scan import scan_checkpoint
+from nanforensics.checkpoints.scan import scan_checkpoint
 from nanforensics.runs.files import TensorFile
 from nanforensics import finite
 status = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])

@@ -1,18 +1,45 @@
 """nanforensics: record a training run, replay it, and name the batch that made it NaN.
 
-Library first: ``Recorder`` in the training loop; ``replay_run`` (and ``scan``/``bisect``)
-after it died. The command line is a thin layer over these.
+Library first: ``Recorder`` in the training loop; ``replay_run`` (and ``scan_checkpoint``/``bisect``)
+after it died. The command line is a thin layer over these. The names below are imported on first
+use, so that ``import nanforensics`` (and the CLI's start-up) costs only what is used.
 """
 
-from .bisect import bisect
-from .errors import BadInput
-from .formats.discover import open_checkpoint
-from .recorder import Recorder
-from .repair import repair_run
-from .replay import ReplayOptions, replay_run
-from .report import ReplayReport
-from .scan import scan_checkpoint
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "BadInput": "errors",
+    "Recorder": "runs.recorder",
+    "ReplayOptions": "replay.engine",
+    "replay_run": "replay.engine",
+    "ReplayReport": "report",
+    "repair_run": "replay.repair",
+    "open_checkpoint": "formats.discover",
+    "scan_checkpoint": "checkpoints.scan",
+    "bisect": "checkpoints.bisect",
+}
 __all__ = ["BadInput", "Recorder", "ReplayOptions", "ReplayReport", "bisect", "open_checkpoint", "repair_run",
            "replay_run", "scan_checkpoint"]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .checkpoints.bisect import bisect
+    from .checkpoints.scan import scan_checkpoint
+    from .errors import BadInput
+    from .formats.discover import open_checkpoint
+    from .replay.engine import ReplayOptions, replay_run
+    from .replay.repair import repair_run
+    from .report import ReplayReport
+    from .runs.recorder import Recorder
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'nanforensics' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -11,8 +11,8 @@ from typing import Annotated, Callable, Iterator, Optional
 import typer
 from rich.console import Console
 
-from .datacheck import DEFAULT_MAX_ABS
 from .errors import BadInput
+from .rootcause.data import DEFAULT_MAX_ABS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Forensics for training runs that died with NaN: name the batch responsible.")
@@ -132,9 +132,9 @@ def replay(
 
     Exit codes: 0 no non-finite value, 1 found and attributed, 2 bad input, 3 logged NaN not reproduced.
     """
-    from .replay import ReplayOptions, replay_run
+    from .replay.engine import ReplayOptions, replay_run
+    from .replay.whatif import parse
     from .views.replay import render_markdown, render_terminal
-    from .whatif import parse
 
     check_destinations(json_out, markdown)
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
@@ -175,7 +175,7 @@ def repair(
 
     Exit codes: 0 written and verified, 1 the repaired run did not stay finite (nothing written), 2 bad input.
     """
-    from .repair import RepairOptions, repair_run
+    from .replay.repair import RepairOptions, repair_run
     from .views.repair import render_repair_terminal
 
     check_destinations(json_out)
@@ -208,8 +208,8 @@ def scan(
 
     Exit codes: 0 clean, 1 poisoned (parameters or optimizer state), 2 bad input.
     """
+    from .checkpoints.scan import CLEAN, scan_checkpoint
     from .formats import open_checkpoint
-    from .scan import CLEAN, scan_checkpoint
     from .views.checkpoints import bytes_progress, render_scan_markdown, render_scan_terminal
 
     check_destinations(json_out, markdown)
@@ -240,7 +240,7 @@ def bisect(
 
     Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input.
     """
-    from .bisect import bisect as bisect_checkpoints
+    from .checkpoints.bisect import bisect as bisect_checkpoints
     from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
 
     check_destinations(json_out, markdown)
@@ -254,7 +254,7 @@ def bisect(
         stderr_console().print(f"nanforensics: no replay: {report.replay_unavailable or 'not a run of nanforensics'}",
                                markup=False, soft_wrap=True)
     elif run_replay and report.replay is not None:
-        from .replay import ReplayOptions, replay_run
+        from .replay.engine import ReplayOptions, replay_run
         from .views.replay import render_terminal
 
         with step_progress("replaying") as step_bar:

@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import __version__, spread
-from .bisect import BisectReport, bisect
+from . import __version__
+from .checkpoints.bisect import BisectReport, bisect
 from .errors import BadInput
-from .explain import describe
-from .replay import ProgressFn, ReplayOptions, replay_run
+from .replay import spread
+from .replay.engine import ProgressFn, ReplayOptions, replay_run
+from .replay.spread import SpreadMap
 from .report import ReplayReport
+from .rootcause.findings import describe
 from .runs import imports
 from .runs.run import MANIFEST, Run, UserCode
 from .runs.steplog import LoggedStep, first_nonfinite
-from .spread import SpreadMap
 
 POSTMORTEM_SCHEMA = "nanforensics.postmortem/1"
 DONE, SKIPPED, FAILED = "done", "skipped", "failed"

@@ -14,7 +14,6 @@ from typing import Any
 from .finite import decode_float, encode_float
 from .runs.files import write_bytes_atomic
 
-
 REPLAY_SCHEMA = "nanforensics.replay/1"
 
 # The order in which a step touches its tensors; within a step, an earlier stage is the cause.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bisect import BISECT_SCHEMA, BisectReport
+from .checkpoints.bisect import BISECT_SCHEMA, BisectReport
 from .errors import BadInput
 from .postmortem import POSTMORTEM_SCHEMA, PostmortemReport
 from .report import REPLAY_SCHEMA, ReplayReport, from_jsonable

@@ -1,6 +1,6 @@
 """Regenerate the shipped sample runs: python sample_runs/generate.py [--out DIR]
 
-Each run is a real training run of nanforensics.scenarios under the project's own recorder,
+Each run is a real training run of tests/scenarios.py under the project's own recorder,
 deterministic on CPU (fixed seeds, thread count and timestamp: every tensor and JSON value
 comes out the same; safetensors may order its metadata keys differently), stopped a step
 after the first NaN loss as a job that aborts on NaN would be.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -20,7 +21,8 @@ try:
 except ImportError:  # torch runs without it; the shipped runs were recorded with it
     numpy = None
 
-from nanforensics import scenarios
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import scenarios  # noqa: E402 - the test scenarios, outside the installed package
 
 SAMPLES = {
     # name: (scenario, steps, defect step)
@@ -41,7 +43,8 @@ def main() -> None:
         numpy.random.seed(0)  # torch imports numpy when present; its RNG state is checkpointed too
     for name, (scenario, steps, defect_step) in SAMPLES.items():
         losses = scenarios.record(args.out / name, scenario, steps=steps, defect_step=defect_step,
-                                  checkpoint_every=10, stop_on_nan=True, overwrite=True)
+                                  checkpoint_every=10, stop_on_nan=True, overwrite=True,
+                                  code="tests/scenarios.py")  # replayed from the checkout's root
         print(f"{name}: {len(losses)} steps, last logged loss {losses[-1]:.4g}")
 
 

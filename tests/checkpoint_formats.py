@@ -18,11 +18,11 @@ from typing import Iterable
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
-from nanforensics import scenarios
 from nanforensics.runs.files import TensorFile
 from nanforensics.runs.run import Run
+from safetensors.torch import save_file
+
+import scenarios
 
 STEPS, EVERY, DEFECT = 40, 5, 17
 FIRST_POISONED, LAST_CLEAN = 20, 15

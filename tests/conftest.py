@@ -14,8 +14,9 @@ from typing import Any, Sequence
 
 import pytest
 
-from nanforensics import scenarios
+import scenarios
 
+TESTS = Path(__file__).resolve().parent
 DEFECT_STEP = 17
 STEPS = 24
 
@@ -38,7 +39,10 @@ class Result:
 
 def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = ()) -> Result:
     """``wrapper`` prefixes the command line (``setpriv ...``: the CLI without root's permission override)."""
-    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
+    # The scenarios the test runs were recorded with (``scenarios:build_model``) are the user's code here: on the
+    # path, as a user's installed package would be.
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1", "PYTHONPATH": path}
     env.pop("NANFORENSICS_DEBUG", None)
     p = subprocess.run([*wrapper, *cli_command(), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd,
                        timeout=300)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanforensics import scenarios
+import scenarios
 
 DEFECT_STEP = 6
 

@@ -6,7 +6,7 @@ import resource
 import signal
 import sys
 
-from nanforensics import scenarios
+import scenarios
 
 if __name__ == "__main__":
     run_dir, steps = sys.argv[1], int(sys.argv[2])

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from conftest import DEFECT_STEP, run_cli, tree_digest
-from nanforensics import Recorder, scenarios
-from nanforensics.replay import ReplayOptions, replay_run
+from nanforensics import Recorder
+from nanforensics.replay.engine import ReplayOptions, replay_run
+from nanforensics.replay.session import Session
 from nanforensics.runs.checkpoint import Checkpoint, save_checkpoint
 from nanforensics.runs.run import Run, UserCode
-from nanforensics.session import Session
+
+import scenarios
+from conftest import DEFECT_STEP, run_cli, tree_digest
 
 
 def _replay(run):
@@ -85,7 +86,7 @@ def test_half_precision_model_overflows_adams_second_moment(runs):
 def test_scaler_and_scheduler_state_restored_at_a_checkpoint(runs):
     run = Run(runs["fp16_scaler_catches"])
     assert run.manifest.raw["scaler"] == {"enabled": True}
-    assert run.manifest.raw["scheduler"] == {"factory": "nanforensics.scenarios:cosine_lr"}
+    assert run.manifest.raw["scheduler"] == {"factory": "scenarios:cosine_lr"}
     checkpoint = run.checkpoints()[1]
     meta = checkpoint.meta()
     session = Session(run, UserCode.load(run), checkpoint, torch.device("cpu"))

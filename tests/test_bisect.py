@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanforensics.checkpoints.bisect import bisect, scan_bound
+from nanforensics.checkpoints.scan import POISONED_PARAMETERS, POISONED_STATE
+from nanforensics.errors import BadInput
 from safetensors.torch import save_file
 
 from checkpoint_formats import ALL_STEPS, FIRST_POISONED, FORMATS, LAST_CLEAN, Checkpoints, build
 from conftest import assert_one_line_error, run_cli, tree_digest
-from nanforensics.bisect import bisect, scan_bound
-from nanforensics.errors import BadInput
-from nanforensics.scan import POISONED_PARAMETERS, POISONED_STATE
 
 N = len(ALL_STEPS)
 

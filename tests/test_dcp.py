@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanforensics.checkpoints.bisect import bisect
+from nanforensics.checkpoints.scan import POISONED_PARAMETERS, POISONED_STATE, scan_checkpoint
+from nanforensics.errors import BadInput
+from nanforensics.formats import open_checkpoint
 
 from checkpoint_formats import ALL_STEPS, FIRST_POISONED, LAST_CLEAN, recorded_runs, state_of
 from conftest import assert_one_line_error, run_cli, tree_digest
-from nanforensics.bisect import bisect
-from nanforensics.errors import BadInput
-from nanforensics.formats import open_checkpoint
-from nanforensics.scan import POISONED_PARAMETERS, POISONED_STATE, scan_checkpoint
 from test_scan import Payload  # unpickling it creates a marker file
 
 dcp = pytest.importorskip("torch.distributed.checkpoint", reason="this torch has no torch.distributed")

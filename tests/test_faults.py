@@ -27,14 +27,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
-
-from conftest import DEFECT_STEP, Result, _record, run_cli, tree_digest
+from nanforensics.checkpoints.scan import scan_checkpoint
 from nanforensics.errors import BadInput
 from nanforensics.formats import open_checkpoint
 from nanforensics.formats.safetensors_file import SafetensorsFile
 from nanforensics.runs.files import TensorFile
-from nanforensics.scan import scan_checkpoint
+from safetensors.torch import load_file, save_file
+
+from conftest import DEFECT_STEP, Result, _record, run_cli, tree_digest
 
 SCENARIO = "adam_near_zero"
 CK = Path("checkpoints") / "step_00000010"  # the last clean checkpoint before the defect: replay starts here

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanforensics.postmortem import DONE, postmortem
+from nanforensics.report import to_json
 
 import integration_models as models
 from conftest import tree_digest
-from nanforensics.postmortem import DONE, postmortem
-from nanforensics.report import to_json
 
 STEPS = 12
 
@@ -38,9 +38,8 @@ def check(callback, run: Path, step_fn: str) -> None:
 
 def test_lightning_callback(tmp_path, caplog):
     pl = pytest.importorskip("lightning.pytorch", reason="PyTorch Lightning is not installed (nanforensics[lightning])")
-    from torch.utils.data import DataLoader
-
     from nanforensics.integrations.lightning import NanForensicsCallback
+    from torch.utils.data import DataLoader
 
     run = tmp_path / "lightning_run"
     callback = NanForensicsCallback(run, checkpoint_every=4)

@@ -13,14 +13,14 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-
-from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
-from nanforensics import scenarios
 from nanforensics.postmortem import CHECKPOINTS, DONE, FAILED, REPLAY, SKIPPED, STEP_LOG, TENSOR_SPREAD, postmortem
-from nanforensics.spread import SpreadMap, TensorSpread, grouped
+from nanforensics.replay.spread import SpreadMap, TensorSpread, grouped
 from nanforensics.views import heatmap
 from nanforensics.views.html import render_html
 from nanforensics.views.postmortem import render_junit, render_markdown
+
+import scenarios
+from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
 from postmortem_cases import examined
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +44,8 @@ def test_the_example_workflow_command_on_a_sample_run(tmp_path, monkeypatch):
     assert command[0] == "nanforensics"
     run = tmp_path / "artifact" / "run"
     shutil.copytree(ROOT / "sample_runs" / "seed_adam", run)
+    (tmp_path / "tests").mkdir()  # the checkout: the sample run's code is tests/scenarios.py
+    shutil.copy(ROOT / "tests" / "scenarios.py", tmp_path / "tests")
     summary = tmp_path / "step_summary.md"
     summary.write_text("earlier step's summary\n")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))

@@ -7,11 +7,12 @@ import os
 
 import pytest
 import torch
-
-from conftest import run_cli
-from nanforensics import Recorder, scenarios
+from nanforensics import Recorder
 from nanforensics.runs.batches import read_batch
 from nanforensics.runs.run import Run
+
+import scenarios
+from conftest import run_cli
 
 
 def _model_and_optimizer():
@@ -23,8 +24,8 @@ def test_layout_of_a_recorded_run(runs):
     run = Run(runs["adam_near_zero"])
     m = run.manifest.raw
     assert m["format"] == "nanforensics.run/1"
-    assert m["model_factory"] == "nanforensics.scenarios:build_model"
-    assert m["step_fn"] == "nanforensics.scenarios:train_step"
+    assert m["model_factory"] == "scenarios:build_model"
+    assert m["step_fn"] == "scenarios:train_step"
     assert m["optimizer"]["class"] == "torch.optim.adam:Adam"
     assert [c.step for c in run.checkpoints()] == [0, 10, 20]
     assert [s.step for s in run.steps] == list(range(24))

@@ -16,11 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from conftest import run_cli, tree_digest
 from nanforensics.errors import BadInput
 from nanforensics.runs.batches import batch_bytes, read_batch
 from nanforensics.runs.steplog import read_steps
+
+from conftest import run_cli, tree_digest
 
 JOB = Path(__file__).with_name("recording_job.py")
 

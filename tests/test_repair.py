@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
-from nanforensics import BadInput, Recorder, scenarios
-from nanforensics.repair import RepairOptions, repair_run
+from nanforensics import BadInput, Recorder
+from nanforensics.replay.repair import RepairOptions, repair_run
+from nanforensics.replay.session import pinned_threads
 from nanforensics.runs.checkpoint import Checkpoint, restore_rng
 from nanforensics.runs.run import Run
-from nanforensics.session import pinned_threads
+
+import scenarios
+from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 RESUME = DEFECT_STEP + 1

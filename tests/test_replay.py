@@ -7,10 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
+from nanforensics.replay.engine import ReplayOptions, replay_run
 
+import scenarios
 from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
-from nanforensics import scenarios
-from nanforensics.replay import ReplayOptions, replay_run
 
 F = scenarios.DEFECT_FEATURE
 

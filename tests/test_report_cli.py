@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from rich.console import Console
-
-from conftest import assert_one_line_error, run_cli
 from nanforensics.errors import BadInput
 from nanforensics.report import to_json
 from nanforensics.saved import load_report
 from nanforensics.views.html import render_html
 from nanforensics.views.report import render_markdown, render_terminal
+from rich.console import Console
+
+from conftest import assert_one_line_error, run_cli
 from postmortem_cases import examined
 
 

@@ -7,13 +7,13 @@ import math
 
 import pytest
 import torch
-
-from conftest import DEFECT_STEP, run_cli
-from nanforensics import scenarios
-from nanforensics.replay import ReplayOptions, replay_run
+from nanforensics.replay.engine import ReplayOptions, replay_run
+from nanforensics.replay.session import Session, pinned_threads
 from nanforensics.report import ReplayReport
 from nanforensics.runs.run import Run, UserCode
-from nanforensics.session import Session, pinned_threads
+
+import scenarios
+from conftest import DEFECT_STEP, run_cli
 
 S, F = scenarios.DEFECT_SAMPLE, scenarios.DEFECT_FEATURE
 

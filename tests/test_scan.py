@@ -8,14 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
-from checkpoint_formats import (FIRST_POISONED, FORMATS, LAST_CLEAN, Checkpoints, checkpoint_path, state_of,
-                                write_checkpoint)
-from conftest import assert_one_line_error, run_cli, tree_digest
+from nanforensics.checkpoints.scan import CLEAN, POISONED_PARAMETERS, POISONED_STATE, scan_checkpoint
 from nanforensics.errors import BadInput
 from nanforensics.formats import open_checkpoint
-from nanforensics.scan import CLEAN, POISONED_PARAMETERS, POISONED_STATE, scan_checkpoint
+from safetensors.torch import save_file
+
+from checkpoint_formats import (
+    FIRST_POISONED,
+    FORMATS,
+    LAST_CLEAN,
+    Checkpoints,
+    checkpoint_path,
+    state_of,
+    write_checkpoint,
+)
+from conftest import assert_one_line_error, run_cli, tree_digest
 
 EXPECTED = {"params": POISONED_PARAMETERS, "state": POISONED_STATE, "clean": CLEAN}
 

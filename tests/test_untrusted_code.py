@@ -13,7 +13,7 @@ from conftest import assert_one_line_error, run_cli, tree_digest
 PAYLOAD = '''
 from pathlib import Path
 Path({marker!r}).write_text("ran")
-from nanforensics.scenarios import train_step
+from scenarios import train_step
 '''
 
 
@@ -22,7 +22,7 @@ def _plant(run: Path, marker: Path, as_package: bool) -> str:
     if as_package:
         (run / "shipped").mkdir()
         (run / "shipped" / "__init__.py").write_text(PAYLOAD.format(marker=str(marker)))
-        (run / "shipped" / "steps.py").write_text("from nanforensics.scenarios import train_step\n")
+        (run / "shipped" / "steps.py").write_text("from scenarios import train_step\n")
         return "shipped.steps:train_step"
     (run / "shipped_steps.py").write_text(PAYLOAD.format(marker=str(marker)))
     return "shipped_steps:train_step"

@@ -6,13 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
-from nanforensics import BadInput, scenarios, whatif
-from nanforensics.replay import ReplayOptions, replay_run
+from nanforensics import BadInput
+from nanforensics.replay import whatif
+from nanforensics.replay.engine import ReplayOptions, replay_run
+from nanforensics.replay.session import pinned_threads
 from nanforensics.report import to_json
 from nanforensics.runs.run import Run, UserCode
-from nanforensics.session import pinned_threads
+
+import scenarios
+from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
 
 SEED_SAMPLE = Path(__file__).resolve().parent.parent / "sample_runs" / "seed_adam"
 ALL = ["skip", "skip-after-moments", "clip=1", "reset-state", "lr=1e-4", f"drop-samples={scenarios.DEFECT_SAMPLE}",

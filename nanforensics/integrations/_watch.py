@@ -12,10 +12,10 @@ from typing import Any, Callable
 import torch
 
 from ..postmortem import PostmortemReport, postmortem
-from ..recorder import Recorder
 from ..report import write_json
 from ..runs.checkpoint import optimizer_params
 from ..runs.files import write_bytes_atomic
+from ..runs.recorder import Recorder
 
 log = logging.getLogger("nanforensics")
 

@@ -14,8 +14,15 @@ import torch
 
 from ..errors import BadInput
 from ..finite import decode_float, encode_float
-from .files import (TensorFile, load_json, make_build_dir, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic,
-                    write_json_atomic)
+from .files import (
+    TensorFile,
+    load_json,
+    make_build_dir,
+    publish_dir_atomic,
+    tensors_to_bytes,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
 EXTRAS_FILE = "extras.safetensors"  # tensors of the scaler's and scheduler's state, when they hold any

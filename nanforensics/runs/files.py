@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
-import itertools
 import threading
 from pathlib import Path
 from typing import Any, Iterator

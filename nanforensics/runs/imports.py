@@ -16,8 +16,17 @@ from typing import Any, Callable, Sequence
 from ..errors import BadInput
 
 
-def import_string_of(fn: Callable[..., Any], what: str) -> str:
-    """The string that imports ``fn`` again in another process, or a clear refusal."""
+def import_string_of(fn: Callable[..., Any] | str, what: str) -> str:
+    """The string that imports ``fn`` again in another process, or a clear refusal.
+
+    A string is taken as that import string itself, for code replay will find under another name than training
+    did (a script run from a checkout, named by its path relative to the checkout's root).
+    """
+    if isinstance(fn, str):
+        target, sep, name = fn.rpartition(":")
+        if not (sep and target and name):
+            raise ValueError(f"{what} {fn!r} is not an import string of the form module:name or file.py:name")
+        return fn
     qualname = getattr(fn, "__qualname__", None)
     module = getattr(fn, "__module__", None)
     if qualname is None or module is None:

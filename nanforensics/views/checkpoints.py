@@ -11,8 +11,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from ..bisect import BisectReport, CheckpointRef, ScanRecord
-from ..scan import CLEAN, POISONED_PARAMETERS, POISONED_STATE, ScanReport, TensorScan
+from ..checkpoints.bisect import BisectReport, CheckpointRef, ScanRecord
+from ..checkpoints.scan import CLEAN, POISONED_PARAMETERS, POISONED_STATE, ScanReport, TensorScan
 
 SHOWN = 20  # tensors listed per table; the JSON report has all of them
 

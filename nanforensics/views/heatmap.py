@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from ..spread import SpreadMap, grouped
+from ..replay.spread import SpreadMap, grouped
 
 MAX_ROWS = 24
 LABEL_WIDTH = 32

@@ -8,12 +8,12 @@ import math
 from html import escape
 from typing import Sequence
 
-from ..bisect import BisectReport
-from ..explain import describe
+from ..checkpoints.bisect import BisectReport
 from ..finite import Located
 from ..postmortem import PostmortemReport, span
+from ..replay.spread import SpreadMap, from_replay, grouped
 from ..report import ReplayReport
-from ..spread import SpreadMap, from_replay, grouped
+from ..rootcause.findings import describe
 from . import heatmap
 from .postmortem import VERDICT, spread_map
 from .replay import headline, precursor_rows

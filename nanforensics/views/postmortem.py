@@ -12,8 +12,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .. import spread
 from ..postmortem import DONE, FAILED, SKIPPED, PostmortemReport
+from ..replay import spread
 from . import checkpoints, heatmap, replay
 
 VERDICT = {

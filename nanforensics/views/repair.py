@@ -10,7 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..repair import RepairReport
+from ..replay.repair import RepairReport
 
 
 def _loss_range(losses: list[float | None]) -> str:

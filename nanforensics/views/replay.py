@@ -11,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from ..explain import describe
 from ..report import AmpReport, Event, ReplayReport, StepRecord, WhatIfResult
+from ..rootcause.findings import describe
 
 _VERDICT = {
     "nonfinite": ("bold white on red", "NON-FINITE"),

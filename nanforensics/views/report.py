@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 
 from ..postmortem import PostmortemReport
+from ..replay.spread import from_replay
 from ..report import ReplayReport
 from ..saved import SavedReport
-from ..spread import from_replay
 from . import checkpoints, heatmap, postmortem, replay
 
 

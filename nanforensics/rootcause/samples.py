@@ -17,11 +17,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .errors import BadInput
-from .monitor import StepMonitor
-from .report import SampleAttribution
-from .runs.batches import data_leaves, leaves
-from .session import Session
+from ..errors import BadInput
+from ..replay.monitor import StepMonitor
+from ..replay.session import Session
+from ..report import SampleAttribution
+from ..runs.batches import data_leaves, leaves
 
 _BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad")
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .formats import CheckpointSource, Collection, discover
-from .runs.run import batch_path
+from ..formats import CheckpointSource, Collection, discover
+from ..runs.run import batch_path
 from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, TensorScan, check_margin, scan_checkpoint
 
 BISECT_SCHEMA = "nanforensics.bisect/1"

@@ -15,12 +15,12 @@ from typing import Any, Sequence
 
 import torch
 
-from . import finite
-from .errors import BadInput
-from .report import WhatIfResult
-from .runs.checkpoint import Checkpoint, optimizer_params
-from .runs.run import Run, UserCode
-from .samples import batch_size, select
+from .. import finite
+from ..errors import BadInput
+from ..report import WhatIfResult
+from ..rootcause.samples import batch_size, select
+from ..runs.checkpoint import Checkpoint, optimizer_params
+from ..runs.run import Run, UserCode
 from .session import Session
 
 USAGE = "clip=MAX_NORM, skip, skip-after-moments, reset-state, lr=VALUE, drop-samples=I,J or drop-batch"

@@ -18,8 +18,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import finite
-from .report import OperationCulprit, OpSite
+from .. import finite
+from ..report import OperationCulprit, OpSite
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 

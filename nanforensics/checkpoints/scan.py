@@ -17,10 +17,10 @@ from typing import Protocol
 
 import torch
 
-from . import finite
-from .errors import BadInput
-from .formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo
-from .formats.source import Release
+from .. import finite
+from ..errors import BadInput
+from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo
+from ..formats.source import Release
 
 SCAN_SCHEMA = "nanforensics.scan/1"
 DEFAULT_MARGIN = 1000.0

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from . import finite
-from .report import STAGES, Event
-from .runs.batches import leaves
-from .runs.checkpoint import optimizer_params
+from .. import finite
+from ..report import STAGES, Event
+from ..runs.batches import leaves
+from ..runs.checkpoint import optimizer_params
 
 _RANK = {s: i for i, s in enumerate(STAGES)}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .report import Event, OpSite, ReplayReport
+from ..report import Event, OpSite, ReplayReport
 
 
 def describe(e: Event) -> str:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .errors import BadInput
-from .replay import ProgressFn, ReplayOptions, replay_run
-from .report import ReplayReport, WhatIfResult, write_json
-from .runs.checkpoint import Checkpoint, save_checkpoint
-from .runs.files import make_build_dir, publish_dir_atomic, write_json_atomic
-from .runs.run import MANIFEST, Run, UserCode
+from ..errors import BadInput
+from ..report import ReplayReport, WhatIfResult, write_json
+from ..runs.checkpoint import Checkpoint, save_checkpoint
+from ..runs.files import make_build_dir, publish_dir_atomic, write_json_atomic
+from ..runs.run import MANIFEST, Run, UserCode
+from .engine import ProgressFn, ReplayOptions, replay_run
 from .session import Session, pinned_threads, resolve_device
 from .whatif import DropBatch, DropSamples, Intervention, ResetState, nonfinite_in, replay_with
 

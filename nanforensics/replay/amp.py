@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from . import finite
-from .explain import describe
+from .. import finite
+from ..report import AmpReport, Event, ScalerStep
+from ..rootcause.findings import describe
 from .monitor import StepMonitor
-from .report import AmpReport, Event, ScalerStep
 from .session import Session
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504

@@ -7,10 +7,10 @@ from typing import Iterable
 
 import torch
 
-from . import finite
-from .report import DataDefect
-from .runs.batches import leaves
-from .runs.run import Run
+from .. import finite
+from ..report import DataDefect
+from ..runs.batches import leaves
+from ..runs.run import Run
 
 DEFAULT_MAX_ABS = 1e6
 

@@ -14,12 +14,12 @@ from typing import Any, Callable
 
 import torch
 
-from .runs.batches import encoded_bytes, snapshot
-from .runs.checkpoint import checkpoint_name, save_checkpoint
-from .runs.files import write_bytes_atomic, write_json_atomic
-from .runs.imports import import_string_of
-from .runs.run import MANIFEST, RUN_FORMAT, STEPS, batch_path
-from .runs.steplog import step_line
+from .batches import encoded_bytes, snapshot
+from .checkpoint import checkpoint_name, save_checkpoint
+from .files import write_bytes_atomic, write_json_atomic
+from .imports import import_string_of
+from .run import MANIFEST, RUN_FORMAT, STEPS, batch_path
+from .steplog import step_line
 
 
 class _StepWriter:
@@ -99,6 +99,9 @@ class Recorder:
     ``scheduler`` and an importable ``scheduler_factory(optimizer)`` that builds it again: their state is
     checkpointed, and replay calls the step function with ``scaler=`` and ``scheduler=`` keyword arguments
     (only those recorded), as the loop did.
+
+    Each callable may be given as its import string instead (``"pkg.models:build_model"``,
+    ``"train.py:train_step"``), when replay should reach it under another name than this process does.
     """
 
     def __init__(
@@ -107,17 +110,17 @@ class Recorder:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        model_factory: Callable[..., torch.nn.Module],
-        step_fn: Callable[..., Any],
+        model_factory: Callable[..., torch.nn.Module] | str,
+        step_fn: Callable[..., Any] | str,
         model_kwargs: dict[str, Any] | None = None,
-        optimizer_factory: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+        optimizer_factory: Callable[[torch.nn.Module], torch.optim.Optimizer] | str | None = None,
         checkpoint_every: int = 50,
         keep_checkpoints: int | None = None,
         start_step: int = 0,
         overwrite: bool = False,
         scaler: torch.amp.GradScaler | None = None,
         scheduler: Any = None,
-        scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None,
+        scheduler_factory: Callable[[torch.optim.Optimizer], Any] | str | None = None,
     ) -> None:
         if (scheduler is None) != (scheduler_factory is None):
             raise ValueError("pass scheduler= and scheduler_factory= together: replay rebuilds the scheduler with "

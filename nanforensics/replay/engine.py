@@ -10,23 +10,32 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
+from ..checkpoints.scan import CLEAN, scan_checkpoint
+from ..errors import BadInput
+from ..formats.discover import open_checkpoint
+from ..report import (
+    BatchRef,
+    Event,
+    OperationCulprit,
+    Precursor,
+    ReplayReport,
+    ReplaySetup,
+    SampleAttribution,
+    StepRecord,
+)
+from ..rootcause.data import DEFAULT_MAX_ABS, check_batches
+from ..rootcause.findings import findings
+from ..rootcause.operations import trace_step
+from ..rootcause.precursors import PrecursorProbe
+from ..rootcause.samples import attribute_samples
+from ..runs.batches import data_leaves
+from ..runs.checkpoint import Checkpoint
+from ..runs.run import Run, UserCode
+from ..runs.steplog import first_nonfinite
 from . import whatif
-from .amp import AmpLog, findings as amp_findings
-from .datacheck import DEFAULT_MAX_ABS, check_batches
-from .errors import BadInput
-from .formats.discover import open_checkpoint
-from .explain import findings
+from .amp import AmpLog
+from .amp import findings as amp_findings
 from .monitor import StepMonitor, totals
-from .ops import trace_step
-from .precursors import PrecursorProbe
-from .report import (BatchRef, Event, OperationCulprit, Precursor, ReplayReport, ReplaySetup, SampleAttribution,
-                     StepRecord)
-from .runs.batches import data_leaves
-from .runs.checkpoint import Checkpoint
-from .runs.run import Run, UserCode
-from .runs.steplog import first_nonfinite
-from .samples import attribute_samples
-from .scan import CLEAN, scan_checkpoint
 from .session import Session, pinned_threads, resolve_device
 
 ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import finite
-from .errors import BadInput
-from .report import ReplayReport
-from .runs.checkpoint import optimizer_params, param_names
-from .runs.run import Run, UserCode
+from .. import finite
+from ..errors import BadInput
+from ..report import ReplayReport
+from ..runs.checkpoint import optimizer_params, param_names
+from ..runs.run import Run, UserCode
 from .session import Session, pinned_threads
 
 CONTEXT_STEPS = 2  # clean steps shown before the responsible one

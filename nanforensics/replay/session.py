@@ -10,12 +10,12 @@ from typing import Any, Iterator
 
 import torch
 
-from .errors import BadInput
+from ..errors import BadInput
+from ..report import Event
+from ..runs.batches import map_tensors
+from ..runs.checkpoint import Checkpoint, restore_rng, rng_state
+from ..runs.run import Run, UserCode
 from .monitor import StepMonitor
-from .report import Event
-from .runs.batches import map_tensors
-from .runs.checkpoint import Checkpoint, restore_rng, rng_state
-from .runs.run import Run, UserCode
 
 
 def resolve_device(name: str) -> torch.device:

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from . import finite
-from .report import Precursor
-from .runs.checkpoint import optimizer_params
+from .. import finite
+from ..report import Precursor
+from ..runs.checkpoint import optimizer_params
 
 
 def _max_abs(extremes: torch.Tensor) -> torch.Tensor:

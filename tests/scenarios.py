@@ -16,9 +16,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from nanforensics import Recorder
 from torch import nn
-
-from .recorder import Recorder
 
 N_FEATURES = 16
 BATCH = 64
@@ -252,22 +251,25 @@ SCENARIOS: dict[str, Scenario] = {
 
 def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int = 17, checkpoint_every: int = 10,
            seed: int = 0, keep_checkpoints: int | None = None, stop_on_nan: bool = False,
-           overwrite: bool = False) -> list[float]:
+           overwrite: bool = False, code: str | None = None) -> list[float]:
     """Train scenario ``name`` for ``steps`` steps under the recorder; returns the logged losses.
 
     ``stop_on_nan`` ends the loop a step after the first non-finite loss, as a job that
-    aborts on NaN would.
+    aborts on NaN would. ``code`` names this file for replay (``tests/scenarios.py``, relative to the
+    checkout's root) instead of its module name ``scenarios``.
     """
     sc = SCENARIOS[name]
+    named = (lambda fn: fn) if code is None else (lambda fn: f"{code}:{fn.__qualname__}")
     model = build_model(**sc.model_kwargs)
     optimizer = sc.optimizer(model)
     scaler = sc.scaler() if sc.scaler else None
     scheduler = sc.scheduler(optimizer) if sc.scheduler else None
     extras = {k: v for k, v in (("scaler", scaler), ("scheduler", scheduler)) if v is not None}
     losses: list[float] = []
-    with Recorder(run_dir, model, optimizer, model_factory=build_model, model_kwargs=sc.model_kwargs,
-                  step_fn=sc.step_fn, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                  overwrite=overwrite, scaler=scaler, scheduler=scheduler, scheduler_factory=sc.scheduler) as rec:
+    with Recorder(run_dir, model, optimizer, model_factory=named(build_model), model_kwargs=sc.model_kwargs,
+                  step_fn=named(sc.step_fn), checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                  overwrite=overwrite, scaler=scaler, scheduler=scheduler,
+                  scheduler_factory=named(sc.scheduler) if sc.scheduler else None) as rec:
         for step in range(steps):
             batch = make_batch(step, seed, sc.defect if step == defect_step else None)
             loss = sc.step_fn(model, optimizer, batch, **extras)

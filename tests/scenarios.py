@@ -185,6 +185,106 @@ def make_batch(step: int, seed: int = 0, defect: str | None = None, batch_size: 
     return {"x": x, "y": y, "ids": ids}
 
 
+# ---- a decoder-only transformer, the model users train ------------------------------------------------------
+#
+# nanoGPT-shaped: token and position embeddings, pre-LayerNorm blocks of causal self-attention and an MLP, a tied
+# head. The causal mask is written as users write it, ``masked_fill(mask, float("-inf"))``: it puts -inf into every
+# step's attention scores, and softmax turns each into a 0 weight. Sequences are right-padded (PAD, with labels
+# -100), and padded keys are masked the same way; a padded query still sees the real tokens before it. A sequence
+# that is padding throughout leaves every row of its attention fully masked: softmax of a row of -inf is 0/0 =
+# NaN, in the forward activations of that sample. Its loss terms are all ignored, so the loss stays finite, but the
+# NaN reaches the gradients through softmax's backward, and AdamW writes it into every moment.
+
+VOCAB, SEQ_LEN, TOKEN_BATCH, PAD = 64, 16, 8, 0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.n_head)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(causal | pad[:, None, None, :], float("-inf"))
+        y = F.softmax(scores, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), pad)
+        return x + self.mlp(self.ln2(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int = VOCAB, seq_len: int = SEQ_LEN, d_model: int = 32, n_head: int = 2,
+                 n_layer: int = 2) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        for module in self.modules():  # GPT-2's initialisation: the default N(0, 1) embedding gives logits of ~20
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pad = tokens == PAD
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x, pad)
+        return self.head(self.ln_f(x))
+
+
+def build_decoder(**kwargs: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return Decoder(**kwargs)
+
+
+def train_step_lm(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """Next-token cross-entropy; padded positions are labelled -100 and ignored."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(batch["tokens"])
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+                           ignore_index=-100)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def make_token_batch(step: int, seed: int = 0, defect: str | None = None, batch_size: int = TOKEN_BATCH,
+                     seq_len: int = SEQ_LEN, vocab: int = VOCAB) -> dict[str, Any]:
+    """Right-padded token sequences of random lengths; ``fully_padded`` empties sample DEFECT_SAMPLE."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=g)
+    lengths = torch.randint(seq_len // 2, seq_len + 1, (batch_size,), generator=g)
+    if defect == "fully_padded":   # an empty document that survived the tokenizer: padding throughout
+        lengths[DEFECT_SAMPLE] = 0
+    elif defect is not None:
+        raise ValueError(f"unknown defect {defect!r}")
+    tokens[torch.arange(seq_len)[None, :] >= lengths[:, None]] = PAD
+    labels = tokens.masked_fill(tokens == PAD, -100)
+    return {"tokens": tokens, "labels": labels, "ids": [f"doc{step:05d}-{i:02d}" for i in range(batch_size)]}
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A recorded run with a known answer."""
@@ -197,6 +297,8 @@ class Scenario:
     poisson: bool = False
     scaler: Callable[[], torch.amp.GradScaler] | None = None  # a mixed-precision loop's GradScaler
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None  # an LR scheduler's factory
+    factory: Callable[..., nn.Module] = build_model  # model_factory(**model_kwargs)
+    batches: Callable[..., dict[str, Any]] = make_batch  # batches(step, seed, defect or None)
 
 
 def _adam(model: nn.Module) -> torch.optim.Optimizer:
@@ -246,6 +348,9 @@ SCENARIOS: dict[str, Scenario] = {
     # a float16 model: a large but finite gradient (total norm ~2e4) whose square overflows Adam's exp_avg_sq
     "fp16_adam_state_overflow": Scenario({"log_features": False, "act": "relu", "dtype": "float16"}, _adam_fp16,
                                          train_step_half, "gain500", "optimizer_state"),
+    # a transformer: the causal -inf mask fires every step; a fully padded sequence makes softmax's rows NaN
+    "decoder_fully_padded": Scenario({}, _adamw, train_step_lm, "fully_padded", "forward", factory=build_decoder,
+                                     batches=make_token_batch),
 }
 
 
@@ -260,18 +365,18 @@ def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int 
     """
     sc = SCENARIOS[name]
     named = (lambda fn: fn) if code is None else (lambda fn: f"{code}:{fn.__qualname__}")
-    model = build_model(**sc.model_kwargs)
+    model = sc.factory(**sc.model_kwargs)
     optimizer = sc.optimizer(model)
     scaler = sc.scaler() if sc.scaler else None
     scheduler = sc.scheduler(optimizer) if sc.scheduler else None
     extras = {k: v for k, v in (("scaler", scaler), ("scheduler", scheduler)) if v is not None}
     losses: list[float] = []
-    with Recorder(run_dir, model, optimizer, model_factory=named(build_model), model_kwargs=sc.model_kwargs,
+    with Recorder(run_dir, model, optimizer, model_factory=named(sc.factory), model_kwargs=sc.model_kwargs,
                   step_fn=named(sc.step_fn), checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                   overwrite=overwrite, scaler=scaler, scheduler=scheduler,
                   scheduler_factory=named(sc.scheduler) if sc.scheduler else None) as rec:
         for step in range(steps):
-            batch = make_batch(step, seed, sc.defect if step == defect_step else None)
+            batch = sc.batches(step, seed, sc.defect if step == defect_step else None)
             loss = sc.step_fn(model, optimizer, batch, **extras)
             rec.log(step, batch, loss)
             losses.append(float(loss.detach()))

@@ -35,10 +35,11 @@ def stderr_console() -> Console:
 
 
 @contextmanager
-def step_progress(what: str) -> Iterator[Optional[Callable[[int, int, int], None]]]:
-    """A transient progress bar on stderr when it is a terminal; nothing in logs and pipes."""
+def step_progress(what: str, shown: bool = True) -> Iterator[Optional[Callable[[int, int, int], None]]]:
+    """A transient progress bar on stderr when it is a terminal; nothing in logs and pipes (nor on a rank other
+    than 0 under torchrun: ``shown`` False)."""
     console = stderr_console()
-    if not console.is_terminal:
+    if not console.is_terminal or not shown:
         yield None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -130,9 +131,14 @@ def replay(
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
 
+    A distributed run replays with every rank emulated on this process, or at world size under
+    `torchrun --nproc-per-node N -m nanforensics replay RUN` (rank 0 writes the report).
+
     Exit codes: 0 no non-finite value, 1 found and attributed, 2 bad input, 3 logged NaN not reproduced.
     """
+    from .distributed.world import joined
     from .replay.engine import ReplayOptions, replay_run
+    from .replay.session import resolve_device
     from .replay.whatif import parse
     from .views.replay import render_markdown, render_terminal
 
@@ -141,13 +147,17 @@ def replay(
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, explain=explain,
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
                             what_if_steps=what_if_steps)
-    with step_progress("replaying") as progress:
-        report = replay_run(run_dir, options, progress=progress)
-    emit_json(report, json_out)
-    emit_markdown(render_markdown(report), markdown)
-    if json_out != "-":
-        render_terminal(report, stdout_console())
-    raise typer.Exit(_REPLAY_EXIT[report.verdict])
+    with joined(run_dir, resolve_device(device)) as world:
+        with step_progress("replaying", shown=world.writes) as progress:
+            report = replay_run(run_dir, options, progress=progress)
+        if world.writes:
+            emit_json(report, json_out)
+            emit_markdown(render_markdown(report), markdown)
+            if json_out != "-":
+                render_terminal(report, stdout_console())
+        code = world.agree(_REPLAY_EXIT[report.verdict])
+    world.exit(code)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -345,10 +355,16 @@ def main() -> None:
     Usage errors are click's own (exit code 2 too); everything else unforeseen is one line as well,
     with the traceback behind NANFORENSICS_DEBUG=1.
     """
+    from .distributed.env import reporting
+
     try:
         app()
     except BadInput as e:
-        stderr_console().print(f"nanforensics: error: {e}", markup=False, soft_wrap=True)
+        # Under torchrun rank 0 speaks for the job about the input every rank read alike; a rank that met a problem
+        # while replaying its own part names itself.
+        if reporting() or e.rank is not None:
+            where = f"rank {e.rank}: " if e.rank else ""
+            stderr_console().print(f"nanforensics: error: {where}{e}", markup=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
     except Exception as e:
         if os.environ.get("NANFORENSICS_DEBUG"):

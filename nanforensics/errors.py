@@ -11,4 +11,5 @@ class BadInput(Exception):
     def __init__(self, where: str | Path | None, problem: str) -> None:
         self.where = str(where) if where is not None else None
         self.problem = problem
+        self.rank: int | None = None  # under torchrun: the rank it arose on, once the ranks replay apart
         super().__init__(f"{self.where}: {problem}" if self.where else problem)

@@ -33,6 +33,9 @@ class Event:
     elements_nonfinite: int = 0  # over every tensor of this stage (and state key) at this step
     tensors_nonfinite: int = 0
     dtype: str | None = None
+    # distributed runs: the rank whose own values these are (its batch shard, activations, local gradients), or the
+    # rank whose FSDP2 shard holds the coordinate; None for values every rank holds alike (DDP after the all-reduce)
+    rank: int | None = None
 
 
 @dataclass
@@ -40,6 +43,7 @@ class BatchRef:
     step: int
     file: str
     leaves: dict[str, Any]  # the batch's non-tensor leaves, such as sample ids
+    rank: int | None = None  # distributed runs: the rank whose shard this is
 
 
 @dataclass
@@ -53,6 +57,9 @@ class StepRecord:
     params_total: int
     state_nonfinite: int
     state_total: int
+    # distributed runs: each rank's logged and replayed loss (logged_loss and replayed_loss are their means)
+    rank_logged_losses: list[float | None] | None = None
+    rank_replayed_losses: list[float] | None = None
 
 
 @dataclass
@@ -66,6 +73,7 @@ class DataDefect:
     count: int
     index: list[int]     # first such coordinate: [sample, feature, ...]
     value: str
+    rank: int | None = None  # distributed runs: the rank whose shard holds it
 
 
 @dataclass
@@ -171,6 +179,33 @@ class ReplaySetup:
     device: str
     num_threads: int
     imported: list[str]
+    world_size: int | None = None  # distributed runs: the ranks recorded
+    wrapping: str | None = None    # "ddp" or "fsdp2"
+    ranks_replayed: str | None = None  # "emulated": every rank on this process; "torchrun": one process per rank
+
+
+@dataclass
+class RankCheck:
+    """One rank of a distributed run: its logged losses against the replay's."""
+
+    rank: int
+    logged_first_nonfinite_loss_step: int | None
+    diverged_at_step: int | None  # first step whose logged loss differs from the replayed one; None: all equal
+    logged_loss: float | None     # at that step
+    replayed_loss: float | None
+
+
+@dataclass
+class CheckpointDiff:
+    """A distributed run's checkpoint in the replayed window holding a non-finite value where the replay's state at
+    that step holds none: the run wrote a value its own code and data do not compute."""
+
+    step: int
+    path: str
+    tensor: str
+    index: list[int]
+    value: str
+    rank: int | None  # FSDP2: the rank whose shard holds it; None: replicated state rank 0 wrote for every rank (DDP)
 
 
 @dataclass
@@ -196,6 +231,8 @@ class ReplayReport:
     schema: str = field(default=REPLAY_SCHEMA)
     amp: AmpReport | None = None
     what_if: list[WhatIfResult] = field(default_factory=list)
+    ranks: list[RankCheck] = field(default_factory=list)  # distributed runs, one per rank
+    checkpoints_differ: list[CheckpointDiff] = field(default_factory=list)  # distributed runs the replay did not reproduce
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -137,7 +137,7 @@ def dcp_entries(metadata: Path, group: str | None) -> list[_Entry]:
     for t in layout.tensors:
         nbytes = math.prod(t.size) * t.dtype.itemsize
         info = TensorInfo(t.fqn, group or _group(t, shaped), t.dtype, t.size, nbytes, metadata)
-        out.append(_Entry(info, partial(_assemble, t), _drop))
+        out.append(_Entry(info, partial(assemble, t), _drop))
     return out
 
 
@@ -162,7 +162,7 @@ def _group(t: _Tensor, optimizer_prefixes: set[tuple[Any, ...]]) -> str:
     return _group_of_key(t.fqn) if t.path == (t.fqn,) else MODEL
 
 
-def _assemble(t: _Tensor) -> torch.Tensor:
+def assemble(t: _Tensor) -> torch.Tensor:
     """The whole tensor: its only chunk as loaded, or its chunks copied into place."""
     if len(t.chunks) == 1 and t.chunks[0].sizes == t.size:
         return _chunk(t, t.chunks[0])

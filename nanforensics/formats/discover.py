@@ -116,9 +116,11 @@ def _file_checkpoint(path: Path) -> CheckpointSource:
 
 
 def _folder_checkpoint(path: Path) -> CheckpointSource | None:
+    run_dir = path.parent.parent if (path.parent.parent / MANIFEST).is_file() else None
     if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
-        run_dir = path.parent.parent if (path.parent.parent / MANIFEST).is_file() else None
         return _ours(Checkpoint(path, step=-1), run_dir)
+    if run_dir is not None and (path / "meta.json").is_file() and (path / dcp.METADATA).is_file():
+        return _ours(Checkpoint(path, step=-1), run_dir)  # a distributed run's FSDP2 checkpoint
     if (path / dcp.METADATA).is_file():
         return CheckpointSource(path, "dcp", [(path / dcp.METADATA, None)],
                                 meta_step=_step_of(dcp.values(path / dcp.METADATA, _STEP_KEYS)))
@@ -130,6 +132,8 @@ def _ours(c: Checkpoint, run_dir: Path | None) -> CheckpointSource:
     step = meta.get("step")
     if not isinstance(step, int):
         raise BadInput(c.path / "meta.json", f"step {step!r} is not an integer")
+    if c.sharded:  # torch.distributed.checkpoint's shards; model and optimizer told apart by their keys
+        return CheckpointSource(c.path, "dcp", [(c.layout_file, None)], meta_step=step, run_dir=run_dir)
     return CheckpointSource(c.path, "nanforensics", [(c.model_file, MODEL), (c.optimizer_file, OPTIMIZER)],
                             meta_step=step, run_dir=run_dir)
 

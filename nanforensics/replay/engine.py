@@ -11,6 +11,8 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from ..checkpoints.scan import CLEAN, scan_checkpoint
+from ..distributed.findings import complete
+from ..distributed.findings import findings as rank_findings
 from ..errors import BadInput
 from ..formats.discover import open_checkpoint
 from ..report import (
@@ -36,7 +38,7 @@ from . import whatif
 from .amp import AmpLog
 from .amp import findings as amp_findings
 from .monitor import StepMonitor, totals
-from .session import Session, pinned_threads, resolve_device
+from .session import Session, open_session, pinned_threads, resolve_device
 
 ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
 
@@ -108,7 +110,7 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
     data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs)
 
     with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None) as threads:
-        r = Session(run, code, checkpoint, device)
+        r = open_session(run, code, checkpoint, device)
         amp = AmpLog()
         params_total, state_total = totals(r.model, r.optimizer)
         events: list[Event] = []
@@ -154,25 +156,31 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
-        operation, samples = _explain(r, events[0].step) if events and opts.explain else (None, None)
+        operation, samples = _explain(r, events[0]) if events and opts.explain else (None, None)
         what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
-                                         opts.what_if_steps) if events and opts.what_if else []
+                                         opts.what_if_steps, events[0].rank) if events and opts.what_if else []
 
     report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol, amp.caught)
     report.amp, report.what_if = amp.report(r.model, events), what_if
     report.data_defects, report.precursors, report.operation, report.samples = (
         data_defects, precursors, operation, samples)
-    report.findings = (findings(report) + amp_findings(report.amp)
+    if run.world is not None:
+        complete(report, run, r, lambda logged, replayed: _losses_match(logged, replayed, rtol))
+    report.findings = (findings(report) + rank_findings(report) + amp_findings(report.amp)
                        + whatif.findings(report.what_if, requested=bool(opts.what_if)))
     return report
 
 
-def _explain(session: Session, step: int) -> tuple[OperationCulprit | None, SampleAttribution]:
-    """Root cause inside the responsible step: which samples (group testing), then which operation."""
-    session.reset()
-    session.advance_to(step)
-    samples = attribute_samples(session)
-    operation = trace_step(session.model, session.optimizer, session.run_step)
+def _explain(session: Session, origin: Event) -> tuple[OperationCulprit | None, SampleAttribution | None]:
+    """Root cause inside the responsible step: which samples (group testing), then which operation; in a distributed
+    run, inside the shard of the origin's rank (None on a rank that leaves the explaining to another)."""
+    with session.focused(origin.rank) as focused:
+        if focused is None:
+            return None, None
+        focused.reset()
+        focused.advance_to(origin.step)
+        samples = attribute_samples(focused)
+        operation = trace_step(focused.model, focused.optimizer, focused.run_step)
     return operation, samples
 
 
@@ -200,7 +208,7 @@ def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int
     else:
         verdict = "clean"
     batch_ref = None
-    if origin is not None:
+    if origin is not None and run.world is None:  # a distributed run's is a shard, or every rank's: see complete()
         path = run.batch_file(origin.step)
         batch_ref = BatchRef(origin.step, str(path), dict(data_leaves(run.batch(origin.step))))
     setup = ReplaySetup(str(run.path), checkpoint.step, spread[0].step if spread else checkpoint.step,

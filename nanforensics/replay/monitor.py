@@ -16,6 +16,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .. import finite
+from ..distributed.tensors import whole
+from ..distributed.wrapping import unsharded_params
 from ..report import STAGES, Event
 from ..runs.batches import leaves
 from ..runs.checkpoint import optimizer_params
@@ -41,7 +43,8 @@ class StepMonitor:
     def __enter__(self) -> "StepMonitor":
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_hook(self._forward_hook(name or "<root>")))
-        for p, name in self.param_names.items():
+        # an FSDP2 model's gradients accumulate in unsharded twins of its parameters: the local gradients, hooked there
+        for p, name in unsharded_params(self.model, self.param_names).items():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
         self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre_hook))
@@ -113,6 +116,7 @@ class StepMonitor:
     def check(self, stage: str, name: str, t: Any, state_key: str | None = None) -> None:
         if not finite.checkable(t):
             return
+        t = whole(t)  # a sharded tensor (FSDP2 at world size) is checked whole, its coordinates its own
         if self.locate:
             if not finite.is_finite(t):
                 self._add(stage, name, state_key, t)

@@ -22,7 +22,7 @@ from ..runs.checkpoint import Checkpoint, save_checkpoint
 from ..runs.files import make_build_dir, publish_dir_atomic, write_json_atomic
 from ..runs.run import MANIFEST, Run, UserCode
 from .engine import ProgressFn, ReplayOptions, replay_run
-from .session import Session, pinned_threads, resolve_device
+from .session import open_session, pinned_threads, resolve_device
 from .whatif import DropBatch, DropSamples, Intervention, ResetState, nonfinite_in, replay_with
 
 REPAIR_SCHEMA = "nanforensics.repair/1"
@@ -98,13 +98,15 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
     build = make_build_dir(out)
     try:
         with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None):
-            session = Session(run, code, checkpoint, device)
-            session.advance_to(t)
-            changed = replay_with(session, change, t)
-            write_json_atomic(build / MANIFEST, run.manifest.raw)
-            written = save_checkpoint(build / "checkpoints", t + 1, session.model, session.optimizer,
-                                      scaler=session.scaler, scheduler=session.scheduler)
-            resumed = Session(run, code, Checkpoint(written, t + 1), device)  # through the format, from disk
+            with open_session(run, code, checkpoint, device).focused(diagnosis.origin.rank) as session:
+                assert session is not None  # one process: it explains, and repairs
+                session.advance_to(t)
+                changed = replay_with(session, change, t)
+                write_json_atomic(build / MANIFEST, run.manifest.raw)
+                written = save_checkpoint(build / "checkpoints", t + 1, session.model, session.optimizer,
+                                          scaler=session.scaler, scheduler=session.scheduler,
+                                          rank_rng=getattr(session, "rank_rng", None))
+            resumed = open_session(run, code, Checkpoint(written, t + 1), device)  # through the format, from disk
             loaded_bad = nonfinite_in(resumed, None)
             verification = dataclasses.replace(
                 replay_with(resumed, None, last), intervention="resume",

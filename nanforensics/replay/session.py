@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -40,7 +40,7 @@ def pinned_threads(n: int | None) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def _loss_value(loss: Any, where: Path) -> float:
+def loss_value(loss: Any, where: Path) -> float:
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return float(loss.detach().float().item())
     if isinstance(loss, (int, float)):
@@ -48,8 +48,23 @@ def _loss_value(loss: Any, where: Path) -> float:
     raise BadInput(where, f"the step function returned {type(loss).__name__}, not a scalar loss")
 
 
+def open_session(run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> "Session":
+    """A session for the run: a distributed run's world emulated on this process, or one rank of it under torchrun."""
+    if run.world is not None:
+        from ..distributed.sessions import distributed_session
+
+        return distributed_session(run, code, checkpoint, device)
+    return Session(run, code, checkpoint, device)
+
+
 class Session:
-    """Rebuilds the model at a checkpoint and runs the user's steps from there, monitored or plain."""
+    """Rebuilds the model at a checkpoint and runs the user's steps from there, monitored or plain.
+
+    ``model`` is the model as the run defined it (the hooks' target); ``stepped`` is what the step function is given,
+    the same model here, a data-parallel wrapper in a distributed session.
+    """
+
+    shard: Callable[[torch.nn.Module], None] | None = None  # applied before the optimizer is built (FSDP2)
 
     def __init__(self, run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> None:
         self.run, self.code, self.checkpoint, self.device = run, code, checkpoint, device
@@ -57,20 +72,31 @@ class Session:
 
     def reset(self) -> None:
         """Back to the checkpoint: fresh model, optimizer, scaler and scheduler, its RNG states restored."""
-        self.model, self.optimizer, self.scaler, self.scheduler, meta = self.code.build(self.run, self.checkpoint,
-                                                                                        self.device)
-        restore_rng(meta["rng"])
+        self.model, self.optimizer, self.scaler, self.scheduler, self.meta = self.code.build(
+            self.run, self.checkpoint, self.device, wrap=self.shard)
+        self.stepped: torch.nn.Module = self.model
+        restore_rng(self.meta["rng"])
         self.step = self.checkpoint.step
 
+    def logged_batch(self, step: int) -> Any:
+        """The batch as logged (for a distributed run, the shard of the rank in focus)."""
+        return self.run.batch(step)
+
     def batch(self, step: int) -> Any:
-        return map_tensors(self.run.batch(step), lambda t: t.to(self.device))
+        return map_tensors(self.logged_batch(step), lambda t: t.to(self.device))
+
+    @contextmanager
+    def focused(self, rank: int | None) -> Iterator["Session | None"]:
+        """The session to explain a step in, looking at ``rank``'s shard (distributed runs); None on a rank that
+        leaves the explaining to another."""
+        yield self
 
     def call_step(self, batch: Any) -> Any:
         """The user's step function on one batch, given the scaler and scheduler as keyword arguments where the
         run recorded them; what it raises becomes a one-line error."""
         extras = {k: v for k, v in (("scaler", self.scaler), ("scheduler", self.scheduler)) if v is not None}
         try:
-            return self.code.step_fn(self.model, self.optimizer, batch, **extras)
+            return self.code.step_fn(self.stepped, self.optimizer, batch, **extras)
         except BadInput:
             raise
         except Exception as e:
@@ -85,7 +111,7 @@ class Session:
         if monitor:
             monitor.begin(self.step, batch, locate)
         loss = self.call_step(batch)
-        value = _loss_value(loss, self.run.path / "manifest.json")
+        value = loss_value(loss, self.run.path / "manifest.json")
         events = monitor.end(loss) if monitor else []
         self.step += 1
         return value, events

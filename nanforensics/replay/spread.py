@@ -19,7 +19,7 @@ from ..errors import BadInput
 from ..report import ReplayReport
 from ..runs.checkpoint import optimizer_params, param_names
 from ..runs.run import Run, UserCode
-from .session import Session, pinned_threads
+from .session import open_session, pinned_threads
 
 CONTEXT_STEPS = 2  # clean steps shown before the responsible one
 
@@ -66,7 +66,7 @@ def trace(run: Run, code: UserCode, replay: ReplayReport) -> SpreadMap:
     first = max(s.first_step, replay.responsible_step - CONTEXT_STEPS)
     steps = list(range(first, s.last_step + 1))
     with pinned_threads(s.num_threads if device.type == "cpu" else None):
-        session = Session(run, code, checkpoint, device)
+        session = open_session(run, code, checkpoint, device)
         session.advance_to(first)
         params = optimizer_params(session.optimizer)
         names = param_names(session.model, session.optimizer)

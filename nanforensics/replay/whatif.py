@@ -3,7 +3,7 @@ whether the run would have stayed finite for K steps after it.
 
 A change acts around the user's own, unchanged step function: through optimizer step hooks (clip,
 skip, reset-state, lr) or by handing the step another batch (drop-samples, drop-batch). Each what-if
-builds its own Session from the checkpoint files (model, optimizer, scaler, scheduler, RNG), so it
+starts from model, optimizer, scaler, scheduler and RNG rebuilt afresh from the checkpoint files, so it
 shares nothing mutable with the replay or with the other what-ifs. Repair applies the same changes.
 """
 
@@ -21,7 +21,7 @@ from ..report import WhatIfResult
 from ..rootcause.samples import batch_size, select
 from ..runs.checkpoint import Checkpoint, optimizer_params
 from ..runs.run import Run, UserCode
-from .session import Session
+from .session import Session, open_session
 
 USAGE = "clip=MAX_NORM, skip, skip-after-moments, reset-state, lr=VALUE, drop-samples=I,J or drop-batch"
 
@@ -261,14 +261,18 @@ def replay_with(session: Session, change: Intervention | None, last: int) -> Wha
 
 
 def what_if_replays(run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device, step: int,
-                    changes: Sequence[Intervention], steps_after: int) -> list[WhatIfResult]:
-    """The replay as recorded, then one replay per change, each from a fresh Session at ``checkpoint``."""
+                    changes: Sequence[Intervention], steps_after: int, rank: int | None = None) -> list[WhatIfResult]:
+    """The replay as recorded, then one replay per change, each from the model rebuilt afresh at ``checkpoint``; in a
+    distributed run a change to the batch changes ``rank``'s shard (none on a rank that leaves them to another)."""
     last = min(step + steps_after, run.steps[-1].step)
     results = []
-    for change in [None, *changes]:
-        session = Session(run, code, checkpoint, device)
-        session.advance_to(step)
-        results.append(replay_with(session, change, last))
+    with open_session(run, code, checkpoint, device).focused(rank) as session:
+        if session is None:
+            return []
+        for change in [None, *changes]:
+            session.reset()
+            session.advance_to(step)
+            results.append(replay_with(session, change, last))
     return results
 
 

@@ -45,11 +45,12 @@ def check_batches(run: Run, steps: Iterable[int], max_abs: float = DEFAULT_MAX_A
     """Every floating-point tensor of the batches of ``steps``; a missing batch is the replay's error, not ours."""
     defects: list[DataDefect] = []
     for step in steps:
-        path = run.batch_file(step)
-        if not path.exists():
-            continue
-        for name, leaf in leaves(run.batch(step)):
-            if finite.checkable(leaf):
-                for kind, count, index, value in check_tensor(leaf, max_abs):
-                    defects.append(DataDefect(step, str(path), name, kind, count, index, value))
+        for rank in run.ranks:  # each rank's shard of a distributed run
+            path = run.batch_file(step, rank)
+            if not path.exists():
+                continue
+            for name, leaf in leaves(run.batch(step, rank)):
+                if finite.checkable(leaf):
+                    for kind, count, index, value in check_tensor(leaf, max_abs):
+                        defects.append(DataDefect(step, str(path), name, kind, count, index, value, rank))
     return defects

@@ -12,6 +12,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .. import finite
+from ..distributed.tensors import whole
 from ..report import Precursor
 from ..runs.checkpoint import optimizer_params
 
@@ -54,22 +55,23 @@ class PrecursorProbe:
                 self._act.setdefault(t.dtype, []).append(_max_abs(finite.extremes(t)))
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        grads = [p.grad.detach() for p in optimizer_params(self.optimizer) if p.grad is not None]
+        # sharded tensors (FSDP2 at world size) are measured whole
+        grads = [whole(p.grad).detach() for p in optimizer_params(self.optimizer) if p.grad is not None]
         if grads:
             self._grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
             self._grad_max = torch.stack([_max_abs(finite.extremes(g)) for g in grads]).max()
-        self._before = [p.detach().clone() for p in optimizer_params(self.optimizer)]
+        self._before = [whole(p).detach().clone() for p in optimizer_params(self.optimizer)]
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        params = optimizer_params(self.optimizer)
+        params = [whole(p) for p in optimizer_params(self.optimizer)]
         if self._before:
             self._update_max = torch.stack([(p.detach() - b).abs().max() for p, b in zip(params, self._before)
                                             if p.numel()]).max()
         self._before = []
-        for p in params:
+        for p in optimizer_params(self.optimizer):
             for key, value in optimizer.state.get(p, {}).items():
                 if finite.checkable(value) and value.ndim > 0:
-                    self._state.setdefault(key, []).append(_max_abs(finite.extremes(value)))
+                    self._state.setdefault(key, []).append(_max_abs(finite.extremes(whole(value))))
 
     def take(self, step: int) -> Precursor:
         value = lambda t: None if t is None else float(t)  # noqa: E731

@@ -116,7 +116,7 @@ def attribute_samples(session: Session, max_bad: int = 8) -> SampleAttribution:
     """Group-test the batch of ``session.step``; the session's state is restored afterwards."""
     step_fn = session.code.step_fn
     batch = session.batch(session.step)
-    leaves = dict(data_leaves(session.run.batch(session.step)))
+    leaves = dict(data_leaves(session.logged_batch(session.step)))
     if getattr(step_fn, "nanforensics_splittable", True) is False:
         return SampleAttribution("opted_out", None, [], {}, 0, [],
                                  "the step function opted out of batch splitting (nanforensics_splittable = False)")

@@ -8,10 +8,11 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
+from ..distributed.tensors import shard_like
 from ..errors import BadInput
 from ..finite import decode_float, encode_float
 from .files import (
@@ -108,12 +109,13 @@ def state_from_json(value: Any, tensors: Callable[[], TensorFile]) -> Any:
     return value
 
 
-def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    scaler: Any = None, scheduler: Any = None) -> Path:
-    """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact.
+TensorWriter = Callable[[Path, torch.nn.Module, dict[str, torch.Tensor], dict[str, str]], None]
 
-    A GradScaler's and an LR scheduler's state, when given, go to meta.json under ``scaler`` and ``scheduler``.
-    """
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                    ) -> tuple[list[str], dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
+    """Parameter names (optimizer order), the state's tensors keyed ``"<name>/<key>"``, its other values per name,
+    and the optimizer's state dict."""
     names = param_names(model, optimizer)
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -124,10 +126,31 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
                 tensors[f"{names[index]}/{key}"] = value
             else:
                 scalars.setdefault(names[index], {})[key] = _json_value(value)
+    return names, tensors, scalars, sd
+
+
+def _write_safetensors(build: Path, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+                       file_meta: dict[str, str]) -> None:
+    write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model.state_dict(), file_meta))
+    write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
+
+
+def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                    scaler: Any = None, scheduler: Any = None, rank_rng: list[dict[str, Any]] | None = None,
+                    write_tensors: TensorWriter | None = None) -> Path:
+    """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact.
+
+    A GradScaler's and an LR scheduler's state, when given, go to meta.json under ``scaler`` and ``scheduler``.
+    A distributed run adds every rank's RNG state (``rank_rng``) and may write the tensors its own way
+    (``write_tensors``: FSDP2's shards through torch.distributed.checkpoint).
+    """
+    names, tensors, scalars, sd = optimizer_state(model, optimizer)
     groups = [{**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
               for g in sd["param_groups"]]
     meta = {"format": CHECKPOINT_FORMAT, "step": step, "param_names": names, "param_groups": groups,
             "state_scalars": scalars, "rng": rng_state()}
+    if rank_rng is not None:
+        meta["rank_rng"] = rank_rng
     extras: dict[str, torch.Tensor] = {}
     for key, holder in (("scaler", scaler), ("scheduler", scheduler)):
         if holder is not None:
@@ -136,8 +159,7 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
     build = make_build_dir(final)
-    write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model.state_dict(), file_meta))
-    write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
+    (write_tensors or _write_safetensors)(build, model, tensors, file_meta)
     if extras:
         write_bytes_atomic(build / EXTRAS_FILE, tensors_to_bytes(extras, file_meta))
     write_json_atomic(build / "meta.json", meta, indent=None)
@@ -153,12 +175,33 @@ class Checkpoint:
     step: int
 
     @property
+    def layout_file(self) -> Path:
+        """torch.distributed.checkpoint's ``.metadata``, present when the tensors were written that way."""
+        from ..formats.dcp import METADATA  # formats reads runs: imported when used
+
+        return self.path / METADATA
+
+    @property
+    def sharded(self) -> bool:
+        """Tensors written through torch.distributed.checkpoint, a shard per rank (an FSDP2 run), not safetensors."""
+        return self.layout_file.is_file()
+
+    @property
     def model_file(self) -> Path:
-        return self.path / "model.safetensors"
+        """The file that holds (or, for a sharded checkpoint, lays out) the model's tensors."""
+        return self.layout_file if self.sharded else self.path / "model.safetensors"
 
     @property
     def optimizer_file(self) -> Path:
-        return self.path / "optimizer.safetensors"
+        return self.layout_file if self.sharded else self.path / "optimizer.safetensors"
+
+    def _tensors(self) -> tuple[dict[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]:
+        """The model's state dict and the optimizer's state tensors keyed ``"<name>/<key>"``, whole."""
+        if self.sharded:
+            from ..distributed.checkpoint import read_sharded
+
+            return read_sharded(self.model_file)
+        return TensorFile(self.model_file).load_all(), TensorFile(self.optimizer_file).items()
 
     def meta(self) -> dict[str, Any]:
         meta = load_json(self.path / "meta.json")
@@ -174,13 +217,15 @@ class Checkpoint:
         """Restore model and optimizer state (and the scaler's and scheduler's, when the run recorded them);
         returns the meta (for the RNG states)."""
         meta = self.meta()
-        model_sd = TensorFile(self.model_file).load_all()
+        model_sd, optimizer_tensors = self._tensors()
         # load_state_dict casts silently: a float16 file would replay a run that never was
         expected = model.state_dict()
         for name, tensor in model_sd.items():
             if name in expected and tensor.dtype != expected[name].dtype:
                 raise BadInput(self.model_file, f"tensor {name!r} is {tensor.dtype}, the model built by the "
                                                 f"manifest's factory holds {expected[name].dtype}")
+            if name in expected:  # a model sharded for a replay at world size takes its own shard of each tensor
+                model_sd[name] = shard_like(tensor, expected[name])
         try:
             model.load_state_dict(model_sd)
         except RuntimeError as e:
@@ -189,10 +234,13 @@ class Checkpoint:
         names = meta["param_names"]
         index = {n: i for i, n in enumerate(names)}
         state: dict[int, dict[str, Any]] = {}
-        for key, tensor in TensorFile(self.optimizer_file).items():
+        params = optimizer_params(optimizer)
+        for key, tensor in optimizer_tensors:
             name, _, skey = key.rpartition("/")
             if name not in index:
                 raise BadInput(self.optimizer_file, f"state {key!r} names no parameter of the optimizer")
+            if index[name] < len(params):
+                tensor = shard_like(tensor, params[index[name]])
             state.setdefault(index[name], {})[skey] = tensor
         for name, values in meta["state_scalars"].items():
             state.setdefault(index[name], {}).update(values)

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..distributed.layout import DISTRIBUTED_FORMAT
+from ..distributed.record import recording_world
 from .batches import encoded_bytes, snapshot
 from .checkpoint import checkpoint_name, save_checkpoint
 from .files import write_bytes_atomic, write_json_atomic
@@ -100,6 +102,10 @@ class Recorder:
     checkpointed, and replay calls the step function with ``scaler=`` and ``scheduler=`` keyword arguments
     (only those recorded), as the loop did.
 
+    Under torchrun, every rank constructs it with the same path and the model as the loop trains it (wrapped by
+    ``DistributedDataParallel`` or ``fully_shard``): each rank records its batch shard and loss, rank 0 the manifest and
+    the shared state (nanforensics.distributed).
+
     Each callable may be given as its import string instead (``"pkg.models:build_model"``,
     ``"train.py:train_step"``), when replay should reach it under another name than this process does.
     """
@@ -130,10 +136,15 @@ class Recorder:
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be at least 1 (or None to keep all)")
         self.path = Path(run_dir)
-        if self.path.exists() and any(self.path.iterdir()):
+        # Under torchrun, every rank records its own batches and losses; rank 0 the rest (docs/run-format.md).
+        self.world = recording_world(model)
+        if self.world is not None:
+            self.world.prepare(self.path, overwrite)
+        elif self.path.exists() and any(self.path.iterdir()):
             if not overwrite:
                 raise FileExistsError(f"{self.path} is not empty; pass overwrite=True to replace it")
             shutil.rmtree(self.path)
+        model = self.world.module if self.world is not None else model  # names are the model's own, unwrapped
         self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
         self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
         self.start_step = start_step
@@ -158,13 +169,18 @@ class Recorder:
             manifest["scaler"] = {"enabled": scaler.is_enabled()}
         if scheduler_factory is not None:
             manifest["scheduler"] = {"factory": import_string_of(scheduler_factory, "scheduler_factory")}
+        if self.world is not None:
+            manifest["format"] = DISTRIBUTED_FORMAT
+            manifest["distributed"] = self.world.world.to_json()
         try:
             json.dumps(manifest, allow_nan=False)
         except (TypeError, ValueError):
             raise TypeError("model_kwargs must be JSON data (numbers, strings, lists, dicts)") from None
-        self.path.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path / MANIFEST, manifest)
-        self._writer = _StepWriter(self.path)
+        self._data = self.world.data_dir(self.path) if self.world is not None else self.path
+        self._data.mkdir(parents=True, exist_ok=True)
+        if self.world is None or self.world.leads:
+            write_json_atomic(self.path / MANIFEST, manifest)
+        self._writer = _StepWriter(self._data)
         self._checkpoint(start_step)
 
     def log(self, step: int, batch: Any, loss: float | torch.Tensor) -> None:
@@ -179,15 +195,20 @@ class Recorder:
 
     def _checkpoint(self, step: int) -> None:
         self._writer.drain()
-        save_checkpoint(self.path / "checkpoints", step, self.model, self.optimizer, scaler=self.scaler,
-                        scheduler=self.scheduler)
+        if self.world is not None:
+            self.world.checkpoint(self.path / "checkpoints", step, self.optimizer, scaler=self.scaler,
+                                  scheduler=self.scheduler)
+        else:
+            save_checkpoint(self.path / "checkpoints", step, self.model, self.optimizer, scaler=self.scaler,
+                            scheduler=self.scheduler)
         self._checkpoints.append(step)
         if self.keep_checkpoints is not None and len(self._checkpoints) > self.keep_checkpoints:
             dropped, self._checkpoints = self._checkpoints[:-self.keep_checkpoints], self._checkpoints[-self.keep_checkpoints:]
-            for old in dropped:
-                shutil.rmtree(self.path / "checkpoints" / checkpoint_name(old), ignore_errors=True)
+            if self.world is None or self.world.leads:
+                for old in dropped:
+                    shutil.rmtree(self.path / "checkpoints" / checkpoint_name(old), ignore_errors=True)
             for old_step in range(dropped[0], self._checkpoints[0]):
-                batch_path(self.path, old_step).unlink(missing_ok=True)
+                batch_path(self._data, old_step).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Wait for every logged step to reach the disk; re-raises a write error from the background."""

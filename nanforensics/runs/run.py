@@ -9,6 +9,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from ..distributed.layout import DISTRIBUTED_FORMAT, World, merged_steps, rank_dir
 from ..errors import BadInput
 from . import imports
 from .batches import read_batch
@@ -39,6 +40,7 @@ class Manifest:
     raw: dict[str, Any] = field(repr=False)
     scaler_enabled: bool | None = None  # None: the run recorded no GradScaler
     scheduler_factory: str | None = None
+    world: World | None = None  # None: a single-process run
 
     @classmethod
     def read(cls, path: Path) -> "Manifest":
@@ -46,7 +48,7 @@ class Manifest:
         if not isinstance(raw, dict):
             raise BadInput(path, "manifest is not a JSON object")
         fmt = raw.get("format")
-        if fmt != RUN_FORMAT:
+        if fmt not in (RUN_FORMAT, DISTRIBUTED_FORMAT):
             if isinstance(fmt, str) and fmt.startswith("nanforensics.run/"):
                 raise BadInput(path, f"format {fmt!r} is newer than this nanforensics reads ({RUN_FORMAT}); upgrade it")
             raise BadInput(path, f"not a nanforensics run manifest (format {fmt!r})")
@@ -60,6 +62,8 @@ class Manifest:
                     scheduler_factory=raw["scheduler"]["factory"] if raw.get("scheduler") is not None else None)
         except (KeyError, TypeError, ValueError) as e:
             raise BadInput(path, f"manifest field missing or malformed: {e}") from None
+        if fmt == DISTRIBUTED_FORMAT:
+            m.world = World.read(raw.get("distributed"), path)
         return m
 
 
@@ -73,12 +77,36 @@ class Run:
         if not self.path.is_dir():
             raise BadInput(self.path, "not a directory")
         self.manifest = Manifest.read(self.path / MANIFEST)
+        self.world = self.manifest.world
         self._steps: list[LoggedStep] | None = None
 
     @property
+    def ranks(self) -> list[int | None]:
+        """The ranks whose batches and losses the run holds: ``[None]`` for a single-process run."""
+        return list(range(self.world.world_size)) if self.world else [None]
+
+    def data_dir(self, rank: int | None = None) -> Path:
+        """The folder of a rank's step log and batches (the run directory itself for a single-process run)."""
+        if self.world is None:
+            return self.path
+        if rank is None or not 0 <= rank < self.world.world_size:
+            raise ValueError(f"a distributed run of {self.world.world_size} ranks keeps batches per rank, not {rank!r}")
+        return rank_dir(self.path, rank)
+
+    def rank_steps(self, rank: int | None) -> list[LoggedStep]:
+        return read_steps(self.data_dir(rank) / STEPS)
+
+    @property
     def steps(self) -> list[LoggedStep]:
+        """The logged loss per step; for a distributed run, the mean over ranks (docs/run-format.md)."""
         if self._steps is None:
-            self._steps = read_steps(self.path / STEPS)
+            if self.world is None:
+                self._steps = read_steps(self.path / STEPS)
+            else:
+                try:
+                    self._steps = merged_steps([self.rank_steps(r) for r in self.ranks])
+                except ValueError as e:
+                    raise BadInput(self.path / "ranks", str(e)) from None
         return self._steps
 
     def checkpoints(self) -> list[Checkpoint]:
@@ -91,14 +119,18 @@ class Run:
                     found.append(Checkpoint(entry, int(m.group(1))))
         return sorted(found, key=lambda c: c.step)
 
-    def batch_file(self, step: int) -> Path:
-        return batch_path(self.path, step)
+    def batch_file(self, step: int, rank: int | None = None) -> Path:
+        return batch_path(self.data_dir(rank), step)
 
-    def batch(self, step: int) -> Any:
-        path = self.batch_file(step)
+    def batch(self, step: int, rank: int | None = None) -> Any:
+        path = self.batch_file(step, rank)
         if not path.exists():
             raise BadInput(path, f"batch of step {step} is missing (needed to replay that step)")
         return read_batch(path)
+
+    def has_batches(self, step: int) -> bool:
+        """Whether every rank's batch of ``step`` is there."""
+        return all(self.batch_file(step, rank).is_file() for rank in self.ranks)
 
 
 class Rebuilt(NamedTuple):
@@ -134,8 +166,12 @@ class UserCode:
         return cls(resolve(m.model_factory), resolve(m.step_fn), opt_factory, resolve(m.optimizer_class), imported,
                    resolve(m.scheduler_factory) if m.scheduler_factory else None)
 
-    def build(self, run: Run, checkpoint: Checkpoint, device: torch.device) -> Rebuilt:
-        """Model, optimizer, scaler and scheduler as they were at ``checkpoint``, and the checkpoint meta."""
+    def build(self, run: Run, checkpoint: Checkpoint, device: torch.device,
+              wrap: Callable[[torch.nn.Module], None] | None = None) -> Rebuilt:
+        """Model, optimizer, scaler and scheduler as they were at ``checkpoint``, and the checkpoint meta.
+
+        ``wrap`` shards the model in place before the optimizer is built over its parameters (FSDP2's ``fully_shard``).
+        """
         where = run.path / MANIFEST
         try:
             model = self.model_factory(**run.manifest.model_kwargs)
@@ -144,6 +180,8 @@ class UserCode:
         if not isinstance(model, torch.nn.Module):
             raise BadInput(where, f"model factory {run.manifest.model_factory} returned {type(model).__name__}, not a Module")
         model.to(device)
+        if wrap is not None:
+            wrap(model)
         meta = checkpoint.meta()
         if self.optimizer_factory is not None:
             optimizer = self.optimizer_factory(model)

@@ -93,6 +93,25 @@ def headline(r: ReplayReport) -> str:
     return f"steps {r.setup.first_step}-{r.setup.last_step} replayed, all finite"
 
 
+def world_text(r: ReplayReport) -> str:
+    """``, 2 ranks (ddp, emulated)`` for a distributed run; nothing for a single process."""
+    s = r.setup
+    return f", {s.world_size} ranks ({s.wrapping}, {s.ranks_replayed})" if s.world_size is not None else ""
+
+
+def shard_text(rank: int | None) -> str:
+    return f", rank {rank}'s shard" if rank is not None else ""
+
+
+_RANK_COLUMNS = ("rank", "logged loss first non-finite", "replay differs from step", "logged there", "replayed there")
+
+
+def rank_rows(r: ReplayReport) -> list[tuple[str, ...]]:
+    return [(str(c.rank), "-" if c.logged_first_nonfinite_loss_step is None else str(c.logged_first_nonfinite_loss_step),
+             "-" if c.diverged_at_step is None else str(c.diverged_at_step), _loss(c.logged_loss), _loss(c.replayed_loss))
+            for c in r.ranks]
+
+
 _COLUMNS = ("change", "stays finite", "first non-finite", "NaN loss at", "loss trend")
 
 
@@ -141,11 +160,12 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     facts.add_column(style="dim")
     facts.add_column()
     facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
-                         f"{s.device}, {s.num_threads} threads)")
+                         f"{s.device}, {s.num_threads} threads{world_text(r)})")
     if r.responsible_batch:
         b = r.responsible_batch
         extra = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items())
-        facts.add_row("responsible batch", Text(f"step {b.step}  {b.file}" + (f"\n{extra}" if extra else "")))
+        facts.add_row("responsible batch", Text(f"step {b.step}{shard_text(b.rank)}  {b.file}"
+                                                + (f"\n{extra}" if extra else "")))
     if r.origin:
         facts.add_row("origin", Text(f"step {r.origin.step}  {describe(r.origin)}  ({r.origin.dtype})", style="bold red"))
     if r.samples is not None and r.samples.samples:
@@ -189,6 +209,13 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         for name, values in precursor_rows(r):
             table.add_row(name, sparkline(values), _last_finite(values))
         parts += [Text(), table]
+    if r.ranks:
+        table = Table(title="ranks: logged losses against the replay's", title_justify="left", show_edge=False)
+        for col in _RANK_COLUMNS:
+            table.add_column(col, justify="right")
+        for row in rank_rows(r):
+            table.add_row(*row, style="bold red" if row[2] != "-" else "")
+        parts += [Text(), table]
     for extra in amp_parts(r) + whatif_parts(r):
         parts += [Text(), extra]
     if r.findings:
@@ -201,9 +228,10 @@ def render_markdown(r: ReplayReport) -> str:
     s = r.setup
     out = [f"## nanforensics replay: {word.lower()} - {headline(r)}", "",
            f"Run `{s.run}`, replayed from the checkpoint at step {s.from_checkpoint} over steps "
-           f"{s.first_step}-{s.last_step} on {s.device}.", ""]
+           f"{s.first_step}-{s.last_step} on {s.device}{world_text(r)}.", ""]
     if r.responsible_batch:
-        out.append(f"- **Responsible batch:** step {r.responsible_batch.step}, `{r.responsible_batch.file}`")
+        b = r.responsible_batch
+        out.append(f"- **Responsible batch:** step {b.step}{shard_text(b.rank)}, `{b.file}`")
     if r.origin:
         out.append(f"- **Origin:** step {r.origin.step}, `{describe(r.origin)}` ({r.origin.dtype})")
     out.append(f"- **Reproduced:** {'yes' if r.reproduced else f'no, diverges from step {r.diverged_at_step}'}")
@@ -220,6 +248,9 @@ def render_markdown(r: ReplayReport) -> str:
         out += ["", f"### Precursors, steps {r.precursors[0].step}-{r.precursors[-1].step}", "",
                 "| metric | trend (log scale, ! = non-finite) | last finite |", "|---|---|---:|"]
         out += [f"| {name} | `{sparkline(values)}` | {_last_finite(values)} |" for name, values in precursor_rows(r)]
+    if r.ranks:
+        out += ["", "### Ranks", "", "| " + " | ".join(_RANK_COLUMNS) + " |", "|---:|---:|---:|---:|---:|"]
+        out += ["| " + " | ".join(row) + " |" for row in rank_rows(r)]
     if r.findings:
         out += ["", "### Findings", ""] + [f"- {f}" for f in r.findings]
     out += amp_markdown(r) + whatif_markdown(r)

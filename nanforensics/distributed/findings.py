@@ -1,0 +1,155 @@
+"""A distributed run's replay report: which rank's shard, each rank's losses, and the chain in words."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from ..checkpoints.scan import scan_checkpoint
+from ..formats.discover import open_checkpoint
+from ..report import BatchRef, CheckpointDiff, Event, RankCheck, ReplayReport
+from ..rootcause.findings import describe
+from ..runs.batches import data_leaves
+from ..runs.run import Run
+from ..runs.steplog import first_nonfinite
+from .layout import DDP, FSDP2, RANKS, SHARED_STAGES, World
+
+
+def complete(report: ReplayReport, run: Run, session: object, match: Callable[[float, float], bool]) -> None:
+    """Add what a distributed run's report has beyond a single process's: the world, the responsible shard, each
+    rank's logged and replayed losses, and which rank's logged losses part from the replay first."""
+    from .sessions import RankSession
+
+    world = run.world
+    assert world is not None
+    report.setup.world_size, report.setup.wrapping = world.world_size, world.kind
+    report.setup.ranks_replayed = "torchrun" if isinstance(session, RankSession) else "emulated"
+    if report.origin is not None:
+        report.responsible_batch = _responsible(run, report.origin)
+    logged = {rank: {s.step: s.loss for s in run.rank_steps(rank)} for rank in range(world.world_size)}
+    replayed: dict[int, list[float]] = getattr(session, "rank_losses", {})
+    for record in report.spread:
+        record.rank_logged_losses = [logged[rank].get(record.step) for rank in range(world.world_size)]
+        record.rank_replayed_losses = replayed.get(record.step)
+    report.ranks = [_check(rank, run, report, match) for rank in range(world.world_size)]
+    if report.verdict == "not_reproduced":
+        report.checkpoints_differ = _checkpoints_differ(run, world, report)
+
+
+def _checkpoints_differ(run: Run, world: World, report: ReplayReport) -> list[CheckpointDiff]:
+    """The checkpoints written inside the replayed window whose step the replay reached with every parameter and
+    state value finite, but which hold a non-finite one: where it lies says which rank wrote it."""
+    finite_after = {s.step + 1 for s in report.spread if s.params_nonfinite == 0 and s.state_nonfinite == 0}
+    out = []
+    for c in run.checkpoints():
+        if c.step <= report.setup.from_checkpoint or c.step not in finite_after:
+            continue
+        scan = scan_checkpoint(open_checkpoint(c.path))
+        bad = next((t for t in scan.poisoned if t.first_nonfinite is not None), None)
+        if bad is not None:
+            index = bad.first_nonfinite.index  # type: ignore[union-attr]
+            rows = bad.shape[0] if bad.shape else 0
+            out.append(CheckpointDiff(c.step, str(c.path), bad.name, index, bad.first_nonfinite.value,  # type: ignore[union-attr]
+                                      world.shard_owner(rows, index)))
+    return out
+
+
+def _responsible(run: Run, origin: Event) -> BatchRef:
+    """The shard of the origin's rank; every rank's batch of the step when the origin arose after the collective."""
+    if origin.rank is not None and origin.stage not in SHARED_STAGES:
+        return BatchRef(origin.step, str(run.batch_file(origin.step, origin.rank)),
+                        dict(data_leaves(run.batch(origin.step, origin.rank))), origin.rank)
+    name = run.batch_file(origin.step, 0).name
+    leaves = {f"rank {rank}: {path}": value for rank in run.ranks
+              for path, value in data_leaves(run.batch(origin.step, rank))}
+    return BatchRef(origin.step, str(run.path / RANKS / "rank_*" / "batches" / name), leaves, None)
+
+
+def _check(rank: int, run: Run, report: ReplayReport, match: Callable[[float, float], bool]) -> RankCheck:
+    parted = next((s for s in report.spread if s.rank_replayed_losses is not None and s.rank_logged_losses is not None
+                   and s.rank_logged_losses[rank] is not None
+                   and not match(s.rank_logged_losses[rank], s.rank_replayed_losses[rank])), None)
+    return RankCheck(rank, first_nonfinite(run.rank_steps(rank)), parted.step if parted else None,
+                     parted.rank_logged_losses[rank] if parted and parted.rank_logged_losses else None,
+                     parted.rank_replayed_losses[rank] if parted and parted.rank_replayed_losses else None)
+
+
+def _plain(e: Event) -> str:
+    """An event in words without its rank (the sentence names it)."""
+    return describe(dataclasses.replace(e, rank=None))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _loss(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6g}" if math.isfinite(x) else str(x)
+
+
+def findings(r: ReplayReport) -> list[str]:
+    """The chain across ranks in words, and which rank's logged losses the replay does not reproduce."""
+    size, kind = r.setup.world_size, r.setup.wrapping
+    if size is None or kind is None:
+        return []
+    collective = World(size, kind, "", {}).collective
+    out = []
+    o = r.origin
+    if o is not None:
+        at = [e for e in r.events if e.step == o.step]
+        if o.stage in SHARED_STAGES:
+            holder = f"rank {o.rank}'s shard of" if o.rank is not None else "every rank's copy of"
+            out.append(f"No rank's own values (batch, activations, loss, local gradients) were non-finite at step "
+                       f"{o.step}: the first non-finite value arose after the {collective}, in {holder} "
+                       f"{_plain(o)}, from the gradients averaged over all {size} ranks' shards.")
+        else:
+            parts = [f"Rank {o.rank}'s shard made {_plain(o)} at step {o.step}"]
+            local = sorted({e.rank for e in at if e.stage not in SHARED_STAGES and e.rank is not None})
+            if len(local) > 1:
+                parts.append(f"{_ranks(local)} each made non-finite values of their own at that step")
+            spread = next((e for e in at if e.stage == "optimizer_grad"), None)
+            if spread is not None and kind == DDP:
+                parts.append(f"the all-reduce spread it to all {size} ranks (optimizer.step() saw {_plain(spread)})")
+            elif spread is not None:
+                into = f"rank {spread.rank}'s gradient shard" if spread.rank is not None else "the gradient shards"
+                parts.append(f"the reduce-scatter averaged it into {into} (optimizer.step() saw {_plain(spread)})")
+            state = next((e for e in at if e.stage == "optimizer_state"), None)
+            if state is not None:
+                parts.append(f"the optimizer state took it ({describe(state)})")
+            param = next((e for e in at if e.stage == "param"), None)
+            if param is not None:
+                parts.append(f"the update made {describe(param)}")
+            after = {e.rank for e in r.events if e.step == o.step + 1 and e.stage not in SHARED_STAGES}
+            if kind == FSDP2 and param is not None and after >= set(range(size)):
+                parts.append(f"the next forward's all-gather handed it to all {size} ranks")
+            out.append("; ".join(parts) + ".")
+        shown = {c.rank: c.logged_first_nonfinite_loss_step for c in r.ranks}
+        if shown and len(set(shown.values())) == 1 and None not in shown.values():
+            out.append(f"Every rank's logged loss is non-finite from step {next(iter(shown.values()))}.")
+        elif shown:
+            out.append("Logged losses first non-finite: " + "; ".join(
+                f"rank {rank} at step {step}" if step is not None else f"rank {rank} never" for rank, step in shown.items())
+                       + ".")
+    for d in r.checkpoints_differ:
+        where = f"in rank {d.rank}'s shard" if d.rank is not None else "in the state rank 0 wrote for every rank"
+        whose = (f"rank {d.rank} held a value the replay does not compute: suspect its hardware" if d.rank is not None
+                 else "a rank's non-finite gradients reached it through the all-reduce, or rank 0's copy was damaged")
+        out.append(f"The checkpoint of step {d.step} holds {d.tensor}[{', '.join(map(str, d.index))}] = {d.value} "
+                   f"{where}, where the replay's parameters and optimizer state at that step are all finite: {whose}.")
+    parted = sorted((c for c in r.ranks if c.diverged_at_step is not None), key=lambda c: (c.diverged_at_step, c.rank))
+    if parted:
+        c = parted[0]
+        first = [x.rank for x in parted if x.diverged_at_step == c.diverged_at_step]
+        if len(first) > 1:
+            out.append(f"The logged losses of {_ranks(first)} part from the replay together, at step {c.diverged_at_step}: "
+                       "the losses do not single out a rank (a collective carries one rank's fault to the others).")
+        else:
+            later = "; ".join(f"rank {x.rank}'s from step {x.diverged_at_step}" for x in parted[1:])
+            text = (f"Rank {c.rank}'s logged loss differs from the replay first, at step {c.diverged_at_step} (logged "
+                    f"{_loss(c.logged_loss)}, replayed {_loss(c.replayed_loss)})" + (f"; {later}" if later else ""))
+            if r.verdict == "not_reproduced":
+                text += (f". The replay of the same code and shards stays finite there: suspect rank {c.rank}'s hardware "
+                         "(its accelerator or memory), or something that rank did outside the step function")
+            out.append(text + ".")
+    return out

@@ -1,0 +1,84 @@
+"""The recorder on one rank of a torchrun job: every rank records its own shard; rank 0 writes what ranks share.
+
+Every rank constructs the ``Recorder`` with the same path and calls ``log`` at the same steps (the loop is the same
+program on every rank), so checkpoints can be collective: the RNG states are gathered to rank 0, and FSDP2's shards
+are written by every rank at once. The recorder's own messages travel on a gloo group, whatever backend trains.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..runs.checkpoint import save_checkpoint
+from .checkpoint import rank_rng_state, save_shards, shard_writer
+from .layout import FSDP2, World, rank_dir
+from .world import object_group
+from .wrapping import describe
+
+
+def recording_world(model: torch.nn.Module) -> "RankRecorder | None":
+    """The distributed side of a recording, or None for a single process (no process group, or one rank and no
+    data-parallel wrapper)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    size = dist.get_world_size()
+    try:
+        kind, module, options = describe(model, size)
+    except ValueError:
+        if size == 1:
+            return None
+        raise
+    return RankRecorder(kind, module, options)
+
+
+class RankRecorder:
+    def __init__(self, kind: str, module: torch.nn.Module, options: dict[str, Any]) -> None:
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.module = module
+        self.group = object_group()
+        self.world = World(self.size, kind, str(dist.get_backend()), options)
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0 writes the manifest and the state every rank shares."""
+        return self.rank == 0
+
+    def prepare(self, path: Path, overwrite: bool) -> None:
+        """Rank 0 checks and clears the run directory before any rank writes into it; all ranks raise alike."""
+        problem = None
+        if self.leads and path.exists() and any(path.iterdir()):
+            if overwrite:
+                shutil.rmtree(path)
+            else:
+                problem = f"{path} is not empty; pass overwrite=True to replace it"
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0, group=self.group)
+        if verdict[0] is not None:
+            raise FileExistsError(verdict[0])
+
+    def data_dir(self, path: Path) -> Path:
+        return rank_dir(path, self.rank)
+
+    def checkpoint(self, folder: Path, step: int, optimizer: torch.optim.Optimizer, *, scaler: Any,
+                   scheduler: Any) -> None:
+        states: list[Any] | None = [None] * self.size if self.leads else None
+        dist.gather_object(rank_rng_state(), states, dst=0, group=self.group)
+        sharded = self.world.kind == FSDP2
+        if self.leads:
+            writer = shard_writer(optimizer, step, self.group, self._announce) if sharded else None
+            save_checkpoint(folder, step, self.module, optimizer, scaler=scaler, scheduler=scheduler, rank_rng=states,
+                            write_tensors=writer)
+        elif sharded:
+            save_shards(self._announce(None), self.module, optimizer, step, self.group)
+
+    def _announce(self, build: Path | None) -> Path:
+        """The hidden folder rank 0 builds a checkpoint in, made known to every rank."""
+        box = [build]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        assert box[0] is not None
+        return Path(box[0])

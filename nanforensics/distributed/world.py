@@ -1,0 +1,117 @@
+"""The process group a replay at world size runs in: torchrun's environment, the world-size check, the exit code.
+
+``torchrun --nproc-per-node N -m nanforensics replay RUN`` starts N copies of the command line, each told its rank
+through the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``). Each joins the process group (gloo on CPU,
+NCCL on GPU), replays its own rank, and leaves it; rank 0 writes the report, and every rank exits with its code.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BadInput
+from ..runs.run import Run
+from .env import torchrun_env
+
+_GLOO: dict[Any, Any] = {}
+
+
+def object_group() -> Any:
+    """The group Python objects (events, losses, RNG states, exit codes) travel on: the default group when it is gloo,
+    else a gloo group made once over the same ranks, so NCCL is asked only to move tensors."""
+    if str(dist.get_backend()) == "gloo":
+        return None
+    world = dist.group.WORLD
+    if world not in _GLOO:
+        _GLOO[world] = dist.new_group(backend="gloo")
+    return _GLOO[world]
+
+
+def mismatch(run: Run, ranks: int) -> str | None:
+    """Why ``ranks`` processes cannot replay the run together, with the command that can; None when they can."""
+    path = shlex.quote(str(run.path))
+    if run.world is None:
+        return None if ranks == 1 else (f"recorded by one process, replayed by {ranks}: run "
+                                        f"`nanforensics replay {path}` without torchrun")
+    recorded = run.world.world_size
+    if ranks == recorded:
+        return None
+    return (f"recorded by {recorded} ranks, replayed by {ranks}: run `torchrun --nproc-per-node {recorded} -m "
+            f"nanforensics replay {path}`, or `nanforensics replay {path}` to emulate the {recorded} ranks on one process")
+
+
+@dataclass
+class Joined:
+    """This process's place in the replay: rank 0 of 1 outside torchrun."""
+
+    rank: int = 0
+    world_size: int = 1
+    grouped: bool = False  # joined a process group
+
+    @property
+    def writes(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, code: int) -> int:
+        """Rank 0's exit code, on every rank, once rank 0 has written the report.
+
+        torchrun stops the other workers (SIGTERM) as soon as one exits with a non-zero code; from here on such a
+        stop ends this process with the agreed code, so every rank exits with the same one."""
+        if not self.grouped:
+            return code
+        box = [code]
+        dist.broadcast_object_list(box, src=0, group=object_group())
+        agreed = int(box[0])
+        signal.signal(signal.SIGTERM, lambda signum, frame: _leave(agreed))
+        return agreed
+
+    def exit(self, code: int) -> None:
+        """Under torchrun, end the process now with ``code``: the interpreter's shutdown would first restore SIGTERM's
+        default action, and a stop from torchrun arriving then would end this rank with -15 instead."""
+        if self.grouped:
+            _leave(code)
+
+
+def _leave(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@contextmanager
+def joined(run_dir: Path, device: torch.device) -> Iterator[Joined]:
+    """Under torchrun, join the process group for the replay of ``run_dir`` (after checking the world size: a
+    mismatch is bad input, raised before any rank waits on another), and leave it afterwards."""
+    env = torchrun_env()
+    if env is None:
+        yield Joined()
+        return
+    rank, size, local_rank = env
+    run = Run(run_dir)
+    problem = mismatch(run, size)
+    if problem is not None:
+        raise BadInput(run.path, problem)
+    if run.world is None:
+        yield Joined()
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield Joined(rank, size, True)
+    except BadInput as e:
+        e.rank = rank  # from here on a rank may meet a problem the others do not
+        raise
+    finally:
+        dist.destroy_process_group()
+        _GLOO.clear()

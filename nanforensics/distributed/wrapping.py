@@ -1,0 +1,182 @@
+"""The data-parallel wrappers a recorded run used: read off the user's wrapped model, and built again for replay.
+
+DDP replicates the model and all-reduces (averages) gradients; FSDP2 (``fully_shard``) shards parameters, gradients
+and optimizer state along dimension 0 and reduce-scatters (averages) gradients. Both leave each rank's forward and
+backward a function of its own shard alone, and both average the local gradients: the two facts the single-process
+emulation rests on. Tensor and pipeline parallelism split one sample's computation across ranks, so neither holds
+for them; they are refused when recording.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .layout import DDP, FSDP2, World
+
+
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6 has fully_shard only under torch.distributed._composable
+        return None
+    return FSDPModule
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def describe(model: nn.Module, world_size: int) -> tuple[str, nn.Module, dict[str, Any]]:
+    """(kind, the model as the user defined it, the options replay needs to wrap it again); ValueError for what
+    replay could not rebuild."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        if getattr(model, "_comm_hooks", None):
+            raise ValueError("the DDP model has a communication hook, which changes how gradients are reduced; "
+                             "nanforensics cannot rebuild it for replay")
+        return DDP, model.module, {"broadcast_buffers": bool(model.broadcast_buffers),
+                                   "find_unused_parameters": bool(model.find_unused_parameters),
+                                   "gradient_as_bucket_view": bool(model.gradient_as_bucket_view)}
+    if type(model).__name__ == "FullyShardedDataParallel":
+        raise ValueError("FSDP1 (FullyShardedDataParallel) is not supported; shard with FSDP2's fully_shard")
+    fsdp = _fsdp_module_class()
+    sharded = [(name, m) for name, m in model.named_modules() if fsdp is not None and isinstance(m, fsdp)]
+    if sharded:
+        return FSDP2, model, {"modules": [_fsdp_options(name, m, world_size) for name, m in reversed(sharded)]}
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise ValueError("the model's parameters are DTensors but no module is fully_shard-ed: tensor parallelism "
+                         "splits each sample's computation across ranks, which replay cannot attribute to one rank")
+    raise ValueError(f"under torch.distributed with {world_size} ranks, pass the model wrapped by "
+                     "DistributedDataParallel or fully_shard (FSDP2), as the loop trains it")
+
+
+def _fsdp_options(name: str, module: nn.Module, world_size: int) -> dict[str, Any]:
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = state._fsdp_param_groups
+    for group in groups:
+        mesh = group.mesh_info.mesh
+        if mesh.ndim != 1 or mesh.size() != world_size:
+            raise ValueError(f"module {name or '<root>'!r} is sharded over a {tuple(mesh.shape)} mesh; nanforensics "
+                             f"replays FSDP2 over one dimension of all {world_size} ranks (no HSDP, no 2-D parallelism)")
+    mp = state._mp_policy
+    return {"module": name,
+            "reshard_after_forward": all(g.post_forward_mesh_info is not None for g in groups),
+            "mp_policy": {"param_dtype": _dtype_name(mp.param_dtype), "reduce_dtype": _dtype_name(mp.reduce_dtype),
+                          "output_dtype": _dtype_name(mp.output_dtype), "cast_forward_inputs": mp.cast_forward_inputs}}
+
+
+def mixed_precision(world: World) -> bool:
+    """Whether FSDP2 computes or reduces in another dtype than the parameters'."""
+    return any(v is not None for spec in world.wrapping.get("modules", [])
+               for k, v in spec["mp_policy"].items() if k.endswith("dtype"))
+
+
+# ---- at world size: the real wrappers ------------------------------------------------------------------------
+
+
+def wrap_ddp(module: nn.Module, world: World, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids, **world.wrapping)
+
+
+def shard_fsdp2(module: nn.Module, world: World, device: torch.device) -> None:
+    """``fully_shard`` as the run applied it, children before their parents; the unsharded parameters are then
+    materialised once, so hooks can be put on them (the local gradients accumulate there, before the reduce-scatter)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world.world_size,))
+    for spec in world.wrapping["modules"]:
+        policy = {k: getattr(torch, v) if k.endswith("dtype") and v is not None else v
+                  for k, v in spec["mp_policy"].items()}
+        fully_shard(module.get_submodule(spec["module"]), mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy),
+                    reshard_after_forward=spec["reshard_after_forward"])
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard()
+            m.reshard()
+
+
+def unsharded_params(model: nn.Module, names: dict[torch.Tensor, str]) -> dict[torch.Tensor, str]:
+    """For an FSDP2 model, each parameter's unsharded twin by the parameter's name: the tensor backward accumulates
+    the local gradient into. Parameters of other models map to themselves."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)  # no FSDP2 module before its import
+    twins: dict[torch.Tensor, str] = {}
+    for m in model.modules():
+        if fsdp is None or not isinstance(m, fsdp):
+            continue
+        for group in m._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+            for fp in group.fsdp_params:
+                if hasattr(fp, "_unsharded_param") and fp.sharded_param in names:
+                    twins[fp._unsharded_param] = names[fp.sharded_param]
+    covered = set(twins.values())
+    return twins | {p: n for p, n in names.items() if n not in covered}
+
+
+# ---- on one process: what the step function sees of the wrapper ---------------------------------------------------
+
+
+class EmulatedDDP(nn.Module):
+    """DDP's face to a step function, over the one model of the emulation: ``forward``, ``module``, ``no_sync()``.
+
+    As in DDP, a forward pass run inside ``no_sync()`` marks its backward as one that only accumulates: the gradients
+    are averaged over the ranks only after a backward whose forward ran outside it.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.require_backward_grad_sync = True
+        self.sync_pending = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self.sync_pending = self.require_backward_grad_sync
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    def syncs(self) -> bool:
+        return self.sync_pending
+
+
+class EmulatedFSDP:
+    """FSDP2's methods a step function calls, mixed into the emulation's model class (as ``fully_shard`` itself swaps
+    the class): ``set_requires_gradient_sync`` (gradient accumulation), and no-op ``unshard``/``reshard``."""
+
+    _requires_gradient_sync = True
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self._requires_gradient_sync = requires_gradient_sync
+
+    def unshard(self, async_op: bool = False) -> None:
+        return None
+
+    def reshard(self) -> None:
+        return None
+
+    def syncs(self) -> bool:
+        return self._requires_gradient_sync
+
+
+def emulated(module: nn.Module, world: World) -> nn.Module:
+    """What the step function is given in the emulation of ``world``."""
+    if world.kind == DDP:
+        return EmulatedDDP(module)
+    cls = type(module)
+    module.__class__ = type(f"Emulated{cls.__name__}", (EmulatedFSDP, cls), {})
+    return module

@@ -1,0 +1,161 @@
+"""Distributed training runs with a known answer, recorded under torchrun by the project's recorder.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/distributed_job.py OUT NAME... [--code tests/scenarios.py]
+        [--cuda]
+
+Every rank trains the seed model of ``scenarios`` on its own shard of one dataset (a ``DistributedSampler``), wrapped by
+DDP or FSDP2's ``fully_shard``, and every rank records with the same path. Only rank ``BAD_RANK``'s shard carries the
+data defect: at step ``DEFECT_STEP`` its sample ``DEFECT_SAMPLE`` holds a near-zero reading (3e-45), so that rank's
+loss is finite and its local gradient of ``features.gain[3]`` is infinite; the collective spreads it to every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from nanforensics import Recorder
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import scenarios
+
+WORLD, SHARD = 2, 8          # ranks, samples per rank per step
+STEPS, EVERY = 8, 3          # steps recorded, checkpoint interval: checkpoints 0, 3, 6
+DEFECT_STEP, BAD_RANK, DEFECT_SAMPLE = 4, 1, scenarios.DEFECT_SAMPLE
+FLIP_STEP = 5                # the flaky-hardware runs: rank 1's copy (or shard) of a weight turns NaN after this step
+
+
+def defect_index(step: int = DEFECT_STEP, rank: int = BAD_RANK, position: int = DEFECT_SAMPLE) -> int:
+    """The dataset index a DistributedSampler (no shuffling) hands ``rank`` at ``position`` of its shard at ``step``."""
+    return (step * SHARD + position) * WORLD + rank
+
+
+class Readings(Dataset):
+    """Positive readings and their targets, as ``scenarios.make_batch`` draws them, one sample at a time with an id."""
+
+    def __init__(self, size: int, defect: int | None) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.exp(torch.randn(size, scenarios.N_FEATURES, generator=g) * 0.5)
+        self.y = torch.exp(torch.log(self.x).mean(dim=1, keepdim=True) + 0.1 * torch.randn(size, 1, generator=g))
+        if defect is not None:  # a reading squashed into fp32's denormal range
+            self.x[defect, scenarios.DEFECT_FEATURE] = 3e-45
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "y": self.y[i], "id": f"sample-{i:05d}"}
+
+
+def train_step_accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """Gradient accumulation over two micro-batches, all but the last under DDP's ``no_sync()`` (the gradients
+    accumulate locally; the last backward all-reduces them), then clipping, which sees the averaged gradients."""
+    optimizer.zero_grad(set_to_none=True)
+    n = batch["x"].shape[0]
+    parts = [p for p in (slice(0, n // 2), slice(n // 2, n)) if p.stop > p.start]
+    total = torch.zeros(())
+    for i, part in enumerate(parts):
+        with model.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():
+            loss = F.mse_loss(model(batch["x"][part]), batch["y"][part]) * (part.stop - part.start) / n
+            loss.backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    optimizer.step()
+    return total
+
+
+# name: (wrapping, step function, defect in the data, rank 1's weight flipped to NaN after FLIP_STEP)
+RUNS: dict[str, tuple[str, Callable[..., Any], bool, bool]] = {
+    "ddp": ("ddp", scenarios.train_step, True, False),
+    "fsdp2": ("fsdp2", scenarios.train_step, True, False),
+    "ddp_accumulate": ("ddp", train_step_accumulate, True, False),
+    "ddp_flaky": ("ddp", scenarios.train_step, False, True),
+    "fsdp2_flaky": ("fsdp2", scenarios.train_step, False, True),
+    "fsdp2_killed": ("fsdp2", scenarios.train_step, False, False),  # rank 1 dies writing checkpoint KILLED_AT: last
+}
+KILLED_AT = 6
+
+
+def die_writing(checkpoint: str) -> None:
+    """This rank dies once its shard of ``checkpoint`` is on disk, before the checkpoint is complete: torchrun then
+    stops the other ranks, as a node lost mid-write would."""
+    from torch.distributed.checkpoint import filesystem
+
+    write = filesystem._FileSystemWriter.write_data
+
+    def dying(self: Any, plan: Any, planner: Any) -> Any:
+        written = write(self, plan, planner)
+        if checkpoint in str(self.path):
+            written.wait()
+            os._exit(9)
+        return written
+
+    filesystem._FileSystemWriter.write_data = dying
+
+
+def wrap(model: nn.Module, how: str) -> nn.Module:
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model)
+
+
+def record(out: Path, name: str, code: str | None = None, device: torch.device = torch.device("cpu")) -> list[float]:
+    """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
+    how, step_fn, defect, flaky = RUNS[name]
+    named = lambda fn: fn if code is None or fn.__module__ != "scenarios" else f"{code}:{fn.__qualname__}"  # noqa: E731
+    data = Readings(STEPS * SHARD * WORLD, defect_index() if defect else None)
+    loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, shuffle=False))
+    model = wrap(scenarios.build_model().to(device), how)
+    optimizer = torch.optim.AdamW(model.parameters())
+    losses = []
+    if name == "fsdp2_killed" and dist.get_rank() == BAD_RANK:
+        die_writing(f"step_{KILLED_AT:08d}")
+    rec = Recorder(out / name, model, optimizer, model_factory=named(scenarios.build_model),
+                   step_fn=named(step_fn), checkpoint_every=EVERY, overwrite=True)
+    for step, batch in enumerate(loader):
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        loss = step_fn(model, optimizer, batch)
+        if flaky and step == FLIP_STEP and dist.get_rank() == BAD_RANK:
+            with torch.no_grad():  # a bit flip in this rank's copy or shard, outside anything the step function does
+                weight = model.module.fc2.weight if how == "ddp" else model.fc2.weight.to_local()
+                weight[0, 0] = math.nan
+        rec.log(step, batch, loss)
+        losses.append(float(loss.detach()))
+    rec.close()
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("names", nargs="+", choices=sorted(RUNS))
+    parser.add_argument("--code", help="name the scenarios by this path (relative to the checkout's root)")
+    parser.add_argument("--cuda", action="store_true", help="train on this rank's GPU, NCCL between ranks")
+    args = parser.parse_args()
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")
+    device = torch.device("cpu")
+    if args.cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    for name in args.names:
+        losses = record(args.out, name, args.code, device)
+        if dist.get_rank() == 0:
+            print(f"{name}: {len(losses)} steps, rank 0's last logged loss {losses[-1]:.4g}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

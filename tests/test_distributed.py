@@ -1,0 +1,222 @@
+"""Distributed runs: real 2-process gloo jobs under torch.distributed.run, recorded by the project's recorder on every
+rank (tests/distributed_job.py), replayed with every rank emulated on one process and at world size under torchrun.
+
+Only rank 1's shard carries the defect (a near-zero reading: a finite loss, an infinite local gradient at step 4); the
+collective spreads it to rank 0. Both replays must name rank 1, step 4 and the sample, and leave the run untouched.
+One launch records every run of this module; the last run's rank 1 dies while writing a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from nanforensics.checkpoints.bisect import bisect
+from nanforensics.distributed.layout import DISTRIBUTED_FORMAT
+from nanforensics.distributed.wrapping import describe
+from nanforensics.formats.discover import discover
+from nanforensics.replay.engine import replay_run
+from nanforensics.report import to_jsonable
+from nanforensics.runs.run import RUN_FORMAT
+
+import distributed_job as job
+import scenarios
+from conftest import TESTS, Result, assert_one_line_error, run_cli, tree_digest
+
+RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_flaky", "fsdp2_flaky", "fsdp2_killed"]  # killed last: it ends the job
+DEFECT_ID = f"sample-{job.defect_index():05d}"
+
+
+def torchrun(*args: str | Path, cwd: Path | None = None) -> Result:
+    """``python -m torch.distributed.run`` with 2 processes on a free port, tests/ importable (the user's code)."""
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANFORENSICS_DEBUG"):
+        env.pop(key, None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        str(job.WORLD), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("distributed")
+    result = torchrun(TESTS / "distributed_job.py", root, *RECORDED)
+    for name in RECORDED[:-1]:
+        assert f"{name}: {job.STEPS} steps" in result.stdout, result.stderr[-3000:]
+    assert "exitcode  : 9" in result.stderr, result.stderr[-3000:]  # rank 1 of the last run, killed mid-write
+    return {name: root / name for name in RECORDED}
+
+
+def check_attribution(report: dict[str, Any], wrapping: str, ranks_replayed: str) -> None:
+    """Rank 1, step 4, grad features.gain[3], sample 5 of its shard: the answer the job planted."""
+    assert report["verdict"] == "nonfinite" and report["reproduced"] is True
+    origin = report["origin"]
+    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["value"], origin["rank"]) == (
+        job.DEFECT_STEP, "grad", "features.gain", [scenarios.DEFECT_FEATURE], "inf", job.BAD_RANK)
+    batch = report["responsible_batch"]
+    assert batch["rank"] == job.BAD_RANK and batch["step"] == job.DEFECT_STEP
+    assert batch["file"].endswith(f"ranks/rank_{job.BAD_RANK:05d}/batches/step_{job.DEFECT_STEP:08d}.safetensors")
+    samples = report["samples"]
+    assert samples["status"] == "attributed" and samples["samples"] == [job.DEFECT_SAMPLE]
+    assert samples["sample_leaves"] == {"batch['id']": [DEFECT_ID]}
+    setup = report["setup"]
+    assert (setup["world_size"], setup["wrapping"], setup["ranks_replayed"]) == (job.WORLD, wrapping, ranks_replayed)
+    # rank 0's own values stay finite at step 4; after the collective every rank holds the infinity
+    at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
+    assert {e["rank"] for e in at if e["stage"] == "grad"} == {job.BAD_RANK}
+    spread = next(e for e in at if e["stage"] == "optimizer_grad")
+    assert spread["rank"] == (None if wrapping == "ddp" else 0)  # FSDP2: row 3 of 16 lies in rank 0's shard
+    record = next(s for s in report["spread"] if s["step"] == job.DEFECT_STEP)
+    assert record["rank_logged_losses"] == record["rank_replayed_losses"]
+    assert all(isinstance(x, float) for x in record["rank_logged_losses"])  # rank 1's loss is finite at the origin
+    collective = "all-reduce spread it to all 2 ranks" if wrapping == "ddp" else "reduce-scatter averaged it into rank 0's"
+    chain = next(f for f in report["findings"] if f.startswith("Rank 1's shard made"))
+    assert f"grad features.gain[3] = inf at step {job.DEFECT_STEP}; the {collective}" in chain
+    assert [c["logged_first_nonfinite_loss_step"] for c in report["ranks"]] == [job.DEFECT_STEP + 1] * job.WORLD
+
+
+def test_layout(runs):
+    manifest = json.loads((runs["ddp"] / "manifest.json").read_text())
+    assert manifest["format"] == DISTRIBUTED_FORMAT != RUN_FORMAT  # a run/1 reader refuses it: "newer", not misread
+    assert manifest["distributed"] == {"world_size": 2, "backend": "gloo", "wrapping": {
+        "kind": "ddp", "broadcast_buffers": True, "find_unused_parameters": False, "gradient_as_bucket_view": False}}
+    fsdp = json.loads((runs["fsdp2"] / "manifest.json").read_text())["distributed"]["wrapping"]
+    assert fsdp["kind"] == "fsdp2" and [m["module"] for m in fsdp["modules"]] == [""]
+    assert not (runs["ddp"] / "steps.jsonl").exists() and not (runs["ddp"] / "batches").exists()
+    for rank in range(job.WORLD):
+        folder = runs["ddp"] / "ranks" / f"rank_{rank:05d}"
+        assert len((folder / "steps.jsonl").read_text().splitlines()) == job.STEPS
+        assert len(list((folder / "batches").iterdir())) == job.STEPS
+    ddp_ckpt, fsdp_ckpt = runs["ddp"] / "checkpoints" / "step_00000003", runs["fsdp2"] / "checkpoints" / "step_00000003"
+    assert {p.name for p in ddp_ckpt.iterdir()} == {"model.safetensors", "optimizer.safetensors", "meta.json"}
+    assert {p.name for p in fsdp_ckpt.iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"}
+    for ckpt in (ddp_ckpt, fsdp_ckpt):
+        meta = json.loads((ckpt / "meta.json").read_text())
+        assert len(meta["rank_rng"]) == job.WORLD and all("torch" in state for state in meta["rank_rng"])
+
+
+def test_emulated_replay_names_rank_step_sample(runs):
+    before = tree_digest(runs["ddp"])
+    result = run_cli("replay", runs["ddp"], "--json", "-")
+    assert result.code == 1, result.stderr
+    check_attribution(result.json(), "ddp", "emulated")
+    assert tree_digest(runs["ddp"]) == before
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "ddp_accumulate"])
+def test_emulated_fsdp2_and_gradient_accumulation(runs, name):
+    """FSDP2's shards assembled whole from torch.distributed.checkpoint; micro-batches under DDP's no_sync(), then
+    clipping on the averaged gradients. The emulation stays bit-exact."""
+    before = tree_digest(runs[name])
+    check_attribution(to_jsonable(replay_run(runs[name])), "fsdp2" if name == "fsdp2" else "ddp", "emulated")
+    assert tree_digest(runs[name]) == before
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_torchrun_replay_at_world_size(runs, tmp_path, name):
+    before = tree_digest(runs[name])
+    out = tmp_path / "report.json"
+    result = torchrun("-m", "nanforensics", "replay", runs[name], "--json", out)
+    codes = dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", result.stderr))
+    assert codes == {"0": "1", "1": "1"}, result.stderr[-3000:]  # every rank exits with the replay's code, 1: found
+    assert result.stdout.count("NON-FINITE") == 1  # rank 0 alone renders the report
+    check_attribution(json.loads(out.read_text()), name, "torchrun")
+    assert tree_digest(runs[name]) == before
+
+
+def test_world_size_mismatch_is_one_line(runs, monkeypatch):
+    """What torchrun tells each process, for a job of 3 ranks (and one of 2 for a single-process run)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    result = run_cli("replay", runs["ddp"])
+    assert_one_line_error(result, "recorded by 2 ranks, replayed by 3",
+                          f"torchrun --nproc-per-node 2 -m nanforensics replay {runs['ddp']}",
+                          f"or `nanforensics replay {runs['ddp']}` to emulate the 2 ranks")
+    single = runs["ddp"].parent / "single"
+    scenarios.record(single, "clean", steps=2, checkpoint_every=1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert_one_line_error(run_cli("replay", single), "recorded by one process, replayed by 2",
+                          f"nanforensics replay {single}` without torchrun")
+    assert json.loads((single / "manifest.json").read_text())["format"] == RUN_FORMAT  # the single-process layout
+    assert (single / "steps.jsonl").exists() and not (single / "ranks").exists()
+
+
+def test_flaky_rank_named_by_its_losses(runs):
+    """No data defect: rank 1's copy of a weight turns NaN outside the step function. The replay stays finite, and
+    rank 1's logged loss is the first to part from it."""
+    report = to_jsonable(replay_run(runs["ddp_flaky"]))
+    assert report["verdict"] == "not_reproduced"
+    flip = job.FLIP_STEP + 1
+    assert [(c["rank"], c["diverged_at_step"], c["logged_loss"]) for c in report["ranks"]] == [
+        (0, flip + 1, "nan"), (1, flip, "nan")]
+    assert report["checkpoints_differ"] == []  # rank 0 wrote the replicated state before the NaN reached it
+    assert any(f.startswith(f"Rank 1's logged loss differs from the replay first, at step {flip}") and
+               "suspect rank 1's hardware" in f for f in report["findings"])
+
+
+def test_flaky_shard_named_by_the_checkpoint(runs):
+    """Rank 1's shard of a weight turns NaN before checkpoint 6 is written: the all-gather hands it to both ranks, so
+    the losses part together, but the checkpoint names the shard that held it."""
+    report = to_jsonable(replay_run(runs["fsdp2_flaky"]))
+    assert report["verdict"] == "not_reproduced"
+    assert [c["diverged_at_step"] for c in report["ranks"]] == [job.FLIP_STEP + 1] * 2
+    [diff] = report["checkpoints_differ"]
+    assert (diff["step"], diff["tensor"], diff["index"], diff["value"], diff["rank"]) == (
+        6, "model.fc2.weight", [16, 0], "nan", 1)  # row 16 of 32: rank 1's half
+    assert any("do not single out a rank" in f for f in report["findings"])
+    assert any("in rank 1's shard" in f and "suspect its hardware" in f for f in report["findings"])
+
+
+def test_bisect_finds_the_first_poisoned_dcp_checkpoint(runs):
+    report = bisect([runs["fsdp2"]])
+    assert report.order == "metadata" and [r.step for r in report.history] == [6, 0, 3]
+    assert [c.format for c in discover([runs["fsdp2"]]).checkpoints] == ["dcp"] * 3
+    assert (report.last_clean.step, report.first_poisoned.step) == (3, 6)
+    assert report.first_poisoned_verdict == "poisoned_parameters"
+    assert report.replay is not None and report.replay.from_step == 3  # every rank kept its batches
+
+
+def test_killed_mid_checkpoint_leaves_the_previous_one(runs):
+    """Rank 1 died with its shard of checkpoint 6 written and the checkpoint incomplete: only a hidden folder holds it,
+    and every reader carries on from checkpoint 3."""
+    run = runs["fsdp2_killed"]
+    before = tree_digest(run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")) == [
+        "step_00000000", "step_00000003"]
+    assert [p.name.split(".")[1] for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == ["step_00000006"]
+    bisected = bisect([run])
+    assert bisected.verdict == "clean" and [r.step for r in bisected.history] == [3, 0]
+    replayed = run_cli("replay", run, "--json", "-")
+    assert replayed.code == 0, replayed.stderr
+    assert replayed.json()["verdict"] == "clean" and replayed.json()["setup"]["from_checkpoint"] == 3
+    assert tree_digest(run) == before
+
+
+def test_unsupported_parallelism_is_refused():
+    """A plain model in a world of several ranks: tensor or pipeline parallel, or a loop that all-reduces by hand."""
+    with pytest.raises(ValueError, match="DistributedDataParallel or fully_shard"):
+        describe(scenarios.build_model(), 2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"NCCL needs 2 CUDA devices; this machine has "
+                                                          f"{torch.cuda.device_count()}")
+def test_nccl_on_gpus(tmp_path):
+    """The same job on two GPUs with NCCL, replayed at world size on them and emulated on one."""
+    recorded = torchrun(TESTS / "distributed_job.py", tmp_path, "ddp", "fsdp2", "--cuda")
+    assert recorded.code == 0, recorded.stderr[-3000:]
+    for name in ("ddp", "fsdp2"):
+        out = tmp_path / f"{name}.json"
+        torchrun("-m", "nanforensics", "replay", tmp_path / name, "--device", "cuda", "--json", out)
+        check_attribution(json.loads(out.read_text()), name, "torchrun")
+        emulated = run_cli("replay", tmp_path / name, "--device", "cuda", "--json", "-")
+        check_attribution(emulated.json(), name, "emulated")

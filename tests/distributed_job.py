@@ -15,9 +15,12 @@ import argparse
 import contextlib
 import math
 import os
+import random
+import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
+import numpy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -72,14 +75,22 @@ def train_step_accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, ba
     return total
 
 
-# name: (wrapping, step function, defect in the data, rank 1's weight flipped to NaN after FLIP_STEP)
-RUNS: dict[str, tuple[str, Callable[..., Any], bool, bool]] = {
-    "ddp": ("ddp", scenarios.train_step, True, False),
-    "fsdp2": ("fsdp2", scenarios.train_step, True, False),
-    "ddp_accumulate": ("ddp", train_step_accumulate, True, False),
-    "ddp_flaky": ("ddp", scenarios.train_step, False, True),
-    "fsdp2_flaky": ("fsdp2", scenarios.train_step, False, True),
-    "fsdp2_killed": ("fsdp2", scenarios.train_step, False, False),  # rank 1 dies writing checkpoint KILLED_AT: last
+class Job(NamedTuple):
+    wrapping: str  # "ddp" or "fsdp2"
+    step_fn: Callable[..., Any]
+    defect: bool  # rank 1's shard holds the near-zero reading at DEFECT_STEP
+    flaky: bool = False  # rank 1's copy (or shard) of a weight turns NaN after FLIP_STEP, outside the step function
+    model_kwargs: dict[str, Any] = {}
+
+
+RUNS: dict[str, Job] = {
+    "ddp": Job("ddp", scenarios.train_step, True),
+    "fsdp2": Job("fsdp2", scenarios.train_step, True),
+    "ddp_accumulate": Job("ddp", train_step_accumulate, True),
+    "ddp_batchnorm": Job("ddp", scenarios.train_step, True, model_kwargs={"batchnorm": True}),  # buffers broadcast
+    "ddp_flaky": Job("ddp", scenarios.train_step, False, True),
+    "fsdp2_flaky": Job("fsdp2", scenarios.train_step, False, True),
+    "fsdp2_killed": Job("fsdp2", scenarios.train_step, False),  # rank 1 dies writing checkpoint KILLED_AT: run it last
 }
 KILLED_AT = 6
 
@@ -113,16 +124,16 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
 
 def record(out: Path, name: str, code: str | None = None, device: torch.device = torch.device("cpu")) -> list[float]:
     """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
-    how, step_fn, defect, flaky = RUNS[name]
+    how, step_fn, defect, flaky, kwargs = RUNS[name]
     named = lambda fn: fn if code is None or fn.__module__ != "scenarios" else f"{code}:{fn.__qualname__}"  # noqa: E731
     data = Readings(STEPS * SHARD * WORLD, defect_index() if defect else None)
     loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, shuffle=False))
-    model = wrap(scenarios.build_model().to(device), how)
+    model = wrap(scenarios.build_model(**kwargs).to(device), how)
     optimizer = torch.optim.AdamW(model.parameters())
     losses = []
     if name == "fsdp2_killed" and dist.get_rank() == BAD_RANK:
         die_writing(f"step_{KILLED_AT:08d}")
-    rec = Recorder(out / name, model, optimizer, model_factory=named(scenarios.build_model),
+    rec = Recorder(out / name, model, optimizer, model_factory=named(scenarios.build_model), model_kwargs=kwargs,
                    step_fn=named(step_fn), checkpoint_every=EVERY, overwrite=True)
     for step, batch in enumerate(loader):
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -137,6 +148,13 @@ def record(out: Path, name: str, code: str | None = None, device: torch.device =
     return losses
 
 
+def command(out: Path, names: list[str], *options: str) -> list[str]:
+    """The torchrun command line that records ``names`` into ``out`` (run it from the checkout's root: the runs name
+    their code ``tests/scenarios.py:...``, as the shipped sample runs do)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+            str(Path(__file__).resolve()), str(out), *names, "--code", "tests/scenarios.py", *options]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -144,7 +162,9 @@ def main() -> None:
     parser.add_argument("--code", help="name the scenarios by this path (relative to the checkout's root)")
     parser.add_argument("--cuda", action="store_true", help="train on this rank's GPU, NCCL between ranks")
     args = parser.parse_args()
-    os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")  # fixed: regenerated runs are byte-identical
+    random.seed(0)
+    numpy.random.seed(0)  # its RNG state is checkpointed too
     device = torch.device("cpu")
     if args.cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

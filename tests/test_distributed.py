@@ -22,33 +22,47 @@ from nanforensics.checkpoints.bisect import bisect
 from nanforensics.distributed.layout import DISTRIBUTED_FORMAT
 from nanforensics.distributed.wrapping import describe
 from nanforensics.formats.discover import discover
-from nanforensics.replay.engine import replay_run
+from nanforensics.replay.engine import ReplayOptions, replay_run
 from nanforensics.report import to_jsonable
 from nanforensics.runs.run import RUN_FORMAT
 
 import distributed_job as job
 import scenarios
 from conftest import TESTS, Result, assert_one_line_error, run_cli, tree_digest
+from test_samples import ROOT, SAMPLES, assert_same_run
 
-RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_flaky", "fsdp2_flaky", "fsdp2_killed"]  # killed last: it ends the job
+RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_flaky", "fsdp2_flaky",
+            "fsdp2_killed"]  # killed last: it ends the job
 DEFECT_ID = f"sample-{job.defect_index():05d}"
+SAMPLE = SAMPLES / "ddp_two_ranks"
 
 
-def torchrun(*args: str | Path, cwd: Path | None = None) -> Result:
-    """``python -m torch.distributed.run`` with 2 processes on a free port, tests/ importable (the user's code)."""
-    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)}
+def launch(argv: list[str]) -> Result:
+    """A command from the checkout's root (the runs name their code tests/scenarios.py, as the shipped samples do),
+    outside any torchrun job of its own."""
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANFORENSICS_DEBUG"):
         env.pop(key, None)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        str(job.WORLD), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     return Result(p.returncode, p.stdout, p.stderr)
+
+
+def torchrun(*args: str | Path) -> Result:
+    """``python -m torch.distributed.run`` with 2 processes on a free port."""
+    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.WORLD),
+                   *map(str, args)])
+
+
+def replayed(run: Path) -> dict[str, Any]:
+    """The emulated replay, in this process, as JSON."""
+    return to_jsonable(replay_run(run, ReplayOptions(code_paths=[TESTS])))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every run of this module, recorded by one launch of the sample generator's command."""
     root = tmp_path_factory.mktemp("distributed")
-    result = torchrun(TESTS / "distributed_job.py", root, *RECORDED)
+    result = launch(job.command(root, RECORDED))
     for name in RECORDED[:-1]:
         assert f"{name}: {job.STEPS} steps" in result.stdout, result.stderr[-3000:]
     assert "exitcode  : 9" in result.stderr, result.stderr[-3000:]  # rank 1 of the last run, killed mid-write
@@ -78,8 +92,9 @@ def check_attribution(report: dict[str, Any], wrapping: str, ranks_replayed: str
     assert record["rank_logged_losses"] == record["rank_replayed_losses"]
     assert all(isinstance(x, float) for x in record["rank_logged_losses"])  # rank 1's loss is finite at the origin
     collective = "all-reduce spread it to all 2 ranks" if wrapping == "ddp" else "reduce-scatter averaged it into rank 0's"
-    chain = next(f for f in report["findings"] if f.startswith("Rank 1's shard made"))
-    assert f"grad features.gain[3] = inf at step {job.DEFECT_STEP}; the {collective}" in chain
+    chain = next(f for f in report["findings"] if f.startswith("Rank 1's shard"))
+    assert chain.startswith(f"Rank 1's shard (sample {job.DEFECT_SAMPLE}: batch['id'] = ['{DEFECT_ID}']) made grad "
+                            f"features.gain[3] = inf at step {job.DEFECT_STEP}; the {collective}"), chain
     assert [c["logged_first_nonfinite_loss_step"] for c in report["ranks"]] == [job.DEFECT_STEP + 1] * job.WORLD
 
 
@@ -103,12 +118,28 @@ def test_layout(runs):
         assert len(meta["rank_rng"]) == job.WORLD and all("torch" in state for state in meta["rank_rng"])
 
 
-def test_emulated_replay_names_rank_step_sample(runs):
-    before = tree_digest(runs["ddp"])
-    result = run_cli("replay", runs["ddp"], "--json", "-")
+def test_emulated_batchnorm_buffers(runs):
+    """BatchNorm's running statistics: every rank's forward starts from rank 0's (DDP broadcasts them), and rank 0's
+    are kept after the step. The emulation reproduces every logged loss of both ranks bit for bit."""
+    report = replayed(runs["ddp_batchnorm"])
+    assert report["reproduced"] is True and all(c["diverged_at_step"] is None for c in report["ranks"])
+    origin = report["origin"]
+    assert (origin["step"], origin["stage"], origin["rank"]) == (job.DEFECT_STEP, "grad", job.BAD_RANK)
+    assert report["responsible_batch"]["rank"] == job.BAD_RANK
+    assert report["samples"]["status"] in ("attributed", "coupled")  # BatchNorm couples the samples of a shard
+
+
+def test_shipped_sample_matches_its_generator(runs):
+    assert_same_run(SAMPLE, runs["ddp"])  # sample_runs/generate_distributed.py: the same command, renamed
+
+
+def test_readme_emulated_replay_of_the_sample():
+    """The README's command on the shipped sample: rank 1, step 4, sample-00075, from one process."""
+    before = tree_digest(SAMPLE)
+    result = run_cli("replay", "sample_runs/ddp_two_ranks", "--json", "-", cwd=ROOT)
     assert result.code == 1, result.stderr
     check_attribution(result.json(), "ddp", "emulated")
-    assert tree_digest(runs["ddp"]) == before
+    assert tree_digest(SAMPLE) == before
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "ddp_accumulate"])
@@ -116,7 +147,7 @@ def test_emulated_fsdp2_and_gradient_accumulation(runs, name):
     """FSDP2's shards assembled whole from torch.distributed.checkpoint; micro-batches under DDP's no_sync(), then
     clipping on the averaged gradients. The emulation stays bit-exact."""
     before = tree_digest(runs[name])
-    check_attribution(to_jsonable(replay_run(runs[name])), "fsdp2" if name == "fsdp2" else "ddp", "emulated")
+    check_attribution(replayed(runs[name]), "fsdp2" if name == "fsdp2" else "ddp", "emulated")
     assert tree_digest(runs[name]) == before
 
 
@@ -137,7 +168,7 @@ def test_world_size_mismatch_is_one_line(runs, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    result = run_cli("replay", runs["ddp"])
+    result = run_cli("replay", runs["ddp"], cwd=ROOT)
     assert_one_line_error(result, "recorded by 2 ranks, replayed by 3",
                           f"torchrun --nproc-per-node 2 -m nanforensics replay {runs['ddp']}",
                           f"or `nanforensics replay {runs['ddp']}` to emulate the 2 ranks")
@@ -154,7 +185,7 @@ def test_world_size_mismatch_is_one_line(runs, monkeypatch):
 def test_flaky_rank_named_by_its_losses(runs):
     """No data defect: rank 1's copy of a weight turns NaN outside the step function. The replay stays finite, and
     rank 1's logged loss is the first to part from it."""
-    report = to_jsonable(replay_run(runs["ddp_flaky"]))
+    report = replayed(runs["ddp_flaky"])
     assert report["verdict"] == "not_reproduced"
     flip = job.FLIP_STEP + 1
     assert [(c["rank"], c["diverged_at_step"], c["logged_loss"]) for c in report["ranks"]] == [
@@ -167,7 +198,7 @@ def test_flaky_rank_named_by_its_losses(runs):
 def test_flaky_shard_named_by_the_checkpoint(runs):
     """Rank 1's shard of a weight turns NaN before checkpoint 6 is written: the all-gather hands it to both ranks, so
     the losses part together, but the checkpoint names the shard that held it."""
-    report = to_jsonable(replay_run(runs["fsdp2_flaky"]))
+    report = replayed(runs["fsdp2_flaky"])
     assert report["verdict"] == "not_reproduced"
     assert [c["diverged_at_step"] for c in report["ranks"]] == [job.FLIP_STEP + 1] * 2
     [diff] = report["checkpoints_differ"]
@@ -196,9 +227,9 @@ def test_killed_mid_checkpoint_leaves_the_previous_one(runs):
     assert [p.name.split(".")[1] for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == ["step_00000006"]
     bisected = bisect([run])
     assert bisected.verdict == "clean" and [r.step for r in bisected.history] == [3, 0]
-    replayed = run_cli("replay", run, "--json", "-")
-    assert replayed.code == 0, replayed.stderr
-    assert replayed.json()["verdict"] == "clean" and replayed.json()["setup"]["from_checkpoint"] == 3
+    result = run_cli("replay", run, "--json", "-", cwd=ROOT)
+    assert result.code == 0, result.stderr
+    assert result.json()["verdict"] == "clean" and result.json()["setup"]["from_checkpoint"] == 3
     assert tree_digest(run) == before
 
 
@@ -212,11 +243,11 @@ def test_unsupported_parallelism_is_refused():
                                                           f"{torch.cuda.device_count()}")
 def test_nccl_on_gpus(tmp_path):
     """The same job on two GPUs with NCCL, replayed at world size on them and emulated on one."""
-    recorded = torchrun(TESTS / "distributed_job.py", tmp_path, "ddp", "fsdp2", "--cuda")
+    recorded = launch(job.command(tmp_path, ["ddp", "fsdp2"], "--cuda"))
     assert recorded.code == 0, recorded.stderr[-3000:]
     for name in ("ddp", "fsdp2"):
         out = tmp_path / f"{name}.json"
         torchrun("-m", "nanforensics", "replay", tmp_path / name, "--device", "cuda", "--json", out)
         check_attribution(json.loads(out.read_text()), name, "torchrun")
-        emulated = run_cli("replay", tmp_path / name, "--device", "cuda", "--json", "-")
+        emulated = run_cli("replay", tmp_path / name, "--device", "cuda", "--json", "-", cwd=ROOT)
         check_attribution(emulated.json(), name, "emulated")

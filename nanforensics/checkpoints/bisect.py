@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..formats import CheckpointSource, Collection, discover
-from ..runs.run import Run
+from ..runs.run import batches_present
 from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, TensorScan, check_margin, scan_checkpoint
 
 BISECT_SCHEMA = "nanforensics.bisect/1"
@@ -165,8 +165,7 @@ def _replay(clean: CheckpointSource | None, poisoned: CheckpointSource) -> tuple
     if clean is None or clean.run_dir != poisoned.run_dir or clean.step is None or poisoned.step is None:
         return None, "no clean checkpoint of the run precedes the first poisoned one, so there is nothing to replay from"
     run = poisoned.run_dir
-    opened = Run(run)
-    missing = [s for s in range(clean.step, poisoned.step) if not opened.has_batches(s)]
+    missing = [s for s in range(clean.step, poisoned.step) if not batches_present(run, s)]
     if missing:
         return None, (f"the run kept no batches for steps {_ranges(missing)} (recorded with keep_checkpoints?), "
                       "so the window cannot be replayed")

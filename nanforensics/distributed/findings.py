@@ -104,7 +104,13 @@ def findings(r: ReplayReport) -> list[str]:
                        f"{o.step}: the first non-finite value arose after the {collective}, in {holder} "
                        f"{_plain(o)}, from the gradients averaged over all {size} ranks' shards.")
         else:
-            parts = [f"Rank {o.rank}'s shard made {_plain(o)} at step {o.step}"]
+            samples = r.samples if r.samples is not None and r.samples.status == "attributed" else None
+            who = f"Rank {o.rank}'s shard"
+            if samples is not None:
+                ids = "; ".join(f"{k} = {v}" for k, v in samples.sample_leaves.items())
+                who += f" (sample{'s' * (len(samples.samples) > 1)} {', '.join(map(str, samples.samples))}" + (
+                    f": {ids})" if ids else ")")
+            parts = [f"{who} made {_plain(o)} at step {o.step}"]
             local = sorted({e.rank for e in at if e.stage not in SHARED_STAGES and e.rank is not None})
             if len(local) > 1:
                 parts.append(f"{_ranks(local)} each made non-finite values of their own at that step")

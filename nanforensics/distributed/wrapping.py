@@ -80,11 +80,16 @@ def mixed_precision(world: World) -> bool:
 # ---- at world size: the real wrappers ------------------------------------------------------------------------
 
 
+_DDP_DEFAULTS = {"broadcast_buffers": True, "find_unused_parameters": False, "gradient_as_bucket_view": False}
+
+
 def wrap_ddp(module: nn.Module, world: World, device: torch.device) -> nn.Module:
+    """DDP as the run built it; options at their defaults are left out (newer torch deprecates some by name)."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=ids, **world.wrapping)
+    options = {k: v for k, v in world.wrapping.items() if _DDP_DEFAULTS.get(k) != v}
+    return DistributedDataParallel(module, device_ids=ids, **options)
 
 
 def shard_fsdp2(module: nn.Module, world: World, device: torch.device) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..distributed.layout import DISTRIBUTED_FORMAT, World, merged_steps, rank_dir
+from ..distributed.layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
 from ..errors import BadInput
 from . import imports
 from .batches import read_batch
@@ -25,6 +25,13 @@ _CHECKPOINT_DIR = re.compile(r"^step_(\d{8})$")
 
 def batch_path(run_dir: Path, step: int) -> Path:
     return run_dir / "batches" / f"step_{step:08d}.safetensors"
+
+
+def batches_present(run_dir: Path, step: int) -> bool:
+    """Whether the run directory holds the batch of ``step`` (every rank's, for a distributed run), read from the
+    folders alone: a damaged manifest does not hide them."""
+    ranks = sorted((run_dir / RANKS).glob("rank_*"))
+    return all(batch_path(folder, step).is_file() for folder in ranks or [run_dir])
 
 
 @dataclass
@@ -128,9 +135,6 @@ class Run:
             raise BadInput(path, f"batch of step {step} is missing (needed to replay that step)")
         return read_batch(path)
 
-    def has_batches(self, step: int) -> bool:
-        """Whether every rank's batch of ``step`` is there."""
-        return all(self.batch_file(step, rank).is_file() for rank in self.ranks)
 
 
 class Rebuilt(NamedTuple):

@@ -170,7 +170,8 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         facts.add_row("origin", Text(f"step {r.origin.step}  {describe(r.origin)}  ({r.origin.dtype})", style="bold red"))
     if r.samples is not None and r.samples.samples:
         ids = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in r.samples.sample_leaves.items())
-        facts.add_row("samples", Text(f"{', '.join(map(str, r.samples.samples))} of {r.samples.batch_size}"
+        shard = shard_text(r.responsible_batch.rank if r.responsible_batch else None)
+        facts.add_row("samples", Text(f"{', '.join(map(str, r.samples.samples))} of {r.samples.batch_size}{shard}"
                                       + (f"  ({ids})" if ids else "")))
     elif r.samples is not None:
         facts.add_row("samples", Text(r.samples.status.replace("_", " ")))

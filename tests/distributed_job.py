@@ -58,6 +58,23 @@ class Readings(Dataset):
         return {"x": self.x[i], "y": self.y[i], "id": f"sample-{i:05d}"}
 
 
+class Documents(Dataset):
+    """Right-padded token sequences, as ``scenarios.make_token_batch`` draws them, one at a time with an id;
+    ``defect`` empties document ``at``: padding throughout, so every row of its attention is masked."""
+
+    def __init__(self, size: int, defect: int | None) -> None:
+        drawn = scenarios.make_token_batch(0, batch_size=size)
+        self.tokens, self.labels = drawn["tokens"], drawn["labels"]
+        if defect is not None:
+            self.tokens[defect], self.labels[defect] = scenarios.PAD, -100
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"tokens": self.tokens[i], "labels": self.labels[i], "id": f"doc-{i:05d}"}
+
+
 def train_step_accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
     """Gradient accumulation over two micro-batches, all but the last under DDP's ``no_sync()`` (the gradients
     accumulate locally; the last backward all-reduces them), then clipping, which sees the averaged gradients."""
@@ -81,6 +98,7 @@ class Job(NamedTuple):
     defect: bool  # rank 1's shard holds the near-zero reading at DEFECT_STEP
     flaky: bool = False  # rank 1's copy (or shard) of a weight turns NaN after FLIP_STEP, outside the step function
     model_kwargs: dict[str, Any] = {}
+    decoder: bool = False  # the transformer of scenarios on token documents, instead of the regressor on readings
 
 
 RUNS: dict[str, Job] = {
@@ -88,6 +106,7 @@ RUNS: dict[str, Job] = {
     "fsdp2": Job("fsdp2", scenarios.train_step, True),
     "ddp_accumulate": Job("ddp", train_step_accumulate, True),
     "ddp_batchnorm": Job("ddp", scenarios.train_step, True, model_kwargs={"batchnorm": True}),  # buffers broadcast
+    "ddp_decoder": Job("ddp", scenarios.train_step_lm, True, decoder=True),  # a fully padded document on rank 1
     "ddp_flaky": Job("ddp", scenarios.train_step, False, True),
     "fsdp2_flaky": Job("fsdp2", scenarios.train_step, False, True),
     "fsdp2_killed": Job("fsdp2", scenarios.train_step, False),  # rank 1 dies writing checkpoint KILLED_AT: run it last
@@ -124,16 +143,17 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
 
 def record(out: Path, name: str, code: str | None = None, device: torch.device = torch.device("cpu")) -> list[float]:
     """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
-    how, step_fn, defect, flaky, kwargs = RUNS[name]
+    how, step_fn, defect, flaky, kwargs, decoder = RUNS[name]
     named = lambda fn: fn if code is None or fn.__module__ != "scenarios" else f"{code}:{fn.__qualname__}"  # noqa: E731
-    data = Readings(STEPS * SHARD * WORLD, defect_index() if defect else None)
+    data = (Documents if decoder else Readings)(STEPS * SHARD * WORLD, defect_index() if defect else None)
     loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, shuffle=False))
-    model = wrap(scenarios.build_model(**kwargs).to(device), how)
+    factory = scenarios.build_decoder if decoder else scenarios.build_model
+    model = wrap(factory(**kwargs).to(device), how)
     optimizer = torch.optim.AdamW(model.parameters())
     losses = []
     if name == "fsdp2_killed" and dist.get_rank() == BAD_RANK:
         die_writing(f"step_{KILLED_AT:08d}")
-    rec = Recorder(out / name, model, optimizer, model_factory=named(scenarios.build_model), model_kwargs=kwargs,
+    rec = Recorder(out / name, model, optimizer, model_factory=named(factory), model_kwargs=kwargs,
                    step_fn=named(step_fn), checkpoint_every=EVERY, overwrite=True)
     for step, batch in enumerate(loader):
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

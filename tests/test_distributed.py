@@ -31,7 +31,7 @@ import scenarios
 from conftest import TESTS, Result, assert_one_line_error, run_cli, tree_digest
 from test_samples import ROOT, SAMPLES, assert_same_run
 
-RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_flaky", "fsdp2_flaky",
+RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_decoder", "ddp_flaky", "fsdp2_flaky",
             "fsdp2_killed"]  # killed last: it ends the job
 DEFECT_ID = f"sample-{job.defect_index():05d}"
 SAMPLE = SAMPLES / "ddp_two_ranks"
@@ -69,9 +69,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in RECORDED}
 
 
-def check_attribution(report: dict[str, Any], wrapping: str, ranks_replayed: str) -> None:
+def check_attribution(report: dict[str, Any], wrapping: str, ranks_replayed: str, exact: bool = True) -> None:
     """Rank 1, step 4, grad features.gain[3], sample 5 of its shard: the answer the job planted."""
-    assert report["verdict"] == "nonfinite" and report["reproduced"] is True
+    assert report["verdict"] == "nonfinite"
+    assert report["reproduced"] is True or not exact
     origin = report["origin"]
     assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["value"], origin["rank"]) == (
         job.DEFECT_STEP, "grad", "features.gain", [scenarios.DEFECT_FEATURE], "inf", job.BAD_RANK)
@@ -89,7 +90,7 @@ def check_attribution(report: dict[str, Any], wrapping: str, ranks_replayed: str
     spread = next(e for e in at if e["stage"] == "optimizer_grad")
     assert spread["rank"] == (None if wrapping == "ddp" else 0)  # FSDP2: row 3 of 16 lies in rank 0's shard
     record = next(s for s in report["spread"] if s["step"] == job.DEFECT_STEP)
-    assert record["rank_logged_losses"] == record["rank_replayed_losses"]
+    assert record["rank_logged_losses"] == record["rank_replayed_losses"] or not exact
     assert all(isinstance(x, float) for x in record["rank_logged_losses"])  # rank 1's loss is finite at the origin
     collective = "all-reduce spread it to all 2 ranks" if wrapping == "ddp" else "reduce-scatter averaged it into rank 0's"
     chain = next(f for f in report["findings"] if f.startswith("Rank 1's shard"))
@@ -127,6 +128,18 @@ def test_emulated_batchnorm_buffers(runs):
     assert (origin["step"], origin["stage"], origin["rank"]) == (job.DEFECT_STEP, "grad", job.BAD_RANK)
     assert report["responsible_batch"]["rank"] == job.BAD_RANK
     assert report["samples"]["status"] in ("attributed", "coupled")  # BatchNorm couples the samples of a shard
+
+
+def test_emulated_transformer(runs):
+    """The decoder of scenarios (causal -inf mask, padding, LayerNorm, tied head) with an empty document in rank 1's
+    shard: its attention rows are all masked, softmax gives NaN in the forward pass of that rank alone."""
+    report = replayed(runs["ddp_decoder"])
+    assert report["reproduced"] is True
+    origin = report["origin"]
+    assert (origin["step"], origin["stage"], origin["rank"]) == (job.DEFECT_STEP, "forward", job.BAD_RANK)
+    assert not [e for e in report["events"] if e["step"] == job.DEFECT_STEP and e["rank"] == 0]
+    assert report["samples"]["samples"] == [job.DEFECT_SAMPLE]
+    assert report["samples"]["sample_leaves"] == {"batch['id']": [f"doc-{job.defect_index():05d}"]}
 
 
 def test_shipped_sample_matches_its_generator(runs):
@@ -242,12 +255,15 @@ def test_unsupported_parallelism_is_refused():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"NCCL needs 2 CUDA devices; this machine has "
                                                           f"{torch.cuda.device_count()}")
 def test_nccl_on_gpus(tmp_path):
-    """The same job on two GPUs with NCCL, replayed at world size on them and emulated on one."""
+    """The same job on two GPUs with NCCL, replayed at world size on them and emulated on one GPU. Whether the
+    replayed losses equal the logged ones bit for bit (GPU kernels need not be deterministic) is printed, not
+    asserted."""
     recorded = launch(job.command(tmp_path, ["ddp", "fsdp2"], "--cuda"))
     assert recorded.code == 0, recorded.stderr[-3000:]
     for name in ("ddp", "fsdp2"):
         out = tmp_path / f"{name}.json"
         torchrun("-m", "nanforensics", "replay", tmp_path / name, "--device", "cuda", "--json", out)
-        check_attribution(json.loads(out.read_text()), name, "torchrun")
-        emulated = run_cli("replay", tmp_path / name, "--device", "cuda", "--json", "-", cwd=ROOT)
-        check_attribution(emulated.json(), name, "emulated")
+        emulated = run_cli("replay", tmp_path / name, "--device", "cuda", "--json", "-", cwd=ROOT).json()
+        for how, report in (("torchrun", json.loads(out.read_text())), ("emulated", emulated)):
+            check_attribution(report, name, how, exact=False)
+            print(f"{name} {how}: reproduced {report['reproduced']}, diverged at {report['diverged_at_step']}")

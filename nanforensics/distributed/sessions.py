@@ -18,7 +18,7 @@ and losses are gathered to every rank, so all ranks take the same decisions. Roo
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -120,7 +120,7 @@ class EmulatedSession(Session):
             shard = batch if batch is not None and rank == self.focus else self.shard_of(step, rank)
             if monitor:
                 monitor.begin(step, shard, locate)
-            with _Averaging(self, rank, local, last), (_no_optimizer_step(self.optimizer) if not last else _nothing()):
+            with _Averaging(self, rank, local, last), (nullcontext() if last else _no_optimizer_step(self.optimizer)):
                 loss = self.call_step(shard)
             losses[rank] = loss_value(loss, self.run.path / "manifest.json")
             self.rank_rng[rank] = rng_state()
@@ -128,18 +128,15 @@ class EmulatedSession(Session):
                 events += tag(monitor.end(loss), rank, self.world, self.lengths, shared=last)
             if rank == 0 and not last:
                 rank0_buffers = [b.detach().clone() for b in self.model.buffers()]
-        if rank0_buffers is not None:  # the next forward starts from rank 0's buffers (DDP broadcasts them)
+        # The next forward starts from rank 0's buffers: DDP broadcasts them. (FSDP2 leaves each rank its own; the
+        # emulation keeps rank 0's, which its checkpoints hold.)
+        if rank0_buffers is not None:
             with torch.no_grad():
                 for b, kept in zip(self.model.buffers(), rank0_buffers):
                     b.copy_(kept)
         self.rank_losses[step] = losses
         self.step += 1
         return mean_loss(losses), merge(events)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 class _Averaging:
@@ -201,8 +198,11 @@ class RankSession(Session):
         self.rank = dist.get_rank()
         self.rank_losses: dict[int, list[float]] = {}
         if self.world.kind != DDP:
-            self.shard = lambda model: shard_fsdp2(model, self.world, device)
+            self.shard = self._fully_shard
         super().__init__(run, code, checkpoint, device)
+
+    def _fully_shard(self, model: torch.nn.Module) -> None:
+        shard_fsdp2(model, self.world, self.device)
 
     def reset(self) -> None:
         super().reset()
@@ -228,9 +228,10 @@ class RankSession(Session):
     @contextmanager
     def focused(self, rank: int | None) -> Iterator[Session | None]:
         """Rank 0 explains the step in the emulation (the responsible rank's local gradient depends on nothing but
-        the parameters and its shard); the other ranks wait for it."""
+        the parameters and its shard); the other ranks wait for it. Nobody does where the emulation cannot compute
+        what the run computed (an FSDP2 MixedPrecisionPolicy)."""
         try:
-            if self.rank == 0:
+            if self.rank == 0 and not mixed_precision(self.world):
                 emulation = EmulatedSession(self.run, self.code, self.checkpoint, self.device)
                 with emulation.focused(rank) as session:
                     yield session

@@ -84,11 +84,15 @@ _DDP_DEFAULTS = {"broadcast_buffers": True, "find_unused_parameters": False, "gr
 
 
 def wrap_ddp(module: nn.Module, world: World, device: torch.device) -> nn.Module:
-    """DDP as the run built it; options at their defaults are left out (newer torch deprecates some by name)."""
+    """DDP as the run built it; options at their defaults are left out (newer torch deprecates some by name).
+
+    Gradients are never views of DDP's buckets here: the checks read each local gradient as backward accumulates it,
+    and a bucket view may be scaled or reduced in place by then. Copied or not, the arithmetic is the same."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
-    options = {k: v for k, v in world.wrapping.items() if _DDP_DEFAULTS.get(k) != v}
+    wanted = {**world.wrapping, "gradient_as_bucket_view": False}
+    options = {k: v for k, v in wanted.items() if _DDP_DEFAULTS.get(k) != v}
     return DistributedDataParallel(module, device_ids=ids, **options)
 
 

@@ -44,12 +44,12 @@ def defect_index(step: int = DEFECT_STEP, rank: int = BAD_RANK, position: int = 
 class Readings(Dataset):
     """Positive readings and their targets, as ``scenarios.make_batch`` draws them, one sample at a time with an id."""
 
-    def __init__(self, size: int, defect: int | None) -> None:
+    def __init__(self, size: int, defect: int | None, spike: bool = False) -> None:
         g = torch.Generator().manual_seed(0)
         self.x = torch.exp(torch.randn(size, scenarios.N_FEATURES, generator=g) * 0.5)
         self.y = torch.exp(torch.log(self.x).mean(dim=1, keepdim=True) + 0.1 * torch.randn(size, 1, generator=g))
-        if defect is not None:  # a reading squashed into fp32's denormal range
-            self.x[defect, scenarios.DEFECT_FEATURE] = 3e-45
+        if defect is not None:  # a reading squashed into fp32's denormal range, or a glitch reading
+            self.x[defect, scenarios.DEFECT_FEATURE] = 1e13 if spike else 3e-45
 
     def __len__(self) -> int:
         return len(self.x)
@@ -99,6 +99,7 @@ class Job(NamedTuple):
     flaky: bool = False  # rank 1's copy (or shard) of a weight turns NaN after FLIP_STEP, outside the step function
     model_kwargs: dict[str, Any] = {}
     decoder: bool = False  # the transformer of scenarios on token documents, instead of the regressor on readings
+    spike: bool = False  # the defect is a glitch reading (1e13): a finite gradient whose square overflows
 
 
 RUNS: dict[str, Job] = {
@@ -107,6 +108,8 @@ RUNS: dict[str, Job] = {
     "ddp_accumulate": Job("ddp", train_step_accumulate, True),
     "ddp_batchnorm": Job("ddp", scenarios.train_step, True, model_kwargs={"batchnorm": True}),  # buffers broadcast
     "ddp_decoder": Job("ddp", scenarios.train_step_lm, True, decoder=True),  # a fully padded document on rank 1
+    "ddp_state_overflow": Job("ddp", scenarios.train_step, True, model_kwargs={"log_features": False, "act": "relu"},
+                              spike=True),
     "ddp_flaky": Job("ddp", scenarios.train_step, False, True),
     "fsdp2_flaky": Job("fsdp2", scenarios.train_step, False, True),
     "fsdp2_killed": Job("fsdp2", scenarios.train_step, False),  # rank 1 dies writing checkpoint KILLED_AT: run it last
@@ -143,9 +146,10 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
 
 def record(out: Path, name: str, code: str | None = None, device: torch.device = torch.device("cpu")) -> list[float]:
     """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
-    how, step_fn, defect, flaky, kwargs, decoder = RUNS[name]
+    how, step_fn, defect, flaky, kwargs, decoder, spike = RUNS[name]
     named = lambda fn: fn if code is None or fn.__module__ != "scenarios" else f"{code}:{fn.__qualname__}"  # noqa: E731
-    data = (Documents if decoder else Readings)(STEPS * SHARD * WORLD, defect_index() if defect else None)
+    size, at = STEPS * SHARD * WORLD, defect_index() if defect else None
+    data = Documents(size, at) if decoder else Readings(size, at, spike)
     loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, shuffle=False))
     factory = scenarios.build_decoder if decoder else scenarios.build_model
     model = wrap(factory(**kwargs).to(device), how)

@@ -31,8 +31,8 @@ import scenarios
 from conftest import TESTS, Result, assert_one_line_error, run_cli, tree_digest
 from test_samples import ROOT, SAMPLES, assert_same_run
 
-RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_decoder", "ddp_flaky", "fsdp2_flaky",
-            "fsdp2_killed"]  # killed last: it ends the job
+RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_decoder", "ddp_state_overflow", "ddp_flaky",
+            "fsdp2_flaky", "fsdp2_killed"]  # killed last: it ends the job
 DEFECT_ID = f"sample-{job.defect_index():05d}"
 SAMPLE = SAMPLES / "ddp_two_ranks"
 
@@ -140,6 +140,24 @@ def test_emulated_transformer(runs):
     assert not [e for e in report["events"] if e["step"] == job.DEFECT_STEP and e["rank"] == 0]
     assert report["samples"]["samples"] == [job.DEFECT_SAMPLE]
     assert report["samples"]["sample_leaves"] == {"batch['id']": [f"doc-{job.defect_index():05d}"]}
+
+
+def test_emulated_overflow_after_the_collective(runs):
+    """A glitch reading (1e13) in rank 1's shard: every local gradient stays finite, the averaged one too, but its
+    square overflows Adam's exp_avg_sq, which every rank holds alike. No rank's shard is named; all are the batch."""
+    report = replayed(runs["ddp_state_overflow"])
+    assert report["verdict"] == "nonfinite" and report["reproduced"] is True
+    origin = report["origin"]
+    assert (origin["step"], origin["stage"], origin["state_key"], origin["rank"]) == (
+        job.DEFECT_STEP, "optimizer_state", "exp_avg_sq", None)
+    batch = report["responsible_batch"]
+    assert batch["rank"] is None and "ranks/rank_*/batches/" in batch["file"]
+    assert set(batch["leaves"]) == {"rank 0: batch['id']", "rank 1: batch['id']"}
+    assert [d["rank"] for d in report["data_defects"] if d["kind"] == "extreme"] == [job.BAD_RANK]
+    assert any(f.startswith("No rank's own values") and "after the all-reduce, in every rank's copy of" in f
+               for f in report["findings"])
+    assert not any(f.startswith("Rank 1's shard") or "logged loss is non-finite" in f or
+                   f.startswith("Logged losses first non-finite") for f in report["findings"])  # AdamW kept it finite
 
 
 def test_shipped_sample_matches_its_generator(runs):

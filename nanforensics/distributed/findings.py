@@ -133,7 +133,7 @@ def findings(r: ReplayReport) -> list[str]:
         shown = {c.rank: c.logged_first_nonfinite_loss_step for c in r.ranks}
         if shown and len(set(shown.values())) == 1 and None not in shown.values():
             out.append(f"Every rank's logged loss is non-finite from step {next(iter(shown.values()))}.")
-        elif shown:
+        elif any(step is not None for step in shown.values()):
             out.append("Logged losses first non-finite: " + "; ".join(
                 f"rank {rank} at step {step}" if step is not None else f"rank {rank} never" for rank, step in shown.items())
                        + ".")

@@ -102,21 +102,59 @@ def emit_text(text: str, destination: Optional[str], what: str) -> None:
         raise BadInput(destination, f"cannot write the {what} report ({e.strerror or e})") from None
 
 
+# A run nobody recorded: the user's training script names the callables replay needs.
+CodeOption = Annotated[Optional[str], typer.Option(
+    "--code", help="Training script (train.py) or module (pkg.train) defining build_model(), "
+                   "train_step(model, optimizer, batch), batch_at(step) and make_optimizer(model), for checkpoints "
+                   "written without the recorder.")]
+ModelOption = Annotated[Optional[str], typer.Option("--model", help="Name of the model factory in --code "
+                                                                    "[default: build_model].")]
+StepOption = Annotated[Optional[str], typer.Option("--step", help="Name of the step function in --code "
+                                                                  "[default: train_step].")]
+BatchesOption = Annotated[Optional[str], typer.Option("--batches", help="Name of the function giving the batch of a "
+                                                                        "step in --code [default: batch_at].")]
+OptimizerOption = Annotated[Optional[str], typer.Option("--optimizer", help="Name of the optimizer factory in --code "
+                                                                            "[default: make_optimizer].")]
+SchedulerOption = Annotated[Optional[str], typer.Option("--scheduler", help="Name of an LR scheduler factory in "
+                                                                            "--code; the step function then gets "
+                                                                            "scheduler=.")]
+
+
+def code_names(code: Optional[str], **names: Optional[str]) -> dict[str, Optional[str]]:
+    """The callables' names by role; naming one without --code is a usage error."""
+    given = [f"--{role}" for role, name in names.items() if name]
+    if code is None and given:
+        raise BadInput(given[0], "names a callable in the training script: give the script with --code")
+    return names
+
+
 @app.command()
 def replay(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder.", readable=False)],
+    run_dir: Annotated[Optional[Path], typer.Argument(help="Run directory written by nanforensics.Recorder (or "
+                                                           "--checkpoint with --code).", readable=False)] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(help="A checkpoint your trainer wrote (torch.save dict, "
+                                                            "Hugging Face checkpoint-N folder, ...), replayed with "
+                                                            "--code.", readable=False)] = None,
+    code: CodeOption = None,
+    model: ModelOption = None,
+    step: StepOption = None,
+    batches: BatchesOption = None,
+    optimizer: OptimizerOption = None,
+    scheduler: SchedulerOption = None,
     from_step: Annotated[Optional[int], typer.Option(help="Replay from the last checkpoint at or before this "
-                                                          "step, instead of before the first NaN loss.")] = None,
+                                                          "step, instead of before the first NaN loss; with "
+                                                          "--checkpoint, the step it was saved before.")] = None,
     device: Annotated[str, typer.Option(help="auto (cuda when present), cpu or cuda.")] = "auto",
     after: Annotated[int, typer.Option(min=0, help="Steps replayed after every parameter is non-finite.")] = 1,
-    max_steps: Annotated[Optional[int], typer.Option(min=1, help="Replay at most this many steps.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(min=1, help="Replay at most this many steps (with "
+                                                                 "--checkpoint: 100 unless given).")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
     code_path: Annotated[Optional[list[Path]], typer.Option(help="Folder to import the run's model and step "
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
-                                                     "directory.")] = False,
+                                                     "directory (or the checkpoint's folder).")] = False,
     explain: Annotated[bool, typer.Option(help="Find the operation and the samples behind the responsible "
                                                "step (re-runs that one step).")] = True,
     data_max_abs: Annotated[float, typer.Option(help="Batch values beyond this magnitude are reported as data "
@@ -130,19 +168,32 @@ def replay(
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
 
+    A run recorded by nanforensics.Recorder is replayed from RUN_DIR; a run nobody recorded from one of its
+    checkpoints (--checkpoint) with the training script's own callables (--code).
+
     Exit codes: 0 no non-finite value, 1 found and attributed, 2 bad input, 3 logged NaN not reproduced.
     """
     from .replay.engine import ReplayOptions, replay_run
+    from .replay.unrecorded import replay_checkpoint
     from .replay.whatif import parse
     from .views.replay import render_markdown, render_terminal
 
+    names = code_names(code, model=model, step=step, batches=batches, optimizer=optimizer, scheduler=scheduler)
+    if (run_dir is None) == (checkpoint is None):
+        raise BadInput(None, "give a run directory, or --checkpoint with --code (one of the two)")
+    if (checkpoint is None) != (code is None):
+        raise BadInput("--checkpoint" if code is None else "--code", "--checkpoint and --code go together: the "
+                                                                     "script builds what the checkpoint is loaded into")
     check_destinations(json_out, markdown)
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, explain=explain,
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
                             what_if_steps=what_if_steps)
     with step_progress("replaying") as progress:
-        report = replay_run(run_dir, options, progress=progress)
+        if checkpoint is not None and code is not None:
+            report = replay_checkpoint(checkpoint, code, names, options, progress=progress)
+        else:
+            report = replay_run(run_dir, options, progress=progress)
     emit_json(report, json_out)
     emit_markdown(render_markdown(report), markdown)
     if json_out != "-":
@@ -232,24 +283,52 @@ def bisect(
     margin: Annotated[float, typer.Option(help=_MARGIN_HELP)] = 1000.0,
     run_replay: Annotated[bool, typer.Option("--replay", help="Then replay the window from the last clean "
                                                               "checkpoint (runs of nanforensics only).")] = False,
+    code: CodeOption = None,
+    model: ModelOption = None,
+    step: StepOption = None,
+    batches: BatchesOption = None,
+    optimizer: OptimizerOption = None,
+    scheduler: SchedulerOption = None,
+    max_steps: Annotated[int, typer.Option(min=1, help="With --code and no poisoned checkpoint: steps replayed "
+                                                       "from the last one.")] = 100,
+    device: Annotated[str, typer.Option(help="With --code: auto (cuda when present), cpu or cuda.")] = "auto",
+    code_path: Annotated[Optional[list[Path]], typer.Option(help="With --code: folder to import it from "
+                                                                 "(repeatable).")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
 ) -> None:
-    """Find the first poisoned checkpoint in about log2(n) checkpoint reads.
+    """Find the first poisoned checkpoint in about log2(n) checkpoint reads; with --code, replay from the last
+    clean one to name the step, batch and coordinate.
 
-    Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input.
+    Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input; with --code, the
+    replay's: 0 clean, 1 found, 3 a poisoned checkpoint not reproduced from the supplied batches.
     """
     from .checkpoints.bisect import bisect as bisect_checkpoints
     from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
 
+    names = code_names(code, model=model, step=step, batches=batches, optimizer=optimizer, scheduler=scheduler)
+    if code is not None and run_replay:
+        raise BadInput("--code", "replays checkpoints written without the recorder; --replay is for runs of "
+                                 "nanforensics: give one of the two")
     check_destinations(json_out, markdown)
     with bytes_progress(stderr_console()) as progress:
-        report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
+        if code is None:
+            report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
+        else:
+            from .replay.engine import ReplayOptions
+            from .replay.unrecorded import bisect_and_replay
+
+            with step_progress("replaying") as step_bar:
+                report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
+                    device=device, max_steps=max_steps, code_paths=code_path or []), linear=linear, full=full,
+                    margin=margin, scan_progress=progress, progress=step_bar)
     emit_json(report, json_out)
     emit_markdown(render_bisect_markdown(report), markdown)
     if json_out != "-":
         render_bisect_terminal(report, stdout_console())
+    if report.replayed is not None:
+        raise typer.Exit(_REPLAY_EXIT[report.replayed.verdict])
     if run_replay and report.replay is None:
         stderr_console().print(f"nanforensics: no replay: {report.replay_unavailable or 'not a run of nanforensics'}",
                                markup=False, soft_wrap=True)

@@ -163,6 +163,25 @@ class WhatIfResult:
 
 
 @dataclass
+class CheckpointLoad:
+    """How a checkpoint written without the recorder was loaded into the model and optimizer the user's code built."""
+
+    checkpoint: str
+    layout: str                   # the reader's name for it: "pytorch", "safetensors-sharded", ...
+    step: int                     # the state before this step: the first step replayed
+    step_from: str                # "metadata" | "name" | "--from-step"
+    batches: str                  # the batch function, as an import string
+    model_prefix_stripped: str | None  # a wrapper's prefix ("module.", "_orig_mod.") removed from every key
+    optimizer_matched: str        # "name": by the parameter names the file records; "order": it records none
+    optimizer_params: int
+    same_shape_params: int        # by order: parameters sharing their shape with another of their group
+    scheduler: str                # "restored" | "none" | "unused": the checkpoint holds one, no factory was named
+    rng_restored: list[str]       # generators restored from the checkpoint: "torch", "cuda", "python", "numpy"
+    rng_missing: str | None       # why the others were not
+    random_modules: list[str]     # dropout modules with p > 0: their masks depend on the torch RNG
+
+
+@dataclass
 class ReplaySetup:
     run: str
     from_checkpoint: int
@@ -184,7 +203,7 @@ class ReplayReport:
     events: list[Event]
     spread: list[StepRecord]
     state_poisoned: bool
-    reproduced: bool
+    reproduced: bool | None  # replayed losses equal the logged ones; None: no logged loss to compare with
     diverged_at_step: int | None
     fully_nonfinite_step: int | None
     findings: list[str]
@@ -196,6 +215,7 @@ class ReplayReport:
     schema: str = field(default=REPLAY_SCHEMA)
     amp: AmpReport | None = None
     what_if: list[WhatIfResult] = field(default_factory=list)
+    loaded: CheckpointLoad | None = None  # a replay from a checkpoint the recorder did not write
 
 
 def to_jsonable(obj: Any) -> Any:

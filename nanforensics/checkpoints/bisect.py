@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..formats import CheckpointSource, Collection, discover
+from ..report import ReplayReport
 from ..runs.run import batch_path
 from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, TensorScan, check_margin, scan_checkpoint
 
@@ -72,8 +73,9 @@ class BisectReport:
     history: list[ScanRecord]
     first_poisoned_scan: ScanReport | None
     replay: ReplayHint | None  # the replay that pins the step, where the run kept that window's batches
-    replay_unavailable: str | None  # why there is none, for checkpoints of a run of ours
+    replay_unavailable: str | None  # why there is none: for checkpoints of a run of ours, or with --code
     schema: str = field(default=BISECT_SCHEMA)
+    replayed: ReplayReport | None = None  # with --code: the replay from the last clean checkpoint
 
 
 def scan_bound(n: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..report import Event, OpSite, ReplayReport
+from ..report import CheckpointLoad, Event, OpSite, ReplayReport
 
 
 def describe(e: Event) -> str:
@@ -82,6 +82,13 @@ def findings(r: ReplayReport) -> list[str]:
             out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "
                        f"The logged loss first shows NaN at step {shown}, {shown - o.step} step(s) later; "
                        f"the batch to inspect is step {o.step}'s, not step {shown}'s.")
+        elif r.reproduced is None and r.first_nonfinite_loss_step not in (None, o.step):
+            replayed = next((s.replayed_loss for s in r.spread if s.step == o.step), None)
+            loss_text = f" ({replayed:.6g})" if replayed is not None and math.isfinite(replayed) else ""
+            shown = r.first_nonfinite_loss_step
+            out.append(f"The loss at step {o.step} was finite in the replay{loss_text}: it is computed before the "
+                       f"update. It first shows NaN at step {shown}, {shown - o.step} step(s) later, where a training "
+                       f"log shows it too; the batch to inspect is step {o.step}'s, not step {shown}'s.")
         out += _root_cause(r)
         step_events = [e for e in r.events if e.step == o.step]
         grad_inf = next((e for e in step_events if e.stage == "grad" and e.value in ("inf", "-inf")), None)
@@ -103,8 +110,43 @@ def findings(r: ReplayReport) -> list[str]:
                    "(check the gradients first, as GradScaler does), or repair or reset the state.")
     if r.fully_nonfinite_step is not None:
         out.append(f"Every parameter is non-finite by step {r.fully_nonfinite_step}.")
-    if not r.reproduced:
+    if r.reproduced is False:
         out.append(f"Replayed losses differ from the logged ones from step {r.diverged_at_step}: the replay is not "
                    "an exact copy of the run (non-deterministic kernels, another device or thread count, or a loop "
                    "that draws random numbers between steps).")
+    elif r.reproduced is None:
+        clean = (f"; it stays finite over steps {r.setup.first_step}-{r.setup.last_step}, so a failure of the run "
+                 "within them is not reproduced from the supplied batches") if r.origin is None else ""
+        out.append(f"No losses were logged to compare with: whether the replay reproduces the run cannot be "
+                   f"judged{clean}.")
+    return out + (_loaded(r.loaded) if r.loaded is not None else [])
+
+
+def _loaded(c: CheckpointLoad) -> list[str]:
+    """How a checkpoint the recorder did not write was read: each choice that shapes what the replay means."""
+    basis = {"metadata": "its metadata", "name": "its name", "--from-step": "--from-step"}.get(c.step_from, c.step_from)
+    out = [f"The checkpoint is taken as the state before step {c.step} (from {basis}): {c.batches}({c.step}) is the "
+           f"first batch replayed; a loop that saved it after running step {c.step} needs --from-step {c.step + 1}."]
+    if c.model_prefix_stripped:
+        out.append(f"Model keys were saved with the prefix {c.model_prefix_stripped!r} (a wrapper), removed to "
+                   "match the model by name.")
+    if c.optimizer_matched == "order":
+        shared = (f"{c.same_shape_params} of {c.optimizer_params} parameters share their shape with another of their "
+                  "group, so the optimizer must list those in the order training did: a different order among them "
+                  "goes unnoticed") if c.same_shape_params else \
+            "no two parameters of a group share a shape"
+        out.append(f"Optimizer state was matched to the parameters by order, as torch's load_state_dict does: the "
+                   f"checkpoint records no parameter names. Every group's size and every state tensor's shape agree; "
+                   f"{shared}.")
+    if c.scheduler == "unused":
+        out.append("The checkpoint holds an LR scheduler's state, but no scheduler factory was named (--scheduler): "
+                   "the learning rate stays at the checkpoint's value, where training followed its schedule.")
+    if "torch" not in c.rng_restored:
+        why = f" ({c.rng_missing})" if c.rng_missing else ""
+        effect = (f" The model's dropout ({', '.join(c.random_modules)}) draws its masks from it, so they differ from "
+                  "training's: the replayed steps are not the run's, and a failure that needs particular masks may "
+                  "not reproduce.") if c.random_modules else \
+            " The model has no dropout module, so this matters only where the step function draws random numbers."
+        out.append(f"The torch RNG state was not restored{why}: every pass of the replay starts from seed 0."
+                   + effect)
     return out

@@ -16,6 +16,10 @@ from typing import Any, Callable, Sequence
 from ..errors import BadInput
 
 
+class MissingName(BadInput):
+    """The module or script was imported, but defines no such name."""
+
+
 def import_string_of(fn: Callable[..., Any] | str, what: str) -> str:
     """The string that imports ``fn`` again in another process, or a clear refusal.
 
@@ -71,7 +75,7 @@ def resolve(spec: str, *, where: Path, search_paths: Sequence[Path] = (), forbid
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise BadInput(where, f"{spec!r}: {target} has no attribute {qualname!r}") from None
+            raise MissingName(where, f"{spec!r}: {target} has no attribute {qualname!r}") from None
     return obj
 
 

@@ -81,8 +81,28 @@ class Run:
             self._steps = read_steps(self.path / STEPS)
         return self._steps
 
+    @property
+    def last_step(self) -> int | None:
+        return self.steps[-1].step if self.steps else None
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.manifest.num_threads
+
+    @property
+    def device(self) -> str | None:
+        return self.manifest.raw.get("device")
+
+    @property
+    def checkpoint_folder(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def code_file(self) -> Path:
+        return self.path / MANIFEST
+
     def checkpoints(self) -> list[Checkpoint]:
-        folder = self.path / "checkpoints"
+        folder = self.checkpoint_folder
         found = []
         if folder.is_dir():
             for entry in folder.iterdir():
@@ -99,6 +119,10 @@ class Run:
         if not path.exists():
             raise BadInput(path, f"batch of step {step} is missing (needed to replay that step)")
         return read_batch(path)
+
+    def batch_origin(self, step: int) -> str | None:
+        path = self.batch_file(step)
+        return str(path) if path.exists() else None
 
 
 class Rebuilt(NamedTuple):
@@ -121,6 +145,8 @@ class UserCode:
     optimizer_class: type
     imported: list[str]
     scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
+    step_name: str = ""  # the step function's import string, for its errors
+    loaded: None = None  # a run's own checkpoints need no account of how they were loaded
 
     @classmethod
     def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False) -> "UserCode":
@@ -132,7 +158,7 @@ class UserCode:
         imported = [m.model_factory, m.step_fn, m.optimizer_class] + ([m.optimizer_factory] if m.optimizer_factory else [])
         imported += [m.scheduler_factory] if m.scheduler_factory else []
         return cls(resolve(m.model_factory), resolve(m.step_fn), opt_factory, resolve(m.optimizer_class), imported,
-                   resolve(m.scheduler_factory) if m.scheduler_factory else None)
+                   resolve(m.scheduler_factory) if m.scheduler_factory else None, step_name=m.step_fn)
 
     def build(self, run: Run, checkpoint: Checkpoint, device: torch.device) -> Rebuilt:
         """Model, optimizer, scaler and scheduler as they were at ``checkpoint``, and the checkpoint meta."""

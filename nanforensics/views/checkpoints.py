@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ..checkpoints.bisect import BisectReport, CheckpointRef, ScanRecord
 from ..checkpoints.scan import CLEAN, POISONED_PARAMETERS, POISONED_STATE, ScanReport, TensorScan
+from . import replay
 
 SHOWN = 20  # tensors listed per table; the JSON report has all of them
 
@@ -175,6 +176,8 @@ def render_bisect_terminal(r: BisectReport, console: Console) -> None:
         console.print(escape(note), soft_wrap=True)
     if r.replay:
         console.print(f"Replay the window: [bold]{escape(r.replay.command)}[/]  (or add --replay)", soft_wrap=True)
+    if r.replayed is not None:
+        replay.render_terminal(r.replayed, console)
 
 
 def _history_rows(r: BisectReport) -> list[tuple[int, ScanRecord | None]]:
@@ -230,4 +233,5 @@ def render_bisect_markdown(r: BisectReport) -> str:
     out += [*_bisect_notes(r), ""]
     if r.replay:
         out += ["Replay the window:", "", "```", r.replay.command, "```", ""]
-    return "\n".join(out)
+    text = "\n".join(out)
+    return text + "\n" + replay.render_markdown(r.replayed) if r.replayed is not None else text

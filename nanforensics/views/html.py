@@ -16,7 +16,7 @@ from ..report import ReplayReport
 from ..rootcause.findings import describe
 from . import heatmap
 from .postmortem import VERDICT, spread_map
-from .replay import headline, precursor_rows
+from .replay import headline, loaded_rows, precursor_rows, reproduction
 
 LEVEL_FILLS = ("#e5e7eb", "#fcd34d", "#fb923c", "#dc2626", "#7f1d1d")
 PALETTE = ("#2563eb", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be123c", "#4d7c0f", "#a16207")
@@ -97,8 +97,8 @@ def _replay_sections(r: ReplayReport, spread: SpreadMap | None, loss_chart: str 
     if r.origin is not None:
         facts.append(("origin", f"step {r.origin.step}, <code>{escape(describe(r.origin))}</code> "
                                 f"({escape(r.origin.dtype or '')})"))
-    facts.append(("reproduced", "yes: replayed losses equal the logged ones" if r.reproduced
-                  else f"no: losses diverge from step {r.diverged_at_step}"))
+    facts += [(label, escape(text)) for label, text in loaded_rows(r)]
+    facts.append(("reproduced", escape(reproduction(r))))
     marks = _marks(r.responsible_step, r.logged_first_nonfinite_loss_step)
     if loss_chart is None and r.spread:
         steps = [s.step for s in r.spread]

@@ -86,11 +86,39 @@ def _counts(e: Event) -> str:
 def headline(r: ReplayReport) -> str:
     if r.verdict == "nonfinite":
         shown = r.logged_first_nonfinite_loss_step
-        tail = f"; logged loss first NaN at step {shown}" if shown is not None else "; logged losses all finite"
+        if r.reproduced is None:  # nothing logged: the replay's own loss
+            replayed = r.first_nonfinite_loss_step
+            tail = f"; replayed loss first NaN at step {replayed}" if replayed is not None else \
+                "; replayed losses all finite"
+        else:
+            tail = f"; logged loss first NaN at step {shown}" if shown is not None else "; logged losses all finite"
         return f"responsible step {r.responsible_step}{tail}"
+    if r.verdict == "not_reproduced" and r.logged_first_nonfinite_loss_step is None:
+        return f"steps {r.setup.first_step}-{r.setup.last_step} replayed from the supplied batches stay finite: " \
+               "not reproduced"
     if r.verdict == "not_reproduced":
         return f"logged loss NaN at step {r.logged_first_nonfinite_loss_step}, not reproduced by the replay"
-    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed, all finite"
+    supplied = " from the supplied batches" if r.loaded is not None else ""
+    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed{supplied}, all finite"
+
+
+def reproduction(r: ReplayReport) -> str:
+    if r.reproduced is None:
+        return "cannot be judged: no losses were logged to compare the replay with"
+    return "yes: replayed losses equal the logged ones" if r.reproduced else \
+        f"no: losses diverge from step {r.diverged_at_step}"
+
+
+def loaded_rows(r: ReplayReport) -> list[tuple[str, str]]:
+    """(label, text) for a checkpoint the recorder did not write: what was loaded, and how."""
+    c = r.loaded
+    if c is None:
+        return []
+    optimizer = f"optimizer matched by {c.optimizer_matched} ({c.optimizer_params} parameters)"
+    rng = f"RNG {', '.join(c.rng_restored)} restored" if c.rng_restored else "RNG not restored"
+    return [("checkpoint", f"{c.checkpoint}  ({c.layout}; state before step {c.step}, by its {c.step_from}; "
+                           f"{optimizer}; {rng})"),
+            ("batches", f"{c.batches}(step)")]
 
 
 _COLUMNS = ("change", "stays finite", "first non-finite", "NaN loss at", "loss trend")
@@ -142,6 +170,8 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     facts.add_column()
     facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
                          f"{s.device}, {s.num_threads} threads)")
+    for label, text in loaded_rows(r):
+        facts.add_row(label, text)
     if r.responsible_batch:
         b = r.responsible_batch
         extra = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items())
@@ -159,8 +189,7 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         via = f" <- {op.forward.op}" if op.forward else ""
         facts.add_row("operation", Text(f"{op.site.phase} {op.site.op}{via} -> {op.output_value}  "
                                         f"module {op.site.module or '(none)'}  {op.site.source or ''}"))
-    facts.add_row("reproduced", "yes: replayed losses equal the logged ones" if r.reproduced
-                  else f"no: losses diverge from step {r.diverged_at_step}")
+    facts.add_row("reproduced", reproduction(r))
     parts: list[Any] = [facts]
     if r.events:
         chain = Tree("[bold]propagation chain")
@@ -202,11 +231,12 @@ def render_markdown(r: ReplayReport) -> str:
     out = [f"## nanforensics replay: {word.lower()} - {headline(r)}", "",
            f"Run `{s.run}`, replayed from the checkpoint at step {s.from_checkpoint} over steps "
            f"{s.first_step}-{s.last_step} on {s.device}.", ""]
+    out += [f"- **{label.capitalize()}:** `{text}`" for label, text in loaded_rows(r)]
     if r.responsible_batch:
         out.append(f"- **Responsible batch:** step {r.responsible_batch.step}, `{r.responsible_batch.file}`")
     if r.origin:
         out.append(f"- **Origin:** step {r.origin.step}, `{describe(r.origin)}` ({r.origin.dtype})")
-    out.append(f"- **Reproduced:** {'yes' if r.reproduced else f'no, diverges from step {r.diverged_at_step}'}")
+    out.append(f"- **Reproduced:** {reproduction(r)}")
     if r.events:
         out += ["", "### Propagation chain", ""]
         out += [f"{i}. step {e.step}: `{describe(e)}`{_counts(e)}" for i, e in enumerate(r.events, 1)]

@@ -1,0 +1,70 @@
+"""A training script written without nanforensics, saving checkpoints the way users do: ``torch.save`` of the model's
+and the optimizer's state dicts and the step, every few steps, at the top of the step (the state before it).
+
+It trains the seed scenario of ``scenarios`` (a near-zero reading at step DEFECT_STEP, whose log's backward is
+-inf), with batches from a function seeded by the step, so the same run recorded by the recorder is its twin.
+Replay imports it for its callables; the main block, which trains, runs only as a script:
+
+    python tests/plain_training.py OUT [--steps N] [--every N] [--named] [--rng]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import scenarios
+
+DEFECT_STEP = 17
+
+build_model = scenarios.build_model
+train_step = scenarios.train_step
+
+
+def batch_at(step: int) -> dict[str, Any]:
+    return scenarios.make_batch(step, 0, "near_zero" if step == DEFECT_STEP else None)
+
+
+def batch_without_defect(step: int) -> dict[str, Any]:
+    """The data as it should have been: the replay of these batches stays finite."""
+    return scenarios.make_batch(step, 0)
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def make_named_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Built from named parameters (torch >= 2.5): its state dict records their names."""
+    return torch.optim.Adam(model.named_parameters(), lr=1e-2)
+
+
+def make_sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--named", action="store_true", help="build the optimizer from named parameters")
+    parser.add_argument("--rng", action="store_true", help="save the torch RNG state too")
+    args = parser.parse_args()
+    model = build_model()
+    optimizer = (make_named_optimizer if args.named else make_optimizer)(model)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for step in range(args.steps):
+        if step % args.every == 0:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save({**state, "rng_state": torch.get_rng_state()} if args.rng else state,
+                       args.out / f"step_{step:06d}.pt")
+        loss = train_step(model, optimizer, batch_at(step))
+        print(f"step {step} loss {loss.item():.6g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -167,9 +167,9 @@ class CheckpointLoad:
     """How a checkpoint written without the recorder was loaded into the model and optimizer the user's code built."""
 
     checkpoint: str
-    layout: str                   # the reader's name for it: "pytorch", "safetensors-sharded", ...
+    layout: str                   # "torch.save dict", "nanforensics checkpoint", or a folder's files
     step: int                     # the state before this step: the first step replayed
-    step_from: str                # "metadata" | "name" | "--from-step"
+    step_from: str                # "metadata" | "trainer_state.json" | "name" | "--from-step"
     batches: str                  # the batch function, as an import string
     model_prefix_stripped: str | None  # a wrapper's prefix ("module.", "_orig_mod.") removed from every key
     optimizer_matched: str        # "name": by the parameter names the file records; "order": it records none

@@ -1,5 +1,6 @@
 """A Hugging Face Trainer run written without nanforensics: the Trainer saves ``checkpoint-N`` folders every
-``save_steps`` steps (model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json).
+``save_steps`` steps (model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, trainer_state.json, whose
+log history holds the loss of every step).
 
 Its data is a stream read in order, 16 samples a step, so ``batch_at(step)`` gives the batch of any step again; a
 near-zero reading at step DEFECT_STEP makes the gradient infinite. The callables replay needs mirror what the
@@ -41,14 +42,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer) -> Any:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
-               scheduler: Any) -> torch.Tensor:
-    """The Trainer's step: backward, clip to norm 1, optimizer and schedule."""
+               scheduler: Any = None) -> torch.Tensor:
+    """The Trainer's step: backward, clip to norm 1, optimizer and schedule (when there is one)."""
     optimizer.zero_grad(set_to_none=True)
     loss = model(batch["x"], batch["y"])["loss"]
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    scheduler.step()
+    if scheduler is not None:
+        scheduler.step()
     return loss
 
 
@@ -66,7 +68,7 @@ def main(out: Path) -> None:
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
         warmup_steps=WARMUP, use_cpu=True, report_to=[], save_strategy="steps", save_steps=SAVE_STEPS,
-        logging_strategy="no", disable_tqdm=True, optim="adamw_torch", seed=0)
+        logging_steps=1, disable_tqdm=True, optim="adamw_torch", seed=0)
     transformers.Trainer(model=build_model(), args=args, train_dataset=Stream()).train()
 
 

@@ -5,7 +5,7 @@ It trains the seed scenario of ``scenarios`` (a near-zero reading at step DEFECT
 -inf), with batches from a function seeded by the step, so the same run recorded by the recorder is its twin.
 Replay imports it for its callables; the main block, which trains, runs only as a script:
 
-    python tests/plain_training.py OUT [--steps N] [--every N] [--named] [--rng]
+    python tests/plain_training.py OUT [--steps N] [--every N] [--named] [--rng] [--dropout]
 """
 
 from __future__ import annotations
@@ -33,6 +33,23 @@ def batch_without_defect(step: int) -> dict[str, Any]:
     return scenarios.make_batch(step, 0)
 
 
+def batch_unseeded(step: int) -> dict[str, Any]:
+    """Drawn from the global RNG, not seeded by the step: a different batch each time it is asked."""
+    return {"x": torch.rand(scenarios.BATCH, scenarios.N_FEATURES) + 0.5, "y": torch.rand(scenarios.BATCH, 1)}
+
+
+def build_batchnorm_model() -> torch.nn.Module:
+    """Another model: a BatchNorm layer the checkpoint has no state for."""
+    return scenarios.build_model(batchnorm=True)
+
+
+def build_model_with_dropout() -> torch.nn.Module:
+    """The same parameters, with dropout after each activation: its masks come from the torch RNG."""
+    model = scenarios.build_model()
+    model.act = torch.nn.Sequential(model.act, torch.nn.Dropout(0.2))
+    return model
+
+
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
@@ -46,25 +63,29 @@ def make_sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 
 
-def main() -> None:
+def train(out: Path, *, steps: int = 24, every: int = 10, named: bool = False, rng: bool = False,
+          dropout: bool = False) -> list[float]:
+    """The training loop: a checkpoint at the top of every ``every``-th step, the state before it; the losses."""
+    model = (build_model_with_dropout if dropout else build_model)()
+    optimizer = (make_named_optimizer if named else make_optimizer)(model)
+    out.mkdir(parents=True, exist_ok=True)
+    losses = []
+    for step in range(steps):
+        if step % every == 0:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            torch.save({**state, "rng_state": torch.get_rng_state()} if rng else state, out / f"step_{step:06d}.pt")
+        losses.append(train_step(model, optimizer, batch_at(step)).item())
+        print(f"step {step} loss {losses[-1]:.6g}")
+    return losses
+
+
+if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--named", action="store_true", help="build the optimizer from named parameters")
     parser.add_argument("--rng", action="store_true", help="save the torch RNG state too")
+    parser.add_argument("--dropout", action="store_true", help="train the model with dropout")
     args = parser.parse_args()
-    model = build_model()
-    optimizer = (make_named_optimizer if args.named else make_optimizer)(model)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for step in range(args.steps):
-        if step % args.every == 0:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-            torch.save({**state, "rng_state": torch.get_rng_state()} if args.rng else state,
-                       args.out / f"step_{step:06d}.pt")
-        loss = train_step(model, optimizer, batch_at(step))
-        print(f"step {step} loss {loss.item():.6g}")
-
-
-if __name__ == "__main__":
-    main()
+    train(args.out, steps=args.steps, every=args.every, named=args.named, rng=args.rng, dropout=args.dropout)

@@ -46,6 +46,7 @@ RNG_KEYS = ("rng_state", "rng_states", "rng", "torch_rng_state", "cpu_rng_state"
 SCHEDULER_FILES = ("scheduler.pt", "scheduler.bin")
 RNG_FILES = ("rng_state.pth", "rng_state_0.pth", "random_states_0.pkl")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel's and torch.compile's
+SCHEDULER_GROUP_KEYS = {"initial_lr"}  # what an LR scheduler adds to the groups
 NAME, ORDER = "name", "order"
 RNG_SEED = 0  # what replays start from when the checkpoint holds no RNG state
 
@@ -54,6 +55,7 @@ RNG_SEED = 0  # what replays start from when the checkpoint holds no RNG state
 class TrainingState:
     """Model and optimizer state dicts (torch's layouts), and what else the checkpoint holds."""
 
+    layout: str  # "torch.save dict", "nanforensics checkpoint", or the files of a folder
     model: dict[str, torch.Tensor]
     model_file: Path
     optimizer: dict[str, Any]
@@ -95,7 +97,8 @@ def _ours(source: CheckpointSource) -> TrainingState:
         group["param_names"] = list(named["params"])
     scheduler = state_from_json(meta["scheduler"], lambda: TensorFile(ck.path / "extras.safetensors")) \
         if "scheduler" in meta else None
-    return TrainingState(TensorFile(ck.model_file).load_all(), ck.model_file, optimizer, ck.optimizer_file,
+    return TrainingState("nanforensics checkpoint", TensorFile(ck.model_file).load_all(), ck.model_file, optimizer,
+                         ck.optimizer_file,
                          scheduler, ck.path / "meta.json" if scheduler is not None else None, meta["rng"], None)
 
 
@@ -119,7 +122,10 @@ def _folder(source: CheckpointSource) -> TrainingState:
             rng, missing = _rng_parts(torch_file.load(rng_file)[0]), None
         except torch_file.Refused as e:
             missing = f"{rng_file.name} was not loaded: {e.reason}, which weights-only loading does not run"
-    return TrainingState(model, source.files[0][0], optimizer, optimizer_file, scheduler, scheduler_file, rng, missing)
+    read = [f for f, _ in source.files] + [f for f in (scheduler_file, rng_file) if f is not None]
+    read += [source.path / "trainer_state.json"] if (source.path / "trainer_state.json").is_file() else []
+    return TrainingState(f"folder of {', '.join(f.name for f in read)}", model, source.files[0][0], optimizer,
+                         optimizer_file, scheduler, scheduler_file, rng, missing)
 
 
 def _tensors(file: Path) -> dict[str, torch.Tensor]:
@@ -140,7 +146,7 @@ def _file(path: Path) -> TrainingState:
         raise BadInput(path, f"holds a {type(obj).__name__}, not a dict of state dicts")
     scheduler = next((obj[k] for k in SCHEDULER_KEYS if obj.get(k) is not None), None)
     rng = next((obj[k] for k in RNG_KEYS if obj.get(k) is not None), None)
-    return TrainingState(_model_of(obj, path), path, _optimizer_of(obj, path), path,
+    return TrainingState("torch.save dict", _model_of(obj, path), path, _optimizer_of(obj, path), path,
                          _scheduler_of(scheduler, path) if scheduler is not None else None,
                          path if scheduler is not None else None, _rng_parts(rng) if rng is not None else {},
                          None if rng is not None else "the checkpoint holds no RNG state")
@@ -319,6 +325,12 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd:
     named = _saved_names(saved_groups)
     state, groups = (_by_name(model, optimizer, sd, named, where, factory) if named is not None
                      else _by_order(optimizer, sd, where, factory))
+    # Another optimizer class loads without complaint (torch replaces the hyperparameters wholesale) and then
+    # ignores state it does not know: its groups' keys tell it apart (newer torch versions only add keys).
+    foreign = sorted({k for g in groups for k in g} - {k for g in optimizer.param_groups for k in g} - SCHEDULER_GROUP_KEYS)
+    if foreign:
+        raise BadInput(where, f"optimizer state holds hyperparameters {', '.join(foreign)}, which the "
+                              f"{type(optimizer).__name__} {factory} builds has not: another optimizer class saved it")
     labels = _labels(model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     bad = [f"{key} of {labels.get(id(params[i]), f'param {i}')} is {list(v.shape)}, the parameter "

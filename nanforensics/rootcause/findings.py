@@ -124,9 +124,12 @@ def findings(r: ReplayReport) -> list[str]:
 
 def _loaded(c: CheckpointLoad) -> list[str]:
     """How a checkpoint the recorder did not write was read: each choice that shapes what the replay means."""
-    basis = {"metadata": "its metadata", "name": "its name", "--from-step": "--from-step"}.get(c.step_from, c.step_from)
+    basis = {"metadata": "its metadata", "trainer_state.json": "the steps trainer_state.json counts",
+             "name": "its name", "--from-step": "--from-step"}.get(c.step_from, c.step_from)
+    advice = "" if c.step_from == "trainer_state.json" else \
+        f"; a loop that saved it after running step {c.step} needs --from-step {c.step + 1}"
     out = [f"The checkpoint is taken as the state before step {c.step} (from {basis}): {c.batches}({c.step}) is the "
-           f"first batch replayed; a loop that saved it after running step {c.step} needs --from-step {c.step + 1}."]
+           f"first batch replayed{advice}."]
     if c.model_prefix_stripped:
         out.append(f"Model keys were saved with the prefix {c.model_prefix_stripped!r} (a wrapper), removed to "
                    "match the model by name.")

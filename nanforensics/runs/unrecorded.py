@@ -42,7 +42,7 @@ class UserCheckpoint:
 
     path: Path
     step: int
-    step_from: str  # "metadata", "name" or "--from-step"
+    step_from: str  # "metadata", "trainer_state.json", "name" or "--from-step"
     source: CheckpointSource
 
 
@@ -54,6 +54,8 @@ def user_checkpoint(path: str | Path, step: int | None = None, step_from: str = 
             raise BadInput(path, "records no step in its metadata (step, global_step, trainer_state.json) and has "
                                  "no number in its name: give the step it was saved before with --from-step")
         step, step_from = source.step, source.step_source or "name"
+        if step_from == "metadata" and source.path.is_dir() and (source.path / "trainer_state.json").is_file():
+            step_from = "trainer_state.json"  # the Trainer's global_step: steps taken, the convention here
     if step < 0:
         raise BadInput(path, f"step {step} is negative")
     return UserCheckpoint(Path(path), step, step_from, source)
@@ -150,7 +152,7 @@ class UnrecordedCode:
                 raise BadInput(state.scheduler_file, f"LR scheduler state does not fit {self.specs['scheduler']}: "
                                                      f"{e}") from None
         self.loaded = CheckpointLoad(
-            checkpoint=str(checkpoint.path), layout=checkpoint.source.format, step=checkpoint.step,
+            checkpoint=str(checkpoint.path), layout=state.layout, step=checkpoint.step,
             step_from=checkpoint.step_from, batches=run.batch_name, model_prefix_stripped=stripped,
             optimizer_matched=matched, optimizer_params=sum(len(g["params"]) for g in optimizer.param_groups),
             same_shape_params=shared,

@@ -116,8 +116,7 @@ def loaded_rows(r: ReplayReport) -> list[tuple[str, str]]:
         return []
     optimizer = f"optimizer matched by {c.optimizer_matched} ({c.optimizer_params} parameters)"
     rng = f"RNG {', '.join(c.rng_restored)} restored" if c.rng_restored else "RNG not restored"
-    return [("checkpoint", f"{c.checkpoint}  ({c.layout}; state before step {c.step}, by its {c.step_from}; "
-                           f"{optimizer}; {rng})"),
+    return [("checkpoint", f"{c.checkpoint}  ({c.layout}; the state before step {c.step}; {optimizer}; {rng})"),
             ("batches", f"{c.batches}(step)")]
 
 
@@ -168,8 +167,11 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="dim")
     facts.add_column()
-    facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
-                         f"{s.device}, {s.num_threads} threads)")
+    if r.loaded is None:
+        facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
+                             f"{s.device}, {s.num_threads} threads)")
+    else:
+        facts.add_row("replayed", f"steps {s.first_step}-{s.last_step}, {s.device}, {s.num_threads} threads")
     for label, text in loaded_rows(r):
         facts.add_row(label, text)
     if r.responsible_batch:

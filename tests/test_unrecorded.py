@@ -1,0 +1,190 @@
+"""Replays of runs nobody recorded: training scripts written without the recorder, saving checkpoints the way users
+do (``torch.save`` dicts every N steps, a Hugging Face Trainer with ``save_steps``), replayed from those checkpoints
+with the script's own callables and batch function, and compared with the recorder's replay of the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from nanforensics.errors import BadInput
+from nanforensics.replay.engine import ReplayOptions
+from nanforensics.replay.unrecorded import replay_checkpoint
+
+import plain_training
+import scenarios
+from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAIN = "tests/plain_training.py"  # as a user names their script, from the checkout's root
+QUICK = ReplayOptions(explain=False, max_steps=3)  # library-level checks of the loading, not of the diagnosis
+assert plain_training.DEFECT_STEP == DEFECT_STEP  # the twin of the recorded scenario
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints of steps 0, 10 and 20 of the seed scenario, saved by a plain loop: 20 is poisoned."""
+    out = tmp_path_factory.mktemp("plain") / "ckpts"
+    plain_training.train(out)
+    return out
+
+
+def cli_json(*args: str | Path) -> tuple[int, dict]:
+    result = run_cli(*args, "--json", "-", cwd=ROOT)
+    assert result.code in (0, 1, 3), result.stderr
+    return result.code, result.json()
+
+
+def test_replay_from_a_torch_save_checkpoint_names_what_the_recorded_replay_names(plain, runs):
+    before = tree_digest(plain)
+    code, r = cli_json("replay", "--checkpoint", plain / "step_000010.pt", "--code", PLAIN)
+    assert tree_digest(plain) == before, "replay wrote beside the checkpoints"
+    assert code == 1 and r["verdict"] == "nonfinite" and r["responsible_step"] == DEFECT_STEP
+    _, recorded = cli_json("replay", runs["adam_near_zero"])  # the same run, recorded
+    for key in ("responsible_step", "origin", "events", "first_nonfinite_loss_step", "fully_nonfinite_step",
+                "state_poisoned", "precursors"):
+        assert r[key] == recorded[key], key
+    assert (r["samples"]["samples"], r["samples"]["sample_leaves"]) == ([scenarios.DEFECT_SAMPLE],
+                                                                        {"batch['ids']": ["s00017-05"]})
+    assert r["samples"] == recorded["samples"]
+    assert r["operation"] == recorded["operation"]
+    assert r["responsible_batch"]["file"] == f"{PLAIN}:batch_at({DEFECT_STEP})"
+    assert r["responsible_batch"]["leaves"] == recorded["responsible_batch"]["leaves"]
+    # bit-exact: the replayed losses are the losses the recorder logged for the same steps
+    logged = {s["step"]: s["logged_loss"] for s in recorded["spread"]}
+    assert [s["replayed_loss"] for s in r["spread"]] == [logged[s["step"]] for s in r["spread"]]
+    assert all(s["logged_loss"] is None for s in r["spread"])
+    # nothing logged: no claim about reproduction, and the loss the training log showed NaN is named
+    assert r["reproduced"] is None and r["logged_first_nonfinite_loss_step"] is None
+    assert any("cannot be judged" in f for f in r["findings"])
+    assert not any("not reproduced from the supplied batches" in f for f in r["findings"])
+    assert any("first shows NaN at step 18" in f and "not step 18's" in f for f in r["findings"])
+    loaded = r["loaded"]
+    assert (loaded["layout"], loaded["step"], loaded["step_from"]) == ("torch.save dict", 10, "metadata")
+    assert (loaded["optimizer_matched"], loaded["optimizer_params"], loaded["same_shape_params"]) == ("order", 7, 2)
+    assert (loaded["scheduler"], loaded["rng_restored"], loaded["random_modules"]) == ("none", [], [])
+    assert any("matched to the parameters by order" in f and "2 of 7 parameters share" in f for f in r["findings"])
+    assert any("RNG state was not restored (the checkpoint holds no RNG state)" in f and "no dropout" in f
+               for f in r["findings"])
+    assert any("needs --from-step 11" in f for f in r["findings"])
+
+
+def test_bisect_with_code_replays_from_the_last_clean_checkpoint(plain):
+    code, r = cli_json("bisect", plain, "--code", PLAIN)
+    assert code == 1
+    assert (r["last_clean"]["step"], r["first_poisoned"]["step"]) == (10, 20)
+    replayed = r["replayed"]
+    assert replayed["responsible_step"] == DEFECT_STEP and replayed["loaded"]["step"] == 10
+    assert (replayed["origin"]["tensor"], replayed["origin"]["index"]) == ("features.gain", [scenarios.DEFECT_FEATURE])
+    assert replayed["samples"]["samples"] == [scenarios.DEFECT_SAMPLE]
+    assert replayed["setup"]["last_step"] <= 21  # the window to the poisoned checkpoint, and a step past it
+
+
+def test_batches_without_the_defect_do_not_reproduce_it(plain):
+    code, r = cli_json("bisect", plain, "--code", PLAIN, "--batches", "batch_without_defect")
+    replayed = r["replayed"]
+    assert code == 3 and replayed["verdict"] == "not_reproduced" and replayed["origin"] is None
+    assert replayed["setup"]["last_step"] == 21
+    assert "The checkpoint at step 20 holds non-finite values" in replayed["findings"][0]
+    assert "not reproduced from the supplied batches" in replayed["findings"][0]
+    # with no poisoned checkpoint to contradict it, a clean replay is clean, and says what it cannot judge
+    report = replay_checkpoint(plain / "step_000010.pt", PLAIN, {"batches": "batch_without_defect"}, QUICK)
+    assert (report.verdict, report.reproduced, report.setup.last_step) == ("clean", None, 12)
+    assert any("cannot be judged" in f and "not reproduced from the supplied batches" in f for f in report.findings)
+
+
+def test_optimizer_state_saved_with_names_is_matched_by_name(tmp_path, plain):
+    plain_training.train(tmp_path, steps=11, named=True)
+    by_name = replay_checkpoint(tmp_path / "step_000010.pt", PLAIN, {"optimizer": "make_named_optimizer"}, QUICK)
+    by_order = replay_checkpoint(plain / "step_000010.pt", PLAIN, None, QUICK)
+    assert (by_name.loaded.optimizer_matched, by_order.loaded.optimizer_matched) == ("name", "order")
+    # the same state in the same places, whichever way it was matched: equal losses, bit for bit
+    assert [s.replayed_loss for s in by_name.spread] == [s.replayed_loss for s in by_order.spread]
+    assert not any("by order" in f for f in by_name.findings)
+
+
+def test_rng_state_in_the_checkpoint_replays_dropout_exactly(tmp_path):
+    with_rng, without = tmp_path / "rng", tmp_path / "none"
+    losses = plain_training.train(with_rng, steps=14, rng=True, dropout=True)
+    plain_training.train(without, steps=11, dropout=True)
+    names = {"model": "build_model_with_dropout"}
+    restored = replay_checkpoint(with_rng / "step_000010.pt", PLAIN, names, QUICK)
+    assert restored.loaded.rng_restored == ["torch"] and restored.loaded.random_modules == ["act.1"]
+    assert [s.replayed_loss for s in restored.spread] == losses[10:13]  # the training's dropout masks
+    assert not any("RNG state was not restored" in f for f in restored.findings)
+    seeded = replay_checkpoint(without / "step_000010.pt", PLAIN, names, QUICK)
+    assert seeded.loaded.rng_restored == []
+    assert [s.replayed_loss for s in seeded.spread] != losses[10:13]
+    assert any("RNG state was not restored" in f and "dropout (act.1)" in f and "not the run's" in f
+               for f in seeded.findings)
+
+
+def test_a_batch_function_must_give_the_same_batch_every_time(plain):
+    with pytest.raises(BadInput, match="returned another batch for step 10 when asked again"):
+        replay_checkpoint(plain / "step_000010.pt", PLAIN, {"batches": "batch_unseeded"}, QUICK)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--code", "tests/scenarios.py"], ["tests/scenarios.py: defines no batch_at, make_optimizer",
+                                        "--batches NAME, --optimizer NAME"]),
+    (["--code", PLAIN, "--model", "build_other_model"], ["defines no build_other_model"]),
+    (["--code", PLAIN, "--optimizer", "make_sgd"], ["optimizer state holds hyperparameters amsgrad, betas",
+                                                    "another optimizer class saved it"]),
+    (["--code", PLAIN, "--from-step", "-1"], ["step -1 is negative"]),
+    (["--model", "build_model"], ["--model", "give the script with --code"]),
+])
+def test_wrong_code_is_a_one_line_error(plain, args, needles):
+    assert_one_line_error(run_cli("replay", "--checkpoint", plain / "step_000010.pt", *args, cwd=ROOT), *needles)
+
+
+def test_checkpoints_that_cannot_be_loaded_say_why(plain, tmp_path):
+    """A poisoned checkpoint, a model that does not fit by name, a file with no optimizer state: one line each."""
+    poisoned = run_cli("replay", "--checkpoint", plain / "step_000020.pt", "--code", PLAIN, cwd=ROOT)
+    assert_one_line_error(poisoned, "already holds non-finite values", "nanforensics bisect")
+    state = torch.load(plain / "step_000010.pt", weights_only=True)
+    torch.save({**state, "model": {**state["model"], "extra.weight": torch.zeros(2)}}, tmp_path / "extra_10.pt")
+    torch.save({"model": state["model"], "step": 10}, tmp_path / "weights_10.pt")
+    for path, names, needle in [
+        (tmp_path / "extra_10.pt", None, "model state does not match the model tests/plain_training.py:build_model "
+                                         "builds, by name: unexpected extra.weight"),
+        (plain / "step_000010.pt", {"model": "build_batchnorm_model"}, "missing norm.weight, norm.bias"),
+        (tmp_path / "weights_10.pt", None, "holds no optimizer state dict"),
+    ]:
+        with pytest.raises(BadInput, match=needle):
+            replay_checkpoint(path, PLAIN, names, QUICK)
+
+
+def test_hugging_face_trainer_checkpoints(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed (nanforensics[hf])")
+    pytest.importorskip("accelerate", reason="accelerate is not installed (nanforensics[hf])")
+    import hf_training
+    import integration_models as models
+
+    out = tmp_path / "trainer_out"
+    hf_training.main(out)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
+    code, r = cli_json("replay", "--checkpoint", out / "checkpoint-4", "--code", "tests/hf_training.py",
+                       "--scheduler", "make_scheduler")
+    assert code == 1 and r["responsible_step"] == models.DEFECT_STEP
+    assert (r["origin"]["tensor"], r["origin"]["index"]) == ("net.features.gain", [scenarios.DEFECT_FEATURE])
+    assert r["samples"]["samples"] == [scenarios.DEFECT_SAMPLE]
+    loaded = r["loaded"]
+    assert "optimizer.pt" in loaded["layout"] and loaded["step_from"] == "trainer_state.json"
+    assert (loaded["optimizer_matched"], loaded["same_shape_params"], loaded["scheduler"]) == ("order", 2, "restored")
+    assert loaded["rng_restored"] == [] and "rng_state.pth was not loaded" in loaded["rng_missing"]
+    assert "numpy" in loaded["rng_missing"]
+    assert not any("--from-step" in f for f in r["findings"])  # the Trainer's global_step counts steps taken
+    # the Trainer's own log of the window up to the responsible step: the replay is the run, bit for bit (where
+    # transformers logs the loss unrounded; versions before 5 round it to 4 digits)
+    history = json.loads((out / "checkpoint-12" / "trainer_state.json").read_text())["log_history"]
+    trainer = {h["step"] - 1: h["loss"] for h in history if "loss" in h}
+    replayed = {s["step"]: s["replayed_loss"] for s in r["spread"]}
+    assert all(trainer[s] in (replayed[s], round(replayed[s], 4)) for s in range(4, models.DEFECT_STEP + 1))
+
+    code, b = cli_json("bisect", out, "--code", "tests/hf_training.py")  # without the scheduler factory
+    assert code == 1 and (b["last_clean"]["step"], b["first_poisoned"]["step"]) == (4, 8)
+    assert b["replayed"]["responsible_step"] == models.DEFECT_STEP
+    assert b["replayed"]["loaded"]["scheduler"] == "unused"
+    assert any("no scheduler factory was named" in f for f in b["replayed"]["findings"])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from nanforensics.errors import BadInput
+from nanforensics.formats.training_state import load_model, load_optimizer
 from nanforensics.replay.engine import ReplayOptions
 from nanforensics.replay.unrecorded import replay_checkpoint
 
@@ -119,6 +120,33 @@ def test_rng_state_in_the_checkpoint_replays_dropout_exactly(tmp_path):
     assert [s.replayed_loss for s in seeded.spread] != losses[10:13]
     assert any("RNG state was not restored" in f and "dropout (act.1)" in f and "not the run's" in f
                for f in seeded.findings)
+
+
+def test_loading_by_name_through_a_wrapper_prefix_tied_weights_and_fqn_keyed_state():
+    """The decoder ties its head to its embedding; saved from torch.compile's wrapper with the tie saved once, and
+    its AdamW state keyed by names, it loads into a fresh model whose optimizer lists the parameters reversed."""
+    trained = scenarios.build_decoder()
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+    scenarios.train_step_lm(trained, optimizer, scenarios.make_token_batch(0))
+    names = {id(p): n for n, p in trained.named_parameters()}
+    saved = optimizer.state_dict()
+    order = [names[id(p)] for p in optimizer.param_groups[0]["params"]]
+    by_fqn = {"state": {order[i]: st for i, st in saved["state"].items()},
+              "param_groups": [{**saved["param_groups"][0], "params": order}]}
+    model_sd = {f"_orig_mod.{k}": v for k, v in trained.state_dict().items() if k != "head.weight"}
+
+    model = scenarios.build_decoder()
+    assert load_model(model, model_sd, Path("ckpt"), "build_decoder") == "_orig_mod."
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), trained.state_dict().values()))
+    fresh = torch.optim.AdamW(list(reversed(list(model.parameters()))), lr=1e-3)
+    assert load_optimizer(model, fresh, by_fqn, Path("ckpt"), "make_optimizer") == ("name", 0)
+    for n, p in model.named_parameters():
+        original = optimizer.state[dict(trained.named_parameters())[n]]
+        assert torch.equal(fresh.state[p]["exp_avg_sq"], original["exp_avg_sq"]), n
+    with pytest.raises(BadInput, match="'tok.weight' is torch.float16, the model build_decoder builds holds "
+                                       "torch.float32"):
+        load_model(scenarios.build_decoder(), {k: v.half() for k, v in trained.state_dict().items()}, Path("ckpt"),
+                   "build_decoder")
 
 
 def test_a_batch_function_must_give_the_same_batch_every_time(plain):

@@ -10,6 +10,7 @@ without one it brackets it between a clean checkpoint and the first poisoned che
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -294,11 +295,15 @@ def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None
     if replay is not None and replay.verdict == "not_reproduced" and poisoned:
         findings.append("The replay did not reproduce the logged NaN, yet the checkpoints hold non-finite values: "
                         "the replay is not an exact copy of the run (see its findings).")
+    kind = "run" if (path / MANIFEST).exists() else "checkpoints"
     if verdict != "clean" and replay is None:  # what would pin the step
-        hint = [f"To pin the step: `{checkpoints.replay.command}`."] if checkpoints and checkpoints.replay else []
+        hint = [f"To pin the step: `{checkpoints.replay.command}`."] if checkpoints and checkpoints.replay else \
+            [f"To pin the step, replay the checkpoints with the training script, when it can give the batch of any "
+             f"step again: `nanforensics bisect {shlex.quote(str(path))} --code train.py` (docs/unrecorded.md)."] \
+            if kind == "checkpoints" and checkpoints and checkpoints.verdict == "poisoned" and checkpoints.last_clean \
+            else []
         findings += advice or hint
-    return PostmortemReport(verdict=verdict, headline=headline, directory=str(path),
-                            kind="run" if (path / MANIFEST).exists() else "checkpoints",
+    return PostmortemReport(verdict=verdict, headline=headline, directory=str(path), kind=kind,
                             responsible_step=responsible, window=window, analyses=analyses, step_log=summary,
                             checkpoints=checkpoints, replay=replay, tensor_spread=tensor_spread, findings=findings)
 

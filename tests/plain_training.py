@@ -33,6 +33,12 @@ def batch_without_defect(step: int) -> dict[str, Any]:
     return scenarios.make_batch(step, 0)
 
 
+def batch_from_a_short_file(step: int) -> dict[str, Any]:
+    """Rows read at offsets from a file holding 12 steps: past its end, the slices are empty."""
+    batch = scenarios.make_batch(step, 0)
+    return {k: v[:0] if step >= 12 else v for k, v in batch.items()}
+
+
 def batch_unseeded(step: int) -> dict[str, Any]:
     """Drawn from the global RNG, not seeded by the step: a different batch each time it is asked."""
     return {"x": torch.rand(scenarios.BATCH, scenarios.N_FEATURES) + 0.5, "y": torch.rand(scenarios.BATCH, 1)}

@@ -11,6 +11,7 @@ import pytest
 import torch
 from nanforensics.errors import BadInput
 from nanforensics.formats.training_state import load_model, load_optimizer
+from nanforensics.postmortem import postmortem
 from nanforensics.replay.engine import ReplayOptions
 from nanforensics.replay.unrecorded import replay_checkpoint
 
@@ -83,6 +84,12 @@ def test_bisect_with_code_replays_from_the_last_clean_checkpoint(plain):
     assert replayed["setup"]["last_step"] <= 21  # the window to the poisoned checkpoint, and a step past it
 
 
+def test_postmortem_of_the_folder_points_to_bisect_with_code(plain):
+    r = postmortem(plain)
+    assert (r.kind, r.verdict, r.window.first, r.window.last) == ("checkpoints", "nonfinite", 10, 19)
+    assert any(f"nanforensics bisect {plain} --code train.py" in f for f in r.findings)
+
+
 def test_batches_without_the_defect_do_not_reproduce_it(plain):
     code, r = cli_json("bisect", plain, "--code", PLAIN, "--batches", "batch_without_defect")
     replayed = r["replayed"]
@@ -149,9 +156,11 @@ def test_loading_by_name_through_a_wrapper_prefix_tied_weights_and_fqn_keyed_sta
                    "build_decoder")
 
 
-def test_a_batch_function_must_give_the_same_batch_every_time(plain):
+def test_a_batch_function_must_give_the_same_batch_every_time_and_not_an_empty_one(plain):
     with pytest.raises(BadInput, match="returned another batch for step 10 when asked again"):
         replay_checkpoint(plain / "step_000010.pt", PLAIN, {"batches": "batch_unseeded"}, QUICK)
+    with pytest.raises(BadInput, match="returned an empty batch for step 12 .past the end of the data"):
+        replay_checkpoint(plain / "step_000010.pt", PLAIN, {"batches": "batch_from_a_short_file"}, QUICK)
 
 
 @pytest.mark.parametrize("args, needles", [
@@ -167,8 +176,9 @@ def test_wrong_code_is_a_one_line_error(plain, args, needles):
     assert_one_line_error(run_cli("replay", "--checkpoint", plain / "step_000010.pt", *args, cwd=ROOT), *needles)
 
 
-def test_checkpoints_that_cannot_be_loaded_say_why(plain, tmp_path):
-    """A poisoned checkpoint, a model that does not fit by name, a file with no optimizer state: one line each."""
+def test_checkpoints_that_cannot_be_loaded_say_why(plain, tmp_path, runs):
+    """A poisoned checkpoint, a model that does not fit by name, a file with no optimizer state, a recorded run:
+    one line each."""
     poisoned = run_cli("replay", "--checkpoint", plain / "step_000020.pt", "--code", PLAIN, cwd=ROOT)
     assert_one_line_error(poisoned, "already holds non-finite values", "nanforensics bisect")
     state = torch.load(plain / "step_000010.pt", weights_only=True)
@@ -179,6 +189,7 @@ def test_checkpoints_that_cannot_be_loaded_say_why(plain, tmp_path):
                                          "builds, by name: unexpected extra.weight"),
         (plain / "step_000010.pt", {"model": "build_batchnorm_model"}, "missing norm.weight, norm.bias"),
         (tmp_path / "weights_10.pt", None, "holds no optimizer state dict"),
+        (runs["clean"], None, "is a run recorded by nanforensics: replay it with `nanforensics replay"),
     ]:
         with pytest.raises(BadInput, match=needle):
             replay_checkpoint(path, PLAIN, names, QUICK)

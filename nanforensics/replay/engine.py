@@ -116,7 +116,10 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
         0.0 if device.type == str(run.device or "cpu").split(":")[0] else 1e-3)
 
-    data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs)
+    # Logged batches are checked over the whole window before replaying; batches a function computes (no logged
+    # end, a --max-steps bound) where the replay ran them, not up to a bound the failure may lie far before.
+    data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs) \
+        if run.last_step is not None else []
 
     with pinned_threads(run.num_threads if device.type == "cpu" else None) as threads:
         r = Session(run, code, checkpoint, device)
@@ -165,6 +168,8 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
+        if run.last_step is None:
+            data_defects = check_batches(run, [s.step for s in spread], opts.data_max_abs)
         operation, samples = _explain(r, events[0].step) if events and opts.explain else (None, None)
         what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
                                          opts.what_if_steps) if events and opts.what_if else []

@@ -22,7 +22,7 @@ from ..formats.training_state import full_rng, load_model, load_optimizer, read_
 from ..report import CheckpointLoad
 from . import imports
 from .batches import has_tensor, leaves
-from .run import Rebuilt
+from .run import MANIFEST, Rebuilt
 from .steplog import LoggedStep
 
 ROLES = {  # role: (default name, option naming it)
@@ -48,6 +48,9 @@ class UserCheckpoint:
 
 def user_checkpoint(path: str | Path, step: int | None = None, step_from: str = "--from-step") -> UserCheckpoint:
     """The checkpoint at ``path``; its step is ``step`` where given, else what its metadata or name records."""
+    if (Path(path) / MANIFEST).is_file():
+        raise BadInput(path, f"is a run recorded by nanforensics: replay it with `nanforensics replay {path}`, "
+                             "which replays its own batches")
     source = open_checkpoint(Path(path))
     if step is None:
         if source.step is None:
@@ -103,6 +106,9 @@ class UnrecordedRun:
         if not has_tensor(batch):
             raise BadInput(self.code_file, f"batch function {self.batch_name} returned no tensor for step {step} "
                                            f"(a {type(batch).__name__})")
+        if all(t.numel() == 0 for _, t in leaves(batch) if isinstance(t, torch.Tensor)):
+            raise BadInput(self.code_file, f"batch function {self.batch_name} returned an empty batch for step {step} "
+                                           "(past the end of the data? --max-steps bounds the replay)")
         digest = _fingerprint(batch)
         if self._seen.setdefault(step, digest) != digest:
             raise BadInput(self.code_file, f"batch function {self.batch_name} returned another batch for step {step} "

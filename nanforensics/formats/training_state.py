@@ -66,16 +66,6 @@ class TrainingState:
     rng_missing: str | None  # why none was, or why the RNG file was not read
 
 
-@dataclass
-class Fit:
-    """How the state went into the model and optimizer."""
-
-    prefix_stripped: str | None
-    optimizer_matched: str  # NAME or ORDER
-    optimizer_params: int
-    same_shape_params: int  # by order: parameters whose shape another of their group shares
-
-
 def read_state(source: CheckpointSource) -> TrainingState:
     """The training state of one checkpoint, or a one-line refusal saying what it lacks."""
     if source.format == "nanforensics":
@@ -98,8 +88,8 @@ def _ours(source: CheckpointSource) -> TrainingState:
     scheduler = state_from_json(meta["scheduler"], lambda: TensorFile(ck.path / "extras.safetensors")) \
         if "scheduler" in meta else None
     return TrainingState("nanforensics checkpoint", TensorFile(ck.model_file).load_all(), ck.model_file, optimizer,
-                         ck.optimizer_file,
-                         scheduler, ck.path / "meta.json" if scheduler is not None else None, meta["rng"], None)
+                         ck.optimizer_file, scheduler, ck.path / "meta.json" if scheduler is not None else None,
+                         meta["rng"], None)
 
 
 def _folder(source: CheckpointSource) -> TrainingState:
@@ -116,10 +106,10 @@ def _folder(source: CheckpointSource) -> TrainingState:
     scheduler_file = next((source.path / n for n in SCHEDULER_FILES if (source.path / n).is_file()), None)
     scheduler = _scheduler_of(torch_file.load(scheduler_file)[0], scheduler_file) if scheduler_file else None
     rng_file = next((source.path / n for n in RNG_FILES if (source.path / n).is_file()), None)
-    rng, missing = {}, "the checkpoint holds no RNG state"
+    rng, missing = _rng_parts(None)
     if rng_file is not None:
         try:
-            rng, missing = _rng_parts(torch_file.load(rng_file)[0]), None
+            rng, missing = _rng_parts(torch_file.load(rng_file)[0])
         except torch_file.Refused as e:
             missing = f"{rng_file.name} was not loaded: {e.reason}, which weights-only loading does not run"
     read = [f for f, _ in source.files] + [f for f in (scheduler_file, rng_file) if f is not None]
@@ -145,11 +135,10 @@ def _file(path: Path) -> TrainingState:
     if not isinstance(obj, dict):
         raise BadInput(path, f"holds a {type(obj).__name__}, not a dict of state dicts")
     scheduler = next((obj[k] for k in SCHEDULER_KEYS if obj.get(k) is not None), None)
-    rng = next((obj[k] for k in RNG_KEYS if obj.get(k) is not None), None)
+    rng, missing = _rng_parts(next((obj[k] for k in RNG_KEYS if obj.get(k) is not None), None))
     return TrainingState("torch.save dict", _model_of(obj, path), path, _optimizer_of(obj, path), path,
                          _scheduler_of(scheduler, path) if scheduler is not None else None,
-                         path if scheduler is not None else None, _rng_parts(rng) if rng is not None else {},
-                         None if rng is not None else "the checkpoint holds no RNG state")
+                         path if scheduler is not None else None, rng, missing)
 
 
 def _tensor_dict(value: Any) -> bool:
@@ -205,9 +194,16 @@ def _scheduler_of(value: Any, path: Path) -> dict[str, Any]:
     return value
 
 
-def _rng_parts(value: Any) -> dict[str, Any]:
+def _rng_parts(value: Any) -> tuple[dict[str, Any], str | None]:
     """The generator states a checkpoint holds (a CPU generator's uint8 tensor, or the Trainer's dict of
-    ``python``, ``numpy``, ``cpu`` and ``cuda``), in ``rng_state()``'s layout."""
+    ``python``, ``numpy``, ``cpu`` and ``cuda``), in ``rng_state()``'s layout; and why there are none."""
+    if value is None:
+        return {}, "the checkpoint holds no RNG state"
+    found = _generators(value)
+    return found, None if found else f"its RNG state (a {type(value).__name__}) holds no generator state known here"
+
+
+def _generators(value: Any) -> dict[str, Any]:
     if isinstance(value, torch.Tensor):
         return {"torch": b64(value)} if value.dtype == torch.uint8 else {}
     if not isinstance(value, dict):

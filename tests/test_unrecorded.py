@@ -41,16 +41,19 @@ def cli_json(*args: str | Path) -> tuple[int, dict]:
 
 def test_replay_from_a_torch_save_checkpoint_names_what_the_recorded_replay_names(plain, runs):
     before = tree_digest(plain)
-    code, r = cli_json("replay", "--checkpoint", plain / "step_000010.pt", "--code", PLAIN)
+    what_if = ("--what-if", "skip-after-moments", "--what-if", "drop-samples=5")
+    code, r = cli_json("replay", "--checkpoint", plain / "step_000010.pt", "--code", PLAIN, *what_if)
     assert tree_digest(plain) == before, "replay wrote beside the checkpoints"
     assert code == 1 and r["verdict"] == "nonfinite" and r["responsible_step"] == DEFECT_STEP
-    _, recorded = cli_json("replay", runs["adam_near_zero"])  # the same run, recorded
+    _, recorded = cli_json("replay", runs["adam_near_zero"], *what_if)  # the same run, recorded
     for key in ("responsible_step", "origin", "events", "first_nonfinite_loss_step", "fully_nonfinite_step",
-                "state_poisoned", "precursors"):
+                "state_poisoned", "precursors", "what_if"):
         assert r[key] == recorded[key], key
     assert (r["samples"]["samples"], r["samples"]["sample_leaves"]) == ([scenarios.DEFECT_SAMPLE],
                                                                         {"batch['ids']": ["s00017-05"]})
     assert r["samples"] == recorded["samples"]
+    assert [(w["intervention"], w["finite"]) for w in r["what_if"]] == [
+        ("none", False), ("skip-after-moments", False), ("drop-samples=5", True)]
     assert r["operation"] == recorded["operation"]
     assert r["responsible_batch"]["file"] == f"{PLAIN}:batch_at({DEFECT_STEP})"
     assert r["responsible_batch"]["leaves"] == recorded["responsible_batch"]["leaves"]

@@ -294,6 +294,8 @@ def bisect(
     device: Annotated[str, typer.Option(help="With --code: auto (cuda when present), cpu or cuda.")] = "auto",
     code_path: Annotated[Optional[list[Path]], typer.Option(help="With --code: folder to import it from "
                                                                  "(repeatable).")] = None,
+    trust_run_dir: Annotated[bool, typer.Option(help="With --code: allow importing it from inside the checkpoint's "
+                                                     "folder.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
@@ -321,8 +323,8 @@ def bisect(
 
             with step_progress("replaying") as step_bar:
                 report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
-                    device=device, max_steps=max_steps, code_paths=code_path or []), linear=linear, full=full,
-                    margin=margin, scan_progress=progress, progress=step_bar)
+                    device=device, max_steps=max_steps, code_paths=code_path or [], trust_run_dir=trust_run_dir),
+                    linear=linear, full=full, margin=margin, scan_progress=progress, progress=step_bar)
     emit_json(report, json_out)
     emit_markdown(render_bisect_markdown(report), markdown)
     if json_out != "-":

@@ -5,6 +5,8 @@ with the script's own callables and batch function, and compared with the record
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from nanforensics.formats.training_state import load_model, load_optimizer
 from nanforensics.postmortem import postmortem
 from nanforensics.replay.engine import ReplayOptions
 from nanforensics.replay.unrecorded import replay_checkpoint
+from safetensors.torch import save_file
 
 import plain_training
 import scenarios
@@ -157,6 +160,24 @@ def test_loading_by_name_through_a_wrapper_prefix_tied_weights_and_fqn_keyed_sta
                                        "torch.float32"):
         load_model(scenarios.build_decoder(), {k: v.half() for k, v in trained.state_dict().items()}, Path("ckpt"),
                    "build_decoder")
+
+
+def test_code_inside_the_checkpoint_folder_is_refused_unless_trusted(plain, tmp_path):
+    """A Trainer-style folder (weights, optimizer.pt, trainer_state.json) that ships a script of its own."""
+    state = torch.load(plain / "step_000010.pt", weights_only=True)
+    folder = tmp_path / "checkpoint-10"
+    folder.mkdir()
+    save_file(state["model"], folder / "model.safetensors")
+    torch.save(state["optimizer"], folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    shutil.copy(ROOT / PLAIN, folder / "train.py")
+    with pytest.raises(BadInput, match="train.py lies inside .*--trust-run-dir"):
+        replay_checkpoint(folder, str(folder / "train.py"), None, QUICK)
+    trusted = replay_checkpoint(folder, str(folder / "train.py"), None, replace(QUICK, trust_run_dir=True))
+    assert (trusted.loaded.step, trusted.loaded.step_from) == (10, "trainer_state.json")
+    assert trusted.loaded.layout == "folder of model.safetensors, optimizer.pt, trainer_state.json"
+    by_file = replay_checkpoint(plain / "step_000010.pt", PLAIN, None, QUICK)
+    assert [s.replayed_loss for s in trusted.spread] == [s.replayed_loss for s in by_file.spread]
 
 
 def test_a_batch_function_must_give_the_same_batch_every_time_and_not_an_empty_one(plain):

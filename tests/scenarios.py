@@ -281,6 +281,59 @@ def make_token_batch(step: int, seed: int = 0, defect: str | None = None, batch_
     return {"tokens": tokens, "labels": labels, "ids": [f"doc{step:05d}-{i:02d}" for i in range(batch_size)]}
 
 
+# ---- a Hugging Face GPT-2 (the ``hf`` extra), built from its config ---------------------------------------------
+#
+# Two ways a GPT-2 fine-tune meets NaN. A batch whose labels are all -100 (prompts only: every response truncated
+# away) has no token to average over: the mean cross-entropy is 0/0 = NaN, made in the loss's reduction, while the
+# gradients stay 0. And a distillation loss written by hand, softmax as exp/sum on logits divided by a temperature:
+# a temperature annealed too far makes exp overflow to inf, and inf/inf = NaN downstream.
+
+GPT2_VOCAB, GPT2_LEN, GPT2_BATCH = 64, 16, 4
+
+
+def build_gpt2(**kwargs: Any) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=GPT2_VOCAB, n_positions=GPT2_LEN, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, **kwargs)
+    return GPT2LMHeadModel(config)
+
+
+def train_step_gpt2(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """The model computes its own loss from ``labels`` (-100: ignored), as a Trainer would have it."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                 use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def train_step_gpt2_distill(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """Cross-entropy against the next token under a temperature, its softmax written by hand as exp/sum."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    e = torch.exp(logits[:, :-1] / batch["temperature"])
+    p = e / e.sum(dim=-1, keepdim=True)
+    target = batch["input_ids"][:, 1:]
+    loss = -torch.log(p.gather(-1, target[..., None])).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def make_gpt2_batch(step: int, seed: int = 0, defect: str | None = None) -> dict[str, Any]:
+    """``all_ignored``: every label -100; ``cold``: a temperature of 1e-3, where exp(logits / T) overflows."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ids = torch.randint(0, GPT2_VOCAB, (GPT2_BATCH, GPT2_LEN), generator=g)
+    labels = torch.full_like(ids, -100) if defect == "all_ignored" else ids.clone()
+    if defect not in (None, "all_ignored", "cold"):
+        raise ValueError(f"unknown defect {defect!r}")
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+            "temperature": torch.tensor(1e-3 if defect == "cold" else 1.0)}
+
+
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 

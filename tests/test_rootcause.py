@@ -3,13 +3,18 @@ forward/backward with its known answer."""
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
 
 import pytest
 import torch
+from nanforensics import Recorder
 from nanforensics.replay.engine import ReplayOptions, replay_run
+from nanforensics.replay.monitor import StepMonitor
 from nanforensics.replay.session import Session, pinned_threads
 from nanforensics.report import ReplayReport
+from nanforensics.rootcause.operations import trace_step
 from nanforensics.runs.run import Run, UserCode
 
 import scenarios
@@ -21,7 +26,7 @@ S, F = scenarios.DEFECT_SAMPLE, scenarios.DEFECT_FEATURE
 @pytest.fixture(scope="module")
 def reports(runs) -> dict[str, ReplayReport]:
     names = ["adam_near_zero", "masked_log_zero", "logcosh_overflow", "fp16_activation_overflow", "nan_in_data",
-             "batchnorm_near_zero", "adam_state_overflow"]
+             "batchnorm_near_zero", "adam_state_overflow", "clipped_near_zero", "decoder_fully_padded"]
     return {n: replay_run(runs[n], ReplayOptions(device="cpu")) for n in names}
 
 
@@ -139,3 +144,145 @@ def test_cli_explain_switch(runs):
     assert on["operation"]["site"]["op"] == "aten::div.Tensor" and on["samples"]["samples"] == [S]
     assert off["operation"] is None and off["samples"] is None
     assert off["data_defects"] == on["data_defects"] and off["responsible_step"] == on["responsible_step"]
+
+
+# ---- provenance: the operation where the origin's value was born, not the first non-finite op in time ----------
+
+
+def _operation_sentence(r: ReplayReport) -> str:
+    [sentence] = [f for f in r.findings if f.startswith("Operation:")]
+    return sentence
+
+
+def _line_of(function, text: str) -> int:
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_fully_masked_attention_row_is_softmax_not_the_causal_mask(reports):
+    r = reports["decoder_fully_padded"]
+    assert (r.origin.stage, r.origin.tensor, r.origin.value) == ("forward", "blocks.0.attn.proj", "nan")
+    op = r.operation
+    # the causal mask's masked_fill(-inf) fires on every step; softmax of a row that is -inf throughout is 0/0
+    assert (op.site.op, op.site.phase, op.site.module) == ("aten::_softmax.default", "forward", "blocks.0.attn")
+    assert op.site.source == f"tests/scenarios.py:{_line_of(scenarios.CausalSelfAttention.forward, 'F.softmax(')} " \
+                             "in forward"
+    assert op.output_value == "nan" and op.output_index[0] == S  # the fully padded sequence
+    assert op.site.input_ranges[0][0] == "-inf" and op.inputs_at_index == [["-inf", "-inf"]]  # a row of all -inf
+    assert op.inf_source.kind == "constant" and op.inf_source.site.op == "aten::masked_fill.Scalar"
+    assert op.inf_source.site.source.endswith(f":{_line_of(scenarios.CausalSelfAttention.forward, 'masked_fill')} "
+                                              "in forward")
+    assert op.nan_site is None and op.path[0] == "aten::_softmax.default"
+    assert op.traced_from == "forward blocks.0.attn.proj[5, 0, 0] = nan"
+    assert r.samples.samples == [S]
+    sentence = _operation_sentence(r)
+    assert sentence.startswith("Operation: forward aten::_softmax.default in module `blocks.0.attn`")
+    assert "from inputs holding -inf ([-inf," in sentence and "from finite inputs" not in sentence
+    assert "computed from ranged over [-inf, -inf] (all -inf)" in sentence
+    assert "aten::masked_fill.Scalar in module `blocks.0.attn`" in sentence and "as a constant (a mask)" in sentence
+    assert "NaN arose" not in sentence
+    origin = next(f for f in r.findings if f.startswith("Origin:"))
+    assert "blocks.0.attn.proj's output is the first module output to hold it" in origin
+    assert "finite inputs" not in origin  # proj's own input was already NaN
+
+
+def test_operation_sentence_says_finite_inputs_only_when_they_were(reports):
+    r = reports["logcosh_overflow"]
+    sentence = _operation_sentence(r)
+    assert "produced inf at [5, 0] from finite inputs [" in sentence
+    assert "(all " not in sentence and "as a constant" not in sentence and "NaN arose" not in sentence
+    assert sentence.endswith("Traced back from loss = inf: aten::mean.default <- aten::log.default "
+                             "<- aten::cosh.default.")
+
+
+def test_where_discarding_log_of_zero_names_the_forward_log_and_the_backward_nan(reports):
+    op = reports["masked_log_zero"].operation
+    assert (op.nan_site.op, op.nan_site.phase, op.nan_node) == ("aten::div.Tensor", "backward", "LogBackward0")
+    assert op.path[:2] == ["aten::log.default", "aten::div.Tensor"]
+    sentence = _operation_sentence(reports["masked_log_zero"])
+    assert "NaN arose in the backward pass, at backward aten::div.Tensor" in sentence
+    assert "autograd node LogBackward0" in sentence
+    # the near-zero reading: the backward division is the birth itself, no forward op made a non-finite value
+    near_zero = reports["adam_near_zero"]
+    assert near_zero.operation.nan_site is None and "NaN arose" not in _operation_sentence(near_zero)
+
+
+def test_clipping_in_place_does_not_move_the_culprit(reports):
+    op = reports["clipped_near_zero"].operation  # clip_grad_norm_ multiplies the gradients in place afterwards
+    assert (op.site.op, op.autograd_node, op.forward.op) == ("aten::div.Tensor", "LogBackward0", "torch.log")
+    assert op.output_index == [S, F]
+
+
+def test_foreach_optimizer_names_the_element_that_overflowed(runs):
+    """Adam with foreach=True updates every parameter's state in one op: output i comes from element i only."""
+    session = _session_before_defect(runs["adam_state_overflow"])
+    model = session.model
+    optimizer = session.optimizer
+    for group in optimizer.param_groups:
+        group["foreach"] = True
+    batch = session.batch(DEFECT_STEP)
+    snapshot = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    with pinned_threads(2), StepMonitor(model, optimizer) as monitor:
+        monitor.begin(DEFECT_STEP, batch, locate=True)
+        origin = monitor.end(scenarios.train_step(model, optimizer, batch))[0]
+    model.load_state_dict(snapshot[0])
+    optimizer.load_state_dict(snapshot[1])
+    with pinned_threads(2):
+        op = trace_step(model, optimizer, lambda: scenarios.train_step(model, optimizer, batch), origin)
+    assert (origin.stage, origin.state_key) == ("optimizer_state", "exp_avg_sq")
+    assert (op.site.op, op.site.phase, op.output_value) == ("aten::_foreach_addcmul_.Scalar", "optimizer", "inf")
+    assert op.output_index == origin.index
+    assert len(op.site.input_ranges) == 3  # its own state, grad, grad: one parameter's elements, not every list
+
+
+# ---- a Hugging Face GPT-2 from its config, recorded with the recorder through a train step of our own ----------
+
+GPT2_DEFECT = 5
+
+
+@pytest.fixture(scope="module")
+def gpt2_reports(tmp_path_factory) -> dict[str, ReplayReport]:
+    pytest.importorskip("transformers", reason="transformers is not installed (nanforensics[hf])")
+    out = {}
+    for name, step_fn, defect in (("all_ignored", scenarios.train_step_gpt2, "all_ignored"),
+                                  ("cold", scenarios.train_step_gpt2_distill, "cold")):
+        run = tmp_path_factory.mktemp("gpt2") / name
+        model = scenarios.build_gpt2()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with Recorder(run, model, optimizer, model_factory=scenarios.build_gpt2, step_fn=step_fn,
+                      checkpoint_every=4) as rec:
+            for step in range(GPT2_DEFECT + 2):
+                batch = scenarios.make_gpt2_batch(step, defect=defect if step == GPT2_DEFECT else None)
+                rec.log(step, batch, step_fn(model, optimizer, batch))
+        out[name] = replay_run(run, ReplayOptions(device="cpu"))
+    return out
+
+
+def test_gpt2_all_ignored_labels_names_the_loss_reduction(gpt2_reports):
+    r = gpt2_reports["all_ignored"]
+    assert r.responsible_step == GPT2_DEFECT and r.origin.value == "nan"
+    op = r.operation
+    # the mean over no tokens: nll_loss's sum (0) over its total weight (0); never empty_like or the attention mask
+    assert (op.site.op, op.site.phase, op.output_value) == ("aten::nll_loss_forward.default", "forward", "nan")
+    assert op.site.output_ranges == [["nan", "nan"], ["0", "0"]]
+    assert op.site.source.startswith("transformers/") and op.inf_source is None and op.nan_site is None
+    assert not any(step in " ".join(op.path) for step in ("empty", "masked_fill", "full", "where"))
+    sentence = _operation_sentence(r)
+    assert "from finite inputs" in sentence and "its outputs ranged over [nan, nan], [0, 0]" in sentence
+
+
+def test_gpt2_exp_overflow_is_the_root_of_the_nan_downstream(gpt2_reports):
+    r = gpt2_reports["cold"]
+    assert (r.responsible_step, r.origin.stage, r.origin.value) == (GPT2_DEFECT, "loss", "nan")
+    op = r.operation
+    assert (op.site.op, op.site.phase, op.site.module, op.output_value) == ("aten::exp.default", "forward", None,
+                                                                            "inf")
+    assert op.site.source == f"tests/scenarios.py:{_line_of(scenarios.train_step_gpt2_distill, 'torch.exp(')} " \
+                             "in train_step_gpt2_distill"
+    assert float(op.inputs_at_index[0][0]) > 88.7  # exp of it is past float32's largest value
+    assert (op.nan_site.op, op.nan_site.phase) == ("aten::div.Tensor", "forward") and op.inf_source is None
+    assert op.path[:2] == ["aten::exp.default", "aten::div.Tensor"]
+    sentence = _operation_sentence(r)
+    assert "from finite inputs" in sentence.split("NaN arose")[0]
+    assert "NaN arose downstream of it, at forward aten::div.Tensor outside any module" in sentence
+    assert "from inputs holding inf (" in sentence.split("NaN arose")[1] and "as a constant" not in sentence

@@ -77,7 +77,8 @@ class OpSite:
     module: str | None            # module path the op ran under ("<root>" for the model, None outside it)
     source: str | None            # "file.py:line in function" of the user's code
     input_dtypes: list[str]
-    input_ranges: list[list[str]]  # [min, max] of each floating input, as strings ("inf", "2.8e-45", ...)
+    input_ranges: list[list[str]]  # [min, max] of each floating input, as strings ("inf", "2.8e-45", ...); for
+                                   # the op a value was born in, of every tensor input (a -100 target, a mask)
     output_dtypes: list[str]
     output_ranges: list[list[str]] = field(default_factory=list)  # [min, max] of each floating output
 
@@ -108,7 +109,7 @@ class OperationCulprit:
                                                    # a long middle elided as "…")
     inputs_at_index: list[list[str] | None] = field(default_factory=list)  # per input: [min, max] of the elements
                                        # output_index was computed from (a softmax row); None where the op mixes
-                                       # whole inputs (a matmul, a reduction)
+                                       # whole inputs (a matmul, a reduction) or overwrote that one in place
     inf_source: InfSource | None = None  # for a NaN made from ±inf that was not computed: where that inf came from
     nan_site: OpSite | None = None     # where NaN arose from the culprit's inf, when that is another operation
     nan_node: str | None = None        # nan_site's autograd node, for a backward op

@@ -310,6 +310,16 @@ def train_step_gpt2(model: nn.Module, optimizer: torch.optim.Optimizer, batch: d
     return loss
 
 
+def train_step_gpt2_summed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """As the Trainer calls it: the loss summed over tokens, divided by the number of labelled tokens it counted."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                 use_cache=False, num_items_in_batch=(batch["labels"] != -100).sum()).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def train_step_gpt2_distill(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
     """Cross-entropy against the next token under a temperature, its softmax written by hand as exp/sum."""
     optimizer.zero_grad(set_to_none=True)
@@ -324,13 +334,19 @@ def train_step_gpt2_distill(model: nn.Module, optimizer: torch.optim.Optimizer, 
 
 
 def make_gpt2_batch(step: int, seed: int = 0, defect: str | None = None) -> dict[str, Any]:
-    """``all_ignored``: every label -100; ``cold``: a temperature of 1e-3, where exp(logits / T) overflows."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    ids = torch.randint(0, GPT2_VOCAB, (GPT2_BATCH, GPT2_LEN), generator=g)
-    labels = torch.full_like(ids, -100) if defect == "all_ignored" else ids.clone()
+    """Right-padded sequences (attention mask 0, labels -100 on the padding). ``all_ignored``: every label -100;
+    ``cold``: a temperature of 1e-3, where exp(logits / T) overflows."""
     if defect not in (None, "all_ignored", "cold"):
         raise ValueError(f"unknown defect {defect!r}")
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ids = torch.randint(1, GPT2_VOCAB, (GPT2_BATCH, GPT2_LEN), generator=g)
+    lengths = torch.randint(GPT2_LEN // 2, GPT2_LEN + 1, (GPT2_BATCH,), generator=g)
+    mask = (torch.arange(GPT2_LEN)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    if defect == "all_ignored":
+        labels = torch.full_like(ids, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
             "temperature": torch.tensor(1e-3 if defect == "cold" else 1.0)}
 
 

@@ -245,6 +245,7 @@ def gpt2_reports(tmp_path_factory) -> dict[str, ReplayReport]:
     pytest.importorskip("transformers", reason="transformers is not installed (nanforensics[hf])")
     out = {}
     for name, step_fn, defect in (("all_ignored", scenarios.train_step_gpt2, "all_ignored"),
+                                  ("all_ignored_summed", scenarios.train_step_gpt2_summed, "all_ignored"),
                                   ("cold", scenarios.train_step_gpt2_distill, "cold")):
         run = tmp_path_factory.mktemp("gpt2") / name
         model = scenarios.build_gpt2()
@@ -264,11 +265,22 @@ def test_gpt2_all_ignored_labels_names_the_loss_reduction(gpt2_reports):
     op = r.operation
     # the mean over no tokens: nll_loss's sum (0) over its total weight (0); never empty_like or the attention mask
     assert (op.site.op, op.site.phase, op.output_value) == ("aten::nll_loss_forward.default", "forward", "nan")
-    assert op.site.output_ranges == [["nan", "nan"], ["0", "0"]]
+    assert op.site.input_ranges[1] == ["-100", "-100"]  # every target ignored
+    assert op.site.output_ranges == [["nan", "nan"], ["0", "0"]]  # the loss, and the total weight it divided by
     assert op.site.source.startswith("transformers/") and op.inf_source is None and op.nan_site is None
-    assert not any(step in " ".join(op.path) for step in ("empty", "masked_fill", "full", "where"))
+    assert not any(name in " ".join(op.path) for name in ("empty", "masked_fill", "full", "where"))
     sentence = _operation_sentence(r)
-    assert "from finite inputs" in sentence and "its outputs ranged over [nan, nan], [0, 0]" in sentence
+    assert "from finite inputs [" in sentence and ", [-100, -100]; its outputs ranged over [nan, nan], [0, 0]" \
+        in sentence
+    assert "inputs holding" not in sentence and "NaN arose" not in sentence
+
+
+def test_gpt2_trainer_style_summed_loss_names_its_division(gpt2_reports):
+    """As the Trainer has it: summed, then divided by the labelled tokens it counted, 0/0."""
+    op = gpt2_reports["all_ignored_summed"].operation
+    assert (op.site.op, op.site.phase, op.output_value) == ("aten::div.Tensor", "forward", "nan")
+    assert op.site.input_ranges == [["0", "0"], ["0", "0"]] and op.site.input_dtypes == ["float32", "int64"]
+    assert op.site.source.startswith("transformers/loss/")
 
 
 def test_gpt2_exp_overflow_is_the_root_of_the_nan_downstream(gpt2_reports):

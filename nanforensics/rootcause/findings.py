@@ -47,7 +47,7 @@ def operation_sentence(op: OperationCulprit) -> str:
     text = (f"Operation: {subject} produced {op.output_value} at [{', '.join(map(str, op.output_index))}] "
             f"from {_inputs(op.site)}")
     if any(r is not None for r in op.inputs_at_index):
-        at = ", ".join("(whole input)" if r is None else f"[{r[0]}, {r[1]}]" + (
+        at = ", ".join("(not shown)" if r is None else f"[{r[0]}, {r[1]}]" + (
             f" (all {r[0]})" if r[0] == r[1] and r[0] in _NONFINITE else "") for r in op.inputs_at_index)
         text += f"; the input elements that coordinate was computed from ranged over {at}"
     if len(op.site.output_ranges) > 1:  # a loss and its total weight, values and indices: the others tell why

@@ -83,21 +83,17 @@ def _user_source() -> tuple[str, int, str] | None:
 
 
 def _source_text(where: tuple[str, int, str] | None) -> str | None:
-    """``file:line in function``: the file relative to the working directory when under it, an installed
-    library's relative to its site-packages (``transformers/loss/loss_utils.py``), else as it is."""
+    """``file:line in function``: an installed library's file relative to its site-packages
+    (``transformers/loss/loss_utils.py``), else relative to the working directory when under it."""
     if where is None:
         return None
     name, line, function = where
-    if not name.startswith("<"):
-        relative = os.path.relpath(name)
-        if not relative.startswith(os.pardir):
-            name = relative
-        else:
-            for packages in ("site-packages", "dist-packages"):
-                _, found, inside = name.rpartition(f"{os.sep}{packages}{os.sep}")
-                if found:
-                    name = inside
-                    break
+    for packages in ("site-packages", "dist-packages"):
+        _, found, inside = name.rpartition(f"{os.sep}{packages}{os.sep}")
+        if found:
+            return f"{inside}:{line} in {function}"
+    if not name.startswith("<") and not (relative := os.path.relpath(name)).startswith(os.pardir):
+        name = relative
     return f"{name}:{line} in {function}"
 
 
@@ -169,12 +165,14 @@ class _Record:
     constant: bool            # an inf scalar among its arguments, or no floating input: it writes, not computes
     source: tuple[str, int, str] | None = None
     births: dict[str, _Birth] = field(default_factory=dict)
+    shown: list[tuple[str, list[str]]] | None = None  # for a birth: every tensor input (integer targets, masks too)
 
     def site(self) -> OpSite:
         fwd = self.forward
+        shown = self.shown if self.shown is not None else [(v.dtype, v.range()) for v in self.inputs]
         return OpSite(self.op, self.phase, fwd.module if fwd else self.module,
                       _source_text(fwd.source if fwd else self.source),
-                      [v.dtype for v in self.inputs], [v.range() for v in self.inputs],
+                      [d for d, _ in shown], [r for _, r in shown],
                       [v.dtype for v in self.outputs], [v.range() for v in self.outputs])
 
 
@@ -256,6 +254,12 @@ def _row_dims(op: str, args: tuple, kwargs: dict, ndim: int) -> set[int]:
     return set()
 
 
+def _range(t: torch.Tensor) -> list[str]:
+    """[min, max] of any tensor as strings: floating, integer (a target of -100) or boolean (a mask, 0 and 1)."""
+    lo, hi = finite.extremes(t).tolist() if t.numel() else (math.nan, math.nan)
+    return [_fmt(lo), _fmt(hi)]
+
+
 def _inputs_at(inputs: list[torch.Tensor], out: torch.Tensor, index: list[int], rows: set[int],
                skip: set[int]) -> list[list[str] | None]:
     """Range of each input over the elements the output coordinate was computed from: the element itself for an
@@ -279,11 +283,7 @@ def _inputs_at(inputs: list[torch.Tensor], out: torch.Tensor, index: list[int], 
             else:
                 key.append(slice(None) if od in rows else index[od])
         else:
-            part = t.detach()[tuple(key)]
-            if part.is_complex():
-                part = torch.view_as_real(part)
-            lo, hi = torch.aminmax(part.reshape(-1)) if part.numel() else (torch.tensor(0.0), torch.tensor(0.0))
-            ranges.append([_fmt(float(lo)), _fmt(float(hi))])
+            ranges.append(_range(t.detach()[tuple(key)]))
             continue
         ranges.append(None)
     return ranges
@@ -453,7 +453,7 @@ class _Provenance(TorchDispatchMode):
                 lo, hi, nan, inf = next(summaries)
                 outs.append(_Value(self.seq, _storage_key(t), lo, hi, nan, carried if inf is None else inf, _dtype(t)))
             if any(not v.finite for v in outs):
-                record = self._record(info, func, args, kwargs, inputs, ins, tensors, outs)
+                record = self._record(info, func, args, kwargs, bound, inputs, ins, tensors, outs)
                 for v in outs:
                     v.record = record
             for t, v in zip(tensors, outs):
@@ -462,26 +462,34 @@ class _Provenance(TorchDispatchMode):
                     self.storages[v.storage] = (self.seq, v)
         return out
 
-    def _record(self, info: _OpInfo, func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor],
-                ins: list[_Value], tensors: list[torch.Tensor], outs: list[_Value]) -> _Record:
+    def _record(self, info: _OpInfo, func: Any, args: tuple, kwargs: dict, bound: list[Any],
+                inputs: list[torch.Tensor], ins: list[_Value], tensors: list[torch.Tensor],
+                outs: list[_Value]) -> _Record:
         node = torch._C._current_autograd_node()
         phase = "backward" if node is not None else ("optimizer" if self.in_optimizer else "forward")
         constant = not ins or any(isinstance(a, float) and not math.isfinite(a) for a in tree_leaves((args, kwargs)))
         record = _Record(self.seq, info.name, phase, self.modules.current() if node is None else None,
                          node.name() if node is not None else None,
                          self.forwards.get(node) if node is not None else None, ins, outs, constant)
+        born = [k for k in (NAN, INF) if any(v.carries(k) for v in outs) and not any(v.carries(k) for v in ins)]
+        if not born:
+            return record
+        shown = inputs
+        if not info.grouped:  # a birth shows every tensor input: an all -100 target, a mask, a zero count
+            shown = [t for i in info.read for t in _tensors(bound[i]) if _floating(t) or t.numel()]
+            values = iter(ins)  # the floating ones, summarised before the op ran
+            record.shown = []
+            for t in shown:
+                v = next(values) if _floating(t) else None
+                record.shown.append((v.dtype, v.range()) if v is not None else (_dtype(t), _range(t)))
         written = {id(t) for t in tensors}
-        for kind in (NAN, INF):
-            if any(v.carries(kind) for v in ins):
-                continue
-            where = next((t for t, v in zip(tensors, outs) if v.carries(kind)), None)
-            if where is None:
-                continue
+        skip = {i for i, t in enumerate(shown) if id(t) in written}  # overwritten in place: no longer there
+        for kind in born:
+            where = next(t for t, v in zip(tensors, outs) if v.carries(kind))
             index, value = _first(where, kind)
-            skip = {i for i, t in enumerate(inputs) if id(t) in written}  # overwritten in place: no longer there
             rows = _row_dims(info.name, args, kwargs, where.dim())
-            record.births[kind] = _Birth(index, value, _inputs_at(inputs, where, index, rows, skip))
-        if record.births and node is None:
+            record.births[kind] = _Birth(index, value, _inputs_at(shown, where, index, rows, skip))
+        if node is None:
             record.source = _user_source()
         return record
 

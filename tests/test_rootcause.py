@@ -13,7 +13,7 @@ from nanforensics import Recorder
 from nanforensics.replay.engine import ReplayOptions, replay_run
 from nanforensics.replay.monitor import StepMonitor
 from nanforensics.replay.session import Session, pinned_threads
-from nanforensics.report import ReplayReport
+from nanforensics.report import Event, ReplayReport
 from nanforensics.rootcause.operations import trace_step
 from nanforensics.runs.run import Run, UserCode
 
@@ -233,6 +233,29 @@ def test_foreach_optimizer_names_the_element_that_overflowed(runs):
     assert (op.site.op, op.site.phase, op.output_value) == ("aten::_foreach_addcmul_.Scalar", "optimizer", "inf")
     assert op.output_index == origin.index
     assert len(op.site.input_ranges) == 3  # its own state, grad, grad: one parameter's elements, not every list
+
+
+def test_batchnorm_running_var_written_without_a_schema_annotation():
+    """native_batch_norm updates running_var in place although its schema does not say so; one 1e30 pixel makes
+    the batch variance overflow into it. (The origin is built by hand: replay checks buffers as a stage of its own.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 2, (8,))
+    x[S % 8, 0, 2, 2] = 1e30
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    op = trace_step(model, optimizer, step, Event(0, "buffer", "1.running_var", [0], "inf"))
+    assert (op.site.op, op.site.phase, op.site.module, op.output_value) == ("aten::native_batch_norm.default",
+                                                                            "forward", "1", "inf")
+    assert float(op.site.input_ranges[0][1]) > 1e29 and op.site.input_ranges[4] == ["1", "1"]  # running_var before
 
 
 # ---- a Hugging Face GPT-2 from its config, recorded with the recorder through a train step of our own ----------

@@ -60,6 +60,15 @@ _ALLOCATION = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "n
 # These replace their first argument's values without reading them.
 _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_",
                         "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_"})
+# These update BatchNorm's running statistics in place without saying so in their schemas.
+_UNDECLARED_WRITES = {"native_batch_norm": ("running_mean", "running_var"),
+                      "cudnn_batch_norm": ("running_mean", "running_var"),
+                      "miopen_batch_norm": ("running_mean", "running_var"),
+                      "batch_norm_update_stats": ("running_mean", "running_var")}
+# Outputs of these hold exactly the values of their one floating input, no more, no fewer (views over every
+# element, copies): when the dtype is kept, their summary is the input's, with no pass over the data.
+_SAME_VALUES = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "expand",
+                          "squeeze", "unsqueeze", "detach", "alias", "clone", "_to_copy", "copy_"})
 # These turn a Python literal (``torch.tensor(-inf)``) into a tensor: what they output is written, not computed.
 _LITERAL = frozenset({"lift_fresh", "lift_fresh_copy"})
 # Along which dimensions an output element reads its input: the softmax family reads a whole row.
@@ -197,20 +206,24 @@ class _OpInfo:
     name: str
     allocation: bool
     grouped: bool                # foreach/fused: output i comes from element i of every list argument
+    same_values: bool            # outputs hold the values of the one floating input (see _SAME_VALUES)
     read: tuple[int, ...]        # argument positions whose values the op reads
     written: tuple[int, ...]     # argument positions it writes in place: outputs too
     arg_names: tuple[str, ...]
 
 
 def _op_info(func: Any) -> _OpInfo:
+    """What an aten overload reads and writes, from its schema (and ``_UNDECLARED_WRITES``): computed once per op."""
     packet = func.overloadpacket.__name__
     args = func._schema.arguments
     overwrites = packet in _OVERWRITE
     read = () if packet in _LITERAL else tuple(i for i, a in enumerate(args)
                                                if not a.is_out and not (overwrites and i == 0))
-    written = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
-    return _OpInfo(_op_name(func), packet in _ALLOCATION, packet.startswith(("_foreach_", "_fused_", "_amp_foreach_")),
-                   read, written,
+    undeclared = _UNDECLARED_WRITES.get(packet, ())
+    written = tuple(i for i, a in enumerate(args)
+                    if (a.alias_info is not None and a.alias_info.is_write) or a.name in undeclared)
+    grouped = packet.startswith(("_foreach_", "_fused_", "_amp_foreach_"))
+    return _OpInfo(_op_name(func), packet in _ALLOCATION, grouped, packet in _SAME_VALUES, read, written,
                    tuple(a.name for a in args))
 
 
@@ -292,8 +305,9 @@ def _inputs_at(inputs: list[torch.Tensor], out: torch.Tensor, index: list[int], 
 def _input_groups(info: _OpInfo, bound: list[Any]) -> tuple[list[list[torch.Tensor]], int]:
     """The floating inputs of each output group, and the number of list elements (0 for an ungrouped op).
 
-    A foreach or fused op has one group per list element (element i of every list, with the tensors given
-    once); a tensor it writes that is not in a list (the scaler's found_inf) forms a last group read from all."""
+    A foreach or fused op has one group per list element: element i of every list, and each tensor argument
+    that is not in a list (a scale). A tensor it writes outside its lists (the scaler's found_inf) forms a last
+    group, read from all of its inputs."""
     read = [bound[i] for i in info.read]
     every = [t for v in read for t in _tensors(v) if _floating(t)]
     if not info.grouped:
@@ -392,9 +406,12 @@ class _Provenance(TorchDispatchMode):
         v = self.values.get(t)
         if self._valid(v):
             return v
-        return self._check([t])[0]
+        return self.check([t])[0]
 
-    def _check(self, tensors: list[torch.Tensor]) -> list[_Value]:
+    def check(self, tensors: list[torch.Tensor]) -> list[_Value]:
+        """Summarise tensors whose summary is missing or stale; a non-finite one is linked to the last operation
+        that wrote its storage in this step (an alias autograd made of a saved output), else to none (from outside
+        the step: a parameter, a buffer, the batch)."""
         out = []
         for t, (lo, hi, nan, inf) in zip(tensors, self._summaries(tensors)):
             record, name = None, None
@@ -415,7 +432,7 @@ class _Provenance(TorchDispatchMode):
                 if not self._valid(self.values.get(t)):
                     missing[id(t)] = t
         if missing:
-            self._check(list(missing.values()))
+            self.check(list(missing.values()))
         return [[self.values[t] for t in g] for g in groups]
 
     # -- the operations -------------------------------------------------------------------------------
@@ -442,8 +459,15 @@ class _Provenance(TorchDispatchMode):
         flat = [t for g in out_groups for t in g]
         if not flat:
             return out
-        summaries = iter(self._summaries(flat))
+        if info.same_values and len(before[0]) == 1 and all(t.dtype == groups[0][0].dtype for t in flat):
+            v = before[0][0]
+            summaries = iter([(v.lo, v.hi, v.nan, v.inf)] * len(flat))
+        else:
+            summaries = iter(self._summaries(flat))
         self.seq += 1
+        # A write to a storage makes every other summary of it stale; a view or alias of an input writes nothing.
+        written = {id(t) for i in info.written for t in _tensors(bound[i])}
+        aliased = {v.storage for g in before for v in g}
         for inputs, tensors, ins in zip(groups, out_groups, before):
             # NaN hides whether an output also holds ±inf: taken to, when an input it came from did (so inf is
             # followed through a NaN-flooded tensor); an inf born beside NaN from finite inputs goes unseen.
@@ -458,7 +482,7 @@ class _Provenance(TorchDispatchMode):
                     v.record = record
             for t, v in zip(tensors, outs):
                 self.values[t] = v
-                if v.storage is not None:
+                if v.storage is not None and (id(t) in written or v.storage not in aliased):
                     self.storages[v.storage] = (self.seq, v)
         return out
 
@@ -643,6 +667,8 @@ class _Origin:
     def _catch(self, t: Any) -> None:
         if self.value is None and finite.checkable(t):
             v = self.provenance.lookup(t)
+            if not v.carries(self.kind) and v.finite:  # a write the trace did not see: what the tensor holds now
+                v = self.provenance.check([t])[0]
             if v.carries(self.kind):
                 self.value = v
 

@@ -88,9 +88,9 @@ class InfSource:
     """Where the ±inf came from that the culprit made NaN of, when it was not computed in the step."""
 
     kind: str                     # "constant": written on purpose (masked_fill/fill/full/where with an inf scalar:
-                                  # a mask); "outside": held before the step by a tensor the step read (a buffer)
-    site: OpSite | None           # the operation that wrote it ("constant")
-    tensor: str | None = None     # the tensor that held it ("outside"), when it is a named parameter or buffer
+                                  # a mask); "outside": only held before the step by a tensor the step read (a buffer)
+    site: OpSite | None           # the operation nearest the culprit that wrote it ("constant")
+    tensor: str | None = None     # a named parameter or buffer that held it before the step, if one did
 
 
 @dataclass

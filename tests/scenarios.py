@@ -199,27 +199,37 @@ VOCAB, SEQ_LEN, TOKEN_BATCH, PAD = 64, 16, 8, 0
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int) -> None:
+    """``bias_buffer``: the causal mask kept as an additive buffer of 0 and -inf (as older GPT code does), the padding
+    still masked with masked_fill."""
+
+    def __init__(self, d_model: int, n_head: int, seq_len: int = SEQ_LEN, bias_buffer: bool = False) -> None:
         super().__init__()
         self.n_head = n_head
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
+        if bias_buffer:
+            causal = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
+            self.register_buffer("causal_bias", torch.zeros(seq_len, seq_len).masked_fill(causal, float("-inf")))
+        self.bias_buffer = bias_buffer
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.n_head)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        scores = scores.masked_fill(causal | pad[:, None, None, :], float("-inf"))
+        if self.bias_buffer:
+            scores = (scores + self.causal_bias[:t, :t]).masked_fill(pad[:, None, None, :], float("-inf"))
+        else:
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(causal | pad[:, None, None, :], float("-inf"))
         y = F.softmax(scores, dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int) -> None:
+    def __init__(self, d_model: int, n_head: int, seq_len: int = SEQ_LEN, bias_buffer: bool = False) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head)
+        self.attn = CausalSelfAttention(d_model, n_head, seq_len, bias_buffer)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
@@ -229,10 +239,10 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     def __init__(self, vocab: int = VOCAB, seq_len: int = SEQ_LEN, d_model: int = 32, n_head: int = 2,
-                 n_layer: int = 2) -> None:
+                 n_layer: int = 2, bias_buffer: bool = False) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, seq_len, bias_buffer) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.tok.weight

@@ -14,6 +14,7 @@ from nanforensics.replay.engine import ReplayOptions, replay_run
 from nanforensics.replay.monitor import StepMonitor
 from nanforensics.replay.session import Session, pinned_threads
 from nanforensics.report import Event, ReplayReport
+from nanforensics.rootcause.findings import operation_sentence
 from nanforensics.rootcause.operations import trace_step
 from nanforensics.runs.run import Run, UserCode
 
@@ -170,8 +171,8 @@ def test_fully_masked_attention_row_is_softmax_not_the_causal_mask(reports):
     assert op.output_value == "nan" and op.output_index[0] == S  # the fully padded sequence
     assert op.site.input_ranges[0][0] == "-inf" and op.inputs_at_index == [["-inf", "-inf"]]  # a row of all -inf
     assert op.inf_source.kind == "constant" and op.inf_source.site.op == "aten::masked_fill.Scalar"
-    assert op.inf_source.site.source.endswith(f":{_line_of(scenarios.CausalSelfAttention.forward, 'masked_fill')} "
-                                              "in forward")
+    fill = _line_of(scenarios.CausalSelfAttention.forward, "masked_fill(causal |")
+    assert op.inf_source.site.source == f"tests/scenarios.py:{fill} in forward"
     assert op.nan_site is None and op.path[0] == "aten::_softmax.default"
     assert op.traced_from == "forward blocks.0.attn.proj[5, 0, 0] = nan"
     assert r.samples.samples == [S]
@@ -179,7 +180,8 @@ def test_fully_masked_attention_row_is_softmax_not_the_causal_mask(reports):
     assert sentence.startswith("Operation: forward aten::_softmax.default in module `blocks.0.attn`")
     assert "from inputs holding -inf ([-inf," in sentence and "from finite inputs" not in sentence
     assert "computed from ranged over [-inf, -inf] (all -inf)" in sentence
-    assert "aten::masked_fill.Scalar in module `blocks.0.attn`" in sentence and "as a constant (a mask)" in sentence
+    assert "aten::masked_fill.Scalar in module `blocks.0.attn`" in sentence and "as a constant (a mask)," in sentence
+    assert "held it before the step" not in sentence and "already held it" not in sentence
     assert "NaN arose" not in sentence
     origin = next(f for f in r.findings if f.startswith("Origin:"))
     assert "blocks.0.attn.proj's output is the first module output to hold it" in origin
@@ -191,8 +193,65 @@ def test_operation_sentence_says_finite_inputs_only_when_they_were(reports):
     sentence = _operation_sentence(r)
     assert "produced inf at [5, 0] from finite inputs [" in sentence
     assert "(all " not in sentence and "as a constant" not in sentence and "NaN arose" not in sentence
+    assert "its outputs ranged over" not in sentence and "the forward op's inputs" not in sentence
+    assert "the forward op's inputs ranged over [1.401e-45, " in _operation_sentence(reports["adam_near_zero"])
     assert sentence.endswith("Traced back from loss = inf: aten::mean.default <- aten::log.default "
                              "<- aten::cosh.default.")
+
+
+def _traced_decoder_step(**model_kwargs):
+    """The fully padded batch through a freshly built decoder: the origin from the monitor, then the trace."""
+    model = scenarios.build_decoder(**model_kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = scenarios.make_token_batch(DEFECT_STEP, defect="fully_padded")
+    snapshot = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    with pinned_threads(2), StepMonitor(model, optimizer) as monitor:
+        monitor.begin(DEFECT_STEP, batch, locate=True)
+        origin = monitor.end(scenarios.train_step_lm(model, optimizer, batch))[0]
+    model.load_state_dict(snapshot[0])
+    optimizer.load_state_dict(snapshot[1])
+    with pinned_threads(2):
+        return trace_step(model, optimizer, lambda: scenarios.train_step_lm(model, optimizer, batch), origin)
+
+
+def test_causal_mask_kept_as_a_buffer_is_named_beside_the_padding_fill():
+    op = _traced_decoder_step(bias_buffer=True)  # scores + causal_bias (0 / -inf), then masked_fill for padding
+    assert (op.site.op, op.site.module, op.output_index[0]) == ("aten::_softmax.default", "blocks.0.attn", S)
+    assert (op.inf_source.kind, op.inf_source.site.op, op.inf_source.tensor) == (
+        "constant", "aten::masked_fill.Scalar", "blocks.0.attn.causal_bias")
+    sentence = operation_sentence(op)
+    assert "wrote it as a constant (a mask), and blocks.0.attn.causal_bias held it before the step" in sentence
+
+
+def test_inf_only_held_before_the_step_is_said_so():
+    """Every slot of an attention over fixed slots disabled by a -inf bias buffer (a configuration slip)."""
+
+    class Slots(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.score = torch.nn.Linear(4, 3)
+            self.register_buffer("slot_bias", torch.full((3,), float("-inf")))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(self.score(x) + self.slot_bias, dim=-1)
+
+    torch.manual_seed(0)
+    model = Slots()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    op = trace_step(model, optimizer, step, Event(0, "forward", "<root>", [0, 0], "nan"))
+    assert op.site.op == "aten::_softmax.default" and op.inputs_at_index == [["-inf", "-inf"]]
+    assert (op.inf_source.kind, op.inf_source.site, op.inf_source.tensor) == ("outside", None, "slot_bias")
+    sentence = operation_sentence(op)
+    assert "was not computed in this step: slot_bias already held it" in sentence and "as a constant" not in sentence
 
 
 def test_where_discarding_log_of_zero_names_the_forward_log_and_the_backward_nan(reports):

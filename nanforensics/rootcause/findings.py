@@ -58,12 +58,14 @@ def operation_sentence(op: OperationCulprit) -> str:
     src = op.inf_source
     if src is not None:
         infs = " and ".join(v for v in ("-inf", "inf") if any(v in r for r in op.site.input_ranges)) or "±inf"
-        if src.kind == "constant" and src.site is not None:
+        if src.site is not None:
+            held = f", and {src.tensor} held it before the step" if src.tensor else ""
             text += (f" The {infs} in its inputs was not computed: {src.site.phase} {describe_site(src.site)} wrote "
-                     "it as a constant (a mask), so this operation, where it became NaN, is the cause.")
+                     f"it as a constant (a mask){held}, so this operation, where it became NaN, is the cause.")
         else:
             text += (f" The {infs} in its inputs was not computed in this step: "
-                     f"{src.tensor or 'a tensor from before the step'} already held it.")
+                     f"{src.tensor or 'a tensor from before the step'} already held it, so this operation, where it "
+                     "became NaN, is the cause.")
     if op.nan_site is not None:
         where = "in the backward pass" if op.nan_site.phase == "backward" and op.site.phase != "backward" \
             else "downstream of it"

@@ -228,7 +228,9 @@ def _op_info(func: Any) -> _OpInfo:
 
 
 def _floating(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    """A tensor the trace summarises: floating or complex, dense, with data (not on the meta device)."""
+    return (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided
+            and t.device.type != "meta")
 
 
 def _tensors(v: Any) -> Iterator[torch.Tensor]:
@@ -361,6 +363,7 @@ class _Provenance(TorchDispatchMode):
     """Summarises what every operation writes; keeps records only for the ones that write a non-finite value."""
 
     def __init__(self, modules: _ModuleStack, names: dict[int, str]) -> None:
+        """``names``: storage address -> the parameter or buffer that owns it (a slice of a mask buffer is named)."""
         super().__init__()
         self.modules, self.names = modules, names
         self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> _Value; the tensor is not kept alive
@@ -369,6 +372,7 @@ class _Provenance(TorchDispatchMode):
         self.infos: dict[Any, _OpInfo] = {}
         self.in_optimizer = False
         self.seq = 0
+        self.failed: str | None = None  # what ended the trace early, if anything did
 
     # -- summaries --------------------------------------------------------------------------------
 
@@ -419,7 +423,7 @@ class _Provenance(TorchDispatchMode):
             if nan or inf:  # the last operation that wrote its storage, if any did in this step
                 last = self.storages.get(key) if key is not None else None
                 record = last[1].record if last is not None else None
-                name = self.names.get(id(t))
+                name = self.names.get(key) if key is not None else None
             v = _Value(self.seq, key, lo, hi, nan, bool(inf), _dtype(t), record, name)
             self.values[t] = v
             out.append(v)
@@ -438,37 +442,57 @@ class _Provenance(TorchDispatchMode):
     # -- the operations -------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Run the op as the step would; the bookkeeping around it never fails the step: a tensor it cannot read
+        (a sparse layout, a subclass) ends the trace, which then names no culprit rather than a wrong one."""
         kwargs = kwargs or {}
+        if self.failed is not None:
+            return func(*args, **kwargs)
+        try:
+            before = self._before(func, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - any failure of the trace's own reading
+            self.failed = f"{func}: {e!r}"
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        try:
+            self._after(before, out)
+        except Exception as e:  # noqa: BLE001
+            self.failed = f"{func}: {e!r}"
+        return out
+
+    def _before(self, func: Any, args: tuple, kwargs: dict) -> tuple:
         info = self.infos.get(func)
         if info is None:
             info = self.infos[func] = _op_info(func)
         bound = [args[i] if i < len(args) else kwargs.get(name) for i, name in enumerate(info.arg_names)]
         if info.allocation:
-            out = func(*args, **kwargs)
+            return info, func, args, kwargs, bound, [], [], 0
+        groups, n = _input_groups(info, bound)
+        return info, func, args, kwargs, bound, groups, self._inputs(groups), n  # before the op overwrites them
+
+    def _after(self, before: tuple, out: Any) -> None:
+        info, func, args, kwargs, bound, groups, ins_groups, n = before
+        if info.allocation:  # uninitialised memory: never a cause, never followed
             for t in tree_leaves(out):
                 if _floating(t):
                     v = self.values[t] = _Value(self.seq, _storage_key(t), math.nan, math.nan, False, False,
                                                 _dtype(t), uninitialised=True)
                     if v.storage is not None:
                         self.storages[v.storage] = (self.seq, v)
-            return out
-        groups, n = _input_groups(info, bound)
-        before = self._inputs(groups)  # read before the op: an in-place op overwrites its inputs
-        out = func(*args, **kwargs)
+            return
         out_groups = _output_groups(info, bound, out, n)
         flat = [t for g in out_groups for t in g]
         if not flat:
-            return out
-        if info.same_values and len(before[0]) == 1 and all(t.dtype == groups[0][0].dtype for t in flat):
-            v = before[0][0]
+            return
+        if info.same_values and len(ins_groups[0]) == 1 and all(t.dtype == groups[0][0].dtype for t in flat):
+            v = ins_groups[0][0]
             summaries = iter([(v.lo, v.hi, v.nan, v.inf)] * len(flat))
         else:
             summaries = iter(self._summaries(flat))
         self.seq += 1
         # A write to a storage makes every other summary of it stale; a view or alias of an input writes nothing.
         written = {id(t) for i in info.written for t in _tensors(bound[i])}
-        aliased = {v.storage for g in before for v in g}
-        for inputs, tensors, ins in zip(groups, out_groups, before):
+        aliased = {v.storage for g in ins_groups for v in g}
+        for inputs, tensors, ins in zip(groups, out_groups, ins_groups):
             # NaN hides whether an output also holds ±inf: taken to, when an input it came from did (so inf is
             # followed through a NaN-flooded tensor); an inf born beside NaN from finite inputs goes unseen.
             carried = any(v.inf for v in ins)
@@ -484,7 +508,6 @@ class _Provenance(TorchDispatchMode):
                 self.values[t] = v
                 if v.storage is not None and (id(t) in written or v.storage not in aliased):
                     self.storages[v.storage] = (self.seq, v)
-        return out
 
     def _record(self, info: _OpInfo, func: Any, args: tuple, kwargs: dict, bound: list[Any],
                 inputs: list[torch.Tensor], ins: list[_Value], tensors: list[torch.Tensor],
@@ -609,10 +632,13 @@ def _culprit(origin: _Value, kind: str, traced_from: str) -> OperationCulprit | 
             culprit, culprit_kind, nan_site = min(computed, key=lambda r: r.seq), INF, born
             chain = _chain(culprit, inf_after) + chain
         else:
-            if inf_births:
-                inf_source = InfSource("constant", min(inf_births, key=lambda r: r.seq).site())
-            elif inf_leaves:
-                inf_source = InfSource("outside", None, next((v.name for v in inf_leaves if v.name), None))
+            # Per tensor, not per element: every op on the way that wrote an inf scalar, and every tensor that
+            # held inf before the step, may have put it there; the one nearest the culprit is named, and a held one.
+            writers = [r for r in inf_after if r.constant and any(v.inf for v in r.outputs)]
+            held = next((v.name for v in inf_leaves if v.name), None)
+            if writers or inf_leaves:
+                site = max(writers, key=lambda r: r.seq).site() if writers else None
+                inf_source = InfSource("constant" if writers else "outside", site, held)
     elif culprit.phase == "backward" and culprit.forward is not None:
         # the forward op already made a non-finite value from finite inputs, dropped later (a where): name it
         made = next((v.record for v in culprit.forward.outputs if v.record is not None and v.record.births
@@ -665,7 +691,7 @@ class _Origin:
         return hook
 
     def _catch(self, t: Any) -> None:
-        if self.value is None and finite.checkable(t):
+        if self.value is None and _floating(t) and t.numel():
             v = self.provenance.lookup(t)
             if not v.carries(self.kind) and v.finite:  # a write the trace did not see: what the tensor holds now
                 v = self.provenance.check([t])[0]
@@ -698,7 +724,8 @@ def trace_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_ste
     the batch or from before the step, or the traced step did not show it again."""
     if origin.stage == "batch":
         return None  # a data defect: no operation made it
-    names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    names = {key: n for n, t in [*model.named_parameters(), *model.named_buffers()]
+             if (key := _storage_key(t)) is not None}
     modules = _ModuleStack(model)
     provenance = _Provenance(modules, names)
     sites = _ForwardSites(modules, provenance)
@@ -720,6 +747,6 @@ def trace_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_ste
         catch.remove()
         for h in hooks:
             h.remove()
-    if catch.value is None:
+    if catch.value is None or provenance.failed is not None:
         return None
     return _culprit(catch.value, catch.kind, describe(origin))

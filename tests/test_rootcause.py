@@ -13,7 +13,7 @@ from nanforensics import Recorder
 from nanforensics.replay.engine import ReplayOptions, replay_run
 from nanforensics.replay.monitor import StepMonitor
 from nanforensics.replay.session import Session, pinned_threads
-from nanforensics.report import Event, ReplayReport
+from nanforensics.report import Event, OperationCulprit, ReplayReport
 from nanforensics.rootcause.findings import operation_sentence
 from nanforensics.rootcause.operations import trace_step
 from nanforensics.runs.run import Run, UserCode
@@ -199,19 +199,25 @@ def test_operation_sentence_says_finite_inputs_only_when_they_were(reports):
                              "<- aten::cosh.default.")
 
 
-def _traced_decoder_step(**model_kwargs):
-    """The fully padded batch through a freshly built decoder: the origin from the monitor, then the trace."""
-    model = scenarios.build_decoder(**model_kwargs)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = scenarios.make_token_batch(DEFECT_STEP, defect="fully_padded")
+def _trace(model, optimizer, step_fn, batch) -> tuple[Event, OperationCulprit | None]:
+    """One step as replay explains it: the origin from the monitor in locate mode, then, from the same state, the
+    trace."""
     snapshot = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     with pinned_threads(2), StepMonitor(model, optimizer) as monitor:
         monitor.begin(DEFECT_STEP, batch, locate=True)
-        origin = monitor.end(scenarios.train_step_lm(model, optimizer, batch))[0]
+        origin = monitor.end(step_fn(model, optimizer, batch))[0]
     model.load_state_dict(snapshot[0])
     optimizer.load_state_dict(snapshot[1])
     with pinned_threads(2):
-        return trace_step(model, optimizer, lambda: scenarios.train_step_lm(model, optimizer, batch), origin)
+        return origin, trace_step(model, optimizer, lambda: step_fn(model, optimizer, batch), origin)
+
+
+def _traced_decoder_step(**model_kwargs) -> OperationCulprit | None:
+    """The fully padded batch through a freshly built decoder."""
+    model = scenarios.build_decoder(**model_kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _trace(model, optimizer, scenarios.train_step_lm, scenarios.make_token_batch(DEFECT_STEP,
+                                                                                          defect="fully_padded"))[1]
 
 
 def test_causal_mask_kept_as_a_buffer_is_named_beside_the_padding_fill():
@@ -275,19 +281,9 @@ def test_clipping_in_place_does_not_move_the_culprit(reports):
 def test_foreach_optimizer_names_the_element_that_overflowed(runs):
     """Adam with foreach=True updates every parameter's state in one op: output i comes from element i only."""
     session = _session_before_defect(runs["adam_state_overflow"])
-    model = session.model
-    optimizer = session.optimizer
-    for group in optimizer.param_groups:
+    for group in session.optimizer.param_groups:
         group["foreach"] = True
-    batch = session.batch(DEFECT_STEP)
-    snapshot = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
-    with pinned_threads(2), StepMonitor(model, optimizer) as monitor:
-        monitor.begin(DEFECT_STEP, batch, locate=True)
-        origin = monitor.end(scenarios.train_step(model, optimizer, batch))[0]
-    model.load_state_dict(snapshot[0])
-    optimizer.load_state_dict(snapshot[1])
-    with pinned_threads(2):
-        op = trace_step(model, optimizer, lambda: scenarios.train_step(model, optimizer, batch), origin)
+    origin, op = _trace(session.model, session.optimizer, scenarios.train_step, session.batch(DEFECT_STEP))
     assert (origin.stage, origin.state_key) == ("optimizer_state", "exp_avg_sq")
     assert (op.site.op, op.site.phase, op.output_value) == ("aten::_foreach_addcmul_.Scalar", "optimizer", "inf")
     assert op.output_index == origin.index

@@ -3,8 +3,10 @@
 The responsible step runs again under a dispatch mode that sees every aten operation (forward,
 backward, optimizer). Each floating-point tensor an operation writes gets a small summary (min, max,
 whether it holds NaN, whether ±inf), kept by tensor identity through weak references and
-invalidated by any later write to its storage (through itself, a view or an alias); a tensor holding a non-finite value also keeps
-a record of the operation that wrote it and of that operation's inputs as they were before it ran.
+invalidated by any later write to its storage (through itself, a view or an alias); a tensor
+holding a non-finite value also keeps a record of the operation that wrote it and of that
+operation's inputs as they were before it ran. Views and copies take their input's summary without
+a pass over the data, so the trace costs about one extra read of what the step writes.
 From the origin the replay found (the first non-finite gradient, optimizer state, parameter,
 activation or loss) the trace follows the value back along the data flow — through views, in-place
 writes, autograd nodes, the optimizer's foreach lists — to the operation where it was born: its
@@ -30,7 +32,9 @@ dropped its value, its derivative still reached the gradient.
 
 Tracking is per tensor, not per element: an operation's output is taken to come from all its
 floating inputs (for the optimizer's foreach and fused operations, from element i of every list).
-Where several births reach the origin, the earliest is named.
+Where several births reach the origin, the earliest is named. Where NaN hides whether a tensor also
+holds ±inf, it is taken to when an input it came from did, so an inf born beside NaN from finite
+inputs can go unseen: the trace then names no culprit for it rather than a wrong one.
 """
 
 from __future__ import annotations
@@ -617,6 +621,9 @@ def _path(chain: list[_Record]) -> list[str]:
 
 
 def _culprit(origin: _Value, kind: str, traced_from: str) -> OperationCulprit | None:
+    """The birth of ``origin``'s kind, then the two refinements: a NaN made from a computed inf names the overflow
+    (NaN downstream), from a written one the NaN's op (with where the inf came from); a backward birth whose forward
+    op had already made a non-finite value names that forward op (NaN in its backward)."""
     births, _, after = _walk([origin], kind)
     if not births:
         return None  # the value came into the step from outside: data, or state from before

@@ -77,13 +77,26 @@ class OpSite:
     module: str | None            # module path the op ran under ("<root>" for the model, None outside it)
     source: str | None            # "file.py:line in function" of the user's code
     input_dtypes: list[str]
-    input_ranges: list[list[str]]  # [min, max] of each floating input, as strings ("inf", "2.8e-45", ...)
+    input_ranges: list[list[str]]  # [min, max] of each floating input, as strings ("inf", "2.8e-45", ...); for
+                                   # the op a value was born in, of every tensor input (a -100 target, a mask)
     output_dtypes: list[str]
+    output_ranges: list[list[str]] = field(default_factory=list)  # [min, max] of each floating output
+
+
+@dataclass
+class InfSource:
+    """Where the ±inf came from that the culprit made NaN of, when it was not computed in the step."""
+
+    kind: str                     # "constant": written on purpose (masked_fill/fill/full/where with an inf scalar:
+                                  # a mask); "outside": only held before the step by a tensor the step read (a buffer)
+    site: OpSite | None           # the operation nearest the culprit that wrote it ("constant")
+    tensor: str | None = None     # a named parameter or buffer that held it before the step, if one did
 
 
 @dataclass
 class OperationCulprit:
-    """The first operation of the responsible step whose output is non-finite while its inputs were finite."""
+    """The operation of the responsible step where the origin's non-finite value was born, found by following
+    that value back along the data flow (see ``rootcause/operations.py``)."""
 
     site: OpSite
     output_value: str             # "nan" | "inf" | "-inf"
@@ -91,6 +104,15 @@ class OperationCulprit:
     autograd_node: str | None = None   # for a backward op, e.g. "LogBackward0"
     forward: OpSite | None = None      # for a backward op, the forward operation it differentiates
     note: str | None = None
+    traced_from: str | None = None     # the origin value followed back, e.g. "forward blocks.0.attn.proj[5, 0, 0] = nan"
+    path: list[str] = field(default_factory=list)  # ops from the culprit to the origin value (views left out,
+                                                   # a long middle elided as "…")
+    inputs_at_index: list[list[str] | None] = field(default_factory=list)  # per input: [min, max] of the elements
+                                       # output_index was computed from (a softmax row); None where the op mixes
+                                       # whole inputs (a matmul, a reduction) or overwrote that one in place
+    inf_source: InfSource | None = None  # for a NaN made from ±inf that was not computed: where that inf came from
+    nan_site: OpSite | None = None     # where NaN arose from the culprit's inf, when that is another operation
+    nan_node: str | None = None        # nan_site's autograd node, for a backward op
 
 
 @dataclass

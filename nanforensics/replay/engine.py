@@ -154,7 +154,7 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
-        operation, samples = _explain(r, events[0].step) if events and opts.explain else (None, None)
+        operation, samples = _explain(r, events[0]) if events and opts.explain else (None, None)
         what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
                                          opts.what_if_steps) if events and opts.what_if else []
 
@@ -167,12 +167,14 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
     return report
 
 
-def _explain(session: Session, step: int) -> tuple[OperationCulprit | None, SampleAttribution]:
-    """Root cause inside the responsible step: which samples (group testing), then which operation."""
+def _explain(session: Session, origin: Event) -> tuple[OperationCulprit | None, SampleAttribution]:
+    """Root cause inside the responsible step: which samples (group testing), then which operation made the
+    origin's value."""
     session.reset()
-    session.advance_to(step)
+    session.advance_to(origin.step)
     samples = attribute_samples(session)
-    operation = trace_step(session.model, session.optimizer, session.run_step)
+    operation = trace_step(session.model, session.optimizer, lambda: session.call_step(session.batch(origin.step)),
+                           origin)
     return operation, samples
 
 

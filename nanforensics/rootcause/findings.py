@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..report import Event, OpSite, ReplayReport
+from ..report import Event, OperationCulprit, OpSite, ReplayReport
 
 
 def describe(e: Event) -> str:
@@ -21,6 +21,62 @@ def describe_site(op: OpSite) -> str:
     return f"{op.op}{where}" + (f" ({op.source})" if op.source else "")
 
 
+_NONFINITE = ("nan", "inf", "-inf")
+
+
+def _ranges(ranges: list[list[str]]) -> str:
+    return ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges)
+
+
+def _inputs(site: OpSite) -> str:
+    """``finite inputs [..]`` or ``inputs holding -inf ([..])``: read off the input ranges, never assumed."""
+    if not site.input_ranges:
+        return "no floating-point inputs"
+    held = [v for v in _NONFINITE if any(v in r for r in site.input_ranges)]
+    if not held:
+        return f"finite inputs {_ranges(site.input_ranges)}"
+    return f"inputs holding {' and '.join(held)} ({_ranges(site.input_ranges)})"
+
+
+def operation_sentence(op: OperationCulprit) -> str:
+    """Where the origin's value was made, each clause read off the culprit's facts."""
+    if op.site.phase == "backward" and op.forward is not None:
+        subject = f"{op.site.op} in the backward of {describe_site(op.forward)}, autograd node {op.autograd_node},"
+    else:
+        subject = f"{op.site.phase} {describe_site(op.site)}"
+    text = (f"Operation: {subject} produced {op.output_value} at [{', '.join(map(str, op.output_index))}] "
+            f"from {_inputs(op.site)}")
+    if any(r is not None for r in op.inputs_at_index):
+        at = ", ".join("(not shown)" if r is None else f"[{r[0]}, {r[1]}]" + (
+            f" (all {r[0]})" if r[0] == r[1] and r[0] in _NONFINITE else "") for r in op.inputs_at_index)
+        text += f"; the input elements that coordinate was computed from ranged over {at}"
+    if len(op.site.output_ranges) > 1:  # a loss and its total weight, values and indices: the others tell why
+        text += f"; its outputs ranged over {_ranges(op.site.output_ranges)}"
+    if op.site.phase == "backward" and op.forward is not None:
+        text += f"; the forward op's inputs ranged over {_ranges(op.forward.input_ranges)}"
+    text += "."
+    src = op.inf_source
+    if src is not None:
+        infs = " and ".join(v for v in ("-inf", "inf") if any(v in r for r in op.site.input_ranges)) or "±inf"
+        if src.site is not None:
+            held = f", and {src.tensor} held it before the step" if src.tensor else ""
+            text += (f" The {infs} in its inputs was not computed: {src.site.phase} {describe_site(src.site)} wrote "
+                     f"it as a constant (a mask){held}, so this operation, where it became NaN, is the cause.")
+        else:
+            text += (f" The {infs} in its inputs was not computed in this step: "
+                     f"{src.tensor or 'a tensor from before the step'} already held it, so this operation, where it "
+                     "became NaN, is the cause.")
+    if op.nan_site is not None:
+        where = "in the backward pass" if op.nan_site.phase == "backward" and op.site.phase != "backward" \
+            else "downstream of it"
+        node = f", autograd node {op.nan_node}," if op.nan_node else ""
+        text += (f" NaN arose {where}, at {op.nan_site.phase} {describe_site(op.nan_site)}{node} from "
+                 f"{_inputs(op.nan_site)}.")
+    if op.traced_from and op.path:
+        text += f" Traced back from {op.traced_from}: {' <- '.join(reversed(op.path))}."
+    return text
+
+
 def _root_cause(r: ReplayReport) -> list[str]:
     out = []
     for d in r.data_defects:
@@ -28,17 +84,8 @@ def _root_cause(r: ReplayReport) -> list[str]:
             kind = {"nonfinite": "a non-finite", "extreme": "an extreme", "subnormal": "a subnormal"}[d.kind]
             out.append(f"Data: the batch of step {d.step} holds {kind} value, {d.tensor}"
                        f"[{', '.join(map(str, d.index))}] = {d.value} ({d.count} such in {d.file}).")
-    op = r.operation
-    if op is not None:
-        ranges = ", ".join(f"[{lo}, {hi}]" for lo, hi in op.site.input_ranges)
-        if op.site.phase == "backward" and op.forward is not None:
-            fwd_ranges = ", ".join(f"[{lo}, {hi}]" for lo, hi in op.forward.input_ranges)
-            out.append(f"Operation: {op.site.op} in the backward of {describe_site(op.forward)}, autograd node "
-                       f"{op.autograd_node}, produced {op.output_value} at [{', '.join(map(str, op.output_index))}] "
-                       f"from finite inputs {ranges}; the forward op's inputs ranged over {fwd_ranges}.")
-        else:
-            out.append(f"Operation: {op.site.phase} {describe_site(op.site)} produced {op.output_value} at "
-                       f"[{', '.join(map(str, op.output_index))}] from finite inputs {ranges}.")
+    if r.operation is not None:
+        out.append(operation_sentence(r.operation))
     if r.samples is not None:
         ids = "; ".join(f"{k} = {v}" for k, v in r.samples.sample_leaves.items())
         out.append(f"Samples: {r.samples.message}" + (f" ({ids})" if ids else "") + ".")
@@ -47,9 +94,9 @@ def _root_cause(r: ReplayReport) -> list[str]:
 
 _CAUSE = {
     "batch": "the batch itself holds a non-finite value: a data defect, before any computation",
-    "forward": "the forward pass produced it from finite inputs (an overflow or an invalid operation in module {t})",
+    "forward": "in the forward pass, module {t}'s output is the first module output to hold it",
     "loss": "every module output was finite but the loss computation produced it",
-    "grad": "the forward pass and the loss were finite; the backward pass overflowed",
+    "grad": "the forward pass and the loss were finite; the backward pass made it",
     "optimizer_grad": "the gradients were finite after backward; the step function made them non-finite before "
                       "optimizer.step()",
     "optimizer_state": "the gradients were finite, but the optimizer state overflowed (a squared gradient past the "

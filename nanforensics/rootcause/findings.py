@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ..finite import value_name
+from ..replay.reproduction import LOSS_ULPS
 from ..report import CheckpointComparison, Event, OpSite, ReplayReport
 
 
@@ -222,8 +223,14 @@ def _reproduction(r: ReplayReport) -> list[str]:
     if not r.loss_max_ulps:
         return []
     exact = [c.step for c in r.checkpoints_compared if c.exact]
-    why = (f"the state is bit-exact at step {exact[-1]}, so that is the loss's own rounding (its reduction summed in "
-           "another order), not a divergence" if exact else
-           "few enough to be the loss's own rounding (its reduction summed in another order); no recorded checkpoint "
-           "in the replayed window confirms the state")
+    rounding = r.loss_max_ulps <= LOSS_ULPS
+    if exact:
+        why = (f"the state is bit-exact at step {exact[-1]}, so that is the loss's own rounding (its reduction summed "
+               "in another order), not a divergence" if rounding else
+               f"more than rounding, yet the state is bit-exact at step {exact[-1]}: the logged losses were not "
+               "computed as the replay computes them (logged from another computation, or edited)")
+    else:
+        why = ("few enough to be the loss's own rounding (its reduction summed in another order)" if rounding else
+               "within the tolerance for a replay on another device type") + \
+              "; no recorded checkpoint in the replayed window confirms the state"
     return [f"Replayed losses differ from the logged ones by up to {r.loss_max_ulps} float32 ulp: {why}."]

@@ -21,6 +21,7 @@ from ..checkpoints.scan import (
     ScanReport,
     TensorScan,
 )
+from ..formats import MODEL
 
 SHOWN = 20  # tensors listed per table; the JSON report has all of them
 
@@ -111,7 +112,7 @@ def _notable(tensors: Sequence[TensorScan]) -> tuple[list[TensorScan], list[Tens
 
 def _split_note(r: ScanReport) -> list[str]:
     """When a tensor counted as a parameter might be a buffer: the format does not say which is which."""
-    unsure = [t.name for t in r.tensors if t.nonfinite and t.group == "model" and t.buffer is None]
+    unsure = [t.name for t in r.tensors if t.nonfinite and t.group == MODEL and t.buffer is None]
     if r.buffer_split != BY_NAME or not unsure:
         return []
     return [f"This format does not record which model tensors are buffers: {', '.join(unsure[:3])}"

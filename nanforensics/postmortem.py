@@ -210,7 +210,7 @@ def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "needs a replay"))
         return None
     if replay.responsible_step is None:
-        analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value to map"))
+        analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value in the model's state to map"))
         return None
     try:
         m = spread.trace(run, UserCode.load(run), replay)

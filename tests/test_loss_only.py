@@ -3,6 +3,7 @@ from a later step that does poison the state."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -31,12 +32,12 @@ def test_a_batch_without_targets_gives_a_nan_loss_and_zero_gradients():
 
 
 def test_replay_says_loss_only_and_exits_4(runs, tmp_path):
-    run, md = runs["decoder_no_labels"], tmp_path / "report.md"
+    run, md, saved = runs["decoder_no_labels"], tmp_path / "report.md", tmp_path / "report.json"
     before = tree_digest(run)
-    result = run_cli("replay", run, "--json", "-", "--markdown", md)
+    result = run_cli("replay", run, "--json", saved, "--markdown", md)
     assert tree_digest(run) == before
     assert result.code == 4, result.stderr
-    r = result.json()
+    r = json.loads(saved.read_text())
     assert (r["verdict"], r["loss_only_steps"], r["origin"], r["events"]) == ("loss_only", [DEFECT_STEP], None, [])
     assert r["logged_first_nonfinite_loss_step"] == r["first_nonfinite_loss_step"] == DEFECT_STEP
     assert r["setup"]["last_step"] == 23  # replayed on past the NaN loss, to the end of the log
@@ -47,16 +48,17 @@ def test_replay_says_loss_only_and_exits_4(runs, tmp_path):
     assert any(f.startswith(f"The loss was NaN at step {DEFECT_STEP}, {LOSS_ONLY}") and "no valid target" in f
                for f in r["findings"]), r["findings"]
     assert not any("No non-finite value" in f for f in r["findings"])
-    assert "LOSS ONLY" in run_cli("replay", run, "--no-explain").stdout
+    assert "LOSS ONLY" in result.stdout
     assert f"non-finite loss at step {DEFECT_STEP} only" in md.read_text()
 
 
 def test_a_later_step_that_poisons_the_state_is_the_origin(tmp_path):
-    run = tmp_path / "run"
-    scenarios.record(run, "decoder_no_labels", steps=24, defects={12: "no_labels", DEFECT_STEP: "fully_padded"})
-    result = run_cli("replay", run, "--json", "-", "--no-explain")
+    run, saved = tmp_path / "run", tmp_path / "report.json"
+    scenarios.record(run, "decoder_no_labels", steps=DEFECT_STEP + 3, defects={12: "no_labels",
+                                                                               DEFECT_STEP: "fully_padded"})
+    result = run_cli("replay", run, "--json", saved, "--no-explain")
     assert result.code == 1, result.stderr
-    r = result.json()
+    r = json.loads(saved.read_text())
     assert (r["verdict"], r["responsible_step"], r["origin"]["stage"]) == ("nonfinite", DEFECT_STEP, "forward")
     assert r["loss_only_steps"] == [12] and r["logged_first_nonfinite_loss_step"] == 12
     assert not any(e["step"] == 12 for e in r["events"])
@@ -64,15 +66,13 @@ def test_a_later_step_that_poisons_the_state_is_the_origin(tmp_path):
     assert any(s.startswith(f"The loss was NaN at step 12 before the origin, {LOSS_ONLY}") for s in f), f
     assert any(f"The logged loss first shows NaN at step {DEFECT_STEP + 1}" in s for s in f), f
     assert not any("already non-finite at step 12" in s for s in f), f
-    assert f"logged loss first NaN at step {DEFECT_STEP + 1}" in run_cli("replay", run, "--no-explain").stdout
+    assert f"logged loss first NaN at step {DEFECT_STEP + 1}" in result.stdout
 
 
 def test_postmortem_verdict_and_exit_code_follow_the_replay(runs, tmp_path):
     result = run_cli("postmortem", runs["decoder_no_labels"], "--json", tmp_path / "pm.json", "--junit",
                      tmp_path / "junit.xml")
     assert result.code == 4, result.stderr
-    import json
-
     r = json.loads((tmp_path / "pm.json").read_text())
     assert (r["verdict"], r["replay"]["verdict"], r["responsible_step"]) == ("loss_only", "loss_only", None)
     assert f"step(s) {DEFECT_STEP} only" in r["headline"]

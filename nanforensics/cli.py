@@ -23,7 +23,7 @@ def _commands() -> None:
     """Forensics for training runs that died with NaN: name the batch responsible."""
 
 
-EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED = 0, 1, 2, 3
+EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED, EXIT_LOSS_ONLY = 0, 1, 2, 3, 4
 
 
 def stdout_console() -> Console:
@@ -83,7 +83,8 @@ def emit_json(report: object, destination: Optional[str]) -> None:
 
 # ---- commands ---------------------------------------------------------------------------------
 
-_REPLAY_EXIT = {"clean": EXIT_CLEAN, "nonfinite": EXIT_FOUND, "not_reproduced": EXIT_NOT_REPRODUCED}
+_REPLAY_EXIT = {"clean": EXIT_CLEAN, "nonfinite": EXIT_FOUND, "not_reproduced": EXIT_NOT_REPRODUCED,
+                "loss_only": EXIT_LOSS_ONLY}
 
 
 def emit_markdown(text: str, destination: Optional[str]) -> None:
@@ -130,7 +131,8 @@ def replay(
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
 
-    Exit codes: 0 no non-finite value, 1 found and attributed, 2 bad input, 3 logged NaN not reproduced.
+    Exit codes: 0 no non-finite value, 1 found and attributed, 2 bad input, 3 logged NaN not reproduced,
+    4 a non-finite loss only (no gradient, parameter, optimizer state or buffer went non-finite).
     """
     from .replay.engine import ReplayOptions, replay_run
     from .replay.whatif import parse
@@ -294,7 +296,8 @@ def postmortem(
     """Everything the directory allows: step log, checkpoint bisection, replay, spread per tensor.
 
     Exit codes: 0 no non-finite value, 1 found (pinned to a step, or bracketed), 2 bad input,
-    3 logged NaN reproduced neither by the replay nor in the checkpoints.
+    3 logged NaN reproduced neither by the replay nor in the checkpoints, 4 a non-finite loss only (the replay
+    found every gradient, parameter, optimizer state and buffer finite).
     """
     from .postmortem import check_outputs
     from .postmortem import postmortem as examine

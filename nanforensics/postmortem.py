@@ -61,7 +61,7 @@ class Window:
 
 @dataclass
 class PostmortemReport:
-    verdict: str  # "nonfinite" | "clean" | "not_reproduced"
+    verdict: str  # "nonfinite" | "clean" | "not_reproduced" | "loss_only"
     headline: str
     directory: str
     kind: str  # "run": recorded by nanforensics; "checkpoints": a folder of checkpoints only
@@ -182,7 +182,9 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     s = report.setup
     found = {"nonfinite": f"responsible step {report.responsible_step}",
              "clean": "no non-finite value",
-             "not_reproduced": "the logged NaN did not reproduce"}[report.verdict]
+             "not_reproduced": "the logged NaN did not reproduce",
+             "loss_only": f"a non-finite loss only, at step(s) {', '.join(map(str, report.loss_only_steps))}: "
+                          "gradients, parameters, optimizer state and buffers stayed finite"}[report.verdict]
     analyses.append(Analysis(REPLAY, DONE, f"steps {s.first_step}-{s.last_step} from the checkpoint at step "
                                            f"{s.from_checkpoint} on {s.device}; {found}"))
     return report, []
@@ -208,7 +210,7 @@ def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "needs a replay"))
         return None
     if replay.responsible_step is None:
-        analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value to map"))
+        analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value in the model's state to map"))
         return None
     try:
         m = spread.trace(run, UserCode.load(run), replay)
@@ -275,7 +277,8 @@ def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None
         verdict, responsible = "nonfinite", replay.responsible_step
         shown = f"; the logged loss first shows it at step {nan_loss}" if nan_loss is not None else ""
         headline = f"non-finite values began at step {responsible}: {describe(replay.origin)}{shown}"
-    elif poisoned or (nan_loss is not None and (replay is None or replay.verdict != "not_reproduced")):
+    elif poisoned or (nan_loss is not None and (replay is None or replay.verdict not in ("not_reproduced",
+                                                                                        "loss_only"))):
         verdict, responsible, window = "nonfinite", None, _window(checkpoints, summary)
         if window is not None:
             headline = f"non-finite values began {span(window)}, not pinned by a replay"
@@ -287,13 +290,19 @@ def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None
         verdict, responsible = "not_reproduced", None
         clean = ", nor do the checkpoints hold any" if checkpoints is not None else ""
         headline = f"the logged loss is non-finite at step {nan_loss}, but the replay does not reproduce it{clean}"
+    elif replay is not None and replay.verdict == "loss_only":
+        verdict, responsible = "loss_only", None
+        headline = (f"the loss was non-finite at step(s) {', '.join(map(str, replay.loss_only_steps))} only: every "
+                    "gradient, parameter, optimizer-state and buffer value stayed finite, so training could go on")
     else:
         verdict, responsible = "clean", None
         looked = [a.name.replace("_", " ") for a in analyses if a.status == DONE and a.name != TENSOR_SPREAD]
         headline = f"no non-finite value found ({', '.join(looked)})"
-    if replay is not None and replay.verdict == "not_reproduced" and poisoned:
-        findings.append("The replay did not reproduce the logged NaN, yet the checkpoints hold non-finite values: "
-                        "the replay is not an exact copy of the run (see its findings).")
+    if replay is not None and replay.verdict in ("not_reproduced", "loss_only") and poisoned:
+        what = "did not reproduce the logged NaN" if replay.verdict == "not_reproduced" else \
+            "found a non-finite loss only"
+        findings.append(f"The replay {what}, yet the checkpoints hold non-finite values: the replay is not an exact "
+                        "copy of the run (see its findings).")
     if verdict != "clean" and replay is None:  # what would pin the step
         hint = [f"To pin the step: `{checkpoints.replay.command}`."] if checkpoints and checkpoints.replay else []
         findings += advice or hint

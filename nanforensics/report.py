@@ -17,12 +17,18 @@ from .runs.files import write_bytes_atomic
 REPLAY_SCHEMA = "nanforensics.replay/1"
 
 # The order in which a step touches its tensors; within a step, an earlier stage is the cause.
-STAGES = ("batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param")
+STAGES = ("batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param", "buffer")
+# A step whose only non-finite values arose in these stages left the model's state intact: a non-finite loss with
+# zero (or finite) gradients, as from a batch with no valid target.
+LOSS_ONLY_STAGES = frozenset({"forward", "loss"})
 
 
 @dataclass
 class Event:
-    """The first non-finite value met at one stage of one step (per state key for optimizer state)."""
+    """The first non-finite value met at one stage of one step (per state key for optimizer state).
+
+    Stage ``buffer`` is the model's registered buffers (BatchNorm's running statistics, EMA shadows) after the step.
+    """
 
     step: int
     stage: str
@@ -53,6 +59,37 @@ class StepRecord:
     params_total: int
     state_nonfinite: int
     state_total: int
+    buffers_nonfinite: int = 0  # floating-point buffer values (integer buffers cannot be non-finite)
+    buffers_total: int = 0
+    loss_ulps: int | None = None  # |logged - replayed| in float32 ulps; None when either is missing or non-finite
+
+
+@dataclass
+class TensorMismatch:
+    """The first tensor whose replayed value differs from a recorded checkpoint's."""
+
+    tensor: str          # model tensor name, or "exp_avg of fc1.weight" for optimizer state
+    kind: str            # "parameter" | "buffer" | "optimizer_state"
+    index: list[int]     # first differing coordinate; [] when the tensor is missing or its shape or dtype differs
+    recorded: str        # the values there, as text ("0.0123", "nan", "missing", "float32[4, 8]")
+    replayed: str
+    elements: int        # differing elements
+    ulps: int | None     # the difference at ``index`` in units in the last place of its dtype; None if not a float
+
+
+@dataclass
+class CheckpointComparison:
+    """The replayed state, bit for bit, against a checkpoint the run recorded, as the replay passed it."""
+
+    step: int            # the checkpoint's step: the state before that step, after step - 1
+    path: str
+    tensors: int         # tensors compared: parameters, buffers, optimizer state
+    exact: bool          # every one equal bit for bit (NaN equal to NaN, whatever its payload)
+    mismatched_tensors: int
+    first_mismatch: TensorMismatch | None
+    values: int = 0           # values compared
+    nan_matched: int = 0      # of them, NaN on both sides: equal, but only in being NaN
+    error: str | None = None  # the checkpoint could not be read: it decides nothing
 
 
 @dataclass
@@ -197,7 +234,7 @@ class ReplaySetup:
 
 @dataclass
 class ReplayReport:
-    verdict: str  # "nonfinite" | "clean" | "not_reproduced"
+    verdict: str  # "nonfinite" | "clean" | "not_reproduced" | "loss_only"
     responsible_step: int | None
     responsible_batch: BatchRef | None
     first_nonfinite_loss_step: int | None
@@ -218,6 +255,9 @@ class ReplayReport:
     schema: str = field(default=REPLAY_SCHEMA)
     amp: AmpReport | None = None
     what_if: list[WhatIfResult] = field(default_factory=list)
+    loss_only_steps: list[int] = field(default_factory=list)  # before the origin: a non-finite loss, state intact
+    checkpoints_compared: list[CheckpointComparison] = field(default_factory=list)
+    loss_max_ulps: int | None = None  # the largest |logged - replayed| loss difference, float32 ulps
 
 
 def to_jsonable(obj: Any) -> Any:

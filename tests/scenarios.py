@@ -284,11 +284,60 @@ def make_token_batch(step: int, seed: int = 0, defect: str | None = None, batch_
     lengths = torch.randint(seq_len // 2, seq_len + 1, (batch_size,), generator=g)
     if defect == "fully_padded":   # an empty document that survived the tokenizer: padding throughout
         lengths[DEFECT_SAMPLE] = 0
-    elif defect is not None:
+    elif defect not in (None, "no_labels"):
         raise ValueError(f"unknown defect {defect!r}")
     tokens[torch.arange(seq_len)[None, :] >= lengths[:, None]] = PAD
     labels = tokens.masked_fill(tokens == PAD, -100)
+    if defect == "no_labels":      # every target masked (prompt-only examples): the mean loss is 0/0 = NaN
+        labels.fill_(-100)
     return {"tokens": tokens, "labels": labels, "ids": [f"doc{step:05d}-{i:02d}" for i in range(batch_size)]}
+
+
+# ---- a CNN with BatchNorm ------------------------------------------------------------------------------------------
+#
+# BatchNorm's running statistics are registered buffers, updated in the training forward from each batch's own
+# statistics. One pixel of 1e30 (a saturated sensor value stored raw) makes every channel's batch variance overflow
+# float32: running_var becomes inf, while the normalised outputs (x/sqrt(inf) = 0), the loss, the gradients, the
+# parameters and Adam's moments all stay finite. Training-mode losses never show it; eval mode would.
+
+IMAGE, CLASSES, IMAGE_BATCH = 8, 3, 8
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, channels: int = 4, classes: int = CLASSES) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, channels, 3, padding=1)
+        self.norm = nn.BatchNorm2d(channels)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.norm(self.conv(image))).mean(dim=(2, 3)))
+
+
+def build_cnn(**kwargs: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return SmallCNN(**kwargs)
+
+
+def train_step_classify(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(batch["image"]), batch["label"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def make_image_batch(step: int, seed: int = 0, defect: str | None = None,
+                     batch_size: int = IMAGE_BATCH) -> dict[str, Any]:
+    """Noise images and labels; ``huge_pixel`` sets one pixel of sample DEFECT_SAMPLE to 1e30."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    image = torch.randn(batch_size, 1, IMAGE, IMAGE, generator=g)
+    label = torch.randint(0, CLASSES, (batch_size,), generator=g)
+    if defect == "huge_pixel":
+        image[DEFECT_SAMPLE, 0, IMAGE // 2, IMAGE // 2] = 1e30
+    elif defect is not None:
+        raise ValueError(f"unknown defect {defect!r}")
+    return {"image": image, "label": label, "ids": [f"img{step:05d}-{i:02d}" for i in range(batch_size)]}
 
 
 # ---- a Hugging Face GPT-2 (the ``hf`` extra), built from its config ---------------------------------------------
@@ -430,13 +479,21 @@ SCENARIOS: dict[str, Scenario] = {
     # a transformer: the causal -inf mask fires every step; a fully padded sequence makes softmax's rows NaN
     "decoder_fully_padded": Scenario({}, _adamw, train_step_lm, "fully_padded", "forward", factory=build_decoder,
                                      batches=make_token_batch),
+    # every label -100: a NaN loss, zero gradients, the model's state intact (no origin: verdict loss_only)
+    "decoder_no_labels": Scenario({}, _adamw, train_step_lm, "no_labels", None, factory=build_decoder,
+                                  batches=make_token_batch),
+    # one 1e30 pixel: BatchNorm's running_var turns inf, everything else stays finite
+    "batchnorm_huge_pixel": Scenario({}, _adam, train_step_classify, "huge_pixel", "buffer", factory=build_cnn,
+                                     batches=make_image_batch),
 }
 
 
 def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int = 17, checkpoint_every: int = 10,
            seed: int = 0, keep_checkpoints: int | None = None, stop_on_nan: bool = False,
-           overwrite: bool = False, code: str | None = None) -> list[float]:
+           overwrite: bool = False, code: str | None = None, defects: dict[int, str] | None = None) -> list[float]:
     """Train scenario ``name`` for ``steps`` steps under the recorder; returns the logged losses.
+
+    ``defects`` maps steps to the defects their batches get, in place of the scenario's one at ``defect_step``.
 
     ``stop_on_nan`` ends the loop a step after the first non-finite loss, as a job that
     aborts on NaN would. ``code`` names this file for replay (``tests/scenarios.py``, relative to the
@@ -455,7 +512,8 @@ def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int 
                   overwrite=overwrite, scaler=scaler, scheduler=scheduler,
                   scheduler_factory=named(sc.scheduler) if sc.scheduler else None) as rec:
         for step in range(steps):
-            batch = sc.batches(step, seed, sc.defect if step == defect_step else None)
+            defect = defects.get(step) if defects is not None else sc.defect if step == defect_step else None
+            batch = sc.batches(step, seed, defect)
             loss = sc.step_fn(model, optimizer, batch, **extras)
             rec.log(step, batch, loss)
             losses.append(float(loss.detach()))

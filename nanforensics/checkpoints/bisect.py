@@ -1,11 +1,12 @@
 """Find the first poisoned checkpoint of a run in about log2(n) checkpoint reads.
 
-Non-finite values in parameters and optimizer state are absorbing: once there, no later update
-makes them finite. So along a run's checkpoints "poisoned" is monotone, and bisection over the
-step order finds the boundary: the last (n-1) and first (0) checkpoints are read, then the
-midpoint of the clean/poisoned pair, at most ceil(log2 n) + 2 reads in all, each checkpoint read
-at most once. A read that contradicts absorption (a clean checkpoint after a poisoned one: a
-restart, a manual repair) is reported as non-monotonic history rather than bisected through.
+Non-finite values in parameters, optimizer state and running averages kept as buffers (BatchNorm's
+statistics) are absorbing: once there, no later update makes them finite. So along a run's
+checkpoints "poisoned" is monotone, and bisection over the step order finds the boundary: the
+last (n-1) and first (0) checkpoints are read, then the midpoint of the clean/poisoned pair, at
+most ceil(log2 n) + 2 reads in all, each checkpoint read at most once. A read that contradicts
+absorption (a clean checkpoint after a poisoned one: a restart, a manual repair) is reported as
+non-monotonic history rather than bisected through.
 """
 
 from __future__ import annotations

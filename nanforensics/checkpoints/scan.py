@@ -3,9 +3,10 @@
 One ``aminmax`` pass per tensor (``finite.extremes``, in chunks whose pages are handed back as
 soon as they are read, so the resident set stays near one chunk) gives both the verdict and
 max |x|; the exact count and the first coordinate are computed only for tensors found bad.
-Model tensors are read before optimizer state, so stopping at the first non-finite tensor still
-gives the right verdict: a bad model tensor means poisoned parameters, a bad state tensor after
-a clean model means poisoned state only.
+The verdict ranks parameters, then buffers, then optimizer state. Model tensors (parameters and
+buffers) are read before optimizer state, so a scan that stops early still gives the right
+verdict: it stops at the first non-finite parameter, or once the model is read when only a
+buffer or a state tensor was bad.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ SCAN_SCHEMA = "nanforensics.scan/1"
 DEFAULT_MARGIN = 1000.0
 CHUNK_BYTES = 32 << 20
 CLEAN, POISONED_PARAMETERS, POISONED_STATE = "clean", "poisoned_parameters", "poisoned_optimizer_state"
+POISONED_BUFFERS = "poisoned_buffers"  # parameters finite, a registered buffer (BatchNorm statistics) not
+RECORDED, BY_NAME = "recorded", "by_name"  # how buffers are told from parameters
 _NO_AMINMAX = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                            "float8_e8m0fnu") if hasattr(torch, n)}
 
@@ -50,6 +53,7 @@ class TensorScan:
     max_abs: float | None  # largest finite |x|; None when no value is finite
     dtype_max: float | None  # the dtype's largest finite value
     near_limit: bool  # max_abs within the margin's factor of dtype_max
+    buffer: bool | None = None  # a model tensor that is a registered buffer; None: unknown, or optimizer state
 
 
 @dataclass
@@ -68,7 +72,7 @@ class ScanReport:
     format: str
     step: int | None
     step_source: str | None  # "metadata" or "name"
-    verdict: str  # CLEAN, POISONED_PARAMETERS or POISONED_STATE
+    verdict: str  # CLEAN, POISONED_PARAMETERS, POISONED_BUFFERS or POISONED_STATE
     complete: bool  # False: stopped at the first non-finite tensor
     margin: float
     groups: dict[str, GroupSummary]
@@ -77,6 +81,9 @@ class ScanReport:
     bytes_total: int
     seconds: float
     schema: str = field(default=SCAN_SCHEMA)
+    # RECORDED: the checkpoint lists its buffers; BY_NAME: only BatchNorm's statistics are recognised as buffers,
+    # and another model tensor may be either
+    buffer_split: str = BY_NAME
 
     @property
     def poisoned(self) -> list[TensorScan]:
@@ -105,18 +112,21 @@ def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: flo
         progress.advance(bytes_read)
     for info, tensor, release in stream.tensors(len(results)):
         result = _check(info, tensor, release, margin)
+        if info.group == MODEL:
+            result.buffer = source.is_buffer(info.name)
         del tensor  # unmaps it before the next one is mapped
         results.append(result)
         bytes_read += info.nbytes
         if progress:
             progress.advance(info.nbytes)
-        if result.nonfinite and not full:
+        if not full and _settled(results):
             break
     seconds = time.perf_counter() - started + (resume.seconds if resume else 0.0)
     return ScanReport(path=str(source.path), format=source.format, step=source.step, step_source=source.step_source,
                       verdict=_verdict(results), complete=len(results) == len(stream.infos), margin=margin,
                       groups=_groups(stream.infos, results), tensors=results, bytes_read=bytes_read,
-                      bytes_total=stream.nbytes, seconds=seconds)
+                      bytes_total=stream.nbytes, seconds=seconds,
+                      buffer_split=RECORDED if source.buffer_names is not None else BY_NAME)
 
 
 def _widened(t: torch.Tensor) -> torch.Tensor:
@@ -160,9 +170,21 @@ def _check(info: TensorInfo, tensor: torch.Tensor, release: Release, margin: flo
                       near_limit=peak is not None and peak * margin >= limit)
 
 
+def _settled(results: list[TensorScan]) -> bool:
+    """Whether no tensor after these could change the verdict (model tensors come first)."""
+    last = results[-1]
+    if last.group != MODEL:
+        return any(r.nonfinite for r in results)
+    return bool(last.nonfinite) and last.buffer is not True
+
+
 def _verdict(results: list[TensorScan]) -> str:
-    bad = {r.group for r in results if r.nonfinite}
-    return POISONED_PARAMETERS if MODEL in bad else POISONED_STATE if OPTIMIZER in bad else CLEAN
+    bad = [r for r in results if r.nonfinite]
+    if any(r.group == MODEL and r.buffer is not True for r in bad):  # a tensor not known to be a buffer counts
+        return POISONED_PARAMETERS
+    if any(r.group == MODEL for r in bad):
+        return POISONED_BUFFERS
+    return POISONED_STATE if any(r.group == OPTIMIZER for r in bad) else CLEAN
 
 
 def _groups(infos: list[TensorInfo], results: list[TensorScan]) -> dict[str, GroupSummary]:

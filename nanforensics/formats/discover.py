@@ -131,7 +131,13 @@ def _ours(c: Checkpoint, run_dir: Path | None) -> CheckpointSource:
     if not isinstance(step, int):
         raise BadInput(c.path / "meta.json", f"step {step!r} is not an integer")
     return CheckpointSource(c.path, "nanforensics", [(c.model_file, MODEL), (c.optimizer_file, OPTIMIZER)],
-                            meta_step=step, run_dir=run_dir)
+                            meta_step=step, run_dir=run_dir, buffer_names=_names(meta.get("buffer_names")),
+                            param_names=_names(meta.get("param_names")))
+
+
+def _names(value: Any) -> frozenset[str] | None:
+    """A list of names from meta.json (``buffer_names`` is missing from checkpoints older than the buffer stage)."""
+    return frozenset(map(str, value)) if isinstance(value, list) else None
 
 
 def _huggingface(path: Path) -> CheckpointSource | None:

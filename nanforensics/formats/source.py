@@ -15,6 +15,7 @@ from .pages import drop_pages
 from .safetensors_file import SafetensorsFile
 
 MODEL, OPTIMIZER = "model", "optimizer"
+BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"})  # BatchNorm's, InstanceNorm's
 _OPTIMIZER_KEYS = frozenset({"optimizer", "optimizers", "optim", "optimizer_state", "optimizer_states",
                              "optimizer_state_dict", "optim_state", "opt_state"})
 
@@ -77,6 +78,19 @@ class CheckpointSource:
     step: int | None = None  # the step it is ordered by
     step_source: str | None = None  # "metadata" or "name"
     run_dir: Path | None = None  # our run directory, when it lies in one
+    buffer_names: frozenset[str] | None = None  # the model's buffers, where the checkpoint records them
+    param_names: frozenset[str] | None = None  # parameters the optimizer steps, where it records them
+
+    def is_buffer(self, name: str) -> bool | None:
+        """Whether model tensor ``name`` is a registered buffer; None when this checkpoint cannot tell.
+
+        Without a recorded list, only names that no parameter takes are recognised: BatchNorm's running statistics.
+        """
+        if self.buffer_names is not None:
+            return name in self.buffer_names
+        if self.param_names is not None and name in self.param_names:
+            return False
+        return True if name.rpartition(".")[2] in BUFFER_NAMES else None
 
     def open(self) -> TensorStream:
         entries: list[_Entry] = []

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import finite
 from ..report import AmpReport, Event, ScalerStep
 from ..rootcause.findings import describe
 from .monitor import StepMonitor
@@ -24,8 +23,8 @@ FP16_MAX = torch.finfo(torch.float16).max  # 65504
 
 # The stage a step's first non-finite value arose in, as an overflow's name.
 _OVERFLOW = {"batch": "data", "forward": "forward", "loss": "loss", "grad": "backward", "optimizer_grad": "unscale",
-             "optimizer_state": "optimizer", "param": "update"}
-_REACHED_STATE = ("optimizer_state", "param")
+             "optimizer_state": "optimizer", "param": "update", "buffer": "buffer"}
+_REACHED_STATE = ("optimizer_state", "param", "buffer")  # what persists into the next step
 
 
 def _adjustment(scale: float | None, next_scale: float | None) -> str:
@@ -60,8 +59,9 @@ class AmpLog:
             for h in handles:
                 h.remove()
         next_scale = scaler.get_scale() if scaler is not None else None
+        # a skipped step can still have written BatchNorm statistics from an overflowed forward: stage buffer
         caught = (scaler is not None and not stepped and bool(events)
-                  and all(e.stage not in _REACHED_STATE for e in events) and _buffers_finite(session.model))
+                  and all(e.stage not in _REACHED_STATE for e in events))
         self.steps[step] = ScalerStep(step, scale, next_scale, _adjustment(scale, next_scale), not stepped,
                                       _OVERFLOW[events[0].stage] if events else None, caught)
         self.caught.pop(step, None)
@@ -86,16 +86,12 @@ class AmpLog:
                          poisoned)
 
 
-def _buffers_finite(model: torch.nn.Module) -> bool:
-    """A skipped step can still have written BatchNorm statistics from an overflowed forward."""
-    return all(finite.all_finite_flags([b for b in model.buffers() if finite.checkable(b)]))
-
-
 _PLAIN = {"data": "a non-finite value in the batch", "forward": "a non-finite activation",
           "loss": "a non-finite loss", "backward": "a non-finite gradient in the backward pass",
           "unscale": "a gradient made non-finite between backward and optimizer.step()",
           "optimizer": "an overflow in the optimizer's own update of its state",
-          "update": "a non-finite parameter update"}
+          "update": "a non-finite parameter update",
+          "buffer": "a non-finite buffer (running statistics, say), the parameters and optimizer state finite"}
 
 
 def overflow_text(kind: str | None, amp: AmpReport, scaled: bool) -> str:

@@ -14,7 +14,9 @@ from ..checkpoints.scan import CLEAN, scan_checkpoint
 from ..errors import BadInput
 from ..formats.discover import open_checkpoint
 from ..report import (
+    LOSS_ONLY_STAGES,
     BatchRef,
+    CheckpointComparison,
     Event,
     OperationCulprit,
     Precursor,
@@ -35,7 +37,8 @@ from ..runs.steplog import first_nonfinite
 from . import whatif
 from .amp import AmpLog
 from .amp import findings as amp_findings
-from .monitor import StepMonitor, totals
+from .monitor import StepMonitor, buffers_total, totals
+from .reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge
 from .session import Session, pinned_threads, resolve_device
 
 ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
@@ -49,7 +52,8 @@ class ReplayOptions:
     max_steps: int | None = None
     code_paths: Sequence[Path] = ()
     trust_run_dir: bool = False
-    loss_rtol: float | None = None  # None: exact on the recording device type, 1e-3 elsewhere
+    loss_rtol: float | None = None  # None: 0 on the recording device type, 1e-3 elsewhere (besides loss_ulps)
+    loss_ulps: int = LOSS_ULPS  # logged and replayed losses this many float32 ulps apart still match
     explain: bool = True  # operation and sample attribution for the responsible step
     data_max_abs: float = DEFAULT_MAX_ABS  # batch values beyond this magnitude are reported as data defects
     what_if: Sequence[whatif.Intervention] = ()  # each a replay from the checkpoint changing the responsible step
@@ -78,14 +82,6 @@ def _checkpoint_finite(c: Checkpoint) -> bool:
     return scan_checkpoint(open_checkpoint(c.path)).verdict == CLEAN
 
 
-def _losses_match(logged: float, replayed: float, rtol: float) -> bool:
-    if math.isnan(logged) or math.isnan(replayed):
-        return math.isnan(logged) and math.isnan(replayed)
-    if math.isinf(logged) or math.isinf(replayed):
-        return logged == replayed
-    return abs(logged - replayed) <= rtol * abs(logged)
-
-
 def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                progress: ProgressFn | None = None) -> ReplayReport:
     """Replay from the last clean checkpoint before the first non-finite logged loss (or ``from_step``)."""
@@ -100,6 +96,7 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
     checkpoint = _start_checkpoint(run, opts.from_step if opts.from_step is not None else
                                    (logged_first if logged_first is not None else run.steps[-1].step))
     last = run.steps[-1].step
+    logged_nan = [s.step for s in run.steps if s.step >= checkpoint.step and not math.isfinite(s.loss)]
     if opts.max_steps is not None:
         last = min(last, checkpoint.step + opts.max_steps - 1)
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
@@ -111,6 +108,10 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
         r = Session(run, code, checkpoint, device)
         amp = AmpLog()
         params_total, state_total = totals(r.model, r.optimizer)
+        buffers_all = buffers_total(r.model)
+        later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
+        compared: dict[int, CheckpointComparison] = {}
+        loss_only: list[int] = []
         events: list[Event] = []
         spread: list[StepRecord] = []
         precursors: list[Precursor] = []
@@ -123,6 +124,13 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                 step = r.step
                 # a step whose overflow the scaler caught returns no events: they are kept aside in amp
                 loss, step_events = amp.run_step(r, monitor, located_from is not None)
+                # a recorded checkpoint passed: the state bit for bit, until one differs (the later ones would too)
+                if r.step in later and r.step not in compared and all(c.exact or c.error for c in compared.values()):
+                    compared[r.step] = compare_checkpoint(r.model, r.optimizer, later[r.step])
+                stages = {e.stage for e in step_events}
+                if located_from is None and "loss" in stages and stages <= LOSS_ONLY_STAGES:
+                    loss_only.append(step)  # nothing non-finite reached gradients or state: not an origin
+                    step_events = []
                 if probe is not None:
                     precursors.append(probe.take(step))
                 if step_events and located_from is None:
@@ -145,12 +153,16 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                 events += step_events
                 p_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "param")
                 s_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "optimizer_state")
+                b_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "buffer")
                 state_total = max(state_total, totals(r.model, r.optimizer)[1])  # lazily created state
-                spread.append(StepRecord(step, logged.get(step), loss, p_bad, params_total, s_bad, state_total))
+                logged_loss = logged.get(step)
+                spread.append(StepRecord(step, logged_loss, loss, p_bad, params_total, s_bad, state_total, b_bad,
+                                         buffers_all, float32_ulps(logged_loss, loss) if logged_loss is not None
+                                         else None))
                 if located_from is not None and step >= _horizon(events, spread) + opts.after:
                     break
-                if (located_from is None and logged_first is not None and step >= logged_first + opts.after
-                        and logged_first not in amp.caught):
+                pending = next((s for s in logged_nan if s not in loss_only and s not in amp.caught), None)
+                if located_from is None and pending is not None and step >= pending + opts.after:
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
@@ -158,7 +170,9 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
         what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
                                          opts.what_if_steps) if events and opts.what_if else []
 
-    report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol, amp.caught)
+    report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol, amp.caught,
+                     logged_nan=logged_nan, loss_only=loss_only, compared=[compared[s] for s in sorted(compared)],
+                     max_ulps=opts.loss_ulps)
     report.amp, report.what_if = amp.report(r.model, events), what_if
     report.data_defects, report.precursors, report.operation, report.samples = (
         data_defects, precursors, operation, samples)
@@ -189,16 +203,18 @@ def _horizon(events: list[Event], spread: list[StepRecord]) -> int:
 
 def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int, code: UserCode,
             events: list[Event], spread: list[StepRecord], logged_first: int | None, rtol: float,
-            caught: Collection[int] = ()) -> ReplayReport:
+            caught: Collection[int] = (), *, logged_nan: Collection[int] = (), loss_only: Sequence[int] = (),
+            compared: Sequence[CheckpointComparison] = (), max_ulps: int = LOSS_ULPS) -> ReplayReport:
     origin = events[0] if events else None
-    diverged = next((s.step for s in spread if s.logged_loss is not None
-                     and not _losses_match(s.logged_loss, s.replayed_loss, rtol)), None)
+    diverged = judge(spread, list(compared), rtol, max_ulps)
     replayed_first = next((s.step for s in spread if not math.isfinite(s.replayed_loss)), None)
     full = next((s.step for s in spread if s.params_total and s.params_nonfinite == s.params_total), None)
     if origin is not None:
         verdict = "nonfinite"
-    elif logged_first is not None and not (diverged is None and logged_first in caught):
-        verdict = "not_reproduced"  # unless the logged NaN was an overflow the scaler caught, replayed as such
+    elif logged_nan and (diverged is not None or not {*caught, *loss_only}.issuperset(logged_nan)):
+        verdict = "not_reproduced"  # unless each logged NaN was replayed as a caught overflow or a loss-only step
+    elif loss_only:
+        verdict = "loss_only"
     else:
         verdict = "clean"
     batch_ref = None
@@ -212,5 +228,6 @@ def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int
         first_nonfinite_loss_step=replayed_first, logged_first_nonfinite_loss_step=logged_first, origin=origin,
         events=events, spread=spread, state_poisoned=any(e.stage == "optimizer_state" for e in events),
         reproduced=diverged is None, diverged_at_step=diverged, fully_nonfinite_step=full, findings=[],
-        setup=setup)
+        setup=setup, loss_only_steps=list(loss_only), checkpoints_compared=list(compared),
+        loss_max_ulps=max((s.loss_ulps for s in spread if s.loss_ulps is not None), default=None))
     return report

@@ -35,6 +35,10 @@ class StepMonitor:
         self._pending: list[tuple[str, str, str | None, torch.Tensor]] = []
         self._events: dict[tuple[str, str | None], Event] = {}
         self._grad_seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its grad, version) at backward
+        # Buffers already non-finite before the first monitored step are constants (a -inf attention mask kept as a
+        # non-persistent buffer), not state that went bad: the start checkpoint's persistent buffers are all finite.
+        held = [(n, b) for n, b in model.named_buffers() if finite.checkable(b)]
+        self._constant_buffers = {n for (n, _), ok in zip(held, finite.all_finite_flags([b for _, b in held])) if not ok}
 
     # -- installation ---------------------------------------------------------------------------
 
@@ -89,7 +93,7 @@ class StepMonitor:
             self.check("batch", path, leaf)
 
     def end(self, loss: Any) -> list[Event]:
-        """Check loss, optimizer state and parameters; return this step's events in stage order.
+        """Check loss, optimizer state, parameters and buffers; return this step's events in stage order.
 
         In detect mode an event only names the stage and tensor; its index is empty.
         """
@@ -102,6 +106,9 @@ class StepMonitor:
                 self.check("optimizer_state", self._name(p), value, state_key=key)
         for p in optimizer_params(self.optimizer):
             self.check("param", self._name(p), p)
+        for name, b in self.model.named_buffers():  # looked up each step: a module may assign a new tensor
+            if name not in self._constant_buffers:
+                self.check("buffer", name, b)
         if self._pending:
             flags = finite.verdicts([e for *_, e in self._pending])
             for (stage, name, key, _), ok in zip(self._pending, flags):
@@ -140,3 +147,8 @@ def totals(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[in
     params = optimizer_params(optimizer)
     state = sum(v.numel() for p in params for v in optimizer.state.get(p, {}).values() if finite.checkable(v))
     return sum(p.numel() for p in params), state
+
+
+def buffers_total(model: torch.nn.Module) -> int:
+    """Element count of the model's floating-point buffers: the ones a step can make non-finite."""
+    return sum(b.numel() for b in model.buffers() if finite.checkable(b))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-from ..report import Event, OperationCulprit, OpSite, ReplayReport
+from ..finite import value_name
+from ..replay.reproduction import LOSS_ULPS
+from ..report import CheckpointComparison, Event, OperationCulprit, OpSite, ReplayReport
 
 
 def describe(e: Event) -> str:
@@ -102,7 +104,20 @@ _CAUSE = {
     "optimizer_state": "the gradients were finite, but the optimizer state overflowed (a squared gradient past the "
                        "dtype's largest value, for instance)",
     "param": "gradients and optimizer state were finite; the parameter update itself produced it",
+    "buffer": "gradients, optimizer state and parameters were finite, but a registered buffer was not: buffers are "
+              "updated outside the optimizer{how}",
 }
+_RUNNING_STATS = ("running_mean", "running_var")  # BatchNorm's (and InstanceNorm's) running averages
+
+
+def _is_running_stat(name: str) -> bool:
+    return name.rpartition(".")[2] in _RUNNING_STATS
+
+
+def _cause(o: Event) -> str:
+    how = (" (BatchNorm updates its running statistics in the training forward, from each batch's own statistics)"
+           if _is_running_stat(o.tensor) else "")
+    return _CAUSE[o.stage].format(t=o.tensor, how=how)
 
 
 def findings(r: ReplayReport) -> list[str]:
@@ -112,12 +127,12 @@ def findings(r: ReplayReport) -> list[str]:
         if r.verdict == "not_reproduced":
             out.append(f"The logged loss was non-finite at step {r.logged_first_nonfinite_loss_step}, but the replay "
                        "found no non-finite value: the failure did not reproduce here.")
-        else:
-            out.append("No non-finite value in any batch, activation, loss, gradient, optimizer state or parameter "
-                       f"over steps {r.setup.first_step}-{r.setup.last_step}.")
+        elif not r.loss_only_steps:  # those have their own sentence
+            out.append("No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter or "
+                       f"buffer over steps {r.setup.first_step}-{r.setup.last_step}.")
     else:
-        out.append(f"Origin: step {o.step}, {describe(o)} ({o.dtype}): {_CAUSE[o.stage].format(t=o.tensor)}.")
-        shown = r.logged_first_nonfinite_loss_step
+        out.append(f"Origin: step {o.step}, {describe(o)} ({o.dtype}): {_cause(o)}.")
+        shown = first_shown(r)
         if shown is not None and shown < o.step:
             caught = r.amp is not None and any(c.step == shown for c in r.amp.caught)
             out.append(f"The logged loss was already non-finite at step {shown}, before the origin: "
@@ -148,10 +163,121 @@ def findings(r: ReplayReport) -> list[str]:
                    "absorbing (beta*NaN stays NaN, no later gradient repairs it). Skipping the step after "
                    "optimizer.step() has written it would not save the run: skip before the state is written "
                    "(check the gradients first, as GradScaler does), or repair or reset the state.")
+    out += _buffers(r) + _loss_only(r)
     if r.fully_nonfinite_step is not None:
         out.append(f"Every parameter is non-finite by step {r.fully_nonfinite_step}.")
-    if not r.reproduced:
-        out.append(f"Replayed losses differ from the logged ones from step {r.diverged_at_step}: the replay is not "
-                   "an exact copy of the run (non-deterministic kernels, another device or thread count, or a loop "
-                   "that draws random numbers between steps).")
+    out += _reproduction(r)
     return out
+
+
+def first_shown(r: ReplayReport) -> int | None:
+    """The first logged non-finite loss that is not a loss-only step: where the failure shows."""
+    first = r.logged_first_nonfinite_loss_step
+    if first not in r.loss_only_steps:
+        return first
+    return next((s.step for s in r.spread if s.logged_loss is not None and not math.isfinite(s.logged_loss)
+                 and s.step not in r.loss_only_steps), None)
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
+
+
+def _buffers(r: ReplayReport) -> list[str]:
+    """Non-finite buffers: which, from when, what the parameters and losses did, and what reads the buffers."""
+    e = next((e for e in r.events if e.stage == "buffer"), None)
+    if e is None:
+        return []
+    others = e.tensors_nonfinite - 1
+    what = f"Buffer {e.tensor}" + (f" and {others} other buffer{'s' * (others > 1)}" if others > 0 else "")
+    param = next((p.step for p in r.events if p.stage == "param"), None)
+    if param is not None and param < e.step:
+        return [f"{what} went non-finite at step {e.step}, after the parameters (step {param}): a consequence, not "
+                "the origin."]
+    follows = (f"the parameters turned non-finite at step {param}" if param is not None else
+               f"the parameters stayed finite through step {r.setup.last_step}")
+    out = [f"{what} {'hold' if others else 'holds'} non-finite values from step {e.step}; {follows}. A buffer "
+           "persists from step to step like optimizer state, so the run carries it on."]
+    if _is_running_stat(e.tensor):
+        later = [s for s in r.spread if s.step >= e.step]
+        losses = ("the replayed losses stayed finite through step "
+                  f"{later[-1].step}, since " if later and all(math.isfinite(s.replayed_loss) for s in later) else "")
+        out.append(f"These are BatchNorm running statistics: {losses}in training mode BatchNorm normalises with each "
+                   "batch's own statistics; in eval mode (evaluation, inference) it normalises with the running ones, "
+                   "which keep a non-finite value ((1-momentum)*inf = inf). Reset them (reset_running_stats()) or "
+                   "re-estimate them on clean batches.")
+    return out
+
+
+def _loss_only(r: ReplayReport) -> list[str]:
+    """Steps whose loss was non-finite while nothing the model keeps was."""
+    steps = r.loss_only_steps
+    if not steps:
+        return []
+    values = {_loss(s.replayed_loss) for s in r.spread if s.step in steps and not math.isfinite(s.replayed_loss)}
+    value = " or ".join(sorted(values)) or "non-finite"
+    before = " before the origin" if r.origin is not None else ""
+    return [f"The loss was {value} at {_steps(steps)}{before}, but no gradient, parameter, optimizer-state or buffer "
+            "value was: the non-finite loss never reached the model, so training could continue. Such a loss "
+            "typically comes from a batch with no valid target: a mean over zero elements is 0/0 = NaN while its "
+            "gradient is zero (cross_entropy when every label is ignore_index, -100)."]
+
+
+def _mismatch_text(c: CheckpointComparison) -> str:
+    m = c.first_mismatch
+    assert m is not None
+    where = f"[{', '.join(map(str, m.index))}]" if m.index else ""
+    apart = f", {m.ulps} ulp apart" if m.ulps is not None else ""
+    return (f"{m.tensor}{where} is {m.recorded} in the checkpoint of step {c.step}, {m.replayed} in the replay"
+            f"{apart} ({m.elements} value{'s' * (m.elements != 1)} differ{'s' * (m.elements == 1)}, in "
+            f"{c.mismatched_tensors} tensor{'s' * (c.mismatched_tensors != 1)})")
+
+
+def reproduction(r: ReplayReport) -> str:
+    """Whether the replay reproduced the run, on what evidence: the state at a recorded checkpoint, or losses."""
+    exact = [c for c in r.checkpoints_compared if c.exact]
+    ulps = ("losses identical" if not r.loss_max_ulps else f"losses within {r.loss_max_ulps} ulp") \
+        if r.loss_max_ulps is not None else "no finite loss to compare"
+    if r.reproduced and exact:
+        c = exact[-1]
+        if not c.nan_matched:
+            return f"reproduced (parameters, optimizer state and buffers bit-exact at step {c.step}; {ulps})"
+        return (f"reproduced (parameters, optimizer state and buffers equal at step {c.step}: {c.nan_matched:,} of "
+                f"its {c.values:,} values NaN in both, the others bit-exact; {ulps})")
+    if r.reproduced:
+        return f"reproduced as far as losses show ({ulps}; no recorded checkpoint in the replayed window)"
+    mismatch = next((c for c in r.checkpoints_compared if c.step == r.diverged_at_step and c.first_mismatch), None)
+    if mismatch is not None:
+        return f"not reproduced: the state diverged by step {mismatch.step}: {_mismatch_text(mismatch)}"
+    s = next(s for s in r.spread if s.step == r.diverged_at_step)
+    apart = f", {s.loss_ulps} ulp apart" if s.loss_ulps is not None else ""
+    return (f"not reproduced: losses diverge from step {s.step} (logged {_loss(s.logged_loss)}, replayed "
+            f"{_loss(s.replayed_loss)}{apart})")
+
+
+def _loss(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.9g}" if math.isfinite(x) else "NaN" if math.isnan(x) else value_name(x)
+
+
+def _reproduction(r: ReplayReport) -> list[str]:
+    if not r.reproduced:
+        text = reproduction(r)
+        return [f"{text[0].upper()}{text[1:]}. The replay is not an exact copy of the run: non-deterministic kernels, "
+                "another device or thread count, a loop that draws random numbers between steps, or files changed "
+                "after recording."]
+    if not r.loss_max_ulps:
+        return []
+    exact = [c.step for c in r.checkpoints_compared if c.exact]
+    rounding = r.loss_max_ulps <= LOSS_ULPS
+    if exact:
+        why = (f"the state is bit-exact at step {exact[-1]}, so that is the loss's own rounding (its reduction summed "
+               "in another order), not a divergence" if rounding else
+               f"more than rounding, yet the state is bit-exact at step {exact[-1]}: the logged losses were not "
+               "computed as the replay computes them (logged from another computation, or edited)")
+    else:
+        why = ("few enough to be the loss's own rounding (its reduction summed in another order)" if rounding else
+               "within the tolerance for a replay on another device type") + \
+              "; no recorded checkpoint in the replayed window confirms the state"
+    return [f"Replayed losses differ from the logged ones by up to {r.loss_max_ulps} float32 ulp: {why}."]

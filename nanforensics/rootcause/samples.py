@@ -23,7 +23,8 @@ from ..replay.session import Session
 from ..report import SampleAttribution
 from ..runs.batches import data_leaves, leaves
 
-_BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad")
+# With optimizer.step() disabled, a buffer still changes in the forward (BatchNorm's running statistics).
+_BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad", "buffer")
 
 
 def batch_size(batch: Any) -> int | None:

@@ -126,8 +126,11 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
                 scalars.setdefault(names[index], {})[key] = _json_value(value)
     groups = [{**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
               for g in sd["param_groups"]]
+    model_sd = model.state_dict()
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     meta = {"format": CHECKPOINT_FORMAT, "step": step, "param_names": names, "param_groups": groups,
-            "state_scalars": scalars, "rng": rng_state()}
+            "state_scalars": scalars, "rng": rng_state(),
+            "buffer_names": [k for k in model_sd if k in buffers]}  # scan tells buffers from parameters by it
     extras: dict[str, torch.Tensor] = {}
     for key, holder in (("scaler", scaler), ("scheduler", scheduler)):
         if holder is not None:
@@ -136,7 +139,7 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
     build = make_build_dir(final)
-    write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model.state_dict(), file_meta))
+    write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model_sd, file_meta))
     write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
     if extras:
         write_bytes_atomic(build / EXTRAS_FILE, tensors_to_bytes(extras, file_meta))

@@ -12,7 +12,16 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ..checkpoints.bisect import BisectReport, CheckpointRef, ScanRecord
-from ..checkpoints.scan import CLEAN, POISONED_PARAMETERS, POISONED_STATE, ScanReport, TensorScan
+from ..checkpoints.scan import (
+    BY_NAME,
+    CLEAN,
+    POISONED_BUFFERS,
+    POISONED_PARAMETERS,
+    POISONED_STATE,
+    ScanReport,
+    TensorScan,
+)
+from ..formats import MODEL
 
 SHOWN = 20  # tensors listed per table; the JSON report has all of them
 
@@ -20,6 +29,7 @@ _SCAN_VERDICT = {
     CLEAN: ("bold white on green", "CLEAN"),
     POISONED_PARAMETERS: ("bold white on red", "POISONED PARAMETERS"),
     POISONED_STATE: ("bold black on yellow", "POISONED OPTIMIZER STATE"),
+    POISONED_BUFFERS: ("bold black on yellow", "POISONED BUFFERS"),
 }
 _BISECT_VERDICT = {
     "clean": ("bold white on green", "CLEAN"),
@@ -31,6 +41,8 @@ _MEANING = {
     POISONED_PARAMETERS: "the model's parameters hold non-finite values",
     POISONED_STATE: "optimizer state only: the parameters are still finite, but the next step reads this state "
                     "and goes non-finite (a NaN moment) or freezes those coordinates (an infinite second moment)",
+    POISONED_BUFFERS: "buffers only (BatchNorm's running statistics, say): the parameters are finite, but these persist "
+                      "into every later step, and eval mode (evaluation, inference) reads BatchNorm's",
 }
 _TENSOR_HEADERS = ["tensor", "group", "dtype", "shape", "non-finite", "first at", "max |x| / limit"]
 _READ_HEADERS = ["#", "step", "checkpoint", "verdict", "bytes"]
@@ -90,15 +102,26 @@ def _group_rows(r: ScanReport) -> list[list[str]]:
 def _tensor_row(t: TensorScan) -> list[str]:
     first = f"{t.first_nonfinite.index} = {t.first_nonfinite.value}" if t.first_nonfinite else "-"
     peak = "-" if t.max_abs is None or t.dtype_max is None else f"{t.max_abs:.3g} / {t.dtype_max:.3g}"
-    return [t.name, t.group, t.dtype, str(t.shape), str(t.nonfinite) if t.checked else "unchecked", first, peak]
+    group = "buffer" if t.buffer else t.group
+    return [t.name, group, t.dtype, str(t.shape), str(t.nonfinite) if t.checked else "unchecked", first, peak]
 
 
 def _notable(tensors: Sequence[TensorScan]) -> tuple[list[TensorScan], list[TensorScan]]:
     return [t for t in tensors if t.nonfinite], [t for t in tensors if t.near_limit and not t.nonfinite]
 
 
+def _split_note(r: ScanReport) -> list[str]:
+    """When a tensor counted as a parameter might be a buffer: the format does not say which is which."""
+    unsure = [t.name for t in r.tensors if t.nonfinite and t.group == MODEL and t.buffer is None]
+    if r.buffer_split != BY_NAME or not unsure:
+        return []
+    return [f"This format does not record which model tensors are buffers: {', '.join(unsure[:3])}"
+            f"{' ...' if len(unsure) > 3 else ''} counted as parameter(s), but may be buffers (only BatchNorm's "
+            "running statistics are recognised by name)."]
+
+
 def _scan_notes(r: ScanReport) -> list[str]:
-    notes = [f"Verdict: {_MEANING[r.verdict]}."]
+    notes = [f"Verdict: {_MEANING[r.verdict]}.", *_split_note(r)]
     if not r.complete:
         notes.append("Stopped at the first non-finite tensor; --full reads and counts every tensor.")
     _, near = _notable(r.tensors)
@@ -114,6 +137,8 @@ def _bisect_notes(r: BisectReport) -> list[str]:
     notes = [f"{r.checkpoints} checkpoint(s) ordered by {how}; {r.scans} read ({mode})."]
     if r.first_poisoned_verdict:
         notes.append(f"First poisoned: {_MEANING[r.first_poisoned_verdict]}.")
+    if r.first_poisoned_scan is not None:
+        notes += _split_note(r.first_poisoned_scan)
     if r.first_poisoned is not None and r.last_clean is not None:
         notes.append(f"The first non-finite value arose between {_step(r.last_clean.step)} and "
                      f"{_step(r.first_poisoned.step)}.")

@@ -13,7 +13,7 @@ from ..finite import Located
 from ..postmortem import PostmortemReport, span
 from ..replay.spread import SpreadMap, from_replay, grouped
 from ..report import ReplayReport
-from ..rootcause.findings import describe
+from ..rootcause.findings import describe, reproduction
 from . import heatmap
 from .postmortem import VERDICT, spread_map
 from .replay import headline, precursor_rows
@@ -21,7 +21,8 @@ from .replay import headline, precursor_rows
 LEVEL_FILLS = ("#e5e7eb", "#fcd34d", "#fb923c", "#dc2626", "#7f1d1d")
 PALETTE = ("#2563eb", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be123c", "#4d7c0f", "#a16207")
 MAX_HEATMAP_ROWS = 48
-_BADGE = {"nonfinite": "bad", "clean": "good", "not_reproduced": "warn", "poisoned": "bad", "non_monotonic": "warn"}
+_BADGE = {"nonfinite": "bad", "clean": "good", "not_reproduced": "warn", "loss_only": "warn", "poisoned": "bad",
+          "non_monotonic": "warn"}
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;color:#111827;margin:0;background:#f9fafb}
@@ -97,8 +98,7 @@ def _replay_sections(r: ReplayReport, spread: SpreadMap | None, loss_chart: str 
     if r.origin is not None:
         facts.append(("origin", f"step {r.origin.step}, <code>{escape(describe(r.origin))}</code> "
                                 f"({escape(r.origin.dtype or '')})"))
-    facts.append(("reproduced", "yes: replayed losses equal the logged ones" if r.reproduced
-                  else f"no: losses diverge from step {r.diverged_at_step}"))
+    facts.append(("reproduction", escape(reproduction(r))))
     marks = _marks(r.responsible_step, r.logged_first_nonfinite_loss_step)
     if loss_chart is None and r.spread:
         steps = [s.step for s in r.spread]

@@ -20,6 +20,7 @@ VERDICT = {
     "nonfinite": ("bold white on red", "NON-FINITE"),
     "clean": ("bold white on green", "CLEAN"),
     "not_reproduced": ("bold black on yellow", "NOT REPRODUCED"),
+    "loss_only": ("bold black on yellow", "LOSS ONLY"),
 }
 _STATUS_STYLE = {DONE: "green", SKIPPED: "yellow", FAILED: "red"}
 

@@ -12,12 +12,13 @@ from rich.text import Text
 from rich.tree import Tree
 
 from ..report import AmpReport, Event, ReplayReport, StepRecord, WhatIfResult
-from ..rootcause.findings import describe
+from ..rootcause.findings import describe, first_shown, reproduction
 
 _VERDICT = {
     "nonfinite": ("bold white on red", "NON-FINITE"),
     "clean": ("bold white on green", "CLEAN"),
     "not_reproduced": ("bold black on yellow", "NOT REPRODUCED"),
+    "loss_only": ("bold black on yellow", "LOSS ONLY"),
 }
 
 
@@ -73,7 +74,8 @@ def _last_finite(values: list[float | None]) -> str:
 
 def _spread_rows(r: ReplayReport) -> list[StepRecord]:
     """From the step before the origin: the clean steps before it are all zeros."""
-    start = (r.responsible_step - 1) if r.responsible_step is not None else r.spread[-1].step - 2 if r.spread else 0
+    start = (r.responsible_step - 1) if r.responsible_step is not None else r.loss_only_steps[0] - 1 \
+        if r.loss_only_steps else r.spread[-1].step - 2 if r.spread else 0
     return [s for s in r.spread if s.step >= start]
 
 
@@ -85,11 +87,16 @@ def _counts(e: Event) -> str:
 
 def headline(r: ReplayReport) -> str:
     if r.verdict == "nonfinite":
-        shown = r.logged_first_nonfinite_loss_step
-        tail = f"; logged loss first NaN at step {shown}" if shown is not None else "; logged losses all finite"
+        shown = first_shown(r)
+        tail = (f"; logged loss first NaN at step {shown}" if shown is not None else
+                "; logged losses all finite" if r.logged_first_nonfinite_loss_step is None else
+                "; logged losses non-finite only where the state stayed finite")
         return f"responsible step {r.responsible_step}{tail}"
     if r.verdict == "not_reproduced":
         return f"logged loss NaN at step {r.logged_first_nonfinite_loss_step}, not reproduced by the replay"
+    if r.verdict == "loss_only":
+        steps = ", ".join(map(str, r.loss_only_steps))
+        return f"non-finite loss at step{'s' * (len(r.loss_only_steps) > 1)} {steps} only: the model's state stayed finite"
     return f"steps {r.setup.first_step}-{r.setup.last_step} replayed, all finite"
 
 
@@ -159,8 +166,10 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         via = f" <- {op.forward.op}" if op.forward else ""
         facts.add_row("operation", Text(f"{op.site.phase} {op.site.op}{via} -> {op.output_value}  "
                                         f"module {op.site.module or '(none)'}  {op.site.source or ''}"))
-    facts.add_row("reproduced", "yes: replayed losses equal the logged ones" if r.reproduced
-                  else f"no: losses diverge from step {r.diverged_at_step}")
+    facts.add_row("reproduction", reproduction(r))
+    if r.loss_only_steps:
+        facts.add_row("loss only", f"step{'s' * (len(r.loss_only_steps) > 1)} {', '.join(map(str, r.loss_only_steps))}"
+                                   ": a non-finite loss; every gradient, parameter, optimizer state and buffer finite")
     parts: list[Any] = [facts]
     if r.events:
         chain = Tree("[bold]propagation chain")
@@ -172,13 +181,14 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     rows = _spread_rows(r)
     if rows:
         table = Table(title="spread of non-finite values", title_justify="left", show_edge=False)
-        for col in ("step", "logged loss", "replayed loss", "parameters", "optimizer state"):
+        buffers = any(x.buffers_total for x in rows)
+        for col in ("step", "logged loss", "replayed loss", "parameters", "optimizer state") + ("buffers",) * buffers:
             table.add_column(col, justify="right")
         for x in rows:
-            mark = "bold red" if x.params_nonfinite or x.state_nonfinite else ""
+            mark = "bold red" if x.params_nonfinite or x.state_nonfinite or x.buffers_nonfinite else ""
             table.add_row(str(x.step), _loss(x.logged_loss), _loss(x.replayed_loss),
                           f"{x.params_nonfinite:,}/{x.params_total:,}", f"{x.state_nonfinite:,}/{x.state_total:,}",
-                          style=mark)
+                          *[f"{x.buffers_nonfinite:,}/{x.buffers_total:,}"] * buffers, style=mark)
         parts += [Text(), table]
     if r.precursors:
         steps = f"{r.precursors[0].step}-{r.precursors[-1].step}"
@@ -206,16 +216,18 @@ def render_markdown(r: ReplayReport) -> str:
         out.append(f"- **Responsible batch:** step {r.responsible_batch.step}, `{r.responsible_batch.file}`")
     if r.origin:
         out.append(f"- **Origin:** step {r.origin.step}, `{describe(r.origin)}` ({r.origin.dtype})")
-    out.append(f"- **Reproduced:** {'yes' if r.reproduced else f'no, diverges from step {r.diverged_at_step}'}")
+    out.append(f"- **Reproduction:** {reproduction(r)}")
     if r.events:
         out += ["", "### Propagation chain", ""]
         out += [f"{i}. step {e.step}: `{describe(e)}`{_counts(e)}" for i, e in enumerate(r.events, 1)]
     rows = _spread_rows(r)
     if rows:
-        out += ["", "### Spread", "", "| step | logged loss | replayed loss | parameters | optimizer state |",
-                "|---:|---:|---:|---:|---:|"]
+        buffers = any(x.buffers_total for x in rows)
+        out += ["", "### Spread", "", "| step | logged loss | replayed loss | parameters | optimizer state |"
+                + " buffers |" * buffers, "|---:|---:|---:|---:|---:|" + "---:|" * buffers]
         out += [f"| {x.step} | {_loss(x.logged_loss)} | {_loss(x.replayed_loss)} | "
-                f"{x.params_nonfinite}/{x.params_total} | {x.state_nonfinite}/{x.state_total} |" for x in rows]
+                f"{x.params_nonfinite}/{x.params_total} | {x.state_nonfinite}/{x.state_total} |"
+                + f" {x.buffers_nonfinite}/{x.buffers_total} |" * buffers for x in rows]
     if r.precursors:
         out += ["", f"### Precursors, steps {r.precursors[0].step}-{r.precursors[-1].step}", "",
                 "| metric | trend (log scale, ! = non-finite) | last finite |", "|---|---|---:|"]

@@ -339,7 +339,8 @@ def gpt2_reports(tmp_path_factory) -> dict[str, ReplayReport]:
 
 def test_gpt2_all_ignored_labels_names_the_loss_reduction(gpt2_reports):
     r = gpt2_reports["all_ignored"]
-    assert r.responsible_step == GPT2_DEFECT and r.origin.value == "nan"
+    # the gradients stay 0: a loss-only step, no origin, yet its loss is explained
+    assert r.verdict == "loss_only" and r.loss_only_steps == [GPT2_DEFECT] and r.origin is None
     op = r.operation
     # the mean over no tokens: nll_loss's sum (0) over its total weight (0); never empty_like or the attention mask
     assert (op.site.op, op.site.phase, op.output_value) == ("aten::nll_loss_forward.default", "forward", "nan")

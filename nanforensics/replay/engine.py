@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Collection, Sequence
 
@@ -12,6 +12,7 @@ import torch
 
 from ..checkpoints.scan import CLEAN, scan_checkpoint
 from ..errors import BadInput
+from ..finite import value_name
 from ..formats.discover import open_checkpoint
 from ..report import (
     LOSS_ONLY_STAGES,
@@ -112,6 +113,7 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
         later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
         compared: dict[int, CheckpointComparison] = {}
         loss_only: list[int] = []
+        loss_events: dict[int, Event] = {}  # the loss of each loss-only step, explained when nothing else is
         events: list[Event] = []
         spread: list[StepRecord] = []
         precursors: list[Precursor] = []
@@ -130,6 +132,9 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                 stages = {e.stage for e in step_events}
                 if located_from is None and "loss" in stages and stages <= LOSS_ONLY_STAGES:
                     loss_only.append(step)  # nothing non-finite reached gradients or state: not an origin
+                    # detect mode leaves the value unread; the loss is a scalar, its value the replayed loss
+                    loss_events.setdefault(step, replace(
+                        next(e for e in step_events if e.stage == "loss"), value=value_name(loss)))
                     step_events = []
                 if probe is not None:
                     precursors.append(probe.take(step))
@@ -166,7 +171,10 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
-        operation, samples = _explain(r, events[0]) if events and opts.explain else (None, None)
+        # Without an origin, a loss-only step is still worth explaining: which op made the loss non-finite, from
+        # which samples (a batch with no valid target, typically).
+        explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
+        operation, samples = _explain(r, explained) if explained is not None and opts.explain else (None, None)
         what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
                                          opts.what_if_steps) if events and opts.what_if else []
 

@@ -164,6 +164,8 @@ def findings(r: ReplayReport) -> list[str]:
                    "optimizer.step() has written it would not save the run: skip before the state is written "
                    "(check the gradients first, as GradScaler does), or repair or reset the state.")
     out += _buffers(r) + _loss_only(r)
+    if o is None and r.loss_only_steps:  # the first loss-only step, explained: its op and its samples
+        out += _root_cause(r)
     if r.fully_nonfinite_step is not None:
         out.append(f"Every parameter is non-finite by step {r.fully_nonfinite_step}.")
     out += _reproduction(r)

@@ -281,8 +281,25 @@ def make_token_batch(step: int, seed: int = 0, defect: str | None = None, batch_
     return {"tokens": tokens, "labels": labels, "ids": [f"doc{step:05d}-{i:02d}" for i in range(batch_size)]}
 
 
+def train_step_lm_scheduled(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
+                            scheduler: Any) -> torch.Tensor:
+    """``train_step_lm``, then the LR scheduler's step, as a loop with a scheduler does."""
+    loss = train_step_lm(model, optimizer, batch)
+    scheduler.step()
+    return loss
+
+
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _adamw_lr_range(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1.5e-2)
+
+
+def lr_finder(optimizer: torch.optim.Optimizer) -> Any:
+    """An LR range test: the learning rate doubles every step until training blows up (from 1.5e-2: by step 19)."""
+    return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=2.0)
 
 
 @dataclass(frozen=True)
@@ -351,6 +368,9 @@ SCENARIOS: dict[str, Scenario] = {
     # a transformer: the causal -inf mask fires every step; a fully padded sequence makes softmax's rows NaN
     "decoder_fully_padded": Scenario({}, _adamw, train_step_lm, "fully_padded", "forward", factory=build_decoder,
                                      batches=make_token_batch),
+    # the same decoder under an LR finder: no defect, the step (its learning rate) is what overflows
+    "decoder_lr_finder": Scenario({}, _adamw_lr_range, train_step_lm_scheduled, None, "forward", scheduler=lr_finder,
+                                  factory=build_decoder, batches=make_token_batch),
 }
 
 

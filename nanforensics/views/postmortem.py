@@ -81,7 +81,7 @@ def render_markdown(r: PostmortemReport) -> str:
 def failure_message(r: PostmortemReport) -> str:
     """One line for a CI dashboard: the responsible step, its batch and the origin, or the window."""
     batch = r.replay.responsible_batch if r.replay is not None and r.responsible_step is not None else None
-    return r.headline + (f" (batch {batch.file})" if batch else "")
+    return r.headline + (f" (batch {batch.file})" if batch and not replay.batch_wide(r.replay) else "")
 
 
 def render_junit(r: PostmortemReport) -> str:

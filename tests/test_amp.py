@@ -45,7 +45,7 @@ def test_scaler_that_catches_every_overflow_is_clean(runs, tmp_path):
     assert steps[DEFECT_STEP]["overflow"] == "forward"
     assert [s["overflow"] for s in ordered if s["skipped"] and s["step"] != DEFECT_STEP] == ["backward"]
     assert any(s["adjustment"] == "growth" for s in ordered)
-    assert any("caught 2 overflow(s)" in f and "65504" in f for f in r["findings"])
+    assert any("caught 2 overflows" in f and "65504" in f for f in r["findings"])
     text = md.read_text()
     assert "### Mixed precision" in text and f"| {DEFECT_STEP} | " in text and "caught: state intact" in text
 

@@ -179,7 +179,7 @@ def test_inf_gradient_poisons_both_moments_and_the_parameter(runs, tmp_path):
     one(r["findings"], "Skipping the step after optimizer.step() has written the state would not have saved")
     assert "1 step later;" in one(r["findings"], "The loss logged")  # not "1 step(s)"
     assert one(r["findings"], "Gradient clipping would not have rescued this").endswith(
-        "the total gradient norm is inf, so the clip factor max_norm/inf is 0, and 0*-inf = NaN.")
+        "the total gradient norm is inf, so the clip factor max_norm/inf is 0, and 0*(-inf) = NaN.")
     clip = r["what_if"][1]["detail"]
     assert clip.startswith("total gradient norm inf: the clip factor 1/inf is 0, and 0*inf = NaN, so clipping made "
                            "1 infinite gradient value NaN and zeroed the other ")

@@ -28,7 +28,7 @@ def _root_cause(r: ReplayReport) -> list[str]:
         if r.responsible_step is None or d.step == r.responsible_step:
             kind = {"nonfinite": "a non-finite", "extreme": "an extreme", "subnormal": "a subnormal"}[d.kind]
             out.append(f"Data: the batch of step {d.step} holds {kind} value, {d.tensor}"
-                       f"[{', '.join(map(str, d.index))}] = {d.value} ({d.count} such in {d.file}).")
+                       f"[{', '.join(map(str, d.index))}] = {d.value} ({count(d.count, 'such value')} in {d.file}).")
     op = r.operation
     if op is not None:
         ranges = ", ".join(f"[{lo}, {hi}]" for lo, hi in op.site.input_ranges)
@@ -113,25 +113,22 @@ def _batch_wide(r: ReplayReport) -> bool:
     return r.samples is not None and r.samples.status == "batch_wide"
 
 
-def _activation(p: Precursor) -> float | None:
-    return p.activation_headroom
-
-
-# The precursors that show a step drifting towards overflow: (what, its value at a step).
-_DRIFT = (("the learning rate", lambda p: p.learning_rate),
-          ("the gradient norm", lambda p: p.grad_norm),
-          ("the largest parameter update", lambda p: p.update_max_abs),
-          ("the largest activation", _activation))
+# The precursors that show a step drifting towards overflow: (what, its value at a step, whether it is a fraction
+# of the dtype's largest value).
+_DRIFT = (("the learning rate", lambda p: p.learning_rate, False),
+          ("the gradient norm", lambda p: p.grad_norm, False),
+          ("the largest parameter update", lambda p: p.update_max_abs, False),
+          ("the largest activation", lambda p: p.activation_headroom, True))
 RISE = 10.0  # a precursor that grew by this factor over the window before the origin is cited as rising
 
 
 def rising(before: list[Precursor]) -> list[str]:
     """The precursors that rose at least ``RISE``-fold from the first to the last step of ``before``."""
     out = []
-    for label, value in _DRIFT:
+    for label, value, of_dtype in _DRIFT:
         values = [v for v in (value(p) for p in before) if v is not None and math.isfinite(v) and v > 0]
         if len(values) >= 2 and values[-1] >= RISE * values[0]:
-            of = f" of {before[-1].activation_dtype}'s largest value" if value is _activation else ""
+            of = f" of {before[-1].activation_dtype}'s largest value" if of_dtype else ""
             out.append(f"{label} from {values[0]:.3g} to {values[-1]:.3g}{of}")
     return out
 
@@ -155,6 +152,10 @@ def _step_not_data(r: ReplayReport) -> list[str]:
     return [f"{head}. Over {span} {'these' if len(rose) > 1 else 'this'} rose: {listed}."]
 
 
+def _times_zero(value: str) -> str:
+    return f"0*({value})" if value.startswith("-") else f"0*{value}"
+
+
 def _clipping(r: ReplayReport) -> list[str]:
     """What gradient clipping did, or would have done, with this step's non-finite gradient."""
     o = r.origin
@@ -167,7 +168,7 @@ def _clipping(r: ReplayReport) -> list[str]:
     if grad.value in ("inf", "-inf") and opt_grad is not None and opt_grad.value == "nan":
         return [f"The step function turned the {grad.value} gradient into NaN before optimizer.step(): that is what "
                 f"gradient clipping does to an infinity (total norm inf, clip factor max_norm/inf = 0, and "
-                f"0*{grad.value} = NaN), so clipping cannot rescue it."]
+                f"{_times_zero(grad.value)} = NaN), so clipping cannot rescue it."]
     if (opt_grad is not None and opt_grad.value != grad.value) or (grad.value == "nan" and o.stage != "grad"):
         return []  # the step function changed the gradients, or they only carry an earlier stage's NaN
     norm = next((p.grad_norm for p in r.precursors if p.step == o.step), None)
@@ -179,7 +180,7 @@ def _clipping(r: ReplayReport) -> list[str]:
     if math.isinf(norm):
         value = grad.value if grad.value in ("inf", "-inf") else "inf"
         return [f"Gradient clipping would not have rescued this: the total gradient norm is inf, so the clip factor "
-                f"max_norm/inf is 0, and 0*{value} = NaN."]
+                f"max_norm/inf is 0, and {_times_zero(value)} = NaN."]
     return []
 
 

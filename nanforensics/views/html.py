@@ -14,6 +14,7 @@ from ..postmortem import PostmortemReport, span
 from ..replay.spread import SpreadMap, from_replay, grouped
 from ..report import ReplayReport
 from ..rootcause.findings import describe
+from ..words import count
 from . import heatmap
 from .postmortem import VERDICT, spread_map
 from .replay import batch_label, counts, headline, precursor_rows
@@ -212,7 +213,7 @@ def _heatmap(m: SpreadMap | None) -> str:
                      for fill, name in zip(LEVEL_FILLS, heatmap.LEVEL_NAMES))
     basis = "per tensor" if g.basis == "per_tensor" else "whole model (the replay report's totals)"
     if len(g.rows) < len(m.rows):
-        basis += f"; {len(m.rows)} tensors shown as {len(g.rows)} layers"
+        basis += f"; {count(len(m.rows), 'tensor')} shown as {count(len(g.rows), 'layer')}"
     return (f'<h2>Spread of non-finite values</h2><svg role="img" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}" font-family="system-ui,sans-serif">' + "".join(parts) + "</svg>"
             f'<div class="legend">non-finite values after each step, {escape(basis)}: {legend}</div>')

@@ -54,6 +54,14 @@ def half_bad(step: int) -> dict[str, Any]:
     return batch
 
 
+def all_bad(step: int) -> dict[str, Any]:
+    """Every sample of step 17's batch holds the near-zero reading: a corrupt batch, not a drifting step."""
+    batch = scenarios.make_batch(step)
+    if step == DEFECT_STEP:
+        batch["x"][:, F] = 3e-45
+    return batch
+
+
 def nested_ids(step: int) -> dict[str, Any]:
     """The seed defect, with the ids two levels down and a list of per-sample dicts beside them."""
     batch = scenarios.make_batch(step, defect="near_zero" if step == DEFECT_STEP else None)
@@ -100,6 +108,18 @@ def test_exactly_half_the_batch_bad_is_named_not_batch_wide(tmp_path):
     assert (s["status"], s["samples"]) == ("attributed", HALF)
     assert s["sample_leaves"]["batch['ids']"] == [f"s{DEFECT_STEP:05d}-{i:02d}" for i in HALF]
     assert not [f for f in r["findings"] if "not its data" in f]
+
+
+def test_a_wholly_corrupt_batch_is_batch_wide_but_blamed_on_its_data(tmp_path):
+    run = record_mlp(tmp_path / "corrupt", all_bad)
+    r, terminal, _ = replay(run, tmp_path)
+    assert r["samples"]["status"] == "batch_wide" and r["samples"]["passes"] == 1 + PROBES
+    [d] = [d for d in r["data_defects"] if d["step"] == DEFECT_STEP]
+    assert (d["kind"], d["count"]) == ("subnormal", scenarios.BATCH)
+    one(r["findings"], f"Most of step {DEFECT_STEP}'s batch fails sample by sample, and that batch holds data defects")
+    assert not [f for f in r["findings"] if "not its data" in f]
+    assert f"the batch to inspect is step {DEFECT_STEP}'s" in one(r["findings"], "The loss logged")
+    assert f"responsible step {DEFECT_STEP}" in terminal and "responsible batch" in terminal
 
 
 @pytest.mark.parametrize("size", [*range(2, 11), 2 * PROBES - 1])

@@ -79,13 +79,13 @@ def findings(r: ReplayReport) -> list[str]:
         elif shown is not None and shown != o.step:
             logged = next((s.logged_loss for s in r.spread if s.step == o.step), None)
             loss_text = f" ({logged:.6g})" if logged is not None and math.isfinite(logged) else ""
-            inspect = (f"the step to inspect is step {o.step}, not step {shown}" if _batch_wide(r) else
+            inspect = (f"the step to inspect is step {o.step}, not step {shown}" if step_not_data(r) else
                        f"the batch to inspect is step {o.step}'s, not step {shown}'s")
             out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "
                        f"The logged loss first shows NaN at step {shown}, {count(shown - o.step, 'step')} later; "
                        f"{inspect}.")
         out += _root_cause(r)
-        out += _step_not_data(r)
+        out += _batch_wide(r)
         out += _clipping(r)
     out += _state(r)
     if r.fully_nonfinite_step is not None:
@@ -109,8 +109,11 @@ def _nothing_reached(r: ReplayReport) -> str:
             f"met at {numbered('step', caught)} were overflows the scaler caught{among}.")
 
 
-def _batch_wide(r: ReplayReport) -> bool:
-    return r.samples is not None and r.samples.status == "batch_wide"
+def step_not_data(r: ReplayReport) -> bool:
+    """Most of the responsible batch fails sample by sample, and that batch holds no data defect: the step (its
+    learning rate, loss scale, or weights grown over many steps), not its data, is responsible."""
+    return (r.samples is not None and r.samples.status == "batch_wide"
+            and not any(d.step == r.responsible_step for d in r.data_defects))
 
 
 # The precursors that show a step drifting towards overflow: (what, its value at a step, whether it is a fraction
@@ -133,11 +136,15 @@ def rising(before: list[Precursor]) -> list[str]:
     return out
 
 
-def _step_not_data(r: ReplayReport) -> list[str]:
-    """A batch-wide failure: the step is responsible, with the precursors that show its drift."""
+def _batch_wide(r: ReplayReport) -> list[str]:
+    """A batch-wide failure: the whole batch is bad data, or, with clean data, the step is responsible, with the
+    precursors that show its drift."""
     o = r.origin
-    if o is None or not _batch_wide(r):
+    if o is None or r.samples is None or r.samples.status != "batch_wide":
         return []
+    if not step_not_data(r):
+        return [f"Most of step {o.step}'s batch fails sample by sample, and that batch holds data defects (see Data): "
+                "the batch as a whole is bad data, not particular samples of it."]
     head = (f"Step {o.step}, not its data, is responsible: most of its batch fails sample by sample, so the cause is "
             "the state the run had reached (its learning rate, its loss scale, or weights grown over many steps), and "
             "another batch would most likely fail the same way")

@@ -12,7 +12,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from ..report import AmpReport, DataDefect, Event, ReplayReport, StepRecord, WhatIfResult
-from ..rootcause.findings import describe
+from ..rootcause.findings import describe, step_not_data
 from ..words import count
 
 _VERDICT = {
@@ -91,13 +91,8 @@ def _counts(e: Event) -> str:
     return f"  ({text})" if text else ""
 
 
-def batch_wide(r: ReplayReport) -> bool:
-    """The samples' verdict: most of the batch fails alone, so the step, not its batch, is responsible."""
-    return r.samples is not None and r.samples.status == "batch_wide"
-
-
 def batch_label(r: ReplayReport) -> str:
-    return "batch (not the cause)" if batch_wide(r) else "responsible batch"
+    return "batch (not the cause)" if step_not_data(r) else "responsible batch"
 
 
 _DEFECT = {"nonfinite": "non-finite", "extreme": "extreme", "subnormal": "subnormal"}
@@ -116,7 +111,7 @@ def headline(r: ReplayReport) -> str:
     if r.verdict == "nonfinite":
         shown = r.logged_first_nonfinite_loss_step
         tail = f"; logged loss first NaN at step {shown}" if shown is not None else "; logged losses all finite"
-        if batch_wide(r):
+        if step_not_data(r):
             return f"step {r.responsible_step} failed batch-wide: the step, not its data{tail}"
         return f"responsible step {r.responsible_step}{tail}"
     if r.verdict == "not_reproduced":
@@ -186,7 +181,7 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         facts.add_row("samples", Text(f"{', '.join(map(str, r.samples.samples))} of {r.samples.batch_size}"
                                       + (f"  ({ids})" if ids else "")))
     elif r.samples is not None:
-        facts.add_row("samples", Text("batch-wide: most samples fail alone" if batch_wide(r)
+        facts.add_row("samples", Text("batch-wide: most samples fail alone" if r.samples.status == "batch_wide"
                                       else r.samples.status.replace("_", " ")))
     if r.operation is not None:
         op = r.operation

@@ -49,6 +49,18 @@ def test_every_what_if_on_the_seed_case_through_the_cli(runs):
     assert w["reset-state"]["detail"] == "zeroed the optimizer state of 1 coordinate, put back 1 parameter value"
     assert w["drop-batch"]["losses"][0] is None and all(x == x for x in w["drop-batch"]["losses"][1:])
     assert any(f.startswith(f"What-if at step {DEFECT_STEP}") for f in r["findings"])
+    # the findings of this run, each the case that occurred (tests/test_findings.py has the other cases)
+    [state] = [f for f in r["findings"] if f.startswith(f"From step {DEFECT_STEP} the optimizer state holds")]
+    assert "infinities in exp_avg (1 value in 1 tensor) and exp_avg_sq (1 value in 1 tensor)" in state
+    assert f"the parameters turned non-finite at step {DEFECT_STEP}" in state and "inf/inf = NaN" in state
+    assert "frozen" not in state
+    assert any(f.startswith("Skipping the step after optimizer.step() has written the state would not have saved")
+               for f in r["findings"])
+    assert any("NaN at step 18, 1 step later;" in f for f in r["findings"])  # not "1 step(s)"
+    assert "Gradient clipping would not have rescued this: the total gradient norm is inf, so the clip factor " \
+           "max_norm/inf is 0, and 0*(-inf) = NaN." in r["findings"]
+    assert w["clip=1"]["detail"].startswith("total gradient norm inf: the clip factor 1/inf is 0, and 0*inf = NaN, "
+                                            "so clipping made 1 infinite gradient value NaN and zeroed the other ")
 
 
 def test_seed_sample_skip_survives_skip_after_moments_and_clip_do_not():

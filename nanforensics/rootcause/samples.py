@@ -10,10 +10,10 @@ A failure is *batch-wide* when most samples fail alone: the step (its learning r
 weights grown over many steps), not its data, is then responsible. Deciding that must not cost a
 pass per sample: before halving, single samples drawn at random are tried, up to ``PROBES`` and one
 more than half the batch, stopping at the first that passes. When all of them fail, the batch is
-batch-wide — exactly so for batches of up to ``2 * PROBES - 1`` samples (more than half were tried),
-and for larger ones with an error below 2**-PROBES when only half fail. Otherwise halving names the
-samples, and a batch whose named samples are more than half of it is batch-wide as well; exactly half
-is not.
+batch-wide: exactly so for batches of up to ``2 * PROBES - 1`` samples (more than half were tried),
+and for larger ones wrong with a chance below 2**-PROBES when at most half fail. Otherwise halving
+names the samples, and a batch whose named samples are more than half of it is batch-wide as well;
+exactly half is not.
 
 A step function can opt out (its batch is not split along dimension 0) by setting
 ``train_step.nanforensics_splittable = False``.

@@ -25,6 +25,7 @@ from .rootcause.findings import describe
 from .runs import imports
 from .runs.run import MANIFEST, Run, UserCode
 from .runs.steplog import LoggedStep, first_nonfinite
+from .words import count, numbered
 
 POSTMORTEM_SCHEMA = "nanforensics.postmortem/1"
 DONE, SKIPPED, FAILED = "done", "skipped", "failed"
@@ -136,7 +137,7 @@ def _step_log(run: Run | None, not_run: Analysis, analyses: list[Analysis]) -> l
         return None
     first = first_nonfinite(steps)
     found = f"loss first non-finite at step {first}" if first is not None else "every logged loss is finite"
-    analyses.append(Analysis(STEP_LOG, DONE, f"{len(steps)} steps logged ({steps[0].step}-{steps[-1].step}); {found}"))
+    analyses.append(Analysis(STEP_LOG, DONE, f"{count(len(steps), 'step')} logged ({steps[0].step}-{steps[-1].step}); {found}"))
     return steps
 
 
@@ -156,7 +157,7 @@ def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis]) -> Bisec
             f", last clean at step {report.last_clean.step}" if report.last_clean else "")
     if report.verdict == "non_monotonic":
         found += "; history not monotonic (a restart or repair?)"
-    analyses.append(Analysis(CHECKPOINTS, DONE, f"{report.checkpoints} checkpoints, {report.scans} read; {found}"))
+    analyses.append(Analysis(CHECKPOINTS, DONE, f"{count(report.checkpoints, 'checkpoint')}, {report.scans} read; {found}"))
     return report
 
 
@@ -183,7 +184,7 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     found = {"nonfinite": f"responsible step {report.responsible_step}",
              "clean": "no non-finite value",
              "not_reproduced": "the logged NaN did not reproduce",
-             "loss_only": f"a non-finite loss only, at step(s) {', '.join(map(str, report.loss_only_steps))}: "
+             "loss_only": f"a non-finite loss only, at {numbered('step', report.loss_only_steps)}: "
                           "gradients, parameters, optimizer state and buffers stayed finite"}[report.verdict]
     analyses.append(Analysis(REPLAY, DONE, f"steps {s.first_step}-{s.last_step} from the checkpoint at step "
                                            f"{s.from_checkpoint} on {s.device}; {found}"))
@@ -218,7 +219,7 @@ def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[
         analyses.append(Analysis(TENSOR_SPREAD, FAILED, str(e)))
         return None
     differs = spread.disagreement(m, replay)
-    detail = f"{len(m.rows)} parameters over steps {m.steps[0]}-{m.steps[-1]}"
+    detail = f"{count(len(m.rows), 'parameter')} over steps {m.steps[0]}-{m.steps[-1]}"
     if differs is not None:
         detail += f"; the re-run's counts differ from the replay's from step {differs} (non-deterministic kernels?)"
     analyses.append(Analysis(TENSOR_SPREAD, DONE, detail))
@@ -292,7 +293,7 @@ def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None
         headline = f"the logged loss is non-finite at step {nan_loss}, but the replay does not reproduce it{clean}"
     elif replay is not None and replay.verdict == "loss_only":
         verdict, responsible = "loss_only", None
-        headline = (f"the loss was non-finite at step(s) {', '.join(map(str, replay.loss_only_steps))} only: every "
+        headline = (f"the loss was non-finite at {numbered('step', replay.loss_only_steps)} only: every "
                     "gradient, parameter, optimizer-state and buffer value stayed finite, so training could go on")
     else:
         verdict, responsible = "clean", None

@@ -177,6 +177,7 @@ class Precursor:
     activation_max_abs: float | None
     activation_dtype: str | None
     activation_headroom: float | None  # max |activation| / the dtype's largest finite value
+    learning_rate: float | None = None  # the largest of the param groups' "lr" at optimizer.step()
 
 
 @dataclass

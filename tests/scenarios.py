@@ -409,8 +409,25 @@ def make_gpt2_batch(step: int, seed: int = 0, defect: str | None = None) -> dict
             "temperature": torch.tensor(1e-3 if defect == "cold" else 1.0)}
 
 
+def train_step_lm_scheduled(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
+                            scheduler: Any) -> torch.Tensor:
+    """``train_step_lm``, then the LR scheduler's step, as a loop with a scheduler does."""
+    loss = train_step_lm(model, optimizer, batch)
+    scheduler.step()
+    return loss
+
+
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _adamw_lr_range(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1.5e-2)
+
+
+def lr_finder(optimizer: torch.optim.Optimizer) -> Any:
+    """An LR range test: the learning rate doubles every step until training blows up (from 1.5e-2: by step 19)."""
+    return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=2.0)
 
 
 @dataclass(frozen=True)
@@ -485,6 +502,9 @@ SCENARIOS: dict[str, Scenario] = {
     # one 1e30 pixel: BatchNorm's running_var turns inf, everything else stays finite
     "batchnorm_huge_pixel": Scenario({}, _adam, train_step_classify, "huge_pixel", "buffer", factory=build_cnn,
                                      batches=make_image_batch),
+    # the same decoder under an LR finder: no defect, the step (its learning rate) is what overflows
+    "decoder_lr_finder": Scenario({}, _adamw_lr_range, train_step_lm_scheduled, None, "forward", scheduler=lr_finder,
+                                  factory=build_decoder, batches=make_token_batch),
 }
 
 

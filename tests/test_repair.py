@@ -87,7 +87,7 @@ def test_repair_drops_the_bad_sample_and_the_run_resumes_finite(runs, tmp_path, 
 def test_reset_state_repairs_in_place(runs, tmp_path):
     report = repair_run(runs["adam_near_zero"], tmp_path / "r", RepairOptions(reset_state=True, device="cpu"))
     assert report.written and report.change == "reset-state" and report.verification.finite
-    assert report.detail == "zeroed the optimizer state of 1 coordinate(s), put back 1 parameter value(s)"
+    assert report.detail == "zeroed the optimizer state of 1 coordinate, put back 1 parameter value"
     model, optimizer = _fresh()
     Checkpoint(Path(report.checkpoint), RESUME).load_into(model, optimizer)
     assert all(bool(torch.isfinite(t).all()) for s in optimizer.state.values() for t in s.values())

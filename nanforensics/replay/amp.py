@@ -16,6 +16,7 @@ import torch
 
 from ..report import AmpReport, Event, ScalerStep
 from ..rootcause.findings import describe
+from ..words import count, numbered
 from .monitor import StepMonitor
 from .session import Session
 
@@ -105,8 +106,12 @@ def overflow_text(kind: str | None, amp: AmpReport, scaled: bool) -> str:
     return _PLAIN.get(kind or "", "no non-finite value")
 
 
-def _steps_text(steps: list[int]) -> str:
-    return ", ".join(map(str, steps)) if steps else "none"
+def _control_text(amp: AmpReport) -> str:
+    """``backed off at steps 14, 17, grew at step 13``, or ``held throughout``."""
+    moves = [f"{verb} at {numbered('step', steps)}" for verb, steps in (
+        ("backed off", [s.step for s in amp.steps if s.adjustment == "backoff"]),
+        ("grew", [s.step for s in amp.steps if s.adjustment == "growth"])) if steps]
+    return ", ".join(moves) or "held throughout"
 
 
 def findings(amp: AmpReport | None) -> list[str]:
@@ -118,13 +123,13 @@ def findings(amp: AmpReport | None) -> list[str]:
     if amp.scaler and amp.steps:
         first, last = amp.steps[0], amp.steps[-1]
         out.append(f"Loss scale {first.scale:g} before step {first.step}, {last.next_scale:g} after step {last.step}: "
-                   f"backed off at steps {_steps_text([s.step for s in amp.steps if s.adjustment == 'backoff'])}, "
-                   f"grew at {_steps_text([s.step for s in amp.steps if s.adjustment == 'growth'])}.")
+                   f"{_control_text(amp)}.")
     if amp.caught:
         parts = [f"step {e.step} ({overflow_text(by_step[e.step].overflow, amp, True)}; {describe(e)})"
                  for e in amp.caught]
-        out.append(f"The scaler caught {len(amp.caught)} overflow(s) before optimizer.step() wrote the moments: "
-                   f"benign, each step was skipped with the optimizer state intact: {'; '.join(parts)}.")
+        each = "each step was" if len(amp.caught) > 1 else "the step was"
+        out.append(f"The scaler caught {count(len(amp.caught), 'overflow')} before optimizer.step() wrote the moments: "
+                   f"benign, {each} skipped with the optimizer state intact: {'; '.join(parts)}.")
     e = amp.state_poisoned_by
     if e is not None:
         step = by_step.get(e.step)
@@ -133,6 +138,4 @@ def findings(amp: AmpReport | None) -> list[str]:
                                         "the moments took the non-finite value.")
         out.append(f"The real failure: non-finite values reached the optimizer state at step {e.step} ({describe(e)}), "
                    f"after {kind}.{guard}")
-    elif amp.scaler:
-        out.append("No non-finite value reached the optimizer state: every overflow was caught.")
     return out

@@ -30,7 +30,7 @@ from ..rootcause.data import DEFAULT_MAX_ABS, check_batches
 from ..rootcause.findings import findings
 from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe
-from ..rootcause.samples import attribute_samples
+from ..rootcause.samples import attribute_samples, batch_size
 from ..runs.batches import data_leaves
 from ..runs.checkpoint import Checkpoint
 from ..runs.run import Run, UserCode
@@ -227,8 +227,8 @@ def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int
         verdict = "clean"
     batch_ref = None
     if origin is not None:
-        path = run.batch_file(origin.step)
-        batch_ref = BatchRef(origin.step, str(path), dict(data_leaves(run.batch(origin.step))))
+        path, batch = run.batch_file(origin.step), run.batch(origin.step)
+        batch_ref = BatchRef(origin.step, str(path), dict(data_leaves(batch, size=batch_size(batch))))
     setup = ReplaySetup(str(run.path), checkpoint.step, spread[0].step if spread else checkpoint.step,
                         spread[-1].step if spread else checkpoint.step, str(device), threads, code.imported)
     report = ReplayReport(

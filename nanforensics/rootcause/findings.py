@@ -6,7 +6,8 @@ import math
 
 from ..finite import value_name
 from ..replay.reproduction import LOSS_ULPS
-from ..report import CheckpointComparison, Event, OperationCulprit, OpSite, ReplayReport
+from ..report import CheckpointComparison, Event, OperationCulprit, OpSite, Precursor, ReplayReport
+from ..words import count, numbered
 
 
 def describe(e: Event) -> str:
@@ -85,7 +86,7 @@ def _root_cause(r: ReplayReport) -> list[str]:
         if r.responsible_step is None or d.step == r.responsible_step:
             kind = {"nonfinite": "a non-finite", "extreme": "an extreme", "subnormal": "a subnormal"}[d.kind]
             out.append(f"Data: the batch of step {d.step} holds {kind} value, {d.tensor}"
-                       f"[{', '.join(map(str, d.index))}] = {d.value} ({d.count} such in {d.file}).")
+                       f"[{', '.join(map(str, d.index))}] = {d.value} ({count(d.count, 'such value')} in {d.file}).")
     if r.operation is not None:
         out.append(operation_sentence(r.operation))
     if r.samples is not None:
@@ -128,8 +129,7 @@ def findings(r: ReplayReport) -> list[str]:
             out.append(f"The logged loss was non-finite at step {r.logged_first_nonfinite_loss_step}, but the replay "
                        "found no non-finite value: the failure did not reproduce here.")
         elif not r.loss_only_steps:  # those have their own sentence
-            out.append("No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter or "
-                       f"buffer over steps {r.setup.first_step}-{r.setup.last_step}.")
+            out.append(_nothing_reached(r))
     else:
         out.append(f"Origin: step {o.step}, {describe(o)} ({o.dtype}): {_cause(o)}.")
         shown = first_shown(r)
@@ -141,28 +141,15 @@ def findings(r: ReplayReport) -> list[str]:
         elif shown is not None and shown != o.step:
             logged = next((s.logged_loss for s in r.spread if s.step == o.step), None)
             loss_text = f" ({logged:.6g})" if logged is not None and math.isfinite(logged) else ""
+            inspect = (f"the step to inspect is step {o.step}, not step {shown}" if step_not_data(r) else
+                       f"the batch to inspect is step {o.step}'s, not step {shown}'s")
             out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "
-                       f"The logged loss first shows NaN at step {shown}, {shown - o.step} step(s) later; "
-                       f"the batch to inspect is step {o.step}'s, not step {shown}'s.")
+                       f"The logged loss first shows NaN at step {shown}, {count(shown - o.step, 'step')} later; "
+                       f"{inspect}.")
         out += _root_cause(r)
-        step_events = [e for e in r.events if e.step == o.step]
-        grad_inf = next((e for e in step_events if e.stage == "grad" and e.value in ("inf", "-inf")), None)
-        opt_grad = next((e for e in step_events if e.stage == "optimizer_grad"), None)
-        if grad_inf and opt_grad and opt_grad.value == "nan":
-            out.append(f"The step function turned the {grad_inf.value} gradient into NaN before optimizer.step(): "
-                       "gradient clipping cannot rescue an infinity (total norm = inf, clip factor = max_norm/inf = 0, "
-                       "inf*0 = NaN).")
-        elif grad_inf:
-            out.append("Gradient clipping would not have rescued this: the total norm is inf, the clip factor "
-                       "max_norm/inf is 0, and inf*0 = NaN.")
-    state = [e for e in r.events if e.stage == "optimizer_state"]
-    if state:
-        first = min(e.step for e in state)
-        keys = sorted({e.state_key or "" for e in state if e.step == first})
-        out.append(f"Optimizer state ({', '.join(keys)}) holds non-finite values from step {first}: the state is "
-                   "absorbing (beta*NaN stays NaN, no later gradient repairs it). Skipping the step after "
-                   "optimizer.step() has written it would not save the run: skip before the state is written "
-                   "(check the gradients first, as GradScaler does), or repair or reset the state.")
+        out += _batch_wide(r)
+        out += _clipping(r)
+    out += _state(r)
     out += _buffers(r) + _loss_only(r)
     if o is None and r.loss_only_steps:  # the first loss-only step, explained: its op and its samples
         out += _root_cause(r)
@@ -181,17 +168,13 @@ def first_shown(r: ReplayReport) -> int | None:
                  and s.step not in r.loss_only_steps), None)
 
 
-def _steps(steps: list[int]) -> str:
-    return f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
-
-
 def _buffers(r: ReplayReport) -> list[str]:
     """Non-finite buffers: which, from when, what the parameters and losses did, and what reads the buffers."""
     e = next((e for e in r.events if e.stage == "buffer"), None)
     if e is None:
         return []
     others = e.tensors_nonfinite - 1
-    what = f"Buffer {e.tensor}" + (f" and {others} other buffer{'s' * (others > 1)}" if others > 0 else "")
+    what = f"Buffer {e.tensor}" + (f" and {count(others, 'other buffer')}" if others > 0 else "")
     param = next((p.step for p in r.events if p.stage == "param"), None)
     if param is not None and param < e.step:
         return [f"{what} went non-finite at step {e.step}, after the parameters (step {param}): a consequence, not "
@@ -219,7 +202,7 @@ def _loss_only(r: ReplayReport) -> list[str]:
     values = {_loss(s.replayed_loss) for s in r.spread if s.step in steps and not math.isfinite(s.replayed_loss)}
     value = " or ".join(sorted(values)) or "non-finite"
     before = " before the origin" if r.origin is not None else ""
-    return [f"The loss was {value} at {_steps(steps)}{before}, but no gradient, parameter, optimizer-state or buffer "
+    return [f"The loss was {value} at {numbered('step', steps)}{before}, but no gradient, parameter, optimizer-state or buffer "
             "value was: the non-finite loss never reached the model, so training could continue. Such a loss "
             "typically comes from a batch with no valid target: a mean over zero elements is 0/0 = NaN while its "
             "gradient is zero (cross_entropy when every label is ignore_index, -100)."]
@@ -231,8 +214,8 @@ def _mismatch_text(c: CheckpointComparison) -> str:
     where = f"[{', '.join(map(str, m.index))}]" if m.index else ""
     apart = f", {m.ulps} ulp apart" if m.ulps is not None else ""
     return (f"{m.tensor}{where} is {m.recorded} in the checkpoint of step {c.step}, {m.replayed} in the replay"
-            f"{apart} ({m.elements} value{'s' * (m.elements != 1)} differ{'s' * (m.elements == 1)}, in "
-            f"{c.mismatched_tensors} tensor{'s' * (c.mismatched_tensors != 1)})")
+            f"{apart} ({count(m.elements, 'value')} differ{'s' * (m.elements == 1)}, in "
+            f"{count(c.mismatched_tensors, 'tensor')})")
 
 
 def reproduction(r: ReplayReport) -> str:
@@ -283,3 +266,156 @@ def _reproduction(r: ReplayReport) -> list[str]:
                "within the tolerance for a replay on another device type") + \
               "; no recorded checkpoint in the replayed window confirms the state"
     return [f"Replayed losses differ from the logged ones by up to {r.loss_max_ulps} float32 ulp: {why}."]
+
+
+def _nothing_reached(r: ReplayReport) -> str:
+    """A run with no origin: clean, or clean apart from overflows the loss scaler caught."""
+    span = f"steps {r.setup.first_step}-{r.setup.last_step}"
+    caught = sorted({e.step for e in r.amp.caught}) if r.amp is not None else []
+    if not caught:
+        return (f"No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter or buffer "
+                f"over {span}.")
+    logged = r.logged_first_nonfinite_loss_step
+    among = f" (the non-finite loss logged at step {logged} among them)" if logged in caught else ""
+    return (f"No non-finite value reached the optimizer state or the parameters over {span}: the non-finite values "
+            f"met at {numbered('step', caught)} were overflows the scaler caught{among}.")
+
+
+def step_not_data(r: ReplayReport) -> bool:
+    """Most of the responsible batch fails sample by sample, and that batch holds no data defect: the step (its
+    learning rate, loss scale, or weights grown over many steps), not its data, is responsible."""
+    return (r.samples is not None and r.samples.status == "batch_wide"
+            and not any(d.step == r.responsible_step for d in r.data_defects))
+
+
+# The precursors that show a step drifting towards overflow: (what, its value at a step, whether it is a fraction
+# of the dtype's largest value).
+_DRIFT = (("the learning rate", lambda p: p.learning_rate, False),
+          ("the gradient norm", lambda p: p.grad_norm, False),
+          ("the largest parameter update", lambda p: p.update_max_abs, False),
+          ("the largest activation", lambda p: p.activation_headroom, True))
+RISE = 10.0  # a precursor that grew by this factor over the window before the origin is cited as rising
+
+
+def rising(before: list[Precursor]) -> list[str]:
+    """The precursors that rose at least ``RISE``-fold from the first to the last step of ``before``."""
+    out = []
+    for label, value, of_dtype in _DRIFT:
+        values = [v for v in (value(p) for p in before) if v is not None and math.isfinite(v) and v > 0]
+        if len(values) >= 2 and values[-1] >= RISE * values[0]:
+            of = f" of {before[-1].activation_dtype}'s largest value" if of_dtype else ""
+            out.append(f"{label} from {values[0]:.3g} to {values[-1]:.3g}{of}")
+    return out
+
+
+def _batch_wide(r: ReplayReport) -> list[str]:
+    """A batch-wide failure: the whole batch is bad data, or, with clean data, the step is responsible, with the
+    precursors that show its drift."""
+    o = r.origin
+    if o is None or r.samples is None or r.samples.status != "batch_wide":
+        return []
+    if not step_not_data(r):
+        return [f"Most of step {o.step}'s batch fails sample by sample, and that batch holds data defects (see Data): "
+                "the batch as a whole is bad data, not particular samples of it."]
+    head = (f"Step {o.step}, not its data, is responsible: most of its batch fails sample by sample, so the cause is "
+            "the state the run had reached (its learning rate, its loss scale, or weights grown over many steps), and "
+            "another batch would most likely fail the same way")
+    before = [p for p in r.precursors if p.step < o.step]
+    if len(before) < 2:
+        return [f"{head}; the replay holds no earlier steps to show a drift."]
+    span = f"steps {before[0].step}-{before[-1].step}"
+    rose = rising(before)
+    if not rose:
+        return [f"{head}; no precursor rose {RISE:g}-fold over {span}."]
+    listed = ", ".join(rose[:-1]) + (" and " if len(rose) > 1 else "") + rose[-1]
+    return [f"{head}. Over {span} {'these' if len(rose) > 1 else 'this'} rose: {listed}."]
+
+
+def _times_zero(value: str) -> str:
+    return f"0*({value})" if value.startswith("-") else f"0*{value}"
+
+
+def _clipping(r: ReplayReport) -> list[str]:
+    """What gradient clipping did, or would have done, with this step's non-finite gradient."""
+    o = r.origin
+    assert o is not None
+    step_events = [e for e in r.events if e.step == o.step]
+    grad = next((e for e in step_events if e.stage == "grad"), None)
+    opt_grad = next((e for e in step_events if e.stage == "optimizer_grad"), None)
+    if grad is None:
+        return []
+    if grad.value in ("inf", "-inf") and opt_grad is not None and opt_grad.value == "nan":
+        return [f"The step function turned the {grad.value} gradient into NaN before optimizer.step(): that is what "
+                f"gradient clipping does to an infinity (total norm inf, clip factor max_norm/inf = 0, and "
+                f"{_times_zero(grad.value)} = NaN), so clipping cannot rescue it."]
+    if (opt_grad is not None and opt_grad.value != grad.value) or (grad.value == "nan" and o.stage != "grad"):
+        return []  # the step function changed the gradients, or they only carry an earlier stage's NaN
+    norm = next((p.grad_norm for p in r.precursors if p.step == o.step), None)
+    if norm is None:  # not measured: the first gradient event says which case it is
+        norm = math.inf if grad.value in ("inf", "-inf") else math.nan
+    if math.isnan(norm):
+        return ["Gradient clipping would not have rescued this: the total gradient norm is NaN, so the clip factor "
+                "max_norm/NaN is NaN, and clipping makes every gradient NaN."]
+    if math.isinf(norm):
+        value = grad.value if grad.value in ("inf", "-inf") else "inf"
+        return [f"Gradient clipping would not have rescued this: the total gradient norm is inf, so the clip factor "
+                f"max_norm/inf is 0, and {_times_zero(value)} = NaN."]
+    return []
+
+
+_SECOND_MOMENTS = {"exp_avg_sq", "max_exp_avg_sq"}  # Adam's v (and AMSGrad's max of it): the update divides by its root
+
+
+def _state_kinds(r: ReplayReport, step: int, keys: list[str]) -> dict[str, str]:
+    """Per state key, "NaN" or "infinities": what the key holds over all parameters at ``step``.
+
+    The precursors' max |value| per key is NaN when any value is NaN and inf when an infinity is the worst;
+    without them, the first non-finite value the replay met stands for the key.
+    """
+    measured = next((p.state_max_abs for p in r.precursors if p.step == step), {})
+    first = {e.state_key: e.value for e in r.events if e.stage == "optimizer_state" and e.step == step}
+    kinds = {}
+    for key in keys:
+        v = measured.get(key)
+        nan = math.isnan(v) if v is not None and not math.isfinite(v) else first.get(key) == "nan"
+        kinds[key] = "NaN" if nan else "infinities"
+    return kinds
+
+
+def _state(r: ReplayReport) -> list[str]:
+    """What the optimizer state holds once it went non-finite, and what follows from it in this run."""
+    state = [e for e in r.events if e.stage == "optimizer_state"]
+    if not state:
+        return []
+    first = min(e.step for e in state)
+    at_first = [e for e in state if e.step == first]
+    kinds = _state_kinds(r, first, sorted({e.state_key or "" for e in at_first}))
+    by_kind: dict[str, list[str]] = {}
+    for e in sorted(at_first, key=lambda e: e.state_key or ""):
+        by_kind.setdefault(kinds[e.state_key or ""], []).append(
+            f"{e.state_key} ({count(e.elements_nonfinite, 'value')} in {count(e.tensors_nonfinite, 'tensor')})")
+    holds = "; ".join(f"{kind} in {' and '.join(keys)}" for kind, keys in sorted(by_kind.items()))
+    finite_keys = sorted(set(next((p.state_max_abs for p in r.precursors if p.step == first), {})) - set(kinds))
+    param = next((e.step for e in r.events if e.stage == "param"), None)
+    follows = (f"the parameters turned non-finite at step {param}" if param is not None else
+               f"the parameters stayed finite through step {r.setup.last_step}")
+    head = f"From step {first} the optimizer state holds {holds}"
+    nan = [k for k, v in kinds.items() if v == "NaN"]
+    if nan:
+        out = [f"{head}; {follows}. NaN in the state is absorbing: beta*NaN stays NaN, and no later gradient repairs "
+               "it."]
+    elif param is None and set(kinds) <= _SECOND_MOMENTS:
+        others = f", while {', '.join(finite_keys)} stayed finite" if finite_keys else ""
+        out = [f"{head}{others}; {follows}. Where v is inf, Adam's update m/(sqrt(v)+eps) is 0: those coordinates "
+               "are frozen, they stop learning rather than turn NaN, and stay frozen while the inf lasts "
+               "(beta2*inf = inf). Zeroing their state (--what-if reset-state) lets them learn again."]
+    elif {"exp_avg", "exp_avg_sq"} <= set(kinds):
+        out = [f"{head}; {follows}. Adam's update m/(sqrt(v)+eps) is inf/inf = NaN there, and the infinities persist "
+               "(beta*inf = inf)."]
+    else:
+        out = [f"{head}; {follows}. An infinity in the state persists (beta*inf = inf)."]
+    if param is not None:
+        out.append("Skipping the step after optimizer.step() has written the state would not have saved the run: "
+                   "skip before the state is written (check the gradients first, as GradScaler does), or repair or "
+                   "reset the state.")
+    return out

@@ -103,9 +103,25 @@ def has_tensor(node: Any) -> bool:
     return any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(node))
 
 
-def data_leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
-    """The largest tensor-free parts of a batch (sample ids, file names), each whole, by path."""
-    return ((p, v) for p, v in _walk(batch, path, lambda node: not has_tensor(node)) if not has_tensor(v))
+def per_sample(node: Any, size: int) -> bool:
+    """A tensor-free list or tuple of ``size`` items: one item per sample (ids, file names, per-sample dicts)."""
+    return isinstance(node, (list, tuple)) and len(node) == size and not has_tensor(node)
+
+
+def _holds_per_sample(node: Any, size: int) -> bool:
+    return any(per_sample(v, size) for _, v in _walk(node, "", lambda n: per_sample(n, size)))
+
+
+def data_leaves(batch: Any, path: str = "batch", size: int | None = None) -> Iterator[tuple[str, Any]]:
+    """The largest tensor-free parts of a batch (sample ids, file names), each whole, by path.
+
+    With the batch ``size``, a part that holds per-sample lists deeper down (``batch['meta']['ids']``) is
+    opened down to them, so that each per-sample list is a leaf of its own, at any depth.
+    """
+    def whole(node: Any) -> bool:
+        return not has_tensor(node) and (size is None or per_sample(node, size) or not _holds_per_sample(node, size))
+
+    return ((p, v) for p, v in _walk(batch, path, whole) if not has_tensor(v))
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -22,6 +22,7 @@ from ..checkpoints.scan import (
     TensorScan,
 )
 from ..formats import MODEL
+from ..words import count
 
 SHOWN = 20  # tensors listed per table; the JSON report has all of them
 
@@ -126,7 +127,7 @@ def _scan_notes(r: ScanReport) -> list[str]:
         notes.append("Stopped at the first non-finite tensor; --full reads and counts every tensor.")
     _, near = _notable(r.tensors)
     if near:
-        notes.append(f"{len(near)} finite tensor(s) within a factor {r.margin:g} of their dtype's largest value: "
+        notes.append(f"{count(len(near), 'finite tensor')} within a factor {r.margin:g} of their dtype's largest value: "
                      "a precursor of overflow.")
     return notes
 
@@ -134,7 +135,7 @@ def _scan_notes(r: ScanReport) -> list[str]:
 def _bisect_notes(r: BisectReport) -> list[str]:
     how = "the step in their metadata" if r.order == "metadata" else "the number in their names"
     mode = "linear" if r.mode == "linear" else f"bisection, at most {r.max_scans}"
-    notes = [f"{r.checkpoints} checkpoint(s) ordered by {how}; {r.scans} read ({mode})."]
+    notes = [f"{count(r.checkpoints, 'checkpoint')} ordered by {how}; {r.scans} read ({mode})."]
     if r.first_poisoned_verdict:
         notes.append(f"First poisoned: {_MEANING[r.first_poisoned_verdict]}.")
     if r.first_poisoned_scan is not None:

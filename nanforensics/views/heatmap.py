@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ..replay.spread import SpreadMap, grouped
+from ..words import count
 
 MAX_ROWS = 24
 LABEL_WIDTH = 32
@@ -55,7 +56,7 @@ def lines(m: SpreadMap) -> list[list[tuple[str, str]]]:
     out.append([(f"non-finite values after each of steps {g.steps[0]}-{g.steps[-1]}{marked}", "dim")])
     out.append([("  ".join(f"{s} {n}" for s, n in zip(SHADES, LEVEL_NAMES)), "dim")])
     if len(g.rows) < len(m.rows):
-        out.append([(f"{len(m.rows)} tensors shown as {len(g.rows)} layers", "dim")])
+        out.append([(f"{count(len(m.rows), 'tensor')} shown as {count(len(g.rows), 'layer')}", "dim")])
     return out
 
 

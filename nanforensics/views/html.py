@@ -14,9 +14,10 @@ from ..postmortem import PostmortemReport, span
 from ..replay.spread import SpreadMap, from_replay, grouped
 from ..report import ReplayReport
 from ..rootcause.findings import describe, reproduction
+from ..words import count
 from . import heatmap
 from .postmortem import VERDICT, spread_map
-from .replay import headline, precursor_rows
+from .replay import batch_label, counts, headline, precursor_rows
 
 LEVEL_FILLS = ("#e5e7eb", "#fcd34d", "#fb923c", "#dc2626", "#7f1d1d")
 PALETTE = ("#2563eb", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be123c", "#4d7c0f", "#a16207")
@@ -93,8 +94,8 @@ def _replay_sections(r: ReplayReport, spread: SpreadMap | None, loss_chart: str 
     facts = [("replayed", f"{escape(r.setup.run)}: steps {r.setup.first_step}-{r.setup.last_step} from the "
                           f"checkpoint at step {r.setup.from_checkpoint}, {escape(r.setup.device)}")]
     if r.responsible_batch is not None:
-        facts.append(("responsible batch", f"step {r.responsible_batch.step}, "
-                                           f"<code>{escape(r.responsible_batch.file)}</code>"))
+        facts.append((batch_label(r), f"step {r.responsible_batch.step}, "
+                                      f"<code>{escape(r.responsible_batch.file)}</code>"))
     if r.origin is not None:
         facts.append(("origin", f"step {r.origin.step}, <code>{escape(describe(r.origin))}</code> "
                                 f"({escape(r.origin.dtype or '')})"))
@@ -133,8 +134,8 @@ def _chain(r: ReplayReport) -> str:
     items = []
     for step in sorted({e.step for e in r.events}):
         inner = "".join(f"<li><code>{escape(describe(e))}</code>"
-                        + (f" <span class=\"dim\">({e.elements_nonfinite:,} values in {e.tensors_nonfinite} "
-                           f"tensors)</span>" if e.elements_nonfinite > 1 else "") + "</li>"
+                        + (f" <span class=\"dim\">({escape(counts(e))})</span>" if counts(e) else "")
+                        + "</li>"
                         for e in r.events if e.step == step)
         items.append(f"<li>step {step}<ol>{inner}</ol></li>")
     return "<h2>Propagation chain</h2><ol>" + "".join(items) + "</ol>"
@@ -212,7 +213,7 @@ def _heatmap(m: SpreadMap | None) -> str:
                      for fill, name in zip(LEVEL_FILLS, heatmap.LEVEL_NAMES))
     basis = "per tensor" if g.basis == "per_tensor" else "whole model (the replay report's totals)"
     if len(g.rows) < len(m.rows):
-        basis += f"; {len(m.rows)} tensors shown as {len(g.rows)} layers"
+        basis += f"; {count(len(m.rows), 'tensor')} shown as {count(len(g.rows), 'layer')}"
     return (f'<h2>Spread of non-finite values</h2><svg role="img" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}" font-family="system-ui,sans-serif">' + "".join(parts) + "</svg>"
             f'<div class="legend">non-finite values after each step, {escape(basis)}: {legend}</div>')

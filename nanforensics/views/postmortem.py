@@ -14,6 +14,7 @@ from rich.text import Text
 
 from ..postmortem import DONE, FAILED, SKIPPED, PostmortemReport
 from ..replay import spread
+from ..rootcause.findings import step_not_data
 from . import checkpoints, heatmap, replay
 
 VERDICT = {
@@ -82,7 +83,7 @@ def render_markdown(r: PostmortemReport) -> str:
 def failure_message(r: PostmortemReport) -> str:
     """One line for a CI dashboard: the responsible step, its batch and the origin, or the window."""
     batch = r.replay.responsible_batch if r.replay is not None and r.responsible_step is not None else None
-    return r.headline + (f" (batch {batch.file})" if batch else "")
+    return r.headline + (f" (batch {batch.file})" if batch and not step_not_data(r.replay) else "")
 
 
 def render_junit(r: PostmortemReport) -> str:

@@ -11,8 +11,9 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from ..report import AmpReport, Event, ReplayReport, StepRecord, WhatIfResult
-from ..rootcause.findings import describe, first_shown, reproduction
+from ..report import AmpReport, DataDefect, Event, ReplayReport, StepRecord, WhatIfResult
+from ..rootcause.findings import describe, first_shown, reproduction, step_not_data
+from ..words import count, numbered
 
 _VERDICT = {
     "nonfinite": ("bold white on red", "NON-FINITE"),
@@ -57,9 +58,10 @@ def sparkline(values: list[float | None]) -> str:
 def precursor_rows(r: ReplayReport) -> list[tuple[str, list[float | None]]]:
     """(metric, value per replayed precursor step) for every metric the report has."""
     p = r.precursors
-    rows: list[tuple[str, list[float | None]]] = [
-        ("grad norm", [x.grad_norm for x in p]), ("max |grad|", [x.grad_max_abs for x in p]),
-        ("max |update|", [x.update_max_abs for x in p])]
+    rows: list[tuple[str, list[float | None]]] = [("learning rate", [x.learning_rate for x in p])] if any(
+        x.learning_rate is not None for x in p) else []
+    rows += [("grad norm", [x.grad_norm for x in p]), ("max |grad|", [x.grad_max_abs for x in p]),
+             ("max |update|", [x.update_max_abs for x in p])]
     for key in sorted({k for x in p for k in x.state_max_abs}):
         rows.append((f"max |{key}|", [x.state_max_abs.get(key) for x in p]))
     dtype = next((x.activation_dtype for x in p if x.activation_dtype), "")
@@ -79,10 +81,32 @@ def _spread_rows(r: ReplayReport) -> list[StepRecord]:
     return [s for s in r.spread if s.step >= start]
 
 
-def _counts(e: Event) -> str:
+def counts(e: Event) -> str:
+    """``220 values in 3 tensors``; empty for a single value."""
     if e.tensors_nonfinite <= 1 and e.elements_nonfinite <= 1:
         return ""
-    return f"  ({e.elements_nonfinite:,} values in {e.tensors_nonfinite} tensor{'s' * (e.tensors_nonfinite > 1)})"
+    return f"{count(e.elements_nonfinite, 'value')} in {count(e.tensors_nonfinite, 'tensor')}"
+
+
+def _counts(e: Event) -> str:
+    text = counts(e)
+    return f"  ({text})" if text else ""
+
+
+def batch_label(r: ReplayReport) -> str:
+    return "batch (not the cause)" if step_not_data(r) else "responsible batch"
+
+
+_DEFECT = {"nonfinite": "non-finite", "extreme": "extreme", "subnormal": "subnormal"}
+DEFECTS_SHOWN = 5
+
+
+def defect_lines(defects: list[DataDefect]) -> list[str]:
+    """One line per data defect, the first ``DEFECTS_SHOWN``, then how many more the JSON holds."""
+    out = [f"step {d.step}  {d.tensor}[{', '.join(map(str, d.index))}] = {d.value}  {_DEFECT[d.kind]} "
+           f"({count(d.count, 'such value')})" for d in defects[:DEFECTS_SHOWN]]
+    more = len(defects) - DEFECTS_SHOWN
+    return out + ([f"... and {more} more (every one in the JSON report)"] if more > 0 else [])
 
 
 def headline(r: ReplayReport) -> str:
@@ -91,12 +115,13 @@ def headline(r: ReplayReport) -> str:
         tail = (f"; logged loss first NaN at step {shown}" if shown is not None else
                 "; logged losses all finite" if r.logged_first_nonfinite_loss_step is None else
                 "; logged losses non-finite only where the state stayed finite")
+        if step_not_data(r):
+            return f"step {r.responsible_step} failed batch-wide: the step, not its data{tail}"
         return f"responsible step {r.responsible_step}{tail}"
     if r.verdict == "not_reproduced":
         return f"logged loss NaN at step {r.logged_first_nonfinite_loss_step}, not reproduced by the replay"
     if r.verdict == "loss_only":
-        steps = ", ".join(map(str, r.loss_only_steps))
-        return f"non-finite loss at step{'s' * (len(r.loss_only_steps) > 1)} {steps} only: the model's state stayed finite"
+        return f"non-finite loss at {numbered('step', r.loss_only_steps)} only: the model's state stayed finite"
     return f"steps {r.setup.first_step}-{r.setup.last_step} replayed, all finite"
 
 
@@ -152,7 +177,9 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     if r.responsible_batch:
         b = r.responsible_batch
         extra = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items())
-        facts.add_row("responsible batch", Text(f"step {b.step}  {b.file}" + (f"\n{extra}" if extra else "")))
+        facts.add_row(batch_label(r), Text(f"step {b.step}  {b.file}" + (f"\n{extra}" if extra else "")))
+    if r.data_defects:
+        facts.add_row("data", Text("\n".join(defect_lines(r.data_defects))))
     if r.origin:
         facts.add_row("origin", Text(f"step {r.origin.step}  {describe(r.origin)}  ({r.origin.dtype})", style="bold red"))
     if r.samples is not None and r.samples.samples:
@@ -160,7 +187,8 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         facts.add_row("samples", Text(f"{', '.join(map(str, r.samples.samples))} of {r.samples.batch_size}"
                                       + (f"  ({ids})" if ids else "")))
     elif r.samples is not None:
-        facts.add_row("samples", Text(r.samples.status.replace("_", " ")))
+        facts.add_row("samples", Text("batch-wide: most samples fail alone" if r.samples.status == "batch_wide"
+                                      else r.samples.status.replace("_", " ")))
     if r.operation is not None:
         op = r.operation
         via = f" <- {op.forward.op}" if op.forward else ""
@@ -168,8 +196,8 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
                                         f"module {op.site.module or '(none)'}  {op.site.source or ''}"))
     facts.add_row("reproduction", reproduction(r))
     if r.loss_only_steps:
-        facts.add_row("loss only", f"step{'s' * (len(r.loss_only_steps) > 1)} {', '.join(map(str, r.loss_only_steps))}"
-                                   ": a non-finite loss; every gradient, parameter, optimizer state and buffer finite")
+        facts.add_row("loss only", numbered("step", r.loss_only_steps)
+                      + ": a non-finite loss; every gradient, parameter, optimizer state and buffer finite")
     parts: list[Any] = [facts]
     if r.events:
         chain = Tree("[bold]propagation chain")
@@ -213,7 +241,9 @@ def render_markdown(r: ReplayReport) -> str:
            f"Run `{s.run}`, replayed from the checkpoint at step {s.from_checkpoint} over steps "
            f"{s.first_step}-{s.last_step} on {s.device}.", ""]
     if r.responsible_batch:
-        out.append(f"- **Responsible batch:** step {r.responsible_batch.step}, `{r.responsible_batch.file}`")
+        out.append(f"- **{batch_label(r).capitalize()}:** step {r.responsible_batch.step}, `{r.responsible_batch.file}`")
+    if r.data_defects:
+        out += ["- **Data:**"] + [f"  - `{line}`" for line in defect_lines(r.data_defects)]
     if r.origin:
         out.append(f"- **Origin:** step {r.origin.step}, `{describe(r.origin)}` ({r.origin.dtype})")
     out.append(f"- **Reproduction:** {reproduction(r)}")

@@ -75,7 +75,7 @@ def test_postmortem_verdict_and_exit_code_follow_the_replay(runs, tmp_path):
     assert result.code == 4, result.stderr
     r = json.loads((tmp_path / "pm.json").read_text())
     assert (r["verdict"], r["replay"]["verdict"], r["responsible_step"]) == ("loss_only", "loss_only", None)
-    assert f"step(s) {DEFECT_STEP} only" in r["headline"]
+    assert f"step {DEFECT_STEP} only" in r["headline"]
     assert "LOSS ONLY" in result.stdout
     assert 'type="loss_only"' in (tmp_path / "junit.xml").read_text()
 

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from .errors import BadInput
+from .outputs import check_outputs, expand
 from .rootcause.data import DEFAULT_MAX_ABS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -53,21 +54,18 @@ def step_progress(what: str) -> Iterator[Optional[Callable[[int, int, int], None
         yield update
 
 
-def check_destinations(*destinations: Optional[str]) -> None:
-    """Before any work, refuse a report path that cannot be written: a failed command leaves every earlier report
-    as it was (the writes come one after another at the end), and a long replay is not wasted."""
-    for destination in destinations:
-        if destination is None or destination == "-":
-            continue
-        path = Path(destination)
-        if path.is_dir():
-            raise BadInput(destination, "is a directory; reports are written to files")
-        # Missing folders are created on writing; the nearest one that exists must be a writable folder.
-        existing = next(p for p in path.absolute().parents if p.exists())
-        if not existing.is_dir():
-            raise BadInput(destination, f"cannot write a report there: {existing} is not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise BadInput(destination, f"cannot write a report there: {existing} is not writable")
+def announce_code(run_dir: Path) -> None:
+    """The import strings of the run's code, on stderr before any is imported: what the command is about to run."""
+    from .runs.run import run_code
+
+    named = run_code(run_dir)
+    if named:
+        stderr_console().print("nanforensics: run code: " + ", ".join(f"{field}={spec}" for field, spec in named),
+                               markup=False, soft_wrap=True)
+
+
+_TRUST_CODE_HELP = ("Call the run's model factory, step function and optimizer even where the trust policy refuses "
+                    "them (README, Security): only for a run you trust.")
 
 
 def emit_json(report: object, destination: Optional[str]) -> None:
@@ -118,6 +116,7 @@ def replay(
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
                                                      "directory.")] = False,
+    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
     explain: Annotated[bool, typer.Option(help="Find the operation and the samples behind the responsible "
                                                "step (re-runs that one step).")] = True,
     data_max_abs: Annotated[float, typer.Option(help="Batch values beyond this magnitude are reported as data "
@@ -138,9 +137,11 @@ def replay(
     from .replay.whatif import parse
     from .views.replay import render_markdown, render_terminal
 
-    check_destinations(json_out, markdown)
+    check_outputs([run_dir], {"--json": json_out, "--markdown": markdown})
+    announce_code(run_dir)
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
-                            code_paths=code_path or [], trust_run_dir=trust_run_dir, explain=explain,
+                            code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
+                            explain=explain,
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
                             what_if_steps=what_if_steps)
     with step_progress("replaying") as progress:
@@ -172,6 +173,7 @@ def repair(
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
                                                      "directory.")] = False,
+    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
 ) -> None:
     """Write a checkpoint that resumes cleanly: the responsible batch (or its bad samples) left out, verified.
 
@@ -180,9 +182,10 @@ def repair(
     from .replay.repair import RepairOptions, repair_run
     from .views.repair import render_repair_terminal
 
-    check_destinations(json_out)
+    check_outputs([run_dir], {"--out": str(out), "--json": json_out}, folders=("--out",))
+    announce_code(run_dir)
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
-                            code_paths=code_path or [], trust_run_dir=trust_run_dir)
+                            code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code)
     with step_progress("replaying") as progress:
         report = repair_run(run_dir, out, options, progress=progress)
     emit_json(report, json_out)
@@ -214,7 +217,7 @@ def scan(
     from .formats import open_checkpoint
     from .views.checkpoints import bytes_progress, render_scan_markdown, render_scan_terminal
 
-    check_destinations(json_out, markdown)
+    check_outputs([checkpoint], {"--json": json_out, "--markdown": markdown})
     source = open_checkpoint(checkpoint)
     with bytes_progress(stderr_console()) as progress:
         report = scan_checkpoint(source, full=full, margin=margin, progress=progress)
@@ -237,6 +240,7 @@ def bisect(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
+    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay.")] = False,
 ) -> None:
     """Find the first poisoned checkpoint in about log2(n) checkpoint reads.
 
@@ -245,7 +249,7 @@ def bisect(
     from .checkpoints.bisect import bisect as bisect_checkpoints
     from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
 
-    check_destinations(json_out, markdown)
+    check_outputs(expand(checkpoints), {"--json": json_out, "--markdown": markdown})
     with bytes_progress(stderr_console()) as progress:
         report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
     emit_json(report, json_out)
@@ -259,9 +263,10 @@ def bisect(
         from .replay.engine import ReplayOptions, replay_run
         from .views.replay import render_terminal
 
+        announce_code(Path(report.replay.run))
         with step_progress("replaying") as step_bar:
-            replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step),
-                                  progress=step_bar)
+            replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step,
+                                                                   trust_code=trust_code), progress=step_bar)
         if json_out != "-":
             render_terminal(replayed, stdout_console())
     raise typer.Exit(EXIT_CLEAN if report.first_poisoned is None else EXIT_FOUND)
@@ -292,6 +297,7 @@ def postmortem(
     junit: Annotated[Optional[str], typer.Option(help="Write JUnit XML to PATH: the diagnosis as a failed test "
                                                       "case.")] = None,
     html: Annotated[Optional[str], typer.Option(help="Write a self-contained HTML report to PATH.")] = None,
+    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
 ) -> None:
     """Everything the directory allows: step log, checkpoint bisection, replay, spread per tensor.
 
@@ -299,15 +305,16 @@ def postmortem(
     3 logged NaN reproduced neither by the replay nor in the checkpoints, 4 a non-finite loss only (the replay
     found every gradient, parameter, optimizer state and buffer finite).
     """
-    from .postmortem import check_outputs
     from .postmortem import postmortem as examine
     from .views.html import render_html
     from .views.postmortem import render_junit, render_markdown, render_terminal, status_line
 
-    check_outputs(directory, {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html})
-    check_destinations(json_out, markdown, junit, html)
+    summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
+    check_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
+                                "$GITHUB_STEP_SUMMARY": summary_file})
+    announce_code(directory)
     with step_progress("replaying") as progress:
-        report = examine(directory, progress, note=status_line(stderr_console()))
+        report = examine(directory, progress, note=status_line(stderr_console()), trust_code=trust_code)
     emit_json(report, json_out)
     emit_text(render_junit(report), junit, "JUnit")
     emit_text(render_html(report), html, "HTML")
@@ -315,7 +322,7 @@ def postmortem(
     if markdown is not None:
         emit_markdown(summary, markdown)
     else:
-        append_step_summary(summary, os.environ.get("GITHUB_STEP_SUMMARY") or None)
+        append_step_summary(summary, summary_file)
     if json_out != "-":
         render_terminal(report, stdout_console())
     raise typer.Exit(_REPLAY_EXIT[report.verdict])
@@ -332,7 +339,7 @@ def report_command(
     from .views.html import render_html
     from .views.report import render_markdown, render_terminal
 
-    check_destinations(markdown, html)
+    check_outputs([saved], {"--markdown": markdown, "--html": html})
     loaded = load_report(saved)
     emit_markdown(render_markdown(loaded), markdown)
     emit_text(render_html(loaded), html, "HTML")

@@ -82,8 +82,12 @@ class PostmortemReport:
 
 
 def postmortem(directory: str | Path, progress: ProgressFn | None = None,
-               note: Callable[[str], None] | None = None) -> PostmortemReport:
-    """Analyse ``directory`` as far as it allows; ``note`` hears which analysis starts (for a status line)."""
+               note: Callable[[str], None] | None = None, trust_code: bool = False) -> PostmortemReport:
+    """Analyse ``directory`` as far as it allows; ``note`` hears which analysis starts (for a status line).
+
+    The run's code is called only within the trust policy (``imports.check_callable``) unless ``trust_code``; a
+    callable it refuses leaves a checkpoint-only analysis that says why.
+    """
     path = Path(directory)
     if not path.exists():
         raise BadInput(path, "no such directory")
@@ -100,9 +104,9 @@ def postmortem(directory: str | Path, progress: ProgressFn | None = None,
     checkpoints = _checkpoints(path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run,
                                analyses)
     say("replaying")
-    replay, advice = _replay(run, not_run, steps, analyses, progress)
+    replay, advice = _replay(run, not_run, steps, analyses, progress, trust_code)
     say("mapping the spread per tensor")
-    tensor_spread = _tensor_spread(run, replay, analyses)
+    tensor_spread = _tensor_spread(run, replay, analyses, trust_code)
     if not any(a.status == DONE for a in analyses):
         raise BadInput(path, "nothing could be analysed: " + "; ".join(f"{a.name}: {a.detail}" for a in analyses))
 
@@ -162,7 +166,7 @@ def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis]) -> Bisec
 
 
 def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, analyses: list[Analysis],
-            progress: ProgressFn | None) -> tuple[ReplayReport | None, list[str]]:
+            progress: ProgressFn | None, trust_code: bool) -> tuple[ReplayReport | None, list[str]]:
     """The replay, or None; and what would make it possible when it is the user's code that is missing here."""
     if run is None:
         analyses.append(Analysis(REPLAY, SKIPPED, not_run.detail + CHECKPOINT_ONLY))
@@ -170,13 +174,13 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     if steps is None:
         analyses.append(Analysis(REPLAY, SKIPPED, "the step log is unusable, so there is nothing to replay against"))
         return None, []
-    missing = _unimportable(run)
+    missing = _unimportable(run, trust_code)
     if missing:
         analyses.append(Analysis(REPLAY, SKIPPED, missing + CHECKPOINT_ONLY))
         return None, [f"To pin the step, run the post-mortem where the training code is importable (the training "
                       f"repository's root), or `nanforensics replay {run.path} --code-path DIR`."]
     try:
-        report = replay_run(run.path, ReplayOptions(), progress)
+        report = replay_run(run.path, ReplayOptions(trust_code=trust_code), progress)
     except BadInput as e:
         analyses.append(Analysis(REPLAY, FAILED, str(e)))
         return None, []
@@ -191,22 +195,20 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     return report, []
 
 
-def _unimportable(run: Run) -> str | None:
-    """Which of the run's callables cannot be imported here, and why; None when all of them can."""
-    m = run.manifest
-    roles = [("model factory", m.model_factory), ("step function", m.step_fn),
-             ("optimizer", m.optimizer_factory or m.optimizer_class)]
-    roles += [("scheduler factory", m.scheduler_factory)] if m.scheduler_factory else []
-    for role, spec in roles:
+def _unimportable(run: Run, trust_code: bool) -> str | None:
+    """Which of the run's callables cannot be imported here, or is refused by the trust policy, and why; None when
+    all of them can be."""
+    for role, spec in run.manifest.callables():
         try:
-            imports.resolve(spec, where=run.path / MANIFEST, forbidden=run.path)
+            imports.load_callable(role, spec, where=run.path / MANIFEST, forbidden=run.path, trust_code=trust_code)
         except BadInput as e:  # the problem usually starts with the spec itself: say it once
-            problem = e.problem.removeprefix(f"{spec!r} ")
+            problem = e.problem.removeprefix(f"{role} ").removeprefix(f"{spec!r} ")
             return f"{role} `{spec}` {problem}" if problem != e.problem else f"{role} `{spec}`: {problem}"
     return None
 
 
-def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis]) -> SpreadMap | None:
+def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis],
+                   trust_code: bool) -> SpreadMap | None:
     if run is None or replay is None:
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "needs a replay"))
         return None
@@ -214,7 +216,7 @@ def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value in the model's state to map"))
         return None
     try:
-        m = spread.trace(run, UserCode.load(run), replay)
+        m = spread.trace(run, UserCode.load(run, trust_code=trust_code), replay)
     except BadInput as e:
         analyses.append(Analysis(TENSOR_SPREAD, FAILED, str(e)))
         return None
@@ -311,11 +313,3 @@ def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None
                             kind="run" if (path / MANIFEST).exists() else "checkpoints",
                             responsible_step=responsible, window=window, analyses=analyses, step_log=summary,
                             checkpoints=checkpoints, replay=replay, tensor_spread=tensor_spread, findings=findings)
-
-
-def check_outputs(directory: Path, outputs: dict[str, str | None]) -> None:
-    """Refuse a report path inside the examined directory, before any work: nothing is written there."""
-    for option, destination in outputs.items():
-        if destination and destination != "-" and Path(destination).resolve().is_relative_to(directory.resolve()):
-            raise BadInput(option, f"{destination} lies inside {directory}, which the post-mortem examines and "
-                                   "never writes into")

@@ -58,9 +58,17 @@ def tree_digest(root: Path) -> dict[str, str]:
     return out
 
 
+ANNOUNCEMENT = "nanforensics: run code: "  # the run's import strings, shown before any is imported
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without the line that announces the run's code."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith(ANNOUNCEMENT)]
+
+
 def assert_one_line_error(result: Result, *needles: str) -> None:
     assert result.code == 2, (result.code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
+    lines = error_lines(result.stderr)
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     for needle in needles:

@@ -104,9 +104,9 @@ def test_non_empty_out_is_refused_unless_forced(runs, tmp_path):
 
 
 def test_never_into_the_run_and_nothing_to_repair(runs, tmp_path):
-    with pytest.raises(BadInput, match="inside the run directory"):
+    with pytest.raises(BadInput, match="lies inside .*, which this command examines and never writes into"):
         repair_run(runs["adam_near_zero"], runs["adam_near_zero"] / "repaired")
-    with pytest.raises(BadInput, match="would delete the run"):
+    with pytest.raises(BadInput, match="holds .*: replacing it would delete it"):
         repair_run(runs["adam_near_zero"], runs["adam_near_zero"].parent, RepairOptions(force=True))
     with pytest.raises(BadInput, match="nothing to repair"):
         repair_run(runs["clean"], tmp_path / "r", RepairOptions(device="cpu"))

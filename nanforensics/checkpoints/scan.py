@@ -29,6 +29,7 @@ CHUNK_BYTES = 32 << 20
 CLEAN, POISONED_PARAMETERS, POISONED_STATE = "clean", "poisoned_parameters", "poisoned_optimizer_state"
 POISONED_BUFFERS = "poisoned_buffers"  # parameters finite, a registered buffer (BatchNorm statistics) not
 RECORDED, BY_NAME = "recorded", "by_name"  # how buffers are told from parameters
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _NO_AMINMAX = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                            "float8_e8m0fnu") if hasattr(torch, n)}
 
@@ -154,7 +155,11 @@ def _extremes(tensor: torch.Tensor, release: Release) -> tuple[float, float]:
 def _check(info: TensorInfo, tensor: torch.Tensor, release: Release, margin: float) -> TensorScan:
     base = {"name": info.name, "group": info.group, "dtype": str(info.dtype).removeprefix("torch."),
             "shape": list(info.shape)}
-    if tensor.layout != torch.strided or not finite.checkable(tensor):
+    coordinates = None
+    if tensor.layout != torch.strided:  # a sparse tensor's stored values are what can be non-finite
+        tensor, coordinates = _sparse_values(info, tensor)
+        release = _keep
+    if not finite.checkable(tensor):
         return TensorScan(**base, checked=False, nonfinite=0, first_nonfinite=None, max_abs=None, dtype_max=None,
                           near_limit=False)
     lo, hi = _extremes(tensor, release)
@@ -165,6 +170,8 @@ def _check(info: TensorInfo, tensor: torch.Tensor, release: Release, margin: flo
         count = finite.count_nonfinite(t)
         first = finite.locate(t) if count else None
         peak = finite.max_abs(t) if count < t.numel() * (2 if t.is_complex() else 1) else None
+    if first is not None and coordinates is not None:  # from the position among the values to the coordinate
+        first = finite.Located(coordinates[:, first.index[0]].tolist() + first.index[1:], first.value)
     limit = torch.finfo(tensor.dtype).max
     return TensorScan(**base, checked=True, nonfinite=count, first_nonfinite=first, max_abs=peak, dtype_max=limit,
                       near_limit=peak is not None and peak * margin >= limit)
@@ -176,6 +183,20 @@ def _settled(results: list[TensorScan]) -> bool:
     if last.group != MODEL:
         return any(r.nonfinite for r in results)
     return bool(last.nonfinite) and last.buffer is not True
+
+
+def _sparse_values(info: TensorInfo, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse tensor's stored values and the coordinates of each (COO indices, one column per value); a layout
+    that holds its values otherwise is refused rather than passed over as clean."""
+    if tensor.layout not in _SPARSE:
+        raise BadInput(info.file, f"tensor {info.name!r} has layout {str(tensor.layout).removeprefix('torch.')}, "
+                                  "which this nanforensics cannot check")
+    coo = tensor if tensor.layout == torch.sparse_coo else tensor.to_sparse_coo()
+    return coo._values(), coo._indices()
+
+
+def _keep(view: torch.Tensor) -> None:
+    """Sparse values are not pages of the file's map: nothing to hand back."""
 
 
 def _verdict(results: list[TensorScan]) -> str:

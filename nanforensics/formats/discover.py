@@ -16,16 +16,18 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import BadInput
+from ..errors import BadInput, shown
 from ..runs.checkpoint import Checkpoint
 from ..runs.files import load_json
 from ..runs.run import MANIFEST, Run
+from ..runs.steplog import is_step
 from . import dcp, torch_file
 from .safetensors_file import SafetensorsFile
 from .source import MODEL, OPTIMIZER, CheckpointSource
 
 FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
 _STEP_KEYS = ("step", "global_step")
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only: str.isdigit also takes "²", which int() refuses
 _HF_OPTIMIZER_FILES = ("optimizer.pt", "optimizer.pth")
 
 
@@ -110,26 +112,26 @@ def _candidates(paths: Any) -> list[CheckpointSource]:
 def _file_checkpoint(path: Path) -> CheckpointSource:
     """A single file: safetensors by its suffix, anything else through the weights-only PyTorch loader."""
     if path.suffix == ".safetensors":
-        return CheckpointSource(path, "safetensors", [(path, None)], meta_step=_step_of(SafetensorsFile(path).metadata))
+        return CheckpointSource(path, "safetensors", [(path, None)], meta_step=_step_of(SafetensorsFile(path).metadata, path))
     obj, _ = torch_file.load(path)
-    return CheckpointSource(path, "pytorch", [(path, None)], meta_step=_step_of(obj))
+    return CheckpointSource(path, "pytorch", [(path, None)], meta_step=_step_of(obj, path))
 
 
 def _folder_checkpoint(path: Path) -> CheckpointSource | None:
-    if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
+    if (path / "meta.json").is_file() and os.path.lexists(path / "model.safetensors"):  # a FIFO there: refused on opening
         run_dir = path.parent.parent if (path.parent.parent / MANIFEST).is_file() else None
         return _ours(Checkpoint(path, step=-1), run_dir)
     if (path / dcp.METADATA).is_file():
         return CheckpointSource(path, "dcp", [(path / dcp.METADATA, None)],
-                                meta_step=_step_of(dcp.values(path / dcp.METADATA, _STEP_KEYS)))
+                                meta_step=_step_of(dcp.values(path / dcp.METADATA, _STEP_KEYS), path / dcp.METADATA))
     return _huggingface(path)
 
 
 def _ours(c: Checkpoint, run_dir: Path | None) -> CheckpointSource:
     meta = c.meta()
     step = meta.get("step")
-    if not isinstance(step, int):
-        raise BadInput(c.path / "meta.json", f"step {step!r} is not an integer")
+    if not is_step(step):
+        raise BadInput(c.path / "meta.json", f"step {shown(step)} is not a step number (an integer from 0 to 2^63-1)")
     return CheckpointSource(c.path, "nanforensics", [(c.model_file, MODEL), (c.optimizer_file, OPTIMIZER)],
                             meta_step=step, run_dir=run_dir, buffer_names=_names(meta.get("buffer_names")),
                             param_names=_names(meta.get("param_names")))
@@ -151,16 +153,16 @@ def _huggingface(path: Path) -> CheckpointSource | None:
     step = None
     if indexes:
         files, index_meta = _shards(indexes[0])
-        step = _step_of(index_meta)
+        step = _step_of(index_meta, indexes[0])
         kind = "safetensors-sharded"
     elif (path / "model.safetensors").is_file():
         files, kind = [path / "model.safetensors"], "safetensors"
-        step = _step_of(SafetensorsFile(files[0]).metadata)
+        step = _step_of(SafetensorsFile(files[0]).metadata, files[0])
     else:
         return None
     state = path / "trainer_state.json"
-    if state.is_file():
-        step = _step_of(load_json(state)) if step is None else step
+    if os.path.lexists(state):  # a FIFO there is refused on opening, not passed over
+        step = _step_of(load_json(state), state) if step is None else step
     tensor_files: list[tuple[Path, str | None]] = [(f, MODEL) for f in files]
     tensor_files += [(path / n, OPTIMIZER) for n in _HF_OPTIMIZER_FILES if (path / n).is_file()][:1]
     return CheckpointSource(path, kind, tensor_files, meta_step=step)
@@ -183,20 +185,24 @@ def _shards(index: Path) -> tuple[list[Path], dict[str, Any]]:
     return shards, meta if isinstance(meta, dict) else {}
 
 
-def _step_of(meta: Any) -> int | None:
-    """``step`` or ``global_step`` at the top of a metadata mapping or a checkpoint dict."""
+def _step_of(meta: Any, where: Path) -> int | None:
+    """``step`` or ``global_step`` at the top of a metadata mapping or a checkpoint dict (``where``, for the error
+    when it holds something else than a step number)."""
     if not isinstance(meta, dict):
         return None
     for key in _STEP_KEYS:
-        value = meta.get(key)
+        value = found = meta.get(key)
+        if value is None:
+            continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, float) and value.is_integer():
             value = int(value)
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
             value = int(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        if not is_step(value):
+            raise BadInput(where, f"{key} {shown(found)} is not a step number (an integer from 0 to 2^63-1)")
+        return value
     return None
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..errors import BadInput
 from . import torch_file
 from .pages import drop_pages
 from .safetensors_file import SafetensorsFile
@@ -119,7 +120,11 @@ def _safetensors_entries(path: Path, group: str | None) -> list[_Entry]:
 def _torch_entries(path: Path, group: str | None) -> list[_Entry]:
     obj, release = torch_file.load(path)
     entries = []
-    for name, in_optimizer, t in tree_tensors(obj):
+    try:
+        found = list(tree_tensors(obj))
+    except RecursionError:
+        raise BadInput(path, "its objects nest too deeply to be a checkpoint") from None
+    for name, in_optimizer, t in found:
         nbytes = t.numel() * t.element_size() if t.layout == torch.strided else 0
         info = TensorInfo(name, group or (OPTIMIZER if in_optimizer else MODEL), t.dtype, tuple(t.shape), nbytes, path)
         entries.append(_Entry(info, partial(_same, t), release))

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..outputs import check_outputs
 from ..postmortem import PostmortemReport, postmortem
 from ..report import write_json
 from ..runs.checkpoint import optimizer_params
@@ -79,6 +80,7 @@ class Watcher:
         self.run_dir = Path(run_dir)
         self.report_dir = Path(report_dir) if report_dir is not None else self.run_dir.with_name(
             self.run_dir.name + ".postmortem")
+        check_outputs([self.run_dir], {"report_dir": self.report_dir / "postmortem.json"})  # never into the run
         self.model_factory, self.model_kwargs = model_factory, model_kwargs
         self.step_fn = step_fn or type(self).default_step_fn
         self.checkpoint_every, self.keep_checkpoints, self.overwrite = checkpoint_every, keep_checkpoints, overwrite

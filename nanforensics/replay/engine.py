@@ -52,7 +52,8 @@ class ReplayOptions:
     after: int = 1  # steps replayed after the whole model went non-finite
     max_steps: int | None = None
     code_paths: Sequence[Path] = ()
-    trust_run_dir: bool = False
+    trust_run_dir: bool = False  # import code that lies inside the run directory
+    trust_code: bool = False  # call the run's callables even where the trust policy refuses them (README, Security)
     loss_rtol: float | None = None  # None: 0 on the recording device type, 1e-3 elsewhere (besides loss_ulps)
     loss_ulps: int = LOSS_ULPS  # logged and replayed losses this many float32 ulps apart still match
     explain: bool = True  # operation and sample attribution for the responsible step
@@ -93,7 +94,7 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
         raise BadInput(run.path / "steps.jsonl", "no steps were logged")
     logged_first = first_nonfinite(run.steps)
     device = resolve_device(opts.device)
-    code = UserCode.load(run, opts.code_paths, opts.trust_run_dir)
+    code = UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code)
     checkpoint = _start_checkpoint(run, opts.from_step if opts.from_step is not None else
                                    (logged_first if logged_first is not None else run.steps[-1].step))
     last = run.steps[-1].step

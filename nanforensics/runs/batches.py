@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import BadInput
-from .files import TensorFile, tensors_to_bytes
+from ..errors import BadInput, shown
+from .files import MAX_NESTING, TensorFile, nesting_exceeds, parse_json, tensors_to_bytes
 
 BATCH_FORMAT = "nanforensics.batch/1"
 
@@ -20,6 +20,11 @@ def encode(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
     def walk(node: Any, where: str) -> dict[str, Any]:
         if isinstance(node, torch.Tensor):
+            if node.layout != torch.strided:
+                raise TypeError(f"batch{where}: a {str(node.layout).removeprefix('torch.')} tensor cannot be "
+                                "recorded; pass it dense (.to_dense())")
+            if node.is_meta:
+                raise TypeError(f"batch{where}: a tensor on the meta device holds no values to record")
             key = str(len(tensors))
             tensors[key] = node
             return {"tensor": key}
@@ -37,7 +42,10 @@ def encode(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             raise TypeError(f"batch{where}: {type(node).__name__} is neither a tensor nor JSON data") from None
         return {"json": node}
 
-    return tensors, walk(batch, "")
+    tree = walk(batch, "")
+    if nesting_exceeds(tree):
+        raise TypeError(f"batch nests too deeply to be recorded (more than {MAX_NESTING} levels as JSON)")
+    return tensors, tree
 
 
 def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -77,10 +85,13 @@ def read_batch(path: Path) -> Any:
     meta = f.metadata()
     if meta.get("format") != BATCH_FORMAT:
         raise BadInput(path, f"not a nanforensics batch file (format {meta.get('format')!r})")
+    if "tree" not in meta:
+        raise BadInput(path, "batch structure is malformed (no tree in its metadata)")
+    tree = parse_json(meta["tree"], path, "metadata 'tree'")
     try:
-        return decode(json.loads(meta["tree"]), f.load_all())
+        return decode(tree, f.load_all())
     except (KeyError, ValueError, TypeError) as e:
-        raise BadInput(path, f"batch structure is malformed ({e})") from None
+        raise BadInput(path, f"batch structure is malformed ({shown(e)})") from None
 
 
 def _walk(batch: Any, path: str, whole: Callable[[Any], bool]) -> Iterator[tuple[str, Any]]:

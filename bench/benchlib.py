@@ -12,6 +12,8 @@ import statistics
 import time
 from typing import Callable
 
+import torch
+
 
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int, per_call: int = 1) -> dict[str, list[float]]:
     """Seconds per unit (a call does ``per_call`` units: steps) of each variant, one entry per round."""
@@ -22,6 +24,15 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, per_call
             fn()
             times[name].append((time.perf_counter() - start) / per_call)
     return times
+
+
+def synced(device: torch.device, fn: Callable[[], object]) -> Callable[[], None]:
+    """On an accelerator a timing ends when the device has finished, not when the launches have."""
+    def run() -> None:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return run
 
 
 def paired_ratio(times: dict[str, list[float]], name: str, base: str = "plain") -> tuple[float, float, float]:

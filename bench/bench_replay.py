@@ -1,6 +1,6 @@
 """Overhead of monitored replay and of the recorder against a plain training step, and where it goes.
 
-    python bench/bench_replay.py [--rounds 15] [--steps 3] [--threads 2] [--device cpu|cuda]
+    python bench/bench_replay.py [--rounds 15] [--steps 3] [--threads 2] [--device cpu|cuda] [--clock wall|cpu]
 
 Model: 4 x Linear(1024) MLP (4.2M parameters), batch 64, Adam. Every round runs each variant for
 ``--steps`` steps in turn (interleaved); a ratio is the median over rounds of the variant's time
@@ -8,6 +8,8 @@ over the plain step's in the same round (benchlib.py says why), with its interqu
 - monitored: the replay's StepMonitor in detect mode (batch, every module output, loss,
   gradients, optimizer gradients, optimizer state, parameters);
 - hooks only: the same hooks installed, doing nothing (the Python cost of the calls themselves);
+- read floor: the plain step, then one ``sum`` over every gradient, optimizer-state tensor and
+  parameter: the memory any exact check of those stages must read, with no hook at all;
 - detect_anomaly: torch.autograd.detect_anomaly(check_nan=True) around the same step;
 - recorder: the training loop with Recorder.log after each step, timed until its writer thread has
   written the last batch (checkpoints excluded: checkpoint_every is larger than the run).
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from benchlib import interleaved, ms, paired_ratio, synced, verdict
+from benchlib import CLOCKS, interleaved, ms, paired_ratio, synced, verdict
 from nanforensics import Recorder
 from nanforensics.replay.monitor import StepMonitor
 from torch import nn
@@ -55,16 +56,17 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, to
 class ProfiledMonitor(StepMonitor):
     """Times every check where it runs and counts what it read, per stage."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clock: Callable[[], float], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.clock = clock
         self.seconds: dict[str, float] = defaultdict(float)
         self.tensors: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
 
     def check(self, stage: str, name: str, t: Any, state_key: str | None = None) -> None:
-        start = time.perf_counter()
+        start = self.clock()
         super().check(stage, name, t, state_key)
-        self.seconds[stage] += time.perf_counter() - start
+        self.seconds[stage] += self.clock() - start
         if isinstance(t, torch.Tensor):
             self.tensors[stage] += 1
             self.bytes[stage] += t.numel() * t.element_size()
@@ -89,15 +91,15 @@ def hooks_only(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[
 
 
 def profile(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[dict[str, torch.Tensor]],
-            rounds: int, plain_step: float) -> None:
-    monitor = ProfiledMonitor(model, optimizer)
+            rounds: int, plain_step: float, clock: str) -> None:
+    monitor = ProfiledMonitor(model, optimizer, clock=CLOCKS[clock])
     for _ in range(rounds):
         monitored_steps(monitor, model, optimizer, batches)
     steps = rounds * len(batches)
     modules = sum(1 for _ in model.modules())
     params = sum(1 for _ in model.parameters())
-    print(f"\nwhere the monitored step's extra time goes: each check timed where it runs, per step, {steps} steps "
-          f"({modules} forward hooks, {params} gradient hooks, 1 optimizer pre-hook)")
+    print(f"\nwhere the monitored step's extra time goes: each check timed where it runs ({clock} clock), per step, "
+          f"{steps} steps ({modules} forward hooks, {params} gradient hooks, 1 optimizer pre-hook)")
     total = 0.0
     for stage, seconds in monitor.seconds.items():
         per_step = seconds / steps
@@ -115,6 +117,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time (benchlib.py)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*Anomaly Detection has been enabled.*")
@@ -141,6 +144,15 @@ def main() -> None:
         for h in handles:
             h.remove()
 
+    def floor() -> None:
+        for b in batches:
+            step(model, optimizer, b)
+            for p in model.parameters():
+                p.sum()
+                p.grad.sum()
+                for value in optimizer.state[p].values():
+                    value.sum()
+
     def anomaly() -> None:
         with torch.autograd.detect_anomaly(check_nan=True):
             plain()
@@ -154,14 +166,14 @@ def main() -> None:
 
     variants: dict[str, Callable[[], None]] = {k: synced(device, fn) for k, fn in {
         "plain": plain, "monitored": lambda: monitored_steps(monitor, model, optimizer, batches),
-        "hooks only": hooks, "detect_anomaly": anomaly, "recorder": recorded}.items()}
+        "hooks only": hooks, "read floor": floor, "detect_anomaly": anomaly, "recorder": recorded}.items()}
     interleaved(variants, 2, args.steps)  # warm-up: allocator, optimizer state, page cache
-    times = interleaved(variants, args.rounds, args.steps)
+    times = interleaved(variants, args.rounds, args.steps, args.clock)
     recorder.close()
     params = sum(p.numel() for p in model.parameters())
     print(f"model: 4 x Linear(1024), {params / 1e6:.1f}M parameters, batch 64, Adam, {device}, "
           f"{torch.get_num_threads()} threads; "
-          f"{args.rounds} rounds x {args.steps} steps per variant, interleaved")
+          f"{args.rounds} rounds x {args.steps} steps per variant, interleaved, {args.clock} clock")
     print(f"{'variant':<16}{'ms/step':>10}{'ratio':>8}  {'(IQR)':<13} target")
     anomaly_ratio = paired_ratio(times, "detect_anomaly")[0]
     targets = {"monitored": lambda r: (f"<= 1.10 and < detect_anomaly ({anomaly_ratio:.2f})",
@@ -174,7 +186,7 @@ def main() -> None:
             text, met = targets[name](r)
             line += f" {text}: {verdict(met)}"
         print(line)
-    profile(model, optimizer, batches, max(3, args.rounds // 3), statistics.median(times["plain"]))
+    profile(model, optimizer, batches, max(3, args.rounds // 3), statistics.median(times["plain"]), args.clock)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The figures of issue 14 on the model users train: a 14M-parameter decoder-only transformer with AdamW.
 
-    python bench/bench_transformer.py [--batch 8] [--rounds 5] [--run-batch 64] [--device cpu|cuda]
+    python bench/bench_transformer.py [--batch 8] [--rounds 5] [--run-batch 64] [--device cpu|cuda] [--clock wall|cpu]
 
 Model: ``scenarios.Decoder(vocab=8192, seq_len=128, d_model=384, n_head=6, n_layer=6)`` (causal
 self-attention, LayerNorm, a tied head; tests/scenarios.py), AdamW, right-padded token batches,
@@ -49,7 +49,7 @@ def batch(step: int, size: int, device: torch.device, defect: str | None = None)
     return map_tensors(b, lambda t: t.to(device))
 
 
-def step_overhead(device: torch.device, size: int, rounds: int) -> None:
+def step_overhead(device: torch.device, size: int, rounds: int, clock: str) -> None:
     model = scenarios.build_decoder(**MODEL).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     b = batch(0, size, device)
@@ -70,11 +70,11 @@ def step_overhead(device: torch.device, size: int, rounds: int) -> None:
     variants = {k: synced(device, fn) for k, fn in (("plain", plain), ("monitored", monitored),
                                                     ("detect_anomaly", anomaly))}
     interleaved(variants, 1)  # warm-up: AdamW's state, the allocator
-    times = interleaved(variants, rounds)
+    times = interleaved(variants, rounds, clock=clock)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: decoder {MODEL}, {params / 1e6:.1f}M parameters, AdamW, {device}, "
           f"{torch.get_num_threads()} threads")
-    print(f"\n1. one training step at batch {size} x {MODEL['seq_len']} tokens, {rounds} rounds interleaved")
+    print(f"\n1. one training step at batch {size} x {MODEL['seq_len']} tokens, {rounds} rounds interleaved, {clock} clock")
     anomaly_ratio = paired_ratio(times, "detect_anomaly")[0]
     for name in variants:
         r, q1, q3 = paired_ratio(times, name)
@@ -179,16 +179,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--run-batch", type=int, default=64, help="batch size of the recorded run")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time, part 1 (benchlib.py)")
     ap.add_argument("--skip-run", action="store_true", help="only the step overhead (part 1)")
     ap.add_argument("--record-child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.record_child:
         record_child(args.record_child, args.run_batch, args.device)
         return
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*Anomaly Detection has been enabled.*")
     device = torch.device(args.device)
-    step_overhead(device, args.batch, args.rounds)
+    step_overhead(device, args.batch, args.rounds, args.clock)
     if not args.skip_run:
         replay_and_attribution(device, args.run_batch)
     print("\nthe provenance trace of the responsible step against detect_anomaly: bench/bench_provenance.py")

@@ -128,6 +128,7 @@ def main() -> int:
         device = torch.device("cuda")
         benches = [("bench_replay.py", ["--device", "cuda", "--rounds", "15", "--steps", "5"], 150),
                    ("bench_transformer.py", ["--device", "cuda", "--batch", "64", "--rounds", "5"], 240)]
+    started = time.perf_counter()
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
@@ -142,7 +143,7 @@ def main() -> int:
                 outcomes.append(Outcome(f"{label}: record and replay", False, f"{e.__class__.__name__}: {e}"))
     for script, bench_args, timeout in benches:
         outcomes.append(bench(script, bench_args, timeout))
-    print("\nsummary")
+    print(f"\nsummary ({time.perf_counter() - started:.0f} s in all)")
     for o in outcomes:
         print(f"  {'ok  ' if o.ok else 'FAIL'}  {o.name}: {o.detail}")
     return 0 if all(o.ok for o in outcomes) else 1

@@ -1,4 +1,8 @@
-"""The command line: parses arguments, calls the library, renders. No logic of its own."""
+"""The command line: parses arguments, calls the library, renders. No logic of its own.
+
+Each command imports what it uses when it runs: ``nanforensics --help`` and usage errors load
+neither torch nor rich (docs/performance.md has the import times).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,16 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Optional
 
 import typer
-from rich.console import Console
 
 from .errors import BadInput
 from .outputs import check_outputs, expand
-from .rootcause.data import DEFAULT_MAX_ABS
+from .rootcause import DEFAULT_MAX_ABS
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Forensics for training runs that died with NaN: name the batch responsible.")
@@ -28,10 +34,14 @@ EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED, EXIT_LOSS_ONLY = 0,
 
 
 def stdout_console() -> Console:
+    from rich.console import Console
+
     return Console(highlight=False)
 
 
 def stderr_console() -> Console:
+    from rich.console import Console
+
     return Console(stderr=True, highlight=False)
 
 

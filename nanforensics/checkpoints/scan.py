@@ -1,8 +1,11 @@
 """Scan one checkpoint: every tensor's finiteness, first bad coordinate and headroom, and a verdict.
 
-One ``aminmax`` pass per tensor (``finite.extremes``, in chunks whose pages are handed back as
+One ``aminmax`` pass per tensor (``finite.min_max``, in chunks whose pages are handed back as
 soon as they are read, so the resident set stays near one chunk) gives both the verdict and
 max |x|; the exact count and the first coordinate are computed only for tensors found bad.
+That pass is the scan's ceiling: a ``sum`` reads faster but cannot give max |x|, and on these CPUs
+``aminmax`` runs at 0.6-0.75 of a sum's bandwidth; mapping and handing back the pages costs about
+0.1 more (docs/performance.md).
 The verdict ranks parameters, then buffers, then optimizer state. Model tensors (parameters and
 buffers) are read before optimizer state, so a scan that stops early still gives the right
 verdict: it stops at the first non-finite parameter, or once the model is read when only a
@@ -141,15 +144,17 @@ def _extremes(tensor: torch.Tensor, release: Release) -> tuple[float, float]:
     """
     contiguous = tensor.is_contiguous()
     flat = tensor.reshape(-1)
-    step = max(1, CHUNK_BYTES // tensor.element_size())
-    parts = []
+    step = max(1, CHUNK_BYTES // flat.element_size())
+    lo, hi = math.inf, -math.inf
     for start in range(0, flat.numel(), step):
         chunk = flat[start:start + step]
-        parts.append(finite.extremes(_widened(chunk)))
+        mn, mx = (v.item() for v in finite.min_max(chunk))  # a CPU reduction has finished: read it at once
+        if math.isnan(mn) or math.isnan(mx):
+            return math.nan, math.nan
+        lo, hi = min(lo, mn), max(hi, mx)
         if contiguous:
             release(chunk)
-    both = torch.stack(parts)
-    return float(both[:, 0].min()), float(both[:, 1].max())
+    return lo, hi
 
 
 def _check(info: TensorInfo, tensor: torch.Tensor, release: Release, margin: float) -> TensorScan:
@@ -165,7 +170,7 @@ def _check(info: TensorInfo, tensor: torch.Tensor, release: Release, margin: flo
     lo, hi = _extremes(tensor, release)
     if math.isfinite(lo) and math.isfinite(hi):
         count, first, peak = 0, None, max(abs(lo), abs(hi))
-    else:  # extremes are float32: a float64 beyond its range reads inf here, so count before locating
+    else:  # a NaN or an infinity: count, locate, and the largest finite |x| where one is left
         t = _widened(tensor)
         count = finite.count_nonfinite(t)
         first = finite.locate(t) if count else None

@@ -26,7 +26,8 @@ from ..report import (
     SampleAttribution,
     StepRecord,
 )
-from ..rootcause.data import DEFAULT_MAX_ABS, check_batches
+from ..rootcause import DEFAULT_MAX_ABS
+from ..rootcause.data import check_batches
 from ..rootcause.findings import findings
 from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe

@@ -65,7 +65,7 @@ class GroupSummary:
 @dataclass
 class ScanReport:
     path: str
-    format: str
+    format: str  # the layout recognised: nanforensics, pytorch, lightning, safetensors, safetensors-sharded, accelerate, dcp
     step: int | None
     step_source: str | None  # "metadata" or "name"
     verdict: str  # CLEAN, POISONED_PARAMETERS or POISONED_STATE
@@ -77,6 +77,7 @@ class ScanReport:
     bytes_total: int
     seconds: float
     schema: str = field(default=SCAN_SCHEMA)
+    skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it that was not read
 
     @property
     def poisoned(self) -> list[TensorScan]:
@@ -116,7 +117,7 @@ def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: flo
     return ScanReport(path=str(source.path), format=source.format, step=source.step, step_source=source.step_source,
                       verdict=_verdict(results), complete=len(results) == len(stream.infos), margin=margin,
                       groups=_groups(stream.infos, results), tensors=results, bytes_read=bytes_read,
-                      bytes_total=stream.nbytes, seconds=seconds)
+                      bytes_total=stream.nbytes, seconds=seconds, skipped=list(source.skipped))
 
 
 def _widened(t: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -77,6 +78,7 @@ class CheckpointSource:
     step: int | None = None  # the step it is ordered by
     step_source: str | None = None  # "metadata" or "name"
     run_dir: Path | None = None  # our run directory, when it lies in one
+    skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it left unread
 
     def open(self) -> TensorStream:
         entries: list[_Entry] = []
@@ -102,10 +104,23 @@ def _safetensors_entries(path: Path, group: str | None) -> list[_Entry]:
                    partial(f.read, e), drop_pages) for e in f.entries]
 
 
+def lightning_parts(obj: Any) -> tuple[dict[str, Any], Any] | None:
+    """A Lightning checkpoint's model (``state_dict``) and optimizer state (``optimizer_states``); None for
+    any other object. Its other entries are bookkeeping, never parameters: the callbacks' scores (such as
+    ModelCheckpoint's ``kth_value = inf``, ``best_model_score``), loop counters, schedulers, hyperparameters."""
+    if isinstance(obj, dict) and "pytorch-lightning_version" in obj and isinstance(obj.get("state_dict"), dict):
+        return obj["state_dict"], obj.get("optimizer_states", [])
+    return None
+
+
 def _torch_entries(path: Path, group: str | None) -> list[_Entry]:
     obj, release = torch_file.load(path)
+    parts = lightning_parts(obj)
+    tensors = tree_tensors(obj) if parts is None else chain(
+        ((name, False, t) for name, _, t in tree_tensors(parts[0])),
+        tree_tensors(parts[1], ("optimizer_states",), True))
     entries = []
-    for name, in_optimizer, t in tree_tensors(obj):
+    for name, in_optimizer, t in tensors:
         nbytes = t.numel() * t.element_size() if t.layout == torch.strided else 0
         info = TensorInfo(name, group or (OPTIMIZER if in_optimizer else MODEL), t.dtype, tuple(t.shape), nbytes, path)
         entries.append(_Entry(info, partial(_same, t), release))

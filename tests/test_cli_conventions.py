@@ -25,9 +25,8 @@ LONG = "model.encoder.layers.11.self_attention.query_key_value.weight"  # 61 cha
 def test_version_and_short_help():
     version = run_cli("--version")
     assert (version.code, version.stdout) == (0, f"nanforensics {__version__}\n")
-    for args in (["-h"], ["replay", "-h"]):
-        result = run_cli(*args)
-        assert result.code == 0 and result.stdout.startswith("Usage: nanforensics"), (args, result.stderr)
+    result = run_cli("-h")  # a command's -h: test_help_is_plain_text_rewrapped_to_the_width
+    assert result.code == 0 and result.stdout.startswith("Usage: nanforensics [OPTIONS] COMMAND"), result.stderr
 
 
 def test_help_is_plain_text_rewrapped_to_the_width():
@@ -65,14 +64,14 @@ def test_a_scan_in_a_narrow_log_keeps_names_and_columns_whole(tmp_path):
     state[LONG][1, 2] = float("nan")
     state["head.bias"][0] = float("inf")
     torch.save(state, tmp_path / "ck.pt")
-    for columns in (60, 100):
-        result = run_cli("scan", tmp_path / "ck.pt", "--full", columns=columns)
-        assert result.code == 1, result.stderr
-        rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.split()}
-        assert "…" not in result.stdout
-        assert rows["tensor"].split("  ")[-1].strip() == "max |x| / limit"
-        assert rows[LONG].split()[-3:] == ["1", "/", "3.4e+38"] and "[1, 2] = nan" in rows[LONG]
-        assert rows["head.bias"].split()[-3:] == ["6e+04", "/", "6.55e+04"]
+    result = run_cli("scan", tmp_path / "ck.pt", "--full", columns=60)  # the table needs 113 columns
+    assert result.code == 1, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.split()}
+    assert "…" not in result.stdout
+    assert rows["tensor"].split("  ")[-1].strip() == "max |x| / limit"
+    assert rows[LONG].split()[-3:] == ["1", "/", "3.4e+38"] and "[1, 2] = nan" in rows[LONG]
+    assert rows["head.bias"].split()[-3:] == ["6e+04", "/", "6.55e+04"]
+    assert result.stdout.splitlines()[-1].startswith("Verdict: ")
 
 
 def test_panels_take_the_columns_given(tmp_path, runs):
@@ -80,10 +79,9 @@ def test_panels_take_the_columns_given(tmp_path, runs):
     run = runs["adam_near_zero"]
     saved = tmp_path / "postmortem.json"
     saved.write_text(to_json(examined(run)).replace(str(run), "run"))
-    for columns in (90, 130):
-        lines = run_cli("report", saved, columns=columns).stdout.splitlines()
-        panels = [line for line in lines if line.startswith(("╭", "╰"))]
-        assert panels and all(len(line) == columns for line in panels), (columns, panels)
+    lines = run_cli("report", saved, columns=110).stdout.splitlines()
+    panels = [line for line in lines if line.startswith(("╭", "╰"))]
+    assert len(panels) == 4 and all(len(line) == 110 for line in panels), panels
 
 
 def test_junit_lines_up_across_runs(runs):

@@ -12,7 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Optional
 
+import click
 import typer
+from typer.core import TyperArgument
 
 from .errors import BadInput
 from .outputs import check_outputs, expand
@@ -21,12 +23,25 @@ from .rootcause import DEFAULT_MAX_ABS
 if TYPE_CHECKING:
     from rich.console import Console
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# Plain click help (no boxes, no <str> tags), rewrapped to the terminal or $COLUMNS as pytest's and ruff's is.
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Forensics for training runs that died with NaN: name the batch responsible.")
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from . import __version__
+
+        typer.echo(f"nanforensics {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _commands() -> None:
+def _commands(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
     """Forensics for training runs that died with NaN: name the batch responsible."""
 
 
@@ -111,31 +126,33 @@ def emit_text(text: str, destination: Optional[str], what: str) -> None:
         raise BadInput(destination, f"cannot write the {what} report ({e.strerror or e})") from None
 
 
-@app.command()
+@app.command(short_help="Replay a run; name the batch where NaN began.")
 def replay(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder.", readable=False)],
-    from_step: Annotated[Optional[int], typer.Option(help="Replay from the last checkpoint at or before this "
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="Run directory written by nanforensics.Recorder.",
+                                            readable=False)],
+    from_step: Annotated[Optional[int], typer.Option(metavar="STEP", help="Replay from the last checkpoint at or before this "
                                                           "step, instead of before the first NaN loss.")] = None,
-    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu or cuda.")] = "auto",
-    after: Annotated[int, typer.Option(min=0, help="Steps replayed after every parameter is non-finite.")] = 1,
-    max_steps: Annotated[Optional[int], typer.Option(min=1, help="Replay at most this many steps.")] = None,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="auto (cuda when present), cpu or cuda.")] = "auto",
+    after: Annotated[int, typer.Option(metavar="N", min=0, help="Steps replayed after every parameter is non-finite.")] = 1,
+    max_steps: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Replay at most this many steps.")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
-    code_path: Annotated[Optional[list[Path]], typer.Option(help="Folder to import the run's model and step "
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write the report as Markdown to PATH.")] = None,
+    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="Folder to import the run's model and step "
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
                                                      "directory.")] = False,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
     explain: Annotated[bool, typer.Option(help="Find the operation and the samples behind the responsible "
                                                "step (re-runs that one step).")] = True,
-    data_max_abs: Annotated[float, typer.Option(help="Batch values beyond this magnitude are reported as data "
+    data_max_abs: Annotated[float, typer.Option(metavar="VALUE", help="Batch values beyond this magnitude are reported as data "
                                                      "defects.")] = DEFAULT_MAX_ABS,
-    what_if: Annotated[Optional[list[str]], typer.Option(help="Replay again from the checkpoint with the responsible "
+    what_if: Annotated[Optional[list[str]], typer.Option(metavar="CHANGE", help="Replay again from the checkpoint with the "
+                                                              "responsible "
                                                               "step changed (repeatable): clip=MAX_NORM, skip, "
                                                               "skip-after-moments, reset-state, lr=VALUE, "
                                                               "drop-samples=I,J, drop-batch.")] = None,
-    what_if_steps: Annotated[int, typer.Option(min=0, help="Steps after the responsible one a what-if must stay "
+    what_if_steps: Annotated[int, typer.Option(metavar="K", min=0, help="Steps after the responsible one a what-if must stay "
                                                            "finite for.")] = 5,
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
@@ -163,23 +180,23 @@ def replay(
     raise typer.Exit(_REPLAY_EXIT[report.verdict])
 
 
-@app.command()
+@app.command(short_help="Write a checkpoint that resumes cleanly.")
 def repair(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder (only read).",
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="Run directory written by nanforensics.Recorder (only read).",
                                             readable=False)],
-    out: Annotated[Path, typer.Option(help="Folder to write the repaired checkpoint to (created; never inside "
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Folder to write the repaired checkpoint to (created; never inside "
                                            "the run).")],
     reset_state: Annotated[bool, typer.Option("--reset-state", help="Keep the responsible step and zero its "
                                                                     "poisoned optimizer-state coordinates, instead "
                                                                     "of leaving its batch out.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty --out folder.")] = False,
-    verify_steps: Annotated[int, typer.Option(min=0, help="Logged steps replayed from the written checkpoint; all "
+    verify_steps: Annotated[int, typer.Option(metavar="K", min=0, help="Logged steps replayed from the written checkpoint; all "
                                                           "must stay finite.")] = 5,
-    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu or cuda.")] = "auto",
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the repair report as JSON to PATH (- "
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="auto (cuda when present), cpu or cuda.")] = "auto",
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the repair report as JSON to PATH (- "
                                                                    "for stdout, which silences the terminal "
                                                                    "view).")] = None,
-    code_path: Annotated[Optional[list[Path]], typer.Option(help="Folder to import the run's model and step "
+    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="Folder to import the run's model and step "
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
                                                      "directory.")] = False,
@@ -208,16 +225,17 @@ _FULL_HELP = "Read and count every tensor instead of stopping at the first non-f
 _MARGIN_HELP = "Warn when a tensor's max |x| is within this factor of its dtype's largest finite value."
 
 
-@app.command()
+@app.command(short_help="Scan one checkpoint for non-finite values.")
 def scan(
-    checkpoint: Annotated[Path, typer.Argument(help="A .pt/.pth/.safetensors file, a checkpoint folder of a run "
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="A .pt/.pth/.safetensors file, a checkpoint "
+                                                    "folder of a run "
                                                     "(RUN/checkpoints/step_...) or a Hugging Face checkpoint folder.",
                                              readable=False)],
     full: Annotated[bool, typer.Option("--full", help=_FULL_HELP)] = False,
-    margin: Annotated[float, typer.Option(help=_MARGIN_HELP)] = 1000.0,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+    margin: Annotated[float, typer.Option(metavar="FACTOR", help=_MARGIN_HELP)] = 1000.0,
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write the report as Markdown to PATH.")] = None,
 ) -> None:
     """Scan one checkpoint: every tensor's non-finite values and headroom, model and optimizer state apart.
 
@@ -238,18 +256,18 @@ def scan(
     raise typer.Exit(EXIT_CLEAN if report.verdict == CLEAN else EXIT_FOUND)
 
 
-@app.command()
+@app.command(short_help="Find the first poisoned checkpoint.")
 def bisect(
-    checkpoints: Annotated[list[str], typer.Argument(help="Run directories, folders of checkpoints, globs "
+    checkpoints: Annotated[list[str], typer.Argument(metavar="CHECKPOINT", help="Run directories, folders of checkpoints, globs "
                                                           "(quoted) or checkpoint files.")],
     linear: Annotated[bool, typer.Option("--linear", help="Read every checkpoint instead of bisecting.")] = False,
     full: Annotated[bool, typer.Option("--full", help=_FULL_HELP)] = False,
-    margin: Annotated[float, typer.Option(help=_MARGIN_HELP)] = 1000.0,
+    margin: Annotated[float, typer.Option(metavar="FACTOR", help=_MARGIN_HELP)] = 1000.0,
     run_replay: Annotated[bool, typer.Option("--replay", help="Then replay the window from the last clean "
                                                               "checkpoint (runs of nanforensics only).")] = False,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write the report as Markdown to PATH.")] = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay.")] = False,
 ) -> None:
     """Find the first poisoned checkpoint in about log2(n) checkpoint reads.
@@ -297,16 +315,16 @@ def append_step_summary(text: str, destination: Optional[str]) -> None:
         raise BadInput(destination, f"cannot append to $GITHUB_STEP_SUMMARY ({e.strerror or e})") from None
 
 
-@app.command()
+@app.command(short_help="Examine a failed job's run or checkpoints.")
 def postmortem(
-    directory: Annotated[Path, typer.Argument(help="A failed job's artifact: a run directory, or a folder of "
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="A failed job's artifact: a run directory, or a folder of "
                                                    "checkpoints.", readable=False)],
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(help=_SUMMARY_HELP)] = None,
-    junit: Annotated[Optional[str], typer.Option(help="Write JUnit XML to PATH: the diagnosis as a failed test "
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_SUMMARY_HELP)] = None,
+    junit: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write JUnit XML to PATH: the diagnosis as a failed test "
                                                       "case.")] = None,
-    html: Annotated[Optional[str], typer.Option(help="Write a self-contained HTML report to PATH.")] = None,
+    html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write a self-contained HTML report to PATH.")] = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
 ) -> None:
     """Everything the directory allows: step log, checkpoint bisection, replay, spread per tensor.
@@ -338,11 +356,12 @@ def postmortem(
     raise typer.Exit(_REPLAY_EXIT[report.verdict])
 
 
-@app.command("report")
+@app.command("report", short_help="Re-render a saved JSON report.")
 def report_command(
-    saved: Annotated[Path, typer.Argument(help="A JSON report written by replay, bisect or postmortem --json.")],
-    markdown: Annotated[Optional[str], typer.Option(help="Write it as Markdown to PATH.")] = None,
-    html: Annotated[Optional[str], typer.Option(help="Write it as a self-contained HTML page to PATH.")] = None,
+    saved: Annotated[Path, typer.Argument(metavar="REPORT.json", help="A JSON report written by replay, bisect or "
+                                                                          "postmortem --json.")],
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as Markdown to PATH.")] = None,
+    html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as a self-contained HTML page to PATH.")] = None,
 ) -> None:
     """Re-render a saved report on the terminal, as Markdown or as HTML, without replaying anything."""
     from .saved import load_report
@@ -359,6 +378,24 @@ def report_command(
 # ---- entry point ------------------------------------------------------------------------------
 
 
+class _PlainArgument(TyperArgument):
+    """An argument as click writes it, ``RUN_DIR``: typer's help adds a type tag (``<path>``) and braces."""
+
+    def display_type_rich(self, ctx: click.Context) -> None:
+        return None
+
+    def _usage_display_name(self) -> str:
+        return self.display_name_raw + ("..." if self.nargs != 1 else "")
+
+
+def _plain_arguments(group: click.Group) -> click.Group:
+    for command in group.commands.values():
+        for param in command.params:
+            if type(param) is TyperArgument:
+                param.__class__ = _PlainArgument
+    return group
+
+
 def main() -> None:
     """Bad input becomes one line on stderr and exit code 2, never a traceback.
 
@@ -366,7 +403,7 @@ def main() -> None:
     with the traceback behind NANFORENSICS_DEBUG=1.
     """
     try:
-        app()
+        _plain_arguments(typer.main.get_command(app))()
     except BadInput as e:
         stderr_console().print(f"nanforensics: error: {e}", markup=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)

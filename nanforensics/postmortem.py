@@ -9,10 +9,12 @@ without one it brackets it between a clean checkpoint and the first poisoned che
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from . import __version__
 from .checkpoints.bisect import BisectReport, bisect
@@ -32,6 +34,7 @@ DONE, SKIPPED, FAILED = "done", "skipped", "failed"
 STEP_LOG, CHECKPOINTS, REPLAY, TENSOR_SPREAD = "step_log", "checkpoints", "replay", "tensor_spread"
 CURVE_POINTS = 2000  # loss curve points kept; longer logs are thinned, keeping the steps around the first NaN
 CHECKPOINT_ONLY = ": checkpoint-only analysis"
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Analysis:
     name: str  # STEP_LOG, CHECKPOINTS, REPLAY or TENSOR_SPREAD
     status: str  # DONE, SKIPPED or FAILED
     detail: str  # what it found, or why it was skipped or failed
+    seconds: float | None = None  # how long it took
 
 
 @dataclass
@@ -76,6 +80,7 @@ class PostmortemReport:
     findings: list[str]
     generator: str = field(default=f"nanforensics {__version__}")
     schema: str = field(default=POSTMORTEM_SCHEMA)
+    started: str | None = None  # when the post-mortem began, ISO 8601 with the local UTC offset
 
     def analysis(self, name: str) -> Analysis:
         return next(a for a in self.analyses if a.name == name)
@@ -94,24 +99,31 @@ def postmortem(directory: str | Path, progress: ProgressFn | None = None,
     if not path.is_dir():
         raise BadInput(path, "not a directory: the post-mortem takes a run directory or a folder of checkpoints")
     say = note or (lambda _: None)
+    started = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     run, not_run = _open_run(path)
     analyses: list[Analysis] = []
 
-    say("reading the step log")
-    steps = _step_log(run, not_run, analyses)
-    say("bisecting the checkpoints")
+    def timed(what: str, analysis: Callable[..., _T], *args: Any) -> _T:
+        """Run one analysis, which appends its Analysis, and record how long it took."""
+        say(what)
+        began = time.perf_counter()
+        result = analysis(*args)
+        analyses[-1].seconds = round(time.perf_counter() - began, 3)
+        return result
+
+    steps = timed("reading the step log", _step_log, run, not_run, analyses)
     # A run whose manifest is unreadable still has its checkpoint folders, which bisect reads without it.
-    checkpoints = _checkpoints(path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run,
-                               analyses)
-    say("replaying")
-    replay, advice = _replay(run, not_run, steps, analyses, progress, trust_code)
-    say("mapping the spread per tensor")
-    tensor_spread = _tensor_spread(run, replay, analyses, trust_code)
+    checkpoints = timed("bisecting the checkpoints", _checkpoints,
+                        path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run, analyses)
+    replay, advice = timed("replaying", _replay, run, not_run, steps, analyses, progress, trust_code)
+    tensor_spread = timed("mapping the spread per tensor", _tensor_spread, run, replay, analyses, trust_code)
     if not any(a.status == DONE for a in analyses):
         raise BadInput(path, "nothing could be analysed: " + "; ".join(f"{a.name}: {a.detail}" for a in analyses))
 
     summary = _summary(steps) if steps is not None else None
-    return _report(path, analyses, summary, checkpoints, replay, tensor_spread, advice)
+    report = _report(path, analyses, summary, checkpoints, replay, tensor_spread, advice)
+    report.started = started
+    return report
 
 
 # ---- the analyses ------------------------------------------------------------------------------
@@ -161,6 +173,9 @@ def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis]) -> Bisec
             f", last clean at step {report.last_clean.step}" if report.last_clean else "")
     if report.verdict == "non_monotonic":
         found += "; history not monotonic (a restart or repair?)"
+    unread = report.skipped + [f"{h.path}/{name}" for h in report.history for name in h.skipped]
+    if unread:  # named, so that a partial read never looks like a clean one
+        found += "; not read: " + ", ".join(u.split(": ", 1)[0] for u in unread)
     analyses.append(Analysis(CHECKPOINTS, DONE, f"{count(report.checkpoints, 'checkpoint')}, {report.scans} read; {found}"))
     return report
 

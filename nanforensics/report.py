@@ -163,6 +163,8 @@ class SampleAttribution:
     passes: int                   # forward/backward passes spent
     coupled_groups: list[list[int]]
     message: str
+    micro_batch_samples: list[list[int]] = field(default_factory=list)  # [micro-batch, position in it] of each
+                                  # sample, when the optimizer step was several micro-batches (gradient accumulation)
 
 
 @dataclass

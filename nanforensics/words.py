@@ -13,3 +13,10 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
 def numbered(noun: str, numbers: Sequence[int], plural: str | None = None) -> str:
     """``numbered("step", [12])`` is "step 12", ``numbered("step", [12, 14])`` "steps 12, 14"."""
     return f"{noun if len(numbers) == 1 else plural or noun + 's'} {', '.join(map(str, numbers))}"
+
+
+def sample_positions(samples: list[int], located: list[list[int]]) -> str:
+    """``5, 9``; in a step of several micro-batches ``21 (micro-batch 1, sample 5)``."""
+    if not located:
+        return ", ".join(map(str, samples))
+    return ", ".join(f"{k} (micro-batch {j}, sample {i})" for k, (j, i) in zip(samples, located))

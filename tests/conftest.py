@@ -37,12 +37,13 @@ class Result:
         return json.loads(self.stdout)
 
 
-def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = ()) -> Result:
-    """``wrapper`` prefixes the command line (``setpriv ...``: the CLI without root's permission override)."""
+def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = (), columns: int = 160) -> Result:
+    """``wrapper`` prefixes the command line (``setpriv ...``: the CLI without root's permission override);
+    ``columns`` is $COLUMNS, the width of the log the output goes to."""
     # The scenarios the test runs were recorded with (``scenarios:build_model``) are the user's code here: on the
     # path, as a user's installed package would be.
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1", "PYTHONPATH": path}
+    env = {**os.environ, "COLUMNS": str(columns), "NO_COLOR": "1", "PYTHONPATH": path}
     env.pop("NANFORENSICS_DEBUG", None)
     p = subprocess.run([*wrapper, *cli_command(), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd,
                        timeout=300)

@@ -41,6 +41,8 @@ class ScanRecord:
     complete: bool
     bytes_read: int
     seconds: float
+    format: str = ""  # the layout recognised
+    skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it that was not read
 
 
 @dataclass
@@ -75,6 +77,7 @@ class BisectReport:
     replay: ReplayHint | None  # the replay that pins the step, where the run kept that window's batches
     replay_unavailable: str | None  # why there is none, for checkpoints of a run of ours
     schema: str = field(default=BISECT_SCHEMA)
+    skipped: list[str] = field(default_factory=list)  # "path: why" for files in the folders given left unread
 
 
 def scan_bound(n: int) -> int:
@@ -95,7 +98,7 @@ class _Reader:
             report = scan_checkpoint(self.checkpoints[index], full=self.full, margin=self.margin, progress=self.progress)
             self.scans[index] = report
             self.history.append(ScanRecord(index, report.path, report.step, report.verdict, report.complete,
-                                           report.bytes_read, report.seconds))
+                                           report.bytes_read, report.seconds, report.format, report.skipped))
         return self.scans[index].verdict != CLEAN
 
     def complete(self, index: int) -> ScanReport:
@@ -152,7 +155,7 @@ def _report(collection: Collection, reader: _Reader, targets: list[str], linear:
         first_poisoned=_ref(cks[first]) if first is not None else None,
         first_poisoned_verdict=scan.verdict if scan else None,
         poisoned_tensors=scan.poisoned if scan else [], non_monotonic=breaks, history=reader.history,
-        first_poisoned_scan=scan, replay=hint, replay_unavailable=why_not)
+        first_poisoned_scan=scan, replay=hint, replay_unavailable=why_not, skipped=collection.skipped)
 
 
 def _ref(c: CheckpointSource) -> CheckpointRef:

@@ -73,7 +73,7 @@ class GroupSummary:
 @dataclass
 class ScanReport:
     path: str
-    format: str
+    format: str  # the layout recognised: nanforensics, pytorch, lightning, safetensors, safetensors-sharded, accelerate, dcp
     step: int | None
     step_source: str | None  # "metadata" or "name"
     verdict: str  # CLEAN, POISONED_PARAMETERS, POISONED_BUFFERS or POISONED_STATE
@@ -88,6 +88,7 @@ class ScanReport:
     # RECORDED: the checkpoint lists its buffers; BY_NAME: only BatchNorm's statistics are recognised as buffers,
     # and another model tensor may be either
     buffer_split: str = BY_NAME
+    skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it that was not read
 
     @property
     def poisoned(self) -> list[TensorScan]:
@@ -129,7 +130,7 @@ def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: flo
     return ScanReport(path=str(source.path), format=source.format, step=source.step, step_source=source.step_source,
                       verdict=_verdict(results), complete=len(results) == len(stream.infos), margin=margin,
                       groups=_groups(stream.infos, results), tensors=results, bytes_read=bytes_read,
-                      bytes_total=stream.nbytes, seconds=seconds,
+                      bytes_total=stream.nbytes, seconds=seconds, skipped=list(source.skipped),
                       buffer_split=RECORDED if source.buffer_names is not None else BY_NAME)
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -92,6 +93,7 @@ class CheckpointSource:
         if self.param_names is not None and name in self.param_names:
             return False
         return True if name.rpartition(".")[2] in BUFFER_NAMES else None
+    skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it left unread
 
     def open(self) -> TensorStream:
         entries: list[_Entry] = []
@@ -117,11 +119,24 @@ def _safetensors_entries(path: Path, group: str | None) -> list[_Entry]:
                    partial(f.read, e), drop_pages) for e in f.entries]
 
 
+def lightning_parts(obj: Any) -> tuple[dict[str, Any], Any] | None:
+    """A Lightning checkpoint's model (``state_dict``) and optimizer state (``optimizer_states``); None for
+    any other object. Its other entries are bookkeeping, never parameters: the callbacks' scores (such as
+    ModelCheckpoint's ``kth_value = inf``, ``best_model_score``), loop counters, schedulers, hyperparameters."""
+    if isinstance(obj, dict) and "pytorch-lightning_version" in obj and isinstance(obj.get("state_dict"), dict):
+        return obj["state_dict"], obj.get("optimizer_states", [])
+    return None
+
+
 def _torch_entries(path: Path, group: str | None) -> list[_Entry]:
     obj, release = torch_file.load(path)
+    parts = lightning_parts(obj)
+    tensors = tree_tensors(obj) if parts is None else chain(
+        ((name, False, t) for name, _, t in tree_tensors(parts[0])),
+        tree_tensors(parts[1], ("optimizer_states",), True))
     entries = []
     try:
-        found = list(tree_tensors(obj))
+        found = list(tensors)
     except RecursionError:
         raise BadInput(path, "its objects nest too deeply to be a checkpoint") from None
     for name, in_optimizer, t in found:

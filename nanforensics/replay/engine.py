@@ -44,6 +44,7 @@ from .reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge
 from .session import Session, pinned_threads, resolve_device
 
 ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
+PRECURSOR_STEPS = 16  # steps before the event the precursor curves cover at least, where an older checkpoint allows
 
 
 @dataclass
@@ -78,6 +79,20 @@ def _start_checkpoint(run: Run, target: int | None) -> Checkpoint:
     raise BadInput(run.path / "checkpoints", f"every checkpoint up to step {candidates[-1].step} already holds "
                                              "non-finite values: the origin lies before the oldest one kept "
                                              "(run `nanforensics bisect` on the folder)")
+
+
+def _precursor_start(run: Run, checkpoint: Checkpoint, step: int) -> Checkpoint:
+    """Where the rewind re-runs from: the start checkpoint, or an older finite one (with its batches kept) when
+    the start leaves fewer than PRECURSOR_STEPS steps before ``step``, since a drift into overflow shows over
+    tens of steps. The newest old enough, else the oldest there is."""
+    if step - checkpoint.step >= PRECURSOR_STEPS:
+        return checkpoint
+    earlier = [c for c in run.checkpoints() if c.step < checkpoint.step]
+    enough = [c for c in earlier if c.step <= step - PRECURSOR_STEPS]
+    for c in enough[-1:] or earlier[:1]:
+        if all(run.batch_file(s).is_file() for s in range(c.step, checkpoint.step)) and _checkpoint_finite(c):
+            return c
+    return checkpoint
 
 
 def _checkpoint_finite(c: Checkpoint) -> bool:
@@ -145,7 +160,7 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                     # are read before anything later in the step changes them. The steps up to it are
                     # re-run with the precursor probe, which detection is too cheap to carry.
                     hooks.close()
-                    r.reset()
+                    r = Session(run, code, _precursor_start(run, checkpoint, step), device)
                     with PrecursorProbe(r.model, r.optimizer) as warmup:
                         while r.step < step:
                             r.run_step()

@@ -16,7 +16,9 @@ names the samples, and a batch whose named samples are more than half of it is b
 exactly half is not.
 
 A step function can opt out (its batch is not split along dimension 0) by setting
-``train_step.nanforensics_splittable = False``.
+``train_step.nanforensics_splittable = False``. In an optimizer step recorded as several micro-batches
+(gradient accumulation), positions count across the micro-batches in order, and each sample found is also
+given as (micro-batch, position in it).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from ..errors import BadInput
 from ..replay.monitor import StepMonitor
 from ..replay.session import Session
 from ..report import SampleAttribution
-from ..runs.batches import data_leaves, leaves, per_sample
-from ..words import numbered
+from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
+from ..words import sample_positions
 
 # With optimizer.step() disabled, a buffer still changes in the forward (BatchNorm's running statistics).
 _BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad", "buffer")
@@ -41,22 +43,54 @@ PROBES = 8  # single samples tried, at most, before a batch is called batch-wide
 
 
 def batch_size(batch: Any) -> int | None:
-    """The common first dimension of the batch's tensors, or None when they disagree."""
+    """The common first dimension of the batch's tensors (summed over the micro-batches of a step made of
+    several), or None when they disagree."""
+    parts = micro_batches(batch)
+    if parts is None:
+        return _size(batch)
+    sizes = [_size(p) for p in parts]
+    return None if None in sizes else sum(sizes)  # type: ignore[arg-type]
+
+
+def _size(batch: Any) -> int | None:
     sizes = {t.shape[0] for _, t in leaves(batch) if isinstance(t, torch.Tensor) and t.ndim >= 1}
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def _spans(batch: Any) -> list[tuple[int, int]]:
+    """(first position, size) of each micro-batch of a step made of several."""
+    out, start = [], 0
+    for part in micro_batches(batch) or []:
+        n = _size(part) or 0
+        out.append((start, n))
+        start += n
+    return out
+
+
 def select(batch: Any, indices: list[int], size: int) -> Any:
-    """The samples at ``indices``: tensors, and tensor-free lists of ``size`` items at any depth, are indexed;
-    the rest is kept."""
+    """The samples at ``indices`` (positions across the micro-batches of a step made of several, whose
+    micro-batches left without a sample are dropped)."""
+    parts = micro_batches(batch)
+    if parts is None:
+        return _select(batch, indices, size)
+    kept = []
+    for part, (start, n) in zip(parts, _spans(batch)):
+        mine = [i - start for i in indices if start <= i < start + n]
+        if mine:
+            kept.append(_select(part, mine, n))
+    return {**batch, MICRO_BATCHES: kept}
+
+
+def _select(batch: Any, indices: list[int], size: int) -> Any:
+    """Tensors, and tensor-free lists of ``size`` items at any depth, are indexed; the rest is kept."""
     if isinstance(batch, torch.Tensor):
         return batch[torch.tensor(indices, device=batch.device)] if batch.ndim >= 1 and batch.shape[0] == size else batch
     if per_sample(batch, size):
         return type(batch)(batch[i] for i in indices)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(select(v, indices, size) for v in batch)
+        return type(batch)(_select(v, indices, size) for v in batch)
     if isinstance(batch, dict):
-        return {k: select(v, indices, size) for k, v in batch.items()}
+        return {k: _select(v, indices, size) for k, v in batch.items()}
     return batch
 
 
@@ -181,6 +215,7 @@ def attribute_samples(session: Session) -> SampleAttribution:
     """Group-test the batch of ``session.step``; the session's state is restored afterwards."""
     step_fn = session.code.step_fn
     batch = session.batch(session.step)
+    logged = session.run.batch(session.step)
     if getattr(step_fn, "nanforensics_splittable", True) is False:
         return SampleAttribution("opted_out", None, [], {}, 0, [],
                                  "the step function opted out of batch splitting (nanforensics_splittable = False)")
@@ -202,13 +237,30 @@ def attribute_samples(session: Session) -> SampleAttribution:
         return SampleAttribution("batch_wide", size, [], {}, tester.passes, [],
                                  f"{batch_wide_message(found, size)} ({passes})")
     samples = found.samples
-    logged = data_leaves(session.run.batch(session.step), size=size)
-    per_sample_leaves = {k: [v[i] for i in samples] for k, v in logged if per_sample(v, size)}
+    per_sample_leaves, located = _per_sample(logged, samples, size)
     if found.coupled:
         why = f" (single samples could not be run: {tester.errors[0]})" if tester.errors else ""
         message = (f"no smaller subset reproduces the failure of samples {found.coupled[0]}: they fail only together "
                    f"(batch-coupled operations such as BatchNorm, or a loss normalised over the batch){why}")
-        return SampleAttribution("coupled", size, samples, per_sample_leaves, tester.passes, found.coupled, message)
+        return SampleAttribution("coupled", size, samples, per_sample_leaves, tester.passes, found.coupled, message,
+                                 located)
     return SampleAttribution("attributed", size, samples, per_sample_leaves, tester.passes, [],
-                             f"{numbered('sample', samples)} of {size} {'produce' if len(samples) > 1 else 'produces'} "
-                             f"the non-finite value alone ({passes})")
+                             f"{'samples' if len(samples) > 1 else 'sample'} {sample_positions(samples, located)} of "
+                             f"{size} {'produce' if len(samples) > 1 else 'produces'} the non-finite value alone "
+                             f"({passes})", located)
+
+
+def _per_sample(logged: Any, samples: list[int], size: int) -> tuple[dict[str, list[Any]], list[list[int]]]:
+    """The logged non-tensor leaves (ids) of ``samples``, by path; and in a step of several micro-batches,
+    [micro-batch, position in it] of each sample."""
+    spans = _spans(logged)
+    if not spans:
+        return {k: [v[i] for i in samples] for k, v in data_leaves(logged, size=size) if per_sample(v, size)}, []
+    located = [[j, i - start] for i in samples for j, (start, n) in enumerate(spans) if start <= i < start + n]
+    leaves_of: dict[str, list[Any]] = {}
+    for j, i in located:
+        n = spans[j][1]
+        for k, v in data_leaves(micro_batches(logged)[j], f"batch[{MICRO_BATCHES!r}][{j}]", size=n):  # type: ignore[index]
+            if per_sample(v, n):
+                leaves_of.setdefault(k, []).append(v[i])
+    return leaves_of, located

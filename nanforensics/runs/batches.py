@@ -12,6 +12,9 @@ from ..errors import BadInput, shown
 from .files import MAX_NESTING, TensorFile, nesting_exceeds, parse_json, tensors_to_bytes
 
 BATCH_FORMAT = "nanforensics.batch/1"
+# An optimizer step made of several micro-batches (gradient accumulation) is recorded as one batch, a dict whose
+# MICRO_BATCHES entry lists them in the order the loop ran them; the step function loops over them as it did.
+MICRO_BATCHES = "micro_batches"
 
 
 def encode(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -145,3 +148,9 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(batch, dict):
         return {k: map_tensors(v, fn) for k, v in batch.items()}
     return batch
+
+
+def micro_batches(batch: Any) -> list[Any] | None:
+    """The micro-batches of an optimizer step recorded as several; None for a batch that is not."""
+    parts = batch.get(MICRO_BATCHES) if isinstance(batch, dict) else None
+    return parts if isinstance(parts, list) and parts else None

@@ -201,6 +201,12 @@ class Recorder:
             for old_step in range(dropped[0], self._checkpoints[0]):
                 batch_path(self.path, old_step).unlink(missing_ok=True)
 
+    def flush(self) -> None:
+        """Wait for every logged step to reach the disk and go on recording: the run so far is complete there,
+        for a post-mortem to read while training continues. After ``close`` there is nothing to wait for."""
+        if not self._writer._steps.closed:
+            self._writer.drain()
+
     def close(self) -> None:
         """Wait for every logged step to reach the disk; re-raises a write error from the background."""
         self._writer.close()

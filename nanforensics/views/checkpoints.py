@@ -23,6 +23,7 @@ from ..checkpoints.scan import (
 )
 from ..formats import MODEL
 from ..words import count
+from .layout import print_whole
 
 SHOWN = 20  # tensors listed per table; the JSON report has all of them
 
@@ -46,7 +47,7 @@ _MEANING = {
                       "into every later step, and eval mode (evaluation, inference) reads BatchNorm's",
 }
 _TENSOR_HEADERS = ["tensor", "group", "dtype", "shape", "non-finite", "first at", "max |x| / limit"]
-_READ_HEADERS = ["#", "step", "checkpoint", "verdict", "bytes"]
+_READ_HEADERS = ["#", "step", "checkpoint", "layout", "verdict", "bytes"]
 _GROUP_HEADERS = ["group", "tensors", "read", "bytes", "non-finite tensors", "non-finite values", "near limit"]
 
 
@@ -91,6 +92,10 @@ def _step(step: int | None, source: str | None = None) -> str:
     return f"step {step}" + (f" from its {source}" if source else "")
 
 
+def _layout(r: ScanReport) -> str:
+    return f"layout {r.format}, {_step(r.step, r.step_source)}"
+
+
 def _ref(ref: CheckpointRef | None) -> str:
     return "none" if ref is None else f"{_step(ref.step)}  {ref.path}"
 
@@ -129,7 +134,12 @@ def _scan_notes(r: ScanReport) -> list[str]:
     if near:
         notes.append(f"{count(len(near), 'finite tensor')} within a factor {r.margin:g} of their dtype's largest value: "
                      "a precursor of overflow.")
-    return notes
+    return notes + _skipped_notes(r.skipped)
+
+
+def _skipped_notes(skipped: list[str]) -> list[str]:
+    """Files left unread, each named: a partial read must not look like a clean one."""
+    return [f"Not read: {s}." for s in skipped]
 
 
 def _bisect_notes(r: BisectReport) -> list[str]:
@@ -152,18 +162,20 @@ def _bisect_notes(r: BisectReport) -> list[str]:
                      "was repaired in between (--linear reads them all).")
     if r.replay_unavailable:
         notes.append(f"No replay: {r.replay_unavailable}.")
+    notes += _skipped_notes(r.skipped)
+    notes += _skipped_notes([f"{rec.path}/{s}" for rec in r.history for s in rec.skipped])
     return notes
 
 
 def render_scan_terminal(r: ScanReport, console: Console) -> None:
     style, label = _SCAN_VERDICT[r.verdict]
-    console.print(f"[{style}] {label} [/] {escape(r.path)}  [dim]{r.format}, {_step(r.step, r.step_source)}[/]")
+    print_whole(console, f"[{style}] {label} [/] {escape(r.path)}  [dim]{_layout(r)}[/]")
     groups = Table(box=None, pad_edge=False)
     for h in _GROUP_HEADERS:
         groups.add_column(h, justify="left" if h == "group" else "right")
     for row in _group_rows(r):
         groups.add_row(*row)
-    console.print(groups)
+    print_whole(console, groups)
     _terminal_tensors(r.tensors, console)
     for note in _scan_notes(r):
         console.print(escape(note), soft_wrap=True)
@@ -174,28 +186,28 @@ def _terminal_tensors(tensors: Sequence[TensorScan], console: Console) -> None:
         if not rows:
             continue
         table = Table(title=f"{title} ({len(rows)})", title_justify="left", box=None, pad_edge=False)
-        for h in _TENSOR_HEADERS:  # names fold rather than truncate: they are what the reader needs
-            table.add_column(h, overflow="fold", no_wrap=h != "tensor", min_width=12 if h == "tensor" else None)
+        for h in _TENSOR_HEADERS:  # identifiers and numbers: never wrapped or cut, the row runs on instead
+            table.add_column(h, no_wrap=True)
         for t in rows[:SHOWN]:
             table.add_row(*map(escape, _tensor_row(t)))
-        console.print(table)
+        print_whole(console, table)
         if len(rows) > SHOWN:
             console.print(f"[dim]... and {len(rows) - SHOWN} more (every one in --json)[/]")
 
 
 def render_bisect_terminal(r: BisectReport, console: Console) -> None:
     style, label = _BISECT_VERDICT[r.verdict]
-    console.print(f"[{style}] {label} [/] first poisoned: {escape(_ref(r.first_poisoned))}")
-    console.print(f"{' ' * (len(label) + 2)} last clean:    {escape(_ref(r.last_clean))}")
+    print_whole(console, f"[{style}] {label} [/] first poisoned: {escape(_ref(r.first_poisoned))}")
+    print_whole(console, f"{' ' * (len(label) + 2)} last clean:    {escape(_ref(r.last_clean))}")
     reads = Table(title="checkpoints read", title_justify="left", box=None, pad_edge=False)
     for h in _READ_HEADERS:
         reads.add_column(h)
     for n, rec in _history_rows(r):
         if rec is None:
-            reads.add_row("", "", f"[dim]... {n} more like the rows around[/]", "", "")
+            reads.add_row("", "", f"[dim]... {n} more like the rows around[/]", "", "", "")
         else:
-            reads.add_row(str(n), str(rec.step), escape(rec.path), rec.verdict, f"{rec.bytes_read:,}")
-    console.print(reads)
+            reads.add_row(str(n), str(rec.step), escape(rec.path), rec.format, rec.verdict, f"{rec.bytes_read:,}")
+    print_whole(console, reads)
     _terminal_tensors(r.poisoned_tensors, console)
     for note in _bisect_notes(r):
         console.print(escape(note), soft_wrap=True)
@@ -239,7 +251,7 @@ def _md_tensors(tensors: Sequence[TensorScan]) -> list[str]:
 
 def render_scan_markdown(r: ScanReport) -> str:
     out = [f"### nanforensics scan: {_SCAN_VERDICT[r.verdict][1]}", "",
-           f"`{r.path}` ({r.format}, {_step(r.step, r.step_source)})", ""]
+           f"`{r.path}` ({_layout(r)})", ""]
     out += _md_table(_GROUP_HEADERS, _group_rows(r))
     out += _md_tensors(r.tensors)
     out += [*_scan_notes(r), ""]
@@ -250,8 +262,8 @@ def render_bisect_markdown(r: BisectReport) -> str:
     out = [f"### nanforensics bisect: {_BISECT_VERDICT[r.verdict][1]}", "",
            f"- first poisoned: {_ref(r.first_poisoned)}", f"- last clean: {_ref(r.last_clean)}", ""]
     out += _md_table(_READ_HEADERS,
-                     [[str(n), str(rec.step), f"`{rec.path}`", rec.verdict, f"{rec.bytes_read:,}"] if rec else
-                      ["", "", f"... {n} more like the rows around", "", ""] for n, rec in _history_rows(r)])
+                     [[str(n), str(rec.step), f"`{rec.path}`", rec.format, rec.verdict, f"{rec.bytes_read:,}"] if rec
+                      else ["", "", f"... {n} more like the rows around", "", "", ""] for n, rec in _history_rows(r)])
     out += _md_tensors(r.poisoned_tensors)
     out += [*_bisect_notes(r), ""]
     if r.replay:

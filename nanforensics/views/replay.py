@@ -13,7 +13,8 @@ from rich.tree import Tree
 
 from ..report import AmpReport, DataDefect, Event, ReplayReport, StepRecord, WhatIfResult
 from ..rootcause.findings import describe, first_shown, reproduction, step_not_data
-from ..words import count, numbered
+from ..words import count, numbered, sample_positions
+from .layout import print_whole
 
 _VERDICT = {
     "nonfinite": ("bold white on red", "NON-FINITE"),
@@ -184,7 +185,8 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         facts.add_row("origin", Text(f"step {r.origin.step}  {describe(r.origin)}  ({r.origin.dtype})", style="bold red"))
     if r.samples is not None and r.samples.samples:
         ids = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in r.samples.sample_leaves.items())
-        facts.add_row("samples", Text(f"{', '.join(map(str, r.samples.samples))} of {r.samples.batch_size}"
+        where = sample_positions(r.samples.samples, r.samples.micro_batch_samples)
+        facts.add_row("samples", Text(f"{where} of {r.samples.batch_size}"
                                       + (f"  ({ids})" if ids else "")))
     elif r.samples is not None:
         facts.add_row("samples", Text("batch-wide: most samples fail alone" if r.samples.status == "batch_wide"
@@ -231,7 +233,7 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         parts += [Text(), extra]
     if r.findings:
         parts += [Text(), Text("\n".join(f"- {f}" for f in r.findings))]
-    console.print(Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
+    print_whole(console, Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
 
 
 def render_markdown(r: ReplayReport) -> str:

@@ -84,7 +84,7 @@ def test_lr_finder_blow_up_is_batch_wide_and_blames_the_step(runs, tmp_path):
     assert "5 of the 8 samples, more than half, were tried alone and each fails" in s["message"]
     step = one(r["findings"], f"Step {t}, not its data, is responsible")
     assert "its learning rate, its loss scale, or weights grown over many steps" in step
-    assert f"Over steps 10-{t - 1} these rose: the learning rate from 15.4 to " in step  # 1.5e-2 doubled 10 times
+    assert f"Over steps 0-{t - 1} these rose: the learning rate from 0.015 to " in step  # doubled every step since
     assert "the gradient norm from" in step and "the largest activation from" in step
     # the JSON keeps the step and its batch; the views do not present the batch as the responsible one
     assert r["responsible_batch"]["step"] == t

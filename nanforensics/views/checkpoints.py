@@ -121,20 +121,23 @@ def _split_note(r: ScanReport) -> list[str]:
     unsure = [t.name for t in r.tensors if t.nonfinite and t.group == MODEL and t.buffer is None]
     if r.buffer_split != BY_NAME or not unsure:
         return []
+    counted = "counted as a parameter, but may be a buffer" if len(unsure) == 1 else \
+        "counted as parameters, but may be buffers"
     return [f"This format does not record which model tensors are buffers: {', '.join(unsure[:3])}"
-            f"{' ...' if len(unsure) > 3 else ''} counted as parameter(s), but may be buffers (only BatchNorm's "
-            "running statistics are recognised by name)."]
+            f"{' ...' if len(unsure) > 3 else ''} {counted} (only BatchNorm's running statistics are recognised by "
+            "name)."]
 
 
 def _scan_notes(r: ScanReport) -> list[str]:
-    notes = [f"Verdict: {_MEANING[r.verdict]}.", *_split_note(r)]
+    """The notes, then the verdict last: the line a CI log ends on, as pytest's summary is."""
+    notes = _split_note(r)
     if not r.complete:
         notes.append("Stopped at the first non-finite tensor; --full reads and counts every tensor.")
     _, near = _notable(r.tensors)
     if near:
         notes.append(f"{count(len(near), 'finite tensor')} within a factor {r.margin:g} of their dtype's largest value: "
                      "a precursor of overflow.")
-    return notes + _skipped_notes(r.skipped)
+    return notes + _skipped_notes(r.skipped) + [f"Verdict: {_MEANING[r.verdict]}."]
 
 
 def _skipped_notes(skipped: list[str]) -> list[str]:

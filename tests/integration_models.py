@@ -100,33 +100,3 @@ if pl is not None:
             opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
             schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-
-# ---- a tiny Hugging Face GPT-2, built from its config (nothing downloaded) ---------------------------------------
-
-GPT2_VOCAB, GPT2_LEN, GPT2_BATCH = 64, 16, 4
-
-
-def build_tiny_gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=GPT2_VOCAB, n_positions=GPT2_LEN, n_embd=32, n_layer=2, n_head=2,
-                                      bos_token_id=0, eos_token_id=0))
-
-
-def train_step_causal_lm(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                         batch: dict[str, Any]) -> torch.Tensor:
-    """What the Trainer's step does for a causal LM: the model computes the loss from ``labels`` (-100: ignored)."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
-def gpt2_batch(step: int, no_labels: bool = False) -> dict[str, Any]:
-    """Random tokens; ``no_labels`` masks every label (-100), as a batch of prompt-only examples is."""
-    g = torch.Generator().manual_seed(step)
-    input_ids = torch.randint(0, GPT2_VOCAB, (GPT2_BATCH, GPT2_LEN), generator=g)
-    return {"input_ids": input_ids, "labels": torch.full_like(input_ids, -100) if no_labels else input_ids.clone()}

@@ -168,6 +168,44 @@ def test_trainer_callback_fails_the_job(tmp_path):
     check(callback, run, "nanforensics.integrations.hf:training_step")
 
 
+class Documents(torch.utils.data.IterableDataset):
+    """GPT-2 samples, 16 a step; ``empty`` is the step whose samples have no label left (prompts only: all -100)."""
+
+    def __init__(self, empty: int) -> None:
+        self.empty = empty
+
+    def __iter__(self):
+        for step in range(STEPS):
+            for j in range(16 // scenarios.GPT2_BATCH):
+                batch = scenarios.make_gpt2_batch(step * 4 + j, defect="all_ignored" if step == self.empty else None)
+                for i in range(scenarios.GPT2_BATCH):
+                    yield {k: batch[k][i] for k in ("input_ids", "attention_mask", "labels")}
+
+
+def test_trainer_goes_on_through_a_batch_whose_loss_alone_is_nan(tmp_path, caplog):
+    """HF's batch whose labels are all -100: a NaN loss, zero gradients, the model intact. The post-mortem says
+    loss_only, and the run trains on to the end (no NonFiniteLoss) unless on_loss_only says otherwise."""
+    pytest.importorskip("transformers", reason="transformers is not installed (nanforensics[hf])")
+    from nanforensics.integrations.hf import NanForensicsTrainerCallback
+
+    run, empty = tmp_path / "gpt2_run", 5
+    callback = NanForensicsTrainerCallback(run, model_factory=scenarios.build_gpt2, checkpoint_every=4)
+    trainer = hf_trainer(tmp_path, callback, scenarios.build_gpt2(), Documents(empty), learning_rate=1e-3)
+    with caplog.at_level(logging.WARNING, logger="nanforensics"):
+        trainer.train()
+    assert trainer.state.global_step == STEPS
+    assert (callback.report.verdict, callback.report.replay.loss_only_steps) == ("loss_only", [empty])
+    assert json.loads((tmp_path / "gpt2_run.postmortem" / "postmortem.json").read_text())["verdict"] == "loss_only"
+    assert f"the loss of step {empty} is nan, but no gradient" in caplog.text and "training goes on" in caplog.text
+    assert [s.step for s in Run(run).steps] == list(range(STEPS))  # every step recorded, through the NaN loss
+
+    stopping = NanForensicsTrainerCallback(tmp_path / "stops", model_factory=scenarios.build_gpt2,
+                                           checkpoint_every=4, on_loss_only="stop")
+    trainer = hf_trainer(tmp_path, stopping, scenarios.build_gpt2(), Documents(empty), learning_rate=1e-3)
+    trainer.train()
+    assert trainer.state.global_step == empty + 1 and stopping.report.verdict == "loss_only"
+
+
 @pytest.mark.parametrize("factory, target, divisor", [
     (models.build_trainer_regressor, "y", 2),  # a mean loss: the Trainer divides it by the micro-batches
     (models.build_labels_regressor, "labels", None),  # normalised by num_items_in_batch: left alone

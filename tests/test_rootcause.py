@@ -341,7 +341,8 @@ def gpt2_reports(tmp_path_factory) -> dict[str, ReplayReport]:
 def test_gpt2_all_ignored_labels_names_the_loss_reduction(gpt2_reports):
     r = gpt2_reports["all_ignored"]
     # the gradients stay 0: a loss-only step, no origin, yet its loss is explained
-    assert r.verdict == "loss_only" and r.loss_only_steps == [GPT2_DEFECT] and r.origin is None
+    assert (r.verdict, r.loss_only_steps, r.origin, r.events, r.reproduced) == ("loss_only", [GPT2_DEFECT], None, [], True)
+    assert r.setup.last_step == GPT2_DEFECT + 1  # replayed past the loss-only step, to the end of the log
     op = r.operation
     # the mean over no tokens: nll_loss's sum (0) over its total weight (0); never empty_like or the attention mask
     assert (op.site.op, op.site.phase, op.output_value) == ("aten::nll_loss_forward.default", "forward", "nan")

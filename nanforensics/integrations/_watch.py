@@ -93,7 +93,9 @@ class Watcher:
     ``report_dir`` (default ``<run_dir>.postmortem``, beside the run: nothing is written into the run
     directory the post-mortem examines); ``report`` holds the post-mortem once one ran. ``on_nan`` says what
     follows: ``"fail"`` raises ``NonFiniteLoss`` (the job fails), ``"stop"`` ends training quietly,
-    ``"continue"`` keeps training.
+    ``"continue"`` keeps training. ``on_loss_only`` (default ``"continue"``) takes its place when the post-mortem's
+    verdict is ``loss_only``: the loss was non-finite but no gradient, parameter, optimizer-state or buffer value
+    was (a batch with no valid target), so the model is intact and training can go on.
     """
 
     default_step_fn: Callable[..., Any]
@@ -101,9 +103,11 @@ class Watcher:
     def __init__(self, run_dir: str | Path, *, model_factory: Callable[..., torch.nn.Module] | None = None,
                  model_kwargs: dict[str, Any] | None = None, step_fn: Callable[..., Any] | None = None,
                  checkpoint_every: int = 50, keep_checkpoints: int | None = None, postmortem_on_nan: bool = True,
-                 on_nan: str = "fail", report_dir: str | Path | None = None, overwrite: bool = False) -> None:
-        if on_nan not in ON_NAN:
-            raise ValueError(f"on_nan must be one of {', '.join(map(repr, ON_NAN))}, not {on_nan!r}")
+                 on_nan: str = "fail", on_loss_only: str = "continue", report_dir: str | Path | None = None,
+                 overwrite: bool = False) -> None:
+        for name, value in (("on_nan", on_nan), ("on_loss_only", on_loss_only)):
+            if value not in ON_NAN:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, ON_NAN))}, not {value!r}")
         self.run_dir = Path(run_dir)
         self.report_dir = Path(report_dir) if report_dir is not None else self.run_dir.with_name(
             self.run_dir.name + ".postmortem")
@@ -111,7 +115,7 @@ class Watcher:
         self.model_factory, self.model_kwargs = model_factory, model_kwargs
         self.step_fn = step_fn or type(self).default_step_fn
         self.checkpoint_every, self.keep_checkpoints, self.overwrite = checkpoint_every, keep_checkpoints, overwrite
-        self.postmortem_on_nan, self.on_nan = postmortem_on_nan, on_nan
+        self.postmortem_on_nan, self.on_nan, self.on_loss_only = postmortem_on_nan, on_nan, on_loss_only
         self.recorder: Recorder | None = None
         self.report: PostmortemReport | None = None
         self.steps_recorded = 0
@@ -138,12 +142,18 @@ class Watcher:
         log.warning("nanforensics: the loss is %s at step %d", value, step)
         if self.postmortem_on_nan:
             self.run_postmortem()
+        loss_only = self.report is not None and self.report.verdict == "loss_only"
+        action = self.on_loss_only if loss_only else self.on_nan
+        if loss_only and action == "continue":  # the model never saw it: a later NaN loss is examined afresh
+            log.warning("nanforensics: the loss of step %d is %s, but no gradient, parameter, optimizer-state or "
+                        "buffer value is: training goes on (on_loss_only=%r)", step, value, action)
+            return False
         self._diagnosed = True
-        if self.on_nan == "fail":
+        if action == "fail":
             self.close_recording()
             found = f"{self.report.headline} (reports in {self.report_dir})" if self.report else "no post-mortem run"
             raise NonFiniteLoss(f"the loss is {value} at step {step}: {found}", self.report, self.report_dir)
-        return self.on_nan == "stop"
+        return action == "stop"
 
     def close_recording(self) -> None:
         if self.recorder is not None:

@@ -12,3 +12,15 @@ class BadInput(Exception):
         self.where = str(where) if where is not None else None
         self.problem = problem
         super().__init__(f"{self.where}: {problem}" if self.where else problem)
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """A value from a damaged file, short enough for an error line; an int of thousands of digits, whose ``str``
+    would raise, is described by its size instead."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<a {type(value).__name__} nested too deeply>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."

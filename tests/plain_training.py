@@ -69,6 +69,26 @@ def make_sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 
 
+# Two other models a loop may train, for the stages beyond the gradient's: a decoder whose batch of step
+# SHORT_DEFECT has every label -100 (a NaN loss that never reaches the model: loss_only), and a CNN whose batch of
+# that step holds a 1e30 pixel (BatchNorm's running_var turns inf: the buffer stage).
+SHORT_DEFECT = 2
+build_decoder, train_step_lm = scenarios.build_decoder, scenarios.train_step_lm
+build_cnn, train_step_classify = scenarios.build_cnn, scenarios.train_step_classify
+
+
+def tokens_at(step: int) -> dict[str, Any]:
+    return scenarios.make_token_batch(step, defect="no_labels" if step == SHORT_DEFECT else None)
+
+
+def images_at(step: int) -> dict[str, Any]:
+    return scenarios.make_image_batch(step, defect="huge_pixel" if step == SHORT_DEFECT else None)
+
+
+def make_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def train(out: Path, *, steps: int = 24, every: int = 10, named: bool = False, rng: bool = False,
           dropout: bool = False) -> list[float]:
     """The training loop: a checkpoint at the top of every ``every``-th step, the state before it; the losses."""
@@ -83,6 +103,20 @@ def train(out: Path, *, steps: int = 24, every: int = 10, named: bool = False, r
         losses.append(train_step(model, optimizer, batch_at(step)).item())
         print(f"step {step} loss {losses[-1]:.6g}")
     return losses
+
+
+def train_accelerate(out: Path, *, steps: int = 11, every: int = 10) -> None:
+    """The same loop under accelerate, each checkpoint an ``Accelerator.save_state`` folder (model.safetensors,
+    optimizer.bin, random_states_0.pkl) named by its step."""
+    import accelerate
+
+    acc = accelerate.Accelerator(cpu=True)
+    model = build_model()
+    model, optimizer = acc.prepare(model, make_optimizer(model))
+    for step in range(steps):
+        if step % every == 0:
+            acc.save_state(out / f"step_{step:06d}")
+        train_step(model, optimizer, batch_at(step))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ with the script's own callables and batch function, and compared with the record
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,7 +40,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def cli_json(*args: str | Path) -> tuple[int, dict]:
     result = run_cli(*args, "--json", "-", cwd=ROOT)
-    assert result.code in (0, 1, 3), result.stderr
+    assert result.code in (0, 1, 3, 4), result.stderr
     return result.code, result.json()
 
 
@@ -50,8 +52,12 @@ def test_replay_from_a_torch_save_checkpoint_names_what_the_recorded_replay_name
     assert code == 1 and r["verdict"] == "nonfinite" and r["responsible_step"] == DEFECT_STEP
     _, recorded = cli_json("replay", runs["adam_near_zero"], *what_if)  # the same run, recorded
     for key in ("responsible_step", "origin", "events", "first_nonfinite_loss_step", "fully_nonfinite_step",
-                "state_poisoned", "precursors", "what_if"):
+                "state_poisoned", "what_if"):
         assert r[key] == recorded[key], key
+    # the recorded replay's rewind reaches back to its older checkpoint (step 0) for PRECURSOR_STEPS of precursors;
+    # a single --checkpoint has none older, so its precursors start there, and equal the recorded ones from there
+    assert r["precursors"][0]["step"] == 10
+    assert r["precursors"] == [p for p in recorded["precursors"] if p["step"] >= 10]
     assert (r["samples"]["samples"], r["samples"]["sample_leaves"]) == ([scenarios.DEFECT_SAMPLE],
                                                                         {"batch['ids']": ["s00017-05"]})
     assert r["samples"] == recorded["samples"]
@@ -251,3 +257,141 @@ def test_hugging_face_trainer_checkpoints(tmp_path):
     assert b["replayed"]["responsible_step"] == models.DEFECT_STEP
     assert b["replayed"]["loaded"]["scheduler"] == "unused"
     assert any("no scheduler factory was named" in f for f in b["replayed"]["findings"])
+
+
+def test_an_accelerate_save_state_folder_loads_as_the_torch_save_file_does(plain, tmp_path):
+    pytest.importorskip("accelerate", reason="accelerate is not installed (nanforensics[hf])")
+    plain_training.train_accelerate(tmp_path)
+    folder = tmp_path / "step_000010"
+    report = replay_checkpoint(folder, PLAIN, None, QUICK)
+    loaded = report.loaded
+    assert loaded.layout == "folder of model.safetensors, optimizer.bin, random_states_0.pkl"
+    assert (loaded.step, loaded.step_from, loaded.optimizer_matched) == (10, "name", "order")
+    assert loaded.rng_restored == [] and "random_states_0.pkl was not loaded" in loaded.rng_missing
+    by_file = replay_checkpoint(plain / "step_000010.pt", PLAIN, None, QUICK)  # the same state, saved by torch.save
+    assert [s.replayed_loss for s in report.spread] == [s.replayed_loss for s in by_file.spread]
+
+
+# ---- the stages and verdicts of a recorded replay, from a checkpoint ----------------------------------------------
+
+LOSS_ONLY = "but no gradient, parameter, optimizer-state or buffer value was: the non-finite loss never reached the model"
+
+
+def _start(tmp_path: Path, build: str) -> Path:
+    """The state before step 0 of a loop that trains ``build``'s model with AdamW, saved as users save it."""
+    model = getattr(plain_training, build)()
+    optimizer = plain_training.make_adamw(model)
+    path = tmp_path / "step_000000.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 0}, path)
+    return path
+
+
+def test_a_loss_that_never_reaches_the_model_is_loss_only(tmp_path):
+    """Every label -100 at step 2: a NaN loss, zero gradients, exit 4, as on a recorded run."""
+    start, saved = _start(tmp_path, "build_decoder"), tmp_path / "report.json"
+    result = run_cli("replay", "--checkpoint", start, "--code", PLAIN, "--model", "build_decoder", "--step",
+                     "train_step_lm", "--batches", "tokens_at", "--optimizer", "make_adamw", "--max-steps", "4",
+                     "--json", saved, cwd=ROOT)
+    assert result.code == 4, result.stderr
+    r = json.loads(saved.read_text())
+    short = plain_training.SHORT_DEFECT
+    assert (r["verdict"], r["loss_only_steps"], r["origin"], r["reproduced"]) == ("loss_only", [short], None, None)
+    assert r["setup"]["last_step"] == 3  # on past the NaN loss, to --max-steps
+    assert any(f.startswith(f"The loss was NaN at step {short}, {LOSS_ONLY}") for f in r["findings"]), r["findings"]
+    judged = [f for f in r["findings"] if "cannot be judged" in f]
+    assert len(judged) == 1 and "not reproduced from the supplied batches" not in judged[0]  # the loss did not stay finite
+    assert f"non-finite loss at step {short} only" in result.stdout and "LOSS ONLY" in result.stdout
+
+
+def test_a_buffer_that_goes_non_finite_is_the_origin(tmp_path):
+    """One 1e30 pixel at step 2: BatchNorm's running_var turns inf, everything else finite."""
+    names = {"model": "build_cnn", "step": "train_step_classify", "batches": "images_at", "optimizer": "make_adamw"}
+    r = replay_checkpoint(_start(tmp_path, "build_cnn"), PLAIN, names, replace(QUICK, max_steps=4))
+    short = plain_training.SHORT_DEFECT
+    assert (r.verdict, r.responsible_step, r.reproduced) == ("nonfinite", short, None)
+    assert (r.origin.stage, r.origin.tensor, r.origin.value) == ("buffer", "norm.running_var", "inf")
+    assert {e.stage for e in r.events} == {"buffer"}
+    assert r.responsible_batch.file == f"{PLAIN}:images_at({short})"
+    assert any(f.startswith("Buffer norm.running_var holds non-finite values from step 2") for f in r.findings)
+
+
+# ---- the trust policy, outputs and inputs ---------------------------------------------------------------------
+
+HOSTILE = '''
+import functools
+from torch import load
+from hostile import Touch, run, system
+from plain_training import batch_at, build_model, make_optimizer, train_step
+build_partial = functools.partial(build_model)
+'''
+
+
+@pytest.fixture
+def hostile_script(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A training script whose names include payloads, and the marker file a payload leaves if it ever runs."""
+    import hostile
+
+    marker = tmp_path / "payload-ran"
+    monkeypatch.setenv(hostile.MARKER, str(marker))
+    script = tmp_path / "code" / "train.py"
+    script.parent.mkdir()
+    script.write_text(HOSTILE)
+    return script, marker
+
+
+@pytest.mark.parametrize("role, name, why", [
+    ("model", "Touch", "it is the class hostile.Touch, and an nn.Module subclass or a function is wanted"),
+    ("model", "load", "a function of torch, not of the run's own code"),
+    ("model", "build_partial", "a partial object of Python's standard library (functools)"),
+    ("step", "Touch", "it is the class hostile.Touch, and a function is wanted"),
+    ("batches", "system", "of Python's standard library"),
+    ("optimizer", "run", "it is subprocess.run, of Python's standard library"),
+    ("scheduler", "Touch", "a scheduler class of torch.optim.lr_scheduler or a function is wanted"),
+])
+def test_a_refused_callable_never_runs(plain, hostile_script, role, name, why):
+    script, marker = hostile_script
+    with pytest.raises(BadInput) as refused:
+        replay_checkpoint(plain / "step_000010.pt", str(script), {role: name}, QUICK)
+    message = str(refused.value)
+    assert message.startswith(f"{script}: --{role} '{script}:{name}' is refused: ") and why in message, message
+    assert "--trust-code" in message and "\n" not in message
+    assert not marker.exists(), "the payload ran"
+
+
+def test_the_code_is_shown_first_and_trust_code_opts_in(plain, hostile_script):
+    script, _ = hostile_script
+    args = ("replay", "--checkpoint", plain / "step_000010.pt", "--code", script, "--model", "build_partial",
+            "--max-steps", "2", "--no-explain")
+    refused = run_cli(*args)
+    assert refused.stderr.startswith(f"nanforensics: run code: --model={script}:build_partial, "
+                                     f"--step={script}:train_step, --batches={script}:batch_at, "
+                                     f"--optimizer={script}:make_optimizer\n"), refused.stderr
+    assert_one_line_error(refused, f"--model '{script}:build_partial' is refused", "--trust-code")
+    trusted = run_cli(*args, "--trust-code", "--json", "-")
+    assert trusted.code == 0, trusted.stderr
+    assert f"{script}:build_partial" in trusted.json()["setup"]["imported"]
+
+
+def test_no_output_over_the_checkpoint_the_script_or_into_a_checkpoint_folder(plain, tmp_path):
+    checkpoint = plain / "step_000010.pt"
+    folder = tmp_path / "checkpoint-10"
+    folder.mkdir()
+    before = checkpoint.read_bytes(), (ROOT / PLAIN).read_bytes()
+    calls = [
+        (["replay", "--checkpoint", checkpoint, "--code", PLAIN, "--json", checkpoint], ["--json", "an input"]),
+        (["replay", "--checkpoint", checkpoint, "--code", PLAIN, "--markdown", PLAIN], ["--markdown", "an input"]),
+        (["replay", "--checkpoint", folder, "--code", PLAIN, "--json", folder / "r.json"], ["lies inside"]),
+        (["bisect", plain, "--code", PLAIN, "--markdown", PLAIN], ["--markdown", "an input"]),
+    ]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(lambda call: run_cli(*call[0], cwd=ROOT), calls))
+    for result, (_, needles) in zip(results, calls):
+        assert_one_line_error(result, *needles)
+    assert (checkpoint.read_bytes(), (ROOT / PLAIN).read_bytes()) == before
+
+
+def test_a_script_that_is_not_a_regular_file_is_refused_unread(plain, tmp_path):
+    fifo = tmp_path / "train.py"
+    os.mkfifo(fifo)  # a read would wait for a writer that never comes
+    with pytest.raises(BadInput, match=r"train\.py: not a regular file \(a FIFO\)"):
+        replay_checkpoint(plain / "step_000010.pt", str(fifo), None, QUICK)

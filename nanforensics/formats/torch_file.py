@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInput
-from ..runs.files import one_line
+from ..runs.files import one_line, open_input
 from .pages import drop_pages, span
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -50,10 +50,8 @@ class Refused(BadInput):
 def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
     """The unpickled object and a ``release(view)`` that drops the pages of a part of a tensor already read."""
     try:
-        with open(path, "rb") as f:
+        with open_input(path) as f:
             magic = f.read(4)
-    except FileNotFoundError:
-        raise BadInput(path, "file is missing") from None
     except OSError as e:
         raise BadInput(path, f"cannot read ({e.strerror or e})") from None
     if not magic:
@@ -61,6 +59,7 @@ def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
     mapped = magic == _ZIP_MAGIC
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pickle protocol")
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
         except pickle.UnpicklingError as e:

@@ -3,10 +3,15 @@
 What loads (a layout ``open_checkpoint`` reads that holds both model and optimizer state):
 
 - a ``torch.save`` dict (weights-only): the model's state dict under ``model``, ``model_state_dict``,
-  ``state_dict`` (Lightning), ...; the optimizer's under ``optimizer``, ``optimizer_state_dict``,
-  ``optimizer_states`` (Lightning: a list of one), ...; a scheduler's and the RNG's where it holds them;
+  ``state_dict``, ...; the optimizer's under ``optimizer``, ``optimizer_state_dict``, ``optimizer_states``, ...;
+  a scheduler's and the RNG's where it holds them;
+- a Lightning ``.ckpt`` (``ModelCheckpoint``): its ``state_dict`` and ``optimizer_states`` (a list of one), as
+  scan reads them (``formats.source.lightning_parts``), its ``lr_schedulers``; the callbacks' bookkeeping is not
+  state;
 - a Hugging Face Trainer folder (``checkpoint-N``): ``model.safetensors`` or its shards, ``optimizer.pt``,
   ``scheduler.pt``, ``rng_state.pth``, the step from ``trainer_state.json``;
+- an accelerate ``save_state`` folder: ``model.safetensors`` (or ``pytorch_model.bin``), ``optimizer.bin``,
+  ``scheduler.bin``, ``random_states_0.pkl`` (weights-only, which refuses its numpy state);
 - a checkpoint folder of a nanforensics run.
 
 What does not: a lone ``.safetensors`` file (tensors only: no optimizer parameter groups), a
@@ -36,7 +41,7 @@ from ..errors import BadInput
 from ..runs.checkpoint import Checkpoint, b64, restore_rng, rng_state, state_from_json
 from ..runs.files import TensorFile
 from . import torch_file
-from .source import _OPTIMIZER_KEYS, MODEL, OPTIMIZER, CheckpointSource
+from .source import _OPTIMIZER_KEYS, MODEL, OPTIMIZER, CheckpointSource, lightning_parts
 
 MODEL_KEYS = ("model", "model_state_dict", "state_dict", "model_state", "module", "net", "network")
 SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "lr_scheduler_state_dict", "lr_schedulers",
@@ -100,8 +105,9 @@ def _folder(source: CheckpointSource) -> TrainingState:
             model.update(_tensors(file))
     optimizer_file = next((f for f, group in source.files if group == OPTIMIZER), None)
     if optimizer_file is None:
-        raise BadInput(source.path, "holds no optimizer state (no optimizer.pt beside the weights): replaying from "
-                                    "fresh optimizer state would replay a run that never was")
+        raise BadInput(source.path, "holds no optimizer state (no optimizer.pt, nor accelerate's optimizer.bin, beside "
+                                    "the weights): replaying from fresh optimizer state would replay a run that never "
+                                    "was")
     optimizer = _optimizer_of(torch_file.load(optimizer_file)[0], optimizer_file)
     scheduler_file = next((source.path / n for n in SCHEDULER_FILES if (source.path / n).is_file()), None)
     scheduler = _scheduler_of(torch_file.load(scheduler_file)[0], scheduler_file) if scheduler_file else None
@@ -136,7 +142,15 @@ def _file(path: Path) -> TrainingState:
         raise BadInput(path, f"holds a {type(obj).__name__}, not a dict of state dicts")
     scheduler = next((obj[k] for k in SCHEDULER_KEYS if obj.get(k) is not None), None)
     rng, missing = _rng_parts(next((obj[k] for k in RNG_KEYS if obj.get(k) is not None), None))
-    return TrainingState("torch.save dict", _model_of(obj, path), path, _optimizer_of(obj, path), path,
+    lightning = lightning_parts(obj)  # the LightningModule's state_dict and optimizer_states, as scan reads them
+    if lightning is not None:
+        layout, model, optimizer = "Lightning checkpoint", lightning[0], _optimizer_of(
+            {"optimizer_states": lightning[1]}, path)
+        if not _tensor_dict(model):
+            raise BadInput(path, "its state_dict is not a dict of tensors")
+    else:
+        layout, model, optimizer = "torch.save dict", _model_of(obj, path), _optimizer_of(obj, path)
+    return TrainingState(layout, model, path, optimizer, path,
                          _scheduler_of(scheduler, path) if scheduler is not None else None,
                          path if scheduler is not None else None, rng, missing)
 

@@ -59,7 +59,7 @@ class Session:
         """Back to the checkpoint: fresh model, optimizer, scaler and scheduler, its RNG states restored."""
         self.model, self.optimizer, self.scaler, self.scheduler, meta = self.code.build(self.run, self.checkpoint,
                                                                                         self.device)
-        restore_rng(meta["rng"])
+        restore_rng(meta["rng"], self.checkpoint.path / "meta.json")
         self.step = self.checkpoint.step
 
     def batch(self, step: int) -> Any:

@@ -30,7 +30,7 @@ def replay_checkpoint(checkpoint: str | Path, code: str, names: Mapping[str, str
     resolve_device(opts.device)  # a bad --device is refused before any of the user's code is imported
     start = user_checkpoint(checkpoint, opts.from_step, step_from)
     run, user = open_unrecorded(start, code, names, search_paths=opts.code_paths,
-                                trust_checkpoint=opts.trust_run_dir)
+                                trust_checkpoint=opts.trust_run_dir, trust_code=opts.trust_code)
     return replay(run, user, dataclasses.replace(opts, from_step=None, max_steps=opts.max_steps or DEFAULT_MAX_STEPS),
                   progress)
 
@@ -60,10 +60,12 @@ def bisect_and_replay(targets: Sequence[str | Path], code: str, names: Mapping[s
         report.replayed = replay_checkpoint(clean.path, code, names,
                                             dataclasses.replace(opts, from_step=clean.step, max_steps=steps),
                                             progress, step_from=report.order)
-        if poisoned is not None and report.replayed.verdict == "clean":
-            r = report.replayed
+        r = report.replayed
+        if poisoned is not None and r.origin is None:  # clean, or a non-finite loss only: not the poisoning
             r.verdict = "not_reproduced"
+            state = "stays finite" if not r.loss_only_steps else \
+                "keeps the parameters, optimizer state and buffers finite"
             r.findings.insert(0, f"The checkpoint at step {poisoned.step} holds non-finite values, but the replay from "
-                                 f"the clean one at step {clean.step} stays finite through step {r.setup.last_step}: "
+                                 f"the clean one at step {clean.step} {state} through step {r.setup.last_step}: "
                                  "not reproduced from the supplied batches.")
     return report

@@ -11,8 +11,7 @@ from .. import finite
 from ..report import DataDefect
 from ..runs.batches import leaves
 from ..runs.source import StepSource
-
-DEFAULT_MAX_ABS = 1e6
+from . import DEFAULT_MAX_ABS
 
 
 def _first(mask: torch.Tensor) -> list[int]:

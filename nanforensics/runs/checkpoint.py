@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import math
 import random
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from .files import (
     TensorFile,
     load_json,
     make_build_dir,
+    one_line,
     publish_dir_atomic,
     tensors_to_bytes,
     write_bytes_atomic,
@@ -60,17 +62,30 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    unb64 = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
-    torch.set_rng_state(unb64(state["torch"]))
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([unb64(s) for s in state["cuda"]][: torch.cuda.device_count()])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if state.get("numpy") and "numpy" in sys.modules:
-        np = sys.modules["numpy"]
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+def restore_rng(state: Any, where: Path | None = None) -> None:
+    """Set every RNG as ``state`` (from ``rng_state``) holds it; a malformed state is a ``BadInput`` naming ``where``
+    and the field."""
+    part = "rng.torch"
+    try:
+        torch.set_rng_state(_unb64(state["torch"]))
+        part = "rng.cuda"
+        cuda = [_unb64(s) for s in state.get("cuda") or []]
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+        part = "rng.python"
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        part = "rng.numpy"
+        if state.get("numpy") and "numpy" in sys.modules:
+            np = sys.modules["numpy"]
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError, AttributeError) as e:
+        raise BadInput(where, f"{part} is not an RNG state recorded by nanforensics ({one_line(e)[:100]})") from None
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
 
 
 def _json_value(value: Any) -> Any:
@@ -130,8 +145,11 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
                 scalars.setdefault(names[index], {})[key] = _json_value(value)
     groups = [{**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
               for g in sd["param_groups"]]
+    model_sd = model.state_dict()
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     meta = {"format": CHECKPOINT_FORMAT, "step": step, "param_names": names, "param_groups": groups,
-            "state_scalars": scalars, "rng": rng_state()}
+            "state_scalars": scalars, "rng": rng_state(),
+            "buffer_names": [k for k in model_sd if k in buffers]}  # scan tells buffers from parameters by it
     extras: dict[str, torch.Tensor] = {}
     for key, holder in (("scaler", scaler), ("scheduler", scheduler)):
         if holder is not None:
@@ -140,12 +158,20 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
     build = make_build_dir(final)
-    write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model.state_dict(), file_meta))
-    write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
-    if extras:
-        write_bytes_atomic(build / EXTRAS_FILE, tensors_to_bytes(extras, file_meta))
-    write_json_atomic(build / "meta.json", meta, indent=None)
-    publish_dir_atomic(build, final)
+    try:
+        write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model_sd, file_meta))
+        write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
+        if extras:
+            write_bytes_atomic(build / EXTRAS_FILE, tensors_to_bytes(extras, file_meta))
+        write_json_atomic(build / "meta.json", meta, indent=None)
+        publish_dir_atomic(build, final)
+    except OSError as e:  # no hidden half-built folder left behind; the error names the file as it would be
+        shutil.rmtree(build, ignore_errors=True)
+        named = final / Path(e.filename).name if e.filename and Path(e.filename).parent == build else e.filename
+        raise OSError(e.errno, e.strerror or str(e), str(named) if named else None) from e
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        raise
     return final
 
 

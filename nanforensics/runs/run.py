@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..errors import BadInput
+from ..errors import BadInput, shown
 from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
 from .files import load_json
-from .steplog import LoggedStep, read_steps
+from .steplog import LoggedStep, is_step, read_steps
 
 RUN_FORMAT = "nanforensics.run/1"
 MANIFEST = "manifest.json"
 STEPS = "steps.jsonl"
 _CHECKPOINT_DIR = re.compile(r"^step_(\d{8})$")
+MAX_THREADS = 4096  # num_threads beyond any machine's cores is damage, not a setting to pin
 
 
 def batch_path(run_dir: Path, step: int) -> Path:
@@ -50,17 +52,46 @@ class Manifest:
             if isinstance(fmt, str) and fmt.startswith("nanforensics.run/"):
                 raise BadInput(path, f"format {fmt!r} is newer than this nanforensics reads ({RUN_FORMAT}); upgrade it")
             raise BadInput(path, f"not a nanforensics run manifest (format {fmt!r})")
-        try:
-            opt = raw["optimizer"]
-            m = cls(model_factory=str(raw["model_factory"]), step_fn=str(raw["step_fn"]),
-                    model_kwargs=dict(raw.get("model_kwargs") or {}), optimizer_class=str(opt["class"]),
-                    optimizer_factory=opt.get("factory"), checkpoint_every=int(raw["checkpoint_every"]),
-                    start_step=int(raw.get("start_step", 0)), num_threads=raw.get("num_threads"), raw=raw,
-                    scaler_enabled=bool(raw["scaler"]["enabled"]) if raw.get("scaler") is not None else None,
-                    scheduler_factory=raw["scheduler"]["factory"] if raw.get("scheduler") is not None else None)
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadInput(path, f"manifest field missing or malformed: {e}") from None
-        return m
+        get = partial(_field, path, raw)
+        threads = get("num_threads", int, optional=True)
+        if threads is not None and not 1 <= threads <= MAX_THREADS:
+            raise BadInput(path, f"num_threads {shown(threads)} is not a thread count from 1 to {MAX_THREADS}")
+        every, start = get("checkpoint_every", int), get("start_step", int, optional=True) or 0
+        for name, value, low in (("checkpoint_every", every, 1), ("start_step", start, 0)):
+            if not (is_step(value) and value >= low):
+                raise BadInput(path, f"{name} {shown(value)} is not an integer from {low} to 2^63-1")
+        return cls(model_factory=get("model_factory", str), step_fn=get("step_fn", str),
+                   model_kwargs=get("model_kwargs", dict, optional=True) or {},
+                   optimizer_class=get("optimizer.class", str),
+                   optimizer_factory=get("optimizer.factory", str, optional=True), checkpoint_every=every,
+                   start_step=start, num_threads=threads, raw=raw,
+                   scaler_enabled=get("scaler.enabled", bool) if raw.get("scaler") is not None else None,
+                   scheduler_factory=get("scheduler.factory", str) if raw.get("scheduler") is not None else None)
+
+    def callables(self) -> list[tuple[str, str]]:
+        """(field, import string) of every callable the run names, in the order they are imported."""
+        named = [("model_factory", self.model_factory), ("step_fn", self.step_fn),
+                 ("optimizer.class", self.optimizer_class), ("optimizer.factory", self.optimizer_factory),
+                 ("scheduler.factory", self.scheduler_factory)]
+        return [(f, spec) for f, spec in named if spec is not None]
+
+
+_KINDS = {str: "an import string", dict: "a JSON object", int: "an integer", bool: "true or false"}
+
+
+def _field(path: Path, raw: dict[str, Any], name: str, kind: type, optional: bool = False) -> Any:
+    """The manifest's field ``name`` (dotted: ``optimizer.class``) when it is a ``kind``; else a one-line error
+    naming the field."""
+    node: Any = raw
+    for part in name.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if node is None:
+        if optional:
+            return None
+        raise BadInput(path, f"field {name} is missing")
+    if not isinstance(node, kind) or (kind is int and isinstance(node, bool)):
+        raise BadInput(path, f"{name} {shown(node)} is not {_KINDS[kind]}")
+    return node
 
 
 class Run:
@@ -122,7 +153,16 @@ class Run:
 
     def batch_origin(self, step: int) -> str | None:
         path = self.batch_file(step)
-        return str(path) if path.exists() else None
+        return str(path) if path.is_file() else None
+
+
+def run_code(directory: Path | str) -> list[tuple[str, str]]:
+    """The callables a run directory names, (field, import string), for a command to show before it imports any;
+    none where there is no readable manifest (the command says so itself)."""
+    try:
+        return Manifest.read(Path(directory) / MANIFEST).callables()
+    except BadInput:
+        return []
 
 
 class Rebuilt(NamedTuple):
@@ -149,16 +189,16 @@ class UserCode:
     loaded: None = None  # a run's own checkpoints need no account of how they were loaded
 
     @classmethod
-    def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False) -> "UserCode":
-        where = run.path / MANIFEST
-        m = run.manifest
-        resolve = lambda spec: imports.resolve(  # noqa: E731
-            spec, where=where, search_paths=code_paths, forbidden=None if trust_run_dir else run.path)
-        opt_factory = resolve(m.optimizer_factory) if m.optimizer_factory else None
-        imported = [m.model_factory, m.step_fn, m.optimizer_class] + ([m.optimizer_factory] if m.optimizer_factory else [])
-        imported += [m.scheduler_factory] if m.scheduler_factory else []
-        return cls(resolve(m.model_factory), resolve(m.step_fn), opt_factory, resolve(m.optimizer_class), imported,
-                   resolve(m.scheduler_factory) if m.scheduler_factory else None, step_name=m.step_fn)
+    def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False,
+             trust_code: bool = False) -> "UserCode":
+        """Import the manifest's callables, each admitted by the trust policy (``imports.check_callable``) before
+        anything calls it; ``trust_code`` lifts the policy, ``trust_run_dir`` allows code inside the run directory."""
+        loaded = {f: imports.load_callable(f, spec, where=run.path / MANIFEST, search_paths=code_paths,
+                                           forbidden=None if trust_run_dir else run.path, trust_code=trust_code)
+                  for f, spec in run.manifest.callables()}
+        return cls(loaded["model_factory"], loaded["step_fn"], loaded.get("optimizer.factory"),
+                   loaded["optimizer.class"], [spec for _, spec in run.manifest.callables()],
+                   loaded.get("scheduler.factory"), step_name=run.manifest.step_fn)
 
     def build(self, run: Run, checkpoint: Checkpoint, device: torch.device) -> Rebuilt:
         """Model, optimizer, scaler and scheduler as they were at ``checkpoint``, and the checkpoint meta."""
@@ -172,7 +212,14 @@ class UserCode:
         model.to(device)
         meta = checkpoint.meta()
         if self.optimizer_factory is not None:
-            optimizer = self.optimizer_factory(model)
+            factory = run.manifest.optimizer_factory
+            try:
+                optimizer = self.optimizer_factory(model)
+            except Exception as e:
+                raise BadInput(where, f"optimizer.factory {factory} raised {e.__class__.__name__}: {e}") from None
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise BadInput(where, f"optimizer.factory {factory} returned {type(optimizer).__name__}, not a "
+                                      "torch.optim.Optimizer")
         else:
             named = dict(model.named_parameters(remove_duplicate=False))
             missing = [n for g in meta["param_groups"] for n in g["params"] if n not in named]
@@ -190,6 +237,9 @@ class UserCode:
             except Exception as e:
                 raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} raised "
                                       f"{e.__class__.__name__}: {e}") from None
+            if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+                raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} returned "
+                                      f"{type(scheduler).__name__}, not an LR scheduler")
         enabled = run.manifest.scaler_enabled
         scaler = torch.amp.GradScaler(device.type, enabled=enabled) if enabled is not None else None
         checkpoint.load_into(model, optimizer, scaler=scaler, scheduler=scheduler)

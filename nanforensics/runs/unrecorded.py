@@ -25,7 +25,7 @@ from .batches import has_tensor, leaves
 from .run import MANIFEST, Rebuilt
 from .steplog import LoggedStep
 
-ROLES = {  # role: (default name, option naming it)
+ROLES = {  # role: (default name, option naming it, which is also its role in the trust policy, imports.ROLES)
     "model": ("build_model", "--model"),
     "step": ("train_step", "--step"),
     "batches": ("batch_at", "--batches"),
@@ -180,20 +180,35 @@ class UnrecordedCode:
         return made
 
 
+def _chosen(names: Mapping[str, str | None] | None) -> dict[str, str]:
+    """The callables' names by role: those given, the defaults elsewhere (a scheduler only where named)."""
+    given = names or {}
+    return {role: name for role, (default, _) in ROLES.items() if (name := given.get(role) or default)}
+
+
+def code_specs(code: str, names: Mapping[str, str | None] | None = None) -> list[tuple[str, str]]:
+    """(option, import string) of each callable a replay with ``code`` imports, to show before it does."""
+    return [(ROLES[role][1], f"{code}:{name}") for role, name in _chosen(names).items()]
+
+
 def open_unrecorded(checkpoint: UserCheckpoint, code: str, names: Mapping[str, str | None] | None = None, *,
-                    search_paths: Sequence[Path] = (), trust_checkpoint: bool = False,
+                    search_paths: Sequence[Path] = (), trust_checkpoint: bool = False, trust_code: bool = False,
                     ) -> tuple[UnrecordedRun, UnrecordedCode]:
     """The run and code for a replay: ``code`` is a script (``train.py``) or a module (``pkg.train``), ``names``
     the callables' names by role (``model``, ``step``, ``batches``, ``optimizer``, ``scheduler``), defaults where
-    not given. Code inside the checkpoint's folder is refused unless ``trust_checkpoint``."""
-    chosen = {role: (names or {}).get(role) or default for role, (default, _) in ROLES.items()}
-    specs = {role: f"{code}:{name}" for role, name in chosen.items() if name}
+    not given. Each callable passes the trust policy under its option's role (``imports.load_callable``) before
+    anything calls it; ``trust_code`` lifts the policy. Code inside the checkpoint's folder is refused unless
+    ``trust_checkpoint``."""
+    chosen = _chosen(names)
+    specs = {role: f"{code}:{name}" for role, name in chosen.items()}
+    code_file = Path(code)
     found: dict[str, Any] = {}
     missing = []
     for role, spec in specs.items():
         try:
-            found[role] = imports.resolve(spec, where=code, search_paths=search_paths,
-                                          forbidden=None if trust_checkpoint else checkpoint.path)
+            found[role] = imports.load_callable(ROLES[role][1], spec, where=code_file, search_paths=search_paths,
+                                                forbidden=None if trust_checkpoint else checkpoint.path,
+                                                trust_code=trust_code)
         except imports.MissingName:
             missing.append(role)
     if missing:
@@ -201,9 +216,8 @@ def open_unrecorded(checkpoint: UserCheckpoint, code: str, names: Mapping[str, s
                              f"{'them' if len(missing) > 1 else 'it'} with "
                              f"{', '.join(ROLES[r][1] + ' NAME' for r in missing)})")
     for role, fn in found.items():
-        if not callable(fn):
+        if not callable(fn):  # only under --trust-code: the policy refuses what is not a function or class
             raise BadInput(code, f"{specs[role]} is a {type(fn).__name__}, not a function")
-    code_file = Path(code)
     run = UnrecordedRun(checkpoint, found["batches"], specs["batches"], code_file)
     user = UnrecordedCode(found["model"], found["step"], found["optimizer"], found.get("scheduler"), specs, code_file,
                           imported=list(specs.values()))

@@ -79,11 +79,9 @@ def step_progress(what: str) -> Iterator[Optional[Callable[[int, int, int], None
         yield update
 
 
-def announce_code(run_dir: Path) -> None:
-    """The import strings of the run's code, on stderr before any is imported: what the command is about to run."""
-    from .runs.run import run_code
-
-    named = run_code(run_dir)
+def announce_code(named: list[tuple[str, str]]) -> None:
+    """The import strings of the code a command is about to run (field or option, import string), on stderr before
+    any is imported."""
     if named:
         stderr_console().print("nanforensics: run code: " + ", ".join(f"{field}={spec}" for field, spec in named),
                                markup=False, soft_wrap=True)
@@ -126,22 +124,71 @@ def emit_text(text: str, destination: Optional[str], what: str) -> None:
         raise BadInput(destination, f"cannot write the {what} report ({e.strerror or e})") from None
 
 
+# A run nobody recorded: the user's training script names the callables replay needs.
+CodeOption = Annotated[Optional[str], typer.Option(
+    "--code", metavar="SCRIPT", help="Training script (train.py) or module (pkg.train) defining build_model(), "
+                                     "train_step(model, optimizer, batch), batch_at(step) and make_optimizer(model), "
+                                     "for checkpoints written without the recorder.")]
+ModelOption = Annotated[Optional[str], typer.Option("--model", metavar="NAME", help="Name of the model factory in "
+                                                                                    "--code [default: build_model].")]
+StepOption = Annotated[Optional[str], typer.Option("--step", metavar="NAME", help="Name of the step function in "
+                                                                                  "--code [default: train_step].")]
+BatchesOption = Annotated[Optional[str], typer.Option("--batches", metavar="NAME", help="Name of the function giving "
+                                                                                        "the batch of a step in --code "
+                                                                                        "[default: batch_at].")]
+OptimizerOption = Annotated[Optional[str], typer.Option("--optimizer", metavar="NAME", help="Name of the optimizer "
+                                                                                            "factory in --code "
+                                                                                            "[default: make_optimizer].")]
+SchedulerOption = Annotated[Optional[str], typer.Option("--scheduler", metavar="NAME", help="Name of an LR scheduler "
+                                                                                            "factory in --code; the step "
+                                                                                            "function then gets "
+                                                                                            "scheduler=.")]
+
+
+def code_names(code: Optional[str], **names: Optional[str]) -> dict[str, Optional[str]]:
+    """The callables' names by role; naming one without --code is a usage error."""
+    given = [f"--{role}" for role, name in names.items() if name]
+    if code is None and given:
+        raise BadInput(given[0], "names a callable in the training script: give the script with --code")
+    return names
+
+
+def code_inputs(code: str) -> list[Path]:
+    """A --code script is an input the outputs must not overwrite; a module name is none."""
+    return [Path(code)] if code.endswith(".py") else []
+
+
 @app.command(short_help="Replay a run; name the batch where NaN began.")
 def replay(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="Run directory written by nanforensics.Recorder.",
-                                            readable=False)],
-    from_step: Annotated[Optional[int], typer.Option(metavar="STEP", help="Replay from the last checkpoint at or before this "
-                                                          "step, instead of before the first NaN loss.")] = None,
+    run_dir: Annotated[Optional[Path], typer.Argument(metavar="RUN_DIR", help="Run directory written by "
+                                                                              "nanforensics.Recorder (or --checkpoint "
+                                                                              "with --code).", readable=False)] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(metavar="CHECKPOINT", help="A checkpoint your trainer wrote "
+                                                                                  "(torch.save dict, Lightning .ckpt, "
+                                                                                  "Hugging Face checkpoint-N folder, "
+                                                                                  "...), replayed with --code.",
+                                                       readable=False)] = None,
+    code: CodeOption = None,
+    model: ModelOption = None,
+    step: StepOption = None,
+    batches: BatchesOption = None,
+    optimizer: OptimizerOption = None,
+    scheduler: SchedulerOption = None,
+    from_step: Annotated[Optional[int], typer.Option(metavar="STEP", help="Replay from the last checkpoint at or "
+                                                                          "before this step, instead of before the "
+                                                                          "first NaN loss; with --checkpoint, the step "
+                                                                          "it was saved before.")] = None,
     device: Annotated[str, typer.Option(metavar="DEVICE", help="auto (cuda when present), cpu or cuda.")] = "auto",
     after: Annotated[int, typer.Option(metavar="N", min=0, help="Steps replayed after every parameter is non-finite.")] = 1,
-    max_steps: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Replay at most this many steps.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Replay at most this many steps (with "
+                                                                              "--checkpoint: 100 unless given).")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write the report as Markdown to PATH.")] = None,
     code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="Folder to import the run's model and step "
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
-                                                     "directory.")] = False,
+                                                     "directory (or the checkpoint's folder).")] = False,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
     explain: Annotated[bool, typer.Option(help="Find the operation and the samples behind the responsible "
                                                "step (re-runs that one step).")] = True,
@@ -157,22 +204,41 @@ def replay(
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
 
+    A run recorded by nanforensics.Recorder is replayed from RUN_DIR; a run nobody recorded from one of its
+    checkpoints (--checkpoint) with the training script's own callables (--code).
+
     Exit codes: 0 no non-finite value, 1 found and attributed, 2 bad input, 3 logged NaN not reproduced,
     4 a non-finite loss only (no gradient, parameter, optimizer state or buffer went non-finite).
     """
+    names = code_names(code, model=model, step=step, batches=batches, optimizer=optimizer, scheduler=scheduler)
+    if (run_dir is None) == (checkpoint is None):
+        raise BadInput(None, "give a run directory, or --checkpoint with --code (one of the two)")
+    if (checkpoint is None) != (code is None):
+        raise BadInput("--checkpoint" if code is None else "--code", "--checkpoint and --code go together: the "
+                                                                     "script builds what the checkpoint is loaded into")
     from .replay.engine import ReplayOptions, replay_run
+    from .replay.unrecorded import replay_checkpoint
     from .replay.whatif import parse
+    from .runs.run import run_code
+    from .runs.unrecorded import code_specs
     from .views.replay import render_markdown, render_terminal
 
-    check_outputs([run_dir], {"--json": json_out, "--markdown": markdown})
-    announce_code(run_dir)
+    if checkpoint is not None and code is not None:
+        check_outputs([checkpoint, *code_inputs(code)], {"--json": json_out, "--markdown": markdown})
+        announce_code(code_specs(code, names))
+    else:
+        check_outputs([run_dir], {"--json": json_out, "--markdown": markdown})
+        announce_code(run_code(run_dir))
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
                             explain=explain,
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
                             what_if_steps=what_if_steps)
     with step_progress("replaying") as progress:
-        report = replay_run(run_dir, options, progress=progress)
+        if checkpoint is not None and code is not None:
+            report = replay_checkpoint(checkpoint, code, names, options, progress=progress)
+        else:
+            report = replay_run(run_dir, options, progress=progress)
     emit_json(report, json_out)
     emit_markdown(render_markdown(report), markdown)
     if json_out != "-":
@@ -207,10 +273,11 @@ def repair(
     Exit codes: 0 written and verified, 1 the repaired run did not stay finite (nothing written), 2 bad input.
     """
     from .replay.repair import RepairOptions, repair_run
+    from .runs.run import run_code
     from .views.repair import render_repair_terminal
 
     check_outputs([run_dir], {"--out": str(out), "--json": json_out}, folders=("--out",))
-    announce_code(run_dir)
+    announce_code(run_code(run_dir))
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code)
     with step_progress("replaying") as progress:
@@ -265,33 +332,72 @@ def bisect(
     margin: Annotated[float, typer.Option(metavar="FACTOR", help=_MARGIN_HELP)] = 1000.0,
     run_replay: Annotated[bool, typer.Option("--replay", help="Then replay the window from the last clean "
                                                               "checkpoint (runs of nanforensics only).")] = False,
+    code: CodeOption = None,
+    model: ModelOption = None,
+    step: StepOption = None,
+    batches: BatchesOption = None,
+    optimizer: OptimizerOption = None,
+    scheduler: SchedulerOption = None,
+    max_steps: Annotated[int, typer.Option(metavar="N", min=1, help="With --code and no poisoned checkpoint: steps "
+                                                                    "replayed from the last one.")] = 100,
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="With --code: auto (cuda when present), cpu or "
+                                                               "cuda.")] = "auto",
+    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="With --code: folder to import it from "
+                                                                                "(repeatable).")] = None,
+    trust_run_dir: Annotated[bool, typer.Option(help="With --code: allow importing it from inside the checkpoint's "
+                                                     "folder.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write the report as Markdown to PATH.")] = None,
-    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay.")] = False,
+    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay or --code.")] = False,
 ) -> None:
-    """Find the first poisoned checkpoint in about log2(n) checkpoint reads.
+    """Find the first poisoned checkpoint in about log2(n) checkpoint reads; with --code, replay from the last
+    clean one to name the step, batch and coordinate.
 
-    Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input.
+    Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input; with --code, the
+    replay's: 0 clean, 1 found, 3 a poisoned checkpoint not reproduced from the supplied batches, 4 a non-finite
+    loss only.
     """
+    names = code_names(code, model=model, step=step, batches=batches, optimizer=optimizer, scheduler=scheduler)
+    if code is not None and run_replay:
+        raise BadInput("--code", "replays checkpoints written without the recorder; --replay is for runs of "
+                                 "nanforensics: give one of the two")
     from .checkpoints.bisect import bisect as bisect_checkpoints
     from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
 
-    check_outputs(expand(checkpoints), {"--json": json_out, "--markdown": markdown})
+    check_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []),
+                  {"--json": json_out, "--markdown": markdown})
+    if code is not None:
+        from .runs.unrecorded import code_specs
+
+        announce_code(code_specs(code, names))
     with bytes_progress(stderr_console()) as progress:
-        report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
+        if code is None:
+            report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
+        else:
+            from .replay.engine import ReplayOptions
+            from .replay.unrecorded import bisect_and_replay
+
+            with step_progress("replaying") as step_bar:
+                report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
+                    device=device, max_steps=max_steps, code_paths=code_path or [], trust_run_dir=trust_run_dir,
+                    trust_code=trust_code), linear=linear, full=full, margin=margin, scan_progress=progress,
+                    progress=step_bar)
     emit_json(report, json_out)
     emit_markdown(render_bisect_markdown(report), markdown)
     if json_out != "-":
         render_bisect_terminal(report, stdout_console())
+    if report.replayed is not None:
+        raise typer.Exit(_REPLAY_EXIT[report.replayed.verdict])
     if run_replay and report.replay is None:
         stderr_console().print(f"nanforensics: no replay: {report.replay_unavailable or 'not a run of nanforensics'}",
                                markup=False, soft_wrap=True)
     elif run_replay and report.replay is not None:
         from .replay.engine import ReplayOptions, replay_run
+        from .runs.run import run_code
         from .views.replay import render_terminal
 
-        announce_code(Path(report.replay.run))
+        announce_code(run_code(Path(report.replay.run)))
         with step_progress("replaying") as step_bar:
             replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step,
                                                                    trust_code=trust_code), progress=step_bar)
@@ -334,13 +440,14 @@ def postmortem(
     found every gradient, parameter, optimizer state and buffer finite).
     """
     from .postmortem import postmortem as examine
+    from .runs.run import run_code
     from .views.html import render_html
     from .views.postmortem import render_junit, render_markdown, render_terminal, status_line
 
     summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
     check_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
                                 "$GITHUB_STEP_SUMMARY": summary_file})
-    announce_code(directory)
+    announce_code(run_code(directory))
     with step_progress("replaying") as progress:
         report = examine(directory, progress, note=status_line(stderr_console()), trust_code=trust_code)
     emit_json(report, json_out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -321,10 +322,14 @@ def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None
             "found a non-finite loss only"
         findings.append(f"The replay {what}, yet the checkpoints hold non-finite values: the replay is not an exact "
                         "copy of the run (see its findings).")
+    kind = "run" if (path / MANIFEST).exists() else "checkpoints"
     if verdict != "clean" and replay is None:  # what would pin the step
-        hint = [f"To pin the step: `{checkpoints.replay.command}`."] if checkpoints and checkpoints.replay else []
+        hint = [f"To pin the step: `{checkpoints.replay.command}`."] if checkpoints and checkpoints.replay else \
+            [f"To pin the step, replay the checkpoints with the training script, when it can give the batch of any "
+             f"step again: `nanforensics bisect {shlex.quote(str(path))} --code train.py` (docs/unrecorded.md)."] \
+            if kind == "checkpoints" and checkpoints and checkpoints.verdict == "poisoned" and checkpoints.last_clean \
+            else []
         findings += advice or hint
-    return PostmortemReport(verdict=verdict, headline=headline, directory=str(path),
-                            kind="run" if (path / MANIFEST).exists() else "checkpoints",
+    return PostmortemReport(verdict=verdict, headline=headline, directory=str(path), kind=kind,
                             responsible_step=responsible, window=window, analyses=analyses, step_log=summary,
                             checkpoints=checkpoints, replay=replay, tensor_spread=tensor_spread, findings=findings)

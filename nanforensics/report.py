@@ -225,6 +225,25 @@ class WhatIfResult:
 
 
 @dataclass
+class CheckpointLoad:
+    """How a checkpoint written without the recorder was loaded into the model and optimizer the user's code built."""
+
+    checkpoint: str
+    layout: str                   # "torch.save dict", "nanforensics checkpoint", or a folder's files
+    step: int                     # the state before this step: the first step replayed
+    step_from: str                # "metadata" | "trainer_state.json" | "name" | "--from-step"
+    batches: str                  # the batch function, as an import string
+    model_prefix_stripped: str | None  # a wrapper's prefix ("module.", "_orig_mod.") removed from every key
+    optimizer_matched: str        # "name": by the parameter names the file records; "order": it records none
+    optimizer_params: int
+    same_shape_params: int        # by order: parameters sharing their shape with another of their group
+    scheduler: str                # "restored" | "none" | "unused": the checkpoint holds one, no factory was named
+    rng_restored: list[str]       # generators restored from the checkpoint: "torch", "cuda", "python", "numpy"
+    rng_missing: str | None       # why the others were not
+    random_modules: list[str]     # dropout modules with p > 0: their masks depend on the torch RNG
+
+
+@dataclass
 class ReplaySetup:
     run: str
     from_checkpoint: int
@@ -246,7 +265,7 @@ class ReplayReport:
     events: list[Event]
     spread: list[StepRecord]
     state_poisoned: bool
-    reproduced: bool
+    reproduced: bool | None  # replayed losses equal the logged ones; None: no logged loss to compare with
     diverged_at_step: int | None
     fully_nonfinite_step: int | None
     findings: list[str]
@@ -258,6 +277,7 @@ class ReplayReport:
     schema: str = field(default=REPLAY_SCHEMA)
     amp: AmpReport | None = None
     what_if: list[WhatIfResult] = field(default_factory=list)
+    loaded: CheckpointLoad | None = None  # a replay from a checkpoint the recorder did not write
     loss_only_steps: list[int] = field(default_factory=list)  # before the origin: a non-finite loss, state intact
     checkpoints_compared: list[CheckpointComparison] = field(default_factory=list)
     loss_max_ulps: int | None = None  # the largest |logged - replayed| loss difference, float32 ulps

@@ -252,15 +252,22 @@ def test_on_nan_is_checked():
 # ---- the checkpoints these libraries write --------------------------------------------------------
 
 
-def test_lightning_model_checkpoints_are_bisected(tmp_path):
-    """A real fit with ModelCheckpoint: its bookkeeping (kth_value = inf) is no parameter, its files are found in
-    the folder and by a glob, ordered by global_step, last.ckpt set aside as the copy it is."""
+@pytest.fixture(scope="module")
+def lightning_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real fit with ModelCheckpoint every 2 steps (and save_last), the defect at step 6."""
     pl = pytest.importorskip("lightning.pytorch", reason="PyTorch Lightning is not installed (nanforensics[lightning])")
-    folder = tmp_path / "ckpts"
+    folder = tmp_path_factory.mktemp("lightning") / "ckpts"
     saving = pl.callbacks.ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)
     trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[saving])
     trainer.fit(models.RegressorModule(), loader(models.batches(10)))
+    return folder
+
+
+def test_lightning_model_checkpoints_are_bisected(lightning_checkpoints):
+    """Its bookkeeping (kth_value = inf) is no parameter, its files are found in the folder and by a glob, ordered
+    by global_step, last.ckpt set aside as the copy it is."""
+    folder = lightning_checkpoints
     first = folder / "epoch=0-step=2.ckpt"
     raw = torch.load(first, weights_only=True)
     assert any(torch.equal(v.get("kth_value", torch.tensor(0.0)), torch.tensor(float("inf")))
@@ -282,6 +289,24 @@ def test_lightning_model_checkpoints_are_bisected(tmp_path):
         assert b["skipped"] == [f"{folder / 'last.ckpt'}: Lightning's copy of the checkpoint of step 10 (save_last)"]
     shown = terminal(render_bisect_terminal, bisect([folder]))
     assert "lightning" in shown and f"Not read: {folder / 'last.ckpt'}" in shown
+
+
+def test_lightning_checkpoints_replay_with_the_training_script(lightning_checkpoints):
+    """bisect --code on the fit's .ckpt files: the last clean one loads into the module, its Adam and its StepLR
+    (Lightning's state_dict, optimizer_states and lr_schedulers), and the replay names the step and coordinate."""
+    result = run_cli("bisect", lightning_checkpoints, "--code", "tests/lightning_training.py", "--scheduler",
+                     "make_scheduler", "--json", "-", cwd=ROOT)
+    assert result.code == 1, result.stderr
+    b = result.json()
+    assert (b["last_clean"]["step"], b["first_poisoned"]["step"]) == (6, 8)
+    r = b["replayed"]
+    assert (r["verdict"], r["responsible_step"]) == ("nonfinite", models.DEFECT_STEP)
+    assert (r["origin"]["tensor"], r["origin"]["index"]) == ("net.features.gain", [scenarios.DEFECT_FEATURE])
+    assert r["samples"]["samples"] == [scenarios.DEFECT_SAMPLE]
+    loaded = r["loaded"]
+    assert (loaded["layout"], loaded["step"], loaded["step_from"]) == ("Lightning checkpoint", 6, "metadata")
+    assert (loaded["optimizer_matched"], loaded["scheduler"]) == ("order", "restored")
+    assert r["reproduced"] is None
 
 
 def test_accelerate_save_state_is_read_with_its_optimizer_state(tmp_path):

@@ -34,6 +34,23 @@ def test_readme_replay_on_sample_runs(name, code, responsible, logged):
     assert tree_digest(SAMPLES) == before
 
 
+def test_readme_replay_of_a_run_nobody_recorded():
+    """The README's commands on the sample whose script saves plain torch.save checkpoints."""
+    before = tree_digest(SAMPLES)
+    replay = run_cli("replay", "--checkpoint", "sample_runs/unrecorded/ckpts/step_000010.pt",
+                     "--code", "sample_runs/unrecorded/train.py", cwd=ROOT)
+    bisect = run_cli("bisect", "sample_runs/unrecorded/ckpts", "--code", "sample_runs/unrecorded/train.py", cwd=ROOT)
+    assert tree_digest(SAMPLES) == before
+    for result in (replay, bisect):
+        assert result.code == 1, result.stderr
+        out = " ".join(result.stdout.split())  # the panel wraps lines
+        assert "responsible step 17; replayed loss first NaN at step 18" in out
+        assert "origin step 17 grad gain[3] = -inf" in out
+        assert "samples 5 of 64 (batch['row']: [1093])" in out
+        assert "whether the replay reproduces the run cannot be judged" in out
+    assert "last clean: step 10" in " ".join(bisect.stdout.split()) and "first poisoned: step 20" in bisect.stdout
+
+
 def test_generator_reproduces_the_shipped_runs(tmp_path):
     subprocess.run([sys.executable, str(SAMPLES / "generate.py"), "--out", str(tmp_path)], check=True,
                    capture_output=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..formats import CheckpointSource, Collection, discover
+from ..report import ReplayReport
 from ..runs.run import batch_path
 from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, TensorScan, check_margin, scan_checkpoint
 
@@ -75,8 +76,9 @@ class BisectReport:
     history: list[ScanRecord]
     first_poisoned_scan: ScanReport | None
     replay: ReplayHint | None  # the replay that pins the step, where the run kept that window's batches
-    replay_unavailable: str | None  # why there is none, for checkpoints of a run of ours
+    replay_unavailable: str | None  # why there is none: for checkpoints of a run of ours, or with --code
     schema: str = field(default=BISECT_SCHEMA)
+    replayed: ReplayReport | None = None  # with --code: the replay from the last clean checkpoint
     skipped: list[str] = field(default_factory=list)  # "path: why" for files in the folders given left unread
 
 

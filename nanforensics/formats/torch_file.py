@@ -38,6 +38,15 @@ def _refusal(message: str) -> str:
     return line[:160] or "it needs more than tensors and plain containers"
 
 
+class Refused(BadInput):
+    """A pickle that weights-only loading will not read; ``reason`` says what it asked for."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.reason = reason
+        super().__init__(path, f"refused, not loaded: {reason}, and weights_only loading runs nothing but tensors "
+                               "and plain containers (convert the file to safetensors where you trust it)")
+
+
 def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
     """The unpickled object and a ``release(view)`` that drops the pages of a part of a tensor already read."""
     try:
@@ -55,9 +64,7 @@ def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
         except pickle.UnpicklingError as e:
             if "Weights only load failed" in str(e):
-                raise BadInput(path, f"refused, not loaded: {_refusal(str(e))}, and weights_only loading runs "
-                                     "nothing but tensors and plain containers (convert the file to "
-                                     "safetensors where you trust it)") from None
+                raise Refused(path, _refusal(str(e))) from None
             raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
         except Exception as e:  # noqa: BLE001 -- torch.load reports damage with many exception types
             raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None

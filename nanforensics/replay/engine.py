@@ -1,4 +1,8 @@
-"""Replay a recorded run with per-step checks and name the step, batch and coordinate where NaN began."""
+"""Replay a run with per-step checks and name the step, batch and coordinate where NaN began.
+
+``replay`` drives any run a ``StepSource`` and ``StepCode`` describe: ``replay_run`` opens a recorded one,
+``replay.unrecorded`` a trainer's own checkpoint with the user's batch function.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +37,8 @@ from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe
 from ..rootcause.samples import attribute_samples, batch_size
 from ..runs.batches import data_leaves
-from ..runs.checkpoint import Checkpoint
 from ..runs.run import Run, UserCode
+from ..runs.source import StartPoint, StepCode, StepSource
 from ..runs.steplog import first_nonfinite
 from . import whatif
 from .amp import AmpLog
@@ -64,24 +68,23 @@ class ReplayOptions:
     what_if_steps: int = 5  # steps after the responsible one a what-if must stay finite for
 
 
-def _start_checkpoint(run: Run, target: int | None) -> Checkpoint:
+def _start_checkpoint(run: StepSource, target: int | None) -> StartPoint:
     """The newest checkpoint at or before ``target`` whose parameters and state are all finite."""
     checkpoints = run.checkpoints()
+    where = run.checkpoint_folder
     if not checkpoints:
-        raise BadInput(run.path / "checkpoints", "the run has no checkpoints")
+        raise BadInput(where, "the run has no checkpoints")
     candidates = [c for c in checkpoints if target is None or c.step <= target]
     if not candidates:
-        raise BadInput(run.path / "checkpoints", f"no checkpoint at or before step {target} "
-                                                 f"(oldest is step {checkpoints[0].step})")
+        raise BadInput(where, f"no checkpoint at or before step {target} (oldest is step {checkpoints[0].step})")
     for c in reversed(candidates):
         if _checkpoint_finite(c):
             return c
-    raise BadInput(run.path / "checkpoints", f"every checkpoint up to step {candidates[-1].step} already holds "
-                                             "non-finite values: the origin lies before the oldest one kept "
-                                             "(run `nanforensics bisect` on the folder)")
+    raise BadInput(where, f"every checkpoint up to step {candidates[-1].step} already holds non-finite values: the "
+                          "origin lies before the oldest one kept (run `nanforensics bisect` on the folder)")
 
 
-def _precursor_start(run: Run, checkpoint: Checkpoint, step: int) -> Checkpoint:
+def _precursor_start(run: StepSource, checkpoint: StartPoint, step: int) -> StartPoint:
     """Where the rewind re-runs from: the start checkpoint, or an older finite one (with its batches kept) when
     the start leaves fewer than PRECURSOR_STEPS steps before ``step``, since a drift into overflow shows over
     tens of steps. The newest old enough, else the oldest there is."""
@@ -90,43 +93,55 @@ def _precursor_start(run: Run, checkpoint: Checkpoint, step: int) -> Checkpoint:
     earlier = [c for c in run.checkpoints() if c.step < checkpoint.step]
     enough = [c for c in earlier if c.step <= step - PRECURSOR_STEPS]
     for c in enough[-1:] or earlier[:1]:
-        if all(run.batch_file(s).is_file() for s in range(c.step, checkpoint.step)) and _checkpoint_finite(c):
+        if all(run.batch_origin(s) is not None for s in range(c.step, checkpoint.step)) and _checkpoint_finite(c):
             return c
     return checkpoint
 
 
-def _checkpoint_finite(c: Checkpoint) -> bool:
+def _checkpoint_finite(c: StartPoint) -> bool:
     """Streamed, one tensor at a time, stopping at the first non-finite one."""
     return scan_checkpoint(open_checkpoint(c.path)).verdict == CLEAN
 
 
 def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                progress: ProgressFn | None = None) -> ReplayReport:
-    """Replay from the last clean checkpoint before the first non-finite logged loss (or ``from_step``)."""
+    """Replay a recorded run from the last clean checkpoint before the first non-finite logged loss (or
+    ``from_step``)."""
     opts = options or ReplayOptions()
     run = Run(run_dir)
-    logged = {s.step: s.loss for s in run.steps}
-    if not logged:
+    if not run.steps:
         raise BadInput(run.path / "steps.jsonl", "no steps were logged")
+    resolve_device(opts.device)  # a bad --device is refused before any of the user's code is imported
+    return replay(run, UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code), opts, progress)
+
+
+def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: ProgressFn | None = None) -> ReplayReport:
+    """Replay ``run`` with ``code`` from the last clean checkpoint before the first non-finite logged loss (or
+    ``opts.from_step``), through the run's last step or ``opts.max_steps``."""
+    logged = {s.step: s.loss for s in run.steps}
     logged_first = first_nonfinite(run.steps)
     device = resolve_device(opts.device)
-    code = UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code)
     checkpoint = _start_checkpoint(run, opts.from_step if opts.from_step is not None else
-                                   (logged_first if logged_first is not None else run.steps[-1].step))
-    last = run.steps[-1].step
+                                   (logged_first if logged_first is not None else run.last_step))
+    bound = checkpoint.step + opts.max_steps - 1 if opts.max_steps is not None else None
+    last = min((s for s in (run.last_step, bound) if s is not None), default=None)
+    if last is None:
+        raise BadInput("--max-steps", "the run logged no steps, so nothing says where it ends: give --max-steps")
     logged_nan = [s.step for s in run.steps if s.step >= checkpoint.step and not math.isfinite(s.loss)]
-    if opts.max_steps is not None:
-        last = min(last, checkpoint.step + opts.max_steps - 1)
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
-        0.0 if device.type == str(run.manifest.raw.get("device", "cpu")).split(":")[0] else 1e-3)
+        0.0 if device.type == str(run.device or "cpu").split(":")[0] else 1e-3)
 
-    data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs)
+    # Logged batches are checked over the whole window before replaying; batches a function computes (no logged
+    # end, a --max-steps bound) where the replay ran them, not up to a bound the failure may lie far before.
+    data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs) \
+        if run.last_step is not None else []
 
-    with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None) as threads:
+    with pinned_threads(run.num_threads if device.type == "cpu" else None) as threads:
         r = Session(run, code, checkpoint, device)
         amp = AmpLog()
         params_total, state_total = totals(r.model, r.optimizer)
         buffers_all = buffers_total(r.model)
+        # the recorded checkpoints past the start, to compare with; a run nobody recorded has only its start
         later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
         compared: dict[int, CheckpointComparison] = {}
         loss_only: list[int] = []
@@ -188,6 +203,8 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
+        if run.last_step is None:
+            data_defects = check_batches(run, [s.step for s in spread], opts.data_max_abs)
         # Without an origin, a loss-only step is still worth explaining: which op made the loss non-finite, from
         # which samples (a batch with no valid target, typically).
         explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
@@ -199,8 +216,8 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                      logged_nan=logged_nan, loss_only=loss_only, compared=[compared[s] for s in sorted(compared)],
                      max_ulps=opts.loss_ulps)
     report.amp, report.what_if = amp.report(r.model, events), what_if
-    report.data_defects, report.precursors, report.operation, report.samples = (
-        data_defects, precursors, operation, samples)
+    report.data_defects, report.precursors, report.operation, report.samples, report.loaded = (
+        data_defects, precursors, operation, samples, code.loaded)
     report.findings = (findings(report) + amp_findings(report.amp)
                        + whatif.findings(report.what_if, requested=bool(opts.what_if)))
     return report
@@ -226,12 +243,14 @@ def _horizon(events: list[Event], spread: list[StepRecord]) -> int:
     return max(nan_loss, events[0].step) + 1
 
 
-def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int, code: UserCode,
+def _report(run: StepSource, checkpoint: StartPoint, device: torch.device, threads: int, code: StepCode,
             events: list[Event], spread: list[StepRecord], logged_first: int | None, rtol: float,
             caught: Collection[int] = (), *, logged_nan: Collection[int] = (), loss_only: Sequence[int] = (),
             compared: Sequence[CheckpointComparison] = (), max_ulps: int = LOSS_ULPS) -> ReplayReport:
     origin = events[0] if events else None
     diverged = judge(spread, list(compared), rtol, max_ulps)
+    # nothing to judge by: no logged loss in the window and no recorded checkpoint passed (a run nobody recorded)
+    judged = any(s.logged_loss is not None for s in spread) or any(c.error is None for c in compared)
     replayed_first = next((s.step for s in spread if not math.isfinite(s.replayed_loss)), None)
     full = next((s.step for s in spread if s.params_total and s.params_nonfinite == s.params_total), None)
     if origin is not None:
@@ -244,15 +263,16 @@ def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int
         verdict = "clean"
     batch_ref = None
     if origin is not None:
-        path, batch = run.batch_file(origin.step), run.batch(origin.step)
-        batch_ref = BatchRef(origin.step, str(path), dict(data_leaves(batch, size=batch_size(batch))))
+        batch = run.batch(origin.step)
+        batch_ref = BatchRef(origin.step, run.batch_origin(origin.step) or "",
+                             dict(data_leaves(batch, size=batch_size(batch))))
     setup = ReplaySetup(str(run.path), checkpoint.step, spread[0].step if spread else checkpoint.step,
                         spread[-1].step if spread else checkpoint.step, str(device), threads, code.imported)
     report = ReplayReport(
         verdict=verdict, responsible_step=origin.step if origin else None, responsible_batch=batch_ref,
         first_nonfinite_loss_step=replayed_first, logged_first_nonfinite_loss_step=logged_first, origin=origin,
         events=events, spread=spread, state_poisoned=any(e.stage == "optimizer_state" for e in events),
-        reproduced=diverged is None, diverged_at_step=diverged, fully_nonfinite_step=full, findings=[],
-        setup=setup, loss_only_steps=list(loss_only), checkpoints_compared=list(compared),
+        reproduced=diverged is None if judged else None, diverged_at_step=diverged, fully_nonfinite_step=full,
+        findings=[], setup=setup, loss_only_steps=list(loss_only), checkpoints_compared=list(compared),
         loss_max_ulps=max((s.loss_ulps for s in spread if s.loss_ulps is not None), default=None))
     return report

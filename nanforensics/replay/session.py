@@ -1,5 +1,5 @@
-"""A run's model and optimizer rebuilt at a checkpoint, stepping through the logged batches with the
-user's own step function. Replay, what-if replays and root-cause passes all drive one of these."""
+"""A run's model and optimizer rebuilt at a checkpoint, stepping through its batches with the user's own step
+function. Replay, what-if replays and root-cause passes all drive one of these, for a recorded run or not."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from ..errors import BadInput
 from ..report import Event
 from ..runs.batches import map_tensors
-from ..runs.checkpoint import Checkpoint, restore_rng, rng_state
-from ..runs.run import Run, UserCode
+from ..runs.checkpoint import restore_rng, rng_state
+from ..runs.source import StartPoint, StepCode, StepSource
 from .monitor import StepMonitor
 
 
@@ -51,7 +51,7 @@ def _loss_value(loss: Any, where: Path) -> float:
 class Session:
     """Rebuilds the model at a checkpoint and runs the user's steps from there, monitored or plain."""
 
-    def __init__(self, run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> None:
+    def __init__(self, run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device) -> None:
         self.run, self.code, self.checkpoint, self.device = run, code, checkpoint, device
         self.reset()
 
@@ -74,18 +74,18 @@ class Session:
         except BadInput:
             raise
         except Exception as e:
-            raise BadInput(self.run.path / "manifest.json", f"step function {self.run.manifest.step_fn} raised "
-                                                            f"{e.__class__.__name__} at step {self.step}: {e}") from None
+            raise BadInput(self.run.code_file, f"step function {self.code.step_name} raised "
+                                               f"{e.__class__.__name__} at step {self.step}: {e}") from None
 
     def run_step(self, monitor: StepMonitor | None = None, locate: bool = False,
                  batch: Any = None) -> tuple[float, list[Event]]:
-        """Run the next logged step (on ``batch`` instead of the logged one where given: a what-if drops samples);
+        """Run the next step (on ``batch`` instead of the run's own where given: a what-if drops samples);
         returns its loss and, with a monitor, its events."""
         batch = self.batch(self.step) if batch is None else batch
         if monitor:
             monitor.begin(self.step, batch, locate)
         loss = self.call_step(batch)
-        value = _loss_value(loss, self.run.path / "manifest.json")
+        value = _loss_value(loss, self.run.code_file)
         events = monitor.end(loss) if monitor else []
         self.step += 1
         return value, events

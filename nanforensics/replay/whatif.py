@@ -20,8 +20,8 @@ from ..errors import BadInput
 from ..report import Event, WhatIfResult
 from ..rootcause.findings import describe
 from ..rootcause.samples import batch_size, select
-from ..runs.checkpoint import Checkpoint, optimizer_params
-from ..runs.run import Run, UserCode
+from ..runs.checkpoint import optimizer_params
+from ..runs.source import StartPoint, StepCode, StepSource
 from ..words import count, numbered
 from .monitor import StepMonitor
 from .session import Session
@@ -274,10 +274,10 @@ def replay_with(session: Session, change: Intervention | None, last: int) -> Wha
                         first_step, first_what, nan_loss, losses, change.detail if change else None)
 
 
-def what_if_replays(run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device, step: int,
+def what_if_replays(run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device, step: int,
                     changes: Sequence[Intervention], steps_after: int) -> list[WhatIfResult]:
     """The replay as recorded, then one replay per change, each from a fresh Session at ``checkpoint``."""
-    last = min(step + steps_after, run.steps[-1].step)
+    last = step + steps_after if run.last_step is None else min(step + steps_after, run.last_step)
     results = []
     for change in [None, *changes]:
         session = Session(run, code, checkpoint, device)

@@ -1,4 +1,4 @@
-"""Data-level checks of logged batches, before any replay: a NaN in the input file is a data defect,
+"""Data-level checks of a run's batches, before any replay: a NaN in the input file is a data defect,
 not a training failure, and a subnormal or huge reading is the usual seed of one."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from .. import finite
 from ..report import DataDefect
 from ..runs.batches import leaves
-from ..runs.run import Run
+from ..runs.source import StepSource
 from . import DEFAULT_MAX_ABS
 
 
@@ -40,15 +40,15 @@ def check_tensor(t: torch.Tensor, max_abs: float) -> Iterable[tuple[str, int, li
         yield "subnormal", int(subnormal.sum()), index, repr(float(t[tuple(index)]))
 
 
-def check_batches(run: Run, steps: Iterable[int], max_abs: float = DEFAULT_MAX_ABS) -> list[DataDefect]:
+def check_batches(run: StepSource, steps: Iterable[int], max_abs: float = DEFAULT_MAX_ABS) -> list[DataDefect]:
     """Every floating-point tensor of the batches of ``steps``; a missing batch is the replay's error, not ours."""
     defects: list[DataDefect] = []
     for step in steps:
-        path = run.batch_file(step)
-        if not path.exists():
+        origin = run.batch_origin(step)
+        if origin is None:
             continue
         for name, leaf in leaves(run.batch(step)):
             if finite.checkable(leaf):
                 for kind, count, index, value in check_tensor(leaf, max_abs):
-                    defects.append(DataDefect(step, str(path), name, kind, count, index, value))
+                    defects.append(DataDefect(step, origin, name, kind, count, index, value))
     return defects

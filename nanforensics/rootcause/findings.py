@@ -6,7 +6,7 @@ import math
 
 from ..finite import value_name
 from ..replay.reproduction import LOSS_ULPS
-from ..report import CheckpointComparison, Event, OperationCulprit, OpSite, Precursor, ReplayReport
+from ..report import CheckpointComparison, CheckpointLoad, Event, OperationCulprit, OpSite, Precursor, ReplayReport
 from ..words import count, numbered
 
 
@@ -146,6 +146,15 @@ def findings(r: ReplayReport) -> list[str]:
             out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "
                        f"The logged loss first shows NaN at step {shown}, {count(shown - o.step, 'step')} later; "
                        f"{inspect}.")
+        elif r.reproduced is None and r.first_nonfinite_loss_step not in (None, o.step):
+            replayed = next((s.replayed_loss for s in r.spread if s.step == o.step), None)
+            loss_text = f" ({replayed:.6g})" if replayed is not None and math.isfinite(replayed) else ""
+            shown = r.first_nonfinite_loss_step
+            inspect = (f"the step to inspect is step {o.step}, not step {shown}" if step_not_data(r) else
+                       f"the batch to inspect is step {o.step}'s, not step {shown}'s")
+            out.append(f"The loss at step {o.step} was finite in the replay{loss_text}: it is computed before the "
+                       f"update. It first shows NaN at step {shown}, {count(shown - o.step, 'step')} later, where a "
+                       f"training log shows it too; {inspect}.")
         out += _root_cause(r)
         out += _batch_wide(r)
         out += _clipping(r)
@@ -156,6 +165,39 @@ def findings(r: ReplayReport) -> list[str]:
     if r.fully_nonfinite_step is not None:
         out.append(f"Every parameter is non-finite by step {r.fully_nonfinite_step}.")
     out += _reproduction(r)
+    return out + (_loaded(r.loaded) if r.loaded is not None else [])
+
+
+def _loaded(c: CheckpointLoad) -> list[str]:
+    """How a checkpoint the recorder did not write was read: each choice that shapes what the replay means."""
+    basis = {"metadata": "its metadata", "trainer_state.json": "the steps trainer_state.json counts",
+             "name": "its name", "--from-step": "--from-step"}.get(c.step_from, c.step_from)
+    advice = "" if c.step_from == "trainer_state.json" else \
+        f"; a loop that saved it after running step {c.step} needs --from-step {c.step + 1}"
+    out = [f"The checkpoint is taken as the state before step {c.step} (from {basis}): {c.batches}({c.step}) is the "
+           f"first batch replayed{advice}."]
+    if c.model_prefix_stripped:
+        out.append(f"Model keys were saved with the prefix {c.model_prefix_stripped!r} (a wrapper), removed to "
+                   "match the model by name.")
+    if c.optimizer_matched == "order":
+        shared = (f"{c.same_shape_params} of {c.optimizer_params} parameters share their shape with another of their "
+                  "group, so the optimizer must list those in the order training did: a different order among them "
+                  "goes unnoticed") if c.same_shape_params else \
+            "no two parameters of a group share a shape"
+        out.append(f"Optimizer state was matched to the parameters by order, as torch's load_state_dict does: the "
+                   f"checkpoint records no parameter names. Every group's size and every state tensor's shape agree; "
+                   f"{shared}.")
+    if c.scheduler == "unused":
+        out.append("The checkpoint holds an LR scheduler's state, but no scheduler factory was named (--scheduler): "
+                   "the learning rate stays at the checkpoint's value, where training followed its schedule.")
+    if "torch" not in c.rng_restored:
+        why = f" ({c.rng_missing})" if c.rng_missing else ""
+        effect = (f" The model's dropout ({', '.join(c.random_modules)}) draws its masks from it, so they differ from "
+                  "training's: the replayed steps are not the run's, and a failure that needs particular masks may "
+                  "not reproduce.") if c.random_modules else \
+            " The model has no dropout module, so this matters only where the step function draws random numbers."
+        out.append(f"The torch RNG state was not restored{why}: every pass of the replay starts from seed 0."
+                   + effect)
     return out
 
 
@@ -220,6 +262,8 @@ def _mismatch_text(c: CheckpointComparison) -> str:
 
 def reproduction(r: ReplayReport) -> str:
     """Whether the replay reproduced the run, on what evidence: the state at a recorded checkpoint, or losses."""
+    if r.reproduced is None:
+        return "cannot be judged: there are no logged losses and no recorded checkpoints to compare the replay with"
     exact = [c for c in r.checkpoints_compared if c.exact]
     ulps = ("losses identical" if not r.loss_max_ulps else f"losses within {r.loss_max_ulps} ulp") \
         if r.loss_max_ulps is not None else "no finite loss to compare"
@@ -247,6 +291,11 @@ def _loss(x: float | None) -> str:
 
 
 def _reproduction(r: ReplayReport) -> list[str]:
+    if r.reproduced is None:
+        clean = (f"; it stays finite over steps {r.setup.first_step}-{r.setup.last_step}, so a failure of the run "
+                 "within them is not reproduced from the supplied batches") if r.verdict == "clean" else ""
+        return [f"No losses were logged and no recorded checkpoint lies in the replayed window: whether the replay "
+                f"reproduces the run cannot be judged{clean}."]
     if not r.reproduced:
         text = reproduction(r)
         return [f"{text[0].upper()}{text[1:]}. The replay is not an exact copy of the run: non-deterministic kernels, "

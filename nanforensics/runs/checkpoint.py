@@ -45,8 +45,12 @@ def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return [by_id.get(id(p), f"param.{i}") for i, p in enumerate(optimizer_params(optimizer))]
 
 
+def b64(t: torch.Tensor) -> str:
+    """A generator's state (a uint8 tensor) as JSON text; numpy is optional."""
+    return base64.b64encode(bytes(t.tolist())).decode()
+
+
 def rng_state() -> dict[str, Any]:
-    b64 = lambda t: base64.b64encode(bytes(t.tolist())).decode()  # noqa: E731 - uint8 tensors; numpy is optional
     state: dict[str, Any] = {"torch": b64(torch.get_rng_state()), "cuda": [], "numpy": None}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
@@ -195,6 +199,21 @@ class Checkpoint:
                 raise BadInput(self.path / "meta.json", f"missing field {key!r}")
         return meta
 
+    def optimizer_state(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer's state dict in torch's layout (its indices in the order of ``meta["param_names"]``)."""
+        names = meta["param_names"]
+        index = {n: i for i, n in enumerate(names)}
+        state: dict[int, dict[str, Any]] = {}
+        for key, tensor in TensorFile(self.optimizer_file).items():
+            name, _, skey = key.rpartition("/")
+            if name not in index:
+                raise BadInput(self.optimizer_file, f"state {key!r} names no parameter of the optimizer")
+            state.setdefault(index[name], {})[skey] = tensor
+        for name, values in meta["state_scalars"].items():
+            state.setdefault(index[name], {}).update(values)
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
     def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any = None,
                   scheduler: Any = None) -> dict[str, Any]:
         """Restore model and optimizer state (and the scaler's and scheduler's, when the run recorded them);
@@ -212,19 +231,8 @@ class Checkpoint:
         except RuntimeError as e:
             raise BadInput(self.model_file, f"does not fit the model built by the manifest's factory: "
                                             f"{' '.join(str(e).split())[:300]}") from None
-        names = meta["param_names"]
-        index = {n: i for i, n in enumerate(names)}
-        state: dict[int, dict[str, Any]] = {}
-        for key, tensor in TensorFile(self.optimizer_file).items():
-            name, _, skey = key.rpartition("/")
-            if name not in index:
-                raise BadInput(self.optimizer_file, f"state {key!r} names no parameter of the optimizer")
-            state.setdefault(index[name], {})[skey] = tensor
-        for name, values in meta["state_scalars"].items():
-            state.setdefault(index[name], {}).update(values)
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
         try:
-            optimizer.load_state_dict({"state": state, "param_groups": groups})
+            optimizer.load_state_dict(self.optimizer_state(meta))
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(self.optimizer_file, f"does not fit the optimizer: {e}") from None
         for key, holder in (("scaler", scaler), ("scheduler", scheduler)):

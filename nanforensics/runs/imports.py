@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import site
 import sys
 import sysconfig
@@ -22,6 +23,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import BadInput
+from .files import read_input
+
+
+class MissingName(BadInput):
+    """The module or script was imported, but defines no such name."""
 
 
 def import_string_of(fn: Callable[..., Any] | str, what: str) -> str:
@@ -111,6 +117,12 @@ ROLES: dict[str, Role] = {
     "optimizer.factory": Role("an optimizer class of torch.optim or a function", _is_torch_optimizer, True),
     "scheduler.factory": Role("a scheduler class of torch.optim.lr_scheduler or a function", _is_torch_scheduler,
                               True),
+    # --code (runs.unrecorded): the callables a training script gives, each by the option that names it
+    "--model": Role("an nn.Module subclass or a function", _is_module_class, True),
+    "--step": Role("a function", None, True),
+    "--batches": Role("a function", None, True),
+    "--optimizer": Role("a function", None, True),
+    "--scheduler": Role("a scheduler class of torch.optim.lr_scheduler or a function", _is_torch_scheduler, True),
 }
 TRUST_HINT = "--trust-code calls it anyway (README, Security)"
 
@@ -224,7 +236,7 @@ def resolve(spec: str, *, where: Path, search_paths: Sequence[Path] = (), forbid
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise BadInput(where, f"{spec!r}: {target} has no attribute {qualname!r}") from None
+            raise MissingName(where, f"{spec!r}: {target} has no attribute {qualname!r}") from None
     return obj
 
 
@@ -261,7 +273,7 @@ def _load_file(target: str, where: Path, search_paths: Sequence[Path], forbidden
     candidates = [path] if path.is_absolute() else [Path.cwd() / path]
     candidates += [Path(p) / path.name for p in search_paths]
     for candidate in candidates:
-        if candidate.is_file():
+        if os.path.lexists(candidate):  # a FIFO or a folder in its place is refused on reading, not passed over
             break
     else:
         raise BadInput(where, f"script {target} does not exist here; pass --code-path DIR with its folder")
@@ -275,12 +287,13 @@ def _load_file(target: str, where: Path, search_paths: Sequence[Path], forbidden
     name = f"_nanforensics_user_{abs(hash(str(candidate.resolve())))}"
     if name in sys.modules:
         return sys.modules[name]
+    source = read_input(candidate)  # read as every input is: a FIFO or a device is refused, never waited on
     spec = importlib.util.spec_from_file_location(name, candidate)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        exec(compile(source, str(candidate), "exec", dont_inherit=True), module.__dict__)  # as the loader would
     except Exception as e:
         del sys.modules[name]
         raise BadInput(where, f"running script {candidate} for its definitions raised "

@@ -112,8 +112,28 @@ class Run:
             self._steps = read_steps(self.path / STEPS)
         return self._steps
 
+    @property
+    def last_step(self) -> int | None:
+        return self.steps[-1].step if self.steps else None
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.manifest.num_threads
+
+    @property
+    def device(self) -> str | None:
+        return self.manifest.raw.get("device")
+
+    @property
+    def checkpoint_folder(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def code_file(self) -> Path:
+        return self.path / MANIFEST
+
     def checkpoints(self) -> list[Checkpoint]:
-        folder = self.path / "checkpoints"
+        folder = self.checkpoint_folder
         found = []
         if folder.is_dir():
             for entry in folder.iterdir():
@@ -130,6 +150,10 @@ class Run:
         if not path.exists():
             raise BadInput(path, f"batch of step {step} is missing (needed to replay that step)")
         return read_batch(path)
+
+    def batch_origin(self, step: int) -> str | None:
+        path = self.batch_file(step)
+        return str(path) if path.is_file() else None
 
 
 def run_code(directory: Path | str) -> list[tuple[str, str]]:
@@ -161,6 +185,8 @@ class UserCode:
     optimizer_class: type
     imported: list[str]
     scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
+    step_name: str = ""  # the step function's import string, for its errors
+    loaded: None = None  # a run's own checkpoints need no account of how they were loaded
 
     @classmethod
     def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False,
@@ -172,7 +198,7 @@ class UserCode:
                   for f, spec in run.manifest.callables()}
         return cls(loaded["model_factory"], loaded["step_fn"], loaded.get("optimizer.factory"),
                    loaded["optimizer.class"], [spec for _, spec in run.manifest.callables()],
-                   loaded.get("scheduler.factory"))
+                   loaded.get("scheduler.factory"), step_name=run.manifest.step_fn)
 
     def build(self, run: Run, checkpoint: Checkpoint, device: torch.device) -> Rebuilt:
         """Model, optimizer, scaler and scheduler as they were at ``checkpoint``, and the checkpoint meta."""

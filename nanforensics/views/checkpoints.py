@@ -23,6 +23,7 @@ from ..checkpoints.scan import (
 )
 from ..formats import MODEL
 from ..words import count
+from . import replay
 from .layout import print_whole
 
 SHOWN = 20  # tensors listed per table; the JSON report has all of them
@@ -216,6 +217,8 @@ def render_bisect_terminal(r: BisectReport, console: Console) -> None:
         console.print(escape(note), soft_wrap=True)
     if r.replay:
         console.print(f"Replay the window: [bold]{escape(r.replay.command)}[/]  (or add --replay)", soft_wrap=True)
+    if r.replayed is not None:
+        replay.render_terminal(r.replayed, console)
 
 
 def _history_rows(r: BisectReport) -> list[tuple[int, ScanRecord | None]]:
@@ -271,4 +274,5 @@ def render_bisect_markdown(r: BisectReport) -> str:
     out += [*_bisect_notes(r), ""]
     if r.replay:
         out += ["Replay the window:", "", "```", r.replay.command, "```", ""]
-    return "\n".join(out)
+    text = "\n".join(out)
+    return text + "\n" + replay.render_markdown(r.replayed) if r.replayed is not None else text

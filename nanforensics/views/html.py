@@ -17,7 +17,7 @@ from ..rootcause.findings import describe, reproduction
 from ..words import count, sample_positions
 from . import heatmap
 from .postmortem import VERDICT, spread_map
-from .replay import batch_label, counts, headline, precursor_rows
+from .replay import batch_label, counts, headline, loaded_rows, precursor_rows
 
 LEVEL_FILLS = ("#e5e7eb", "#fcd34d", "#fb923c", "#dc2626", "#7f1d1d")
 PALETTE = ("#2563eb", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be123c", "#4d7c0f", "#a16207")
@@ -100,6 +100,7 @@ def _replay_sections(r: ReplayReport, spread: SpreadMap | None, loss_chart: str 
     if r.origin is not None:
         facts.append(("origin", f"step {r.origin.step}, <code>{escape(describe(r.origin))}</code> "
                                 f"({escape(r.origin.dtype or '')})"))
+    facts += [(label, escape(text)) for label, text in loaded_rows(r)]
     if r.operation is not None:
         op = r.operation
         via = f" &larr; <code>{escape(op.forward.op)}</code>" if op.forward else ""

@@ -113,17 +113,39 @@ def defect_lines(defects: list[DataDefect]) -> list[str]:
 def headline(r: ReplayReport) -> str:
     if r.verdict == "nonfinite":
         shown = first_shown(r)
-        tail = (f"; logged loss first NaN at step {shown}" if shown is not None else
-                "; logged losses all finite" if r.logged_first_nonfinite_loss_step is None else
-                "; logged losses non-finite only where the state stayed finite")
+        if r.reproduced is None:  # nothing logged: the replay's own loss
+            replayed = r.first_nonfinite_loss_step
+            tail = f"; replayed loss first NaN at step {replayed}" if replayed is not None else \
+                "; replayed losses all finite"
+        else:
+            tail = (f"; logged loss first NaN at step {shown}" if shown is not None else
+                    "; logged losses all finite" if r.logged_first_nonfinite_loss_step is None else
+                    "; logged losses non-finite only where the state stayed finite")
         if step_not_data(r):
             return f"step {r.responsible_step} failed batch-wide: the step, not its data{tail}"
         return f"responsible step {r.responsible_step}{tail}"
+    if r.verdict == "not_reproduced" and r.logged_first_nonfinite_loss_step is None:  # bisect --code
+        state = f"a non-finite loss only at {numbered('step', r.loss_only_steps)}" if r.loss_only_steps else \
+            "all finite"
+        return f"steps {r.setup.first_step}-{r.setup.last_step} replayed from the supplied batches, {state}: " \
+               "not reproduced"
     if r.verdict == "not_reproduced":
         return f"logged loss NaN at step {r.logged_first_nonfinite_loss_step}, not reproduced by the replay"
     if r.verdict == "loss_only":
         return f"non-finite loss at {numbered('step', r.loss_only_steps)} only: the model's state stayed finite"
-    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed, all finite"
+    supplied = " from the supplied batches" if r.loaded is not None else ""
+    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed{supplied}, all finite"
+
+
+def loaded_rows(r: ReplayReport) -> list[tuple[str, str]]:
+    """(label, text) for a checkpoint the recorder did not write: what was loaded, and how."""
+    c = r.loaded
+    if c is None:
+        return []
+    optimizer = f"optimizer matched by {c.optimizer_matched} ({c.optimizer_params} parameters)"
+    rng = f"RNG {', '.join(c.rng_restored)} restored" if c.rng_restored else "RNG not restored"
+    return [("checkpoint", f"{c.checkpoint}  ({c.layout}; the state before step {c.step}; {optimizer}; {rng})"),
+            ("batches", f"{c.batches}(step)")]
 
 
 _COLUMNS = ("change", "stays finite", "first non-finite", "NaN loss at", "loss trend")
@@ -173,8 +195,13 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="dim")
     facts.add_column()
-    facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
-                         f"{s.device}, {s.num_threads} threads)")
+    if r.loaded is None:
+        facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
+                             f"{s.device}, {s.num_threads} threads)")
+    else:
+        facts.add_row("replayed", f"steps {s.first_step}-{s.last_step}, {s.device}, {s.num_threads} threads")
+    for label, text in loaded_rows(r):
+        facts.add_row(label, text)
     if r.responsible_batch:
         b = r.responsible_batch
         extra = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items())
@@ -242,6 +269,7 @@ def render_markdown(r: ReplayReport) -> str:
     out = [f"## nanforensics replay: {word.lower()} - {headline(r)}", "",
            f"Run `{s.run}`, replayed from the checkpoint at step {s.from_checkpoint} over steps "
            f"{s.first_step}-{s.last_step} on {s.device}.", ""]
+    out += [f"- **{label.capitalize()}:** `{text}`" for label, text in loaded_rows(r)]
     if r.responsible_batch:
         out.append(f"- **{batch_label(r).capitalize()}:** step {r.responsible_batch.step}, `{r.responsible_batch.file}`")
     if r.data_defects:

@@ -91,6 +91,14 @@ _TRUST_CODE_HELP = ("Call the run's model factory, step function and optimizer e
                     "them (README, Security): only for a run you trust.")
 
 
+_MARKDOWN_HELP = "Write the report as Markdown to PATH (- for stdout)."
+
+
+def terminal_view(*destinations: Optional[str]) -> bool:
+    """Whether the terminal view is drawn: not when a report goes to stdout (``-``), which it would garble."""
+    return "-" not in destinations
+
+
 def emit_json(report: object, destination: Optional[str]) -> None:
     if destination is None:
         return
@@ -113,8 +121,12 @@ def emit_markdown(text: str, destination: Optional[str]) -> None:
 
 
 def emit_text(text: str, destination: Optional[str], what: str) -> None:
-    """A rendered report written atomically to ``destination`` (when given)."""
+    """A rendered report written atomically to ``destination`` (when given; ``-`` is stdout)."""
     if destination is None:
+        return
+    if destination == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
         return
     from .runs.files import write_bytes_atomic
 
@@ -184,7 +196,7 @@ def replay(
                                                                               "--checkpoint: 100 unless given).")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write the report as Markdown to PATH.")] = None,
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
     code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="Folder to import the run's model and step "
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
@@ -241,7 +253,7 @@ def replay(
             report = replay_run(run_dir, options, progress=progress)
     emit_json(report, json_out)
     emit_markdown(render_markdown(report), markdown)
-    if json_out != "-":
+    if terminal_view(json_out, markdown):
         render_terminal(report, stdout_console())
     raise typer.Exit(_REPLAY_EXIT[report.verdict])
 
@@ -283,7 +295,7 @@ def repair(
     with step_progress("replaying") as progress:
         report = repair_run(run_dir, out, options, progress=progress)
     emit_json(report, json_out)
-    if json_out != "-":
+    if terminal_view(json_out):
         render_repair_terminal(report, stdout_console())
     raise typer.Exit(EXIT_CLEAN if report.written else EXIT_FOUND)
 
@@ -302,7 +314,7 @@ def scan(
     margin: Annotated[float, typer.Option(metavar="FACTOR", help=_MARGIN_HELP)] = 1000.0,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write the report as Markdown to PATH.")] = None,
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
 ) -> None:
     """Scan one checkpoint: every tensor's non-finite values and headroom, model and optimizer state apart.
 
@@ -318,7 +330,7 @@ def scan(
         report = scan_checkpoint(source, full=full, margin=margin, progress=progress)
     emit_json(report, json_out)
     emit_markdown(render_scan_markdown(report), markdown)
-    if json_out != "-":
+    if terminal_view(json_out, markdown):
         render_scan_terminal(report, stdout_console())
     raise typer.Exit(EXIT_CLEAN if report.verdict == CLEAN else EXIT_FOUND)
 
@@ -348,7 +360,7 @@ def bisect(
                                                      "folder.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write the report as Markdown to PATH.")] = None,
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay or --code.")] = False,
 ) -> None:
     """Find the first poisoned checkpoint in about log2(n) checkpoint reads; with --code, replay from the last
@@ -385,7 +397,7 @@ def bisect(
                     progress=step_bar)
     emit_json(report, json_out)
     emit_markdown(render_bisect_markdown(report), markdown)
-    if json_out != "-":
+    if terminal_view(json_out, markdown):
         render_bisect_terminal(report, stdout_console())
     if report.replayed is not None:
         raise typer.Exit(_REPLAY_EXIT[report.replayed.verdict])
@@ -401,7 +413,7 @@ def bisect(
         with step_progress("replaying") as step_bar:
             replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step,
                                                                    trust_code=trust_code), progress=step_bar)
-        if json_out != "-":
+        if terminal_view(json_out, markdown):
             render_terminal(replayed, stdout_console())
     raise typer.Exit(EXIT_CLEAN if report.first_poisoned is None else EXIT_FOUND)
 
@@ -458,7 +470,7 @@ def postmortem(
         emit_markdown(summary, markdown)
     else:
         append_step_summary(summary, summary_file)
-    if json_out != "-":
+    if terminal_view(json_out, markdown, junit, html):
         render_terminal(report, stdout_console())
     raise typer.Exit(_REPLAY_EXIT[report.verdict])
 
@@ -467,7 +479,7 @@ def postmortem(
 def report_command(
     saved: Annotated[Path, typer.Argument(metavar="REPORT.json", help="A JSON report written by replay, bisect or "
                                                                           "postmortem --json.")],
-    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as Markdown to PATH.")] = None,
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as Markdown to PATH (- for stdout).")] = None,
     html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as a self-contained HTML page to PATH.")] = None,
 ) -> None:
     """Re-render a saved report on the terminal, as Markdown or as HTML, without replaying anything."""
@@ -479,7 +491,8 @@ def report_command(
     loaded = load_report(saved)
     emit_markdown(render_markdown(loaded), markdown)
     emit_text(render_html(loaded), html, "HTML")
-    render_terminal(loaded, stdout_console())
+    if terminal_view(markdown, html):
+        render_terminal(loaded, stdout_console())
 
 
 # ---- entry point ------------------------------------------------------------------------------

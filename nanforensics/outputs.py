@@ -33,8 +33,11 @@ def expand(targets: Iterable[str | Path]) -> list[Path]:
 def check_outputs(inputs: Iterable[str | Path], outputs: Mapping[str, str | Path | None],
                   folders: Collection[str] = ()) -> None:
     """Refuse, as a ``BadInput`` naming the option and the path, an output that would write over or into an input,
-    or that cannot be written. ``outputs`` maps each option to its path (None: not given; ``-``: stdout);
+    or that cannot be written. ``outputs`` maps each option to its path (None: not given; ``-``: stdout, for one of them at most);
     ``folders`` names the options whose path is a folder the command creates or replaces (repair's ``--out``)."""
+    to_stdout = [option for option, d in outputs.items() if d is not None and str(d) == "-"]
+    if len(to_stdout) > 1:
+        raise BadInput(" and ".join(to_stdout), "only one report can go to stdout (-); write the others to files")
     sources = [(Path(i), _real(i)) for i in inputs]
     given = {option: Path(d) for option, d in outputs.items() if d is not None and str(d) != "-"}
     replaced = {option: _real(given[option]) for option in folders if option in given}

@@ -99,3 +99,14 @@ def test_junit_lines_up_across_runs(runs):
     body = cases[0].find("failure").text
     assert "non-finite values began at step 17" in body and "features.gain" in body
     assert not re.search(r"^(#|\|)|<details>|\*\*", body, re.MULTILINE)  # plain text, not Markdown
+
+
+def test_a_dash_is_stdout_for_every_report_and_only_one_may_take_it(tmp_path, runs):
+    """``--markdown -`` prints the Markdown (it once wrote a file named "-"); two reports cannot share stdout."""
+    result = run_cli("replay", runs["adam_near_zero"], "--no-explain", "--markdown", "-", cwd=tmp_path)
+    assert result.code == 1, result.stderr
+    assert result.stdout.startswith("## nanforensics replay: non-finite") and "╭" not in result.stdout
+    assert not (tmp_path / "-").exists()
+    both = run_cli("replay", runs["adam_near_zero"], "--json", "-", "--markdown", "-", cwd=tmp_path)
+    assert both.code == 2 and both.stderr.count("\n") == 1 and "only one report can go to stdout" in both.stderr
+    assert not (tmp_path / "-").exists()

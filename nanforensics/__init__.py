@@ -1,8 +1,9 @@
 """nanforensics: record a training run, replay it, and name the batch that made it NaN.
 
 Library first: ``Recorder`` in the training loop; ``replay_run`` (and ``scan_checkpoint``/``bisect``)
-after it died. The command line is a thin layer over these. The names below are imported on first
-use, so that ``import nanforensics`` (and the CLI's start-up) costs only what is used.
+after it died; ``replay_checkpoint`` for a run nobody recorded (its checkpoint and the training
+script). The command line is a thin layer over these. The names below are imported on first use,
+so that ``import nanforensics`` (and the CLI's start-up) costs only what is used.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ _EXPORTS = {
     "Recorder": "runs.recorder",
     "ReplayOptions": "replay.engine",
     "replay_run": "replay.engine",
+    "replay_checkpoint": "replay.unrecorded",
+    "bisect_and_replay": "replay.unrecorded",
     "ReplayReport": "report",
     "repair_run": "replay.repair",
     "open_checkpoint": "formats.discover",
     "scan_checkpoint": "checkpoints.scan",
     "bisect": "checkpoints.bisect",
 }
-__all__ = ["BadInput", "Recorder", "ReplayOptions", "ReplayReport", "bisect", "open_checkpoint", "repair_run",
-           "replay_run", "scan_checkpoint"]
+__all__ = ["BadInput", "Recorder", "ReplayOptions", "ReplayReport", "bisect", "bisect_and_replay", "open_checkpoint",
+           "repair_run", "replay_checkpoint", "replay_run", "scan_checkpoint"]
 
 if TYPE_CHECKING:
     from .checkpoints.bisect import bisect
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from .formats.discover import open_checkpoint
     from .replay.engine import ReplayOptions, replay_run
     from .replay.repair import repair_run
+    from .replay.unrecorded import bisect_and_replay, replay_checkpoint
     from .report import ReplayReport
     from .runs.recorder import Recorder
 

@@ -1,4 +1,8 @@
-"""The command line: parses arguments, calls the library, renders. No logic of its own."""
+"""The command line: parses arguments, calls the library, renders. No logic of its own.
+
+Each command imports what it uses when it runs: ``nanforensics --help`` and usage errors load
+neither torch nor rich (docs/performance.md has the import times).
+"""
 
 from __future__ import annotations
 
@@ -6,31 +10,53 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Optional
 
+import click
 import typer
-from rich.console import Console
+from typer.core import TyperArgument
 
 from .errors import BadInput
-from .rootcause.data import DEFAULT_MAX_ABS
+from .outputs import check_outputs, expand
+from .rootcause import DEFAULT_MAX_ABS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# Plain click help (no boxes, no <str> tags), rewrapped to the terminal or $COLUMNS as pytest's and ruff's is.
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Forensics for training runs that died with NaN: name the batch responsible.")
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from . import __version__
+
+        typer.echo(f"nanforensics {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _commands() -> None:
+def _commands(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
     """Forensics for training runs that died with NaN: name the batch responsible."""
 
 
-EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED = 0, 1, 2, 3
+EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED, EXIT_LOSS_ONLY = 0, 1, 2, 3, 4
 
 
 def stdout_console() -> Console:
+    from rich.console import Console
+
     return Console(highlight=False)
 
 
 def stderr_console() -> Console:
+    from rich.console import Console
+
     return Console(stderr=True, highlight=False)
 
 
@@ -54,21 +80,26 @@ def step_progress(what: str, shown: bool = True) -> Iterator[Optional[Callable[[
         yield update
 
 
-def check_destinations(*destinations: Optional[str]) -> None:
-    """Before any work, refuse a report path that cannot be written: a failed command leaves every earlier report
-    as it was (the writes come one after another at the end), and a long replay is not wasted."""
-    for destination in destinations:
-        if destination is None or destination == "-":
-            continue
-        path = Path(destination)
-        if path.is_dir():
-            raise BadInput(destination, "is a directory; reports are written to files")
-        # Missing folders are created on writing; the nearest one that exists must be a writable folder.
-        existing = next(p for p in path.absolute().parents if p.exists())
-        if not existing.is_dir():
-            raise BadInput(destination, f"cannot write a report there: {existing} is not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise BadInput(destination, f"cannot write a report there: {existing} is not writable")
+def announce_code(named: list[tuple[str, str]]) -> None:
+    """The import strings of the code a command is about to run (field or option, import string), on stderr before
+    any is imported."""
+    from .distributed.env import reporting
+
+    if named and reporting():  # under torchrun, rank 0 speaks for every rank
+        stderr_console().print("nanforensics: run code: " + ", ".join(f"{field}={spec}" for field, spec in named),
+                               markup=False, soft_wrap=True)
+
+
+_TRUST_CODE_HELP = ("Call the run's model factory, step function and optimizer even where the trust policy refuses "
+                    "them (README, Security): only for a run you trust.")
+
+
+_MARKDOWN_HELP = "Write the report as Markdown to PATH (- for stdout)."
+
+
+def terminal_view(*destinations: Optional[str]) -> bool:
+    """Whether the terminal view is drawn: not when a report goes to stdout (``-``), which it would garble."""
+    return "-" not in destinations
 
 
 def emit_json(report: object, destination: Optional[str]) -> None:
@@ -84,7 +115,8 @@ def emit_json(report: object, destination: Optional[str]) -> None:
 
 # ---- commands ---------------------------------------------------------------------------------
 
-_REPLAY_EXIT = {"clean": EXIT_CLEAN, "nonfinite": EXIT_FOUND, "not_reproduced": EXIT_NOT_REPRODUCED}
+_REPLAY_EXIT = {"clean": EXIT_CLEAN, "nonfinite": EXIT_FOUND, "not_reproduced": EXIT_NOT_REPRODUCED,
+                "loss_only": EXIT_LOSS_ONLY}
 
 
 def emit_markdown(text: str, destination: Optional[str]) -> None:
@@ -92,8 +124,12 @@ def emit_markdown(text: str, destination: Optional[str]) -> None:
 
 
 def emit_text(text: str, destination: Optional[str], what: str) -> None:
-    """A rendered report written atomically to ``destination`` (when given)."""
+    """A rendered report written atomically to ``destination`` (when given; ``-`` is stdout)."""
     if destination is None:
+        return
+    if destination == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
         return
     from .runs.files import write_bytes_atomic
 
@@ -103,98 +139,174 @@ def emit_text(text: str, destination: Optional[str], what: str) -> None:
         raise BadInput(destination, f"cannot write the {what} report ({e.strerror or e})") from None
 
 
-@app.command()
+# A run nobody recorded: the user's training script names the callables replay needs.
+CodeOption = Annotated[Optional[str], typer.Option(
+    "--code", metavar="SCRIPT", help="Training script (train.py) or module (pkg.train) defining build_model(), "
+                                     "train_step(model, optimizer, batch), batch_at(step) and make_optimizer(model), "
+                                     "for checkpoints written without the recorder.")]
+ModelOption = Annotated[Optional[str], typer.Option("--model", metavar="NAME", help="Name of the model factory in "
+                                                                                    "--code [default: build_model].")]
+StepOption = Annotated[Optional[str], typer.Option("--step", metavar="NAME", help="Name of the step function in "
+                                                                                  "--code [default: train_step].")]
+BatchesOption = Annotated[Optional[str], typer.Option("--batches", metavar="NAME", help="Name of the function giving "
+                                                                                        "the batch of a step in --code "
+                                                                                        "[default: batch_at].")]
+OptimizerOption = Annotated[Optional[str], typer.Option("--optimizer", metavar="NAME", help="Name of the optimizer "
+                                                                                            "factory in --code "
+                                                                                            "[default: make_optimizer].")]
+SchedulerOption = Annotated[Optional[str], typer.Option("--scheduler", metavar="NAME", help="Name of an LR scheduler "
+                                                                                            "factory in --code; the step "
+                                                                                            "function then gets "
+                                                                                            "scheduler=.")]
+
+
+def code_names(code: Optional[str], **names: Optional[str]) -> dict[str, Optional[str]]:
+    """The callables' names by role; naming one without --code is a usage error."""
+    given = [f"--{role}" for role, name in names.items() if name]
+    if code is None and given:
+        raise BadInput(given[0], "names a callable in the training script: give the script with --code")
+    return names
+
+
+def code_inputs(code: str) -> list[Path]:
+    """A --code script is an input the outputs must not overwrite; a module name is none."""
+    return [Path(code)] if code.endswith(".py") else []
+
+
+@app.command(short_help="Replay a run; name the batch where NaN began.")
 def replay(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder.", readable=False)],
-    from_step: Annotated[Optional[int], typer.Option(help="Replay from the last checkpoint at or before this "
-                                                          "step, instead of before the first NaN loss.")] = None,
-    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu or cuda.")] = "auto",
-    after: Annotated[int, typer.Option(min=0, help="Steps replayed after every parameter is non-finite.")] = 1,
-    max_steps: Annotated[Optional[int], typer.Option(min=1, help="Replay at most this many steps.")] = None,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+    run_dir: Annotated[Optional[Path], typer.Argument(metavar="RUN_DIR", help="Run directory written by "
+                                                                              "nanforensics.Recorder (or --checkpoint "
+                                                                              "with --code).", readable=False)] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(metavar="CHECKPOINT", help="A checkpoint your trainer wrote "
+                                                                                  "(torch.save dict, Lightning .ckpt, "
+                                                                                  "Hugging Face checkpoint-N folder, "
+                                                                                  "...), replayed with --code.",
+                                                       readable=False)] = None,
+    code: CodeOption = None,
+    model: ModelOption = None,
+    step: StepOption = None,
+    batches: BatchesOption = None,
+    optimizer: OptimizerOption = None,
+    scheduler: SchedulerOption = None,
+    from_step: Annotated[Optional[int], typer.Option(metavar="STEP", help="Replay from the last checkpoint at or "
+                                                                          "before this step, instead of before the "
+                                                                          "first NaN loss; with --checkpoint, the step "
+                                                                          "it was saved before.")] = None,
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="auto (cuda when present), cpu or cuda.")] = "auto",
+    after: Annotated[int, typer.Option(metavar="N", min=0, help="Steps replayed after every parameter is non-finite.")] = 1,
+    max_steps: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Replay at most this many steps (with "
+                                                                              "--checkpoint: 100 unless given).")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
-    code_path: Annotated[Optional[list[Path]], typer.Option(help="Folder to import the run's model and step "
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
+    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="Folder to import the run's model and step "
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
-                                                     "directory.")] = False,
+                                                     "directory (or the checkpoint's folder).")] = False,
+    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
     explain: Annotated[bool, typer.Option(help="Find the operation and the samples behind the responsible "
                                                "step (re-runs that one step).")] = True,
-    data_max_abs: Annotated[float, typer.Option(help="Batch values beyond this magnitude are reported as data "
+    data_max_abs: Annotated[float, typer.Option(metavar="VALUE", help="Batch values beyond this magnitude are reported as data "
                                                      "defects.")] = DEFAULT_MAX_ABS,
-    what_if: Annotated[Optional[list[str]], typer.Option(help="Replay again from the checkpoint with the responsible "
+    what_if: Annotated[Optional[list[str]], typer.Option(metavar="CHANGE", help="Replay again from the checkpoint with the "
+                                                              "responsible "
                                                               "step changed (repeatable): clip=MAX_NORM, skip, "
                                                               "skip-after-moments, reset-state, lr=VALUE, "
                                                               "drop-samples=I,J, drop-batch.")] = None,
-    what_if_steps: Annotated[int, typer.Option(min=0, help="Steps after the responsible one a what-if must stay "
+    what_if_steps: Annotated[int, typer.Option(metavar="K", min=0, help="Steps after the responsible one a what-if must stay "
                                                            "finite for.")] = 5,
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
 
-    A distributed run replays with every rank emulated on this process, or at world size under
-    `torchrun --nproc-per-node N -m nanforensics replay RUN` (rank 0 writes the report).
+    A run recorded by nanforensics.Recorder is replayed from RUN_DIR; a run nobody recorded from one of its
+    checkpoints (--checkpoint) with the training script's own callables (--code). A distributed run replays with
+    every rank emulated on this process, or at world size under
+    `torchrun --nproc-per-node N -m nanforensics replay RUN_DIR` (rank 0 writes the report).
 
-    Exit codes: 0 no non-finite value, 1 found and attributed, 2 bad input, 3 logged NaN not reproduced.
+    Exit codes: 0 no non-finite value, 1 found and attributed, 2 bad input, 3 logged NaN not reproduced,
+    4 a non-finite loss only (no gradient, parameter, optimizer state or buffer went non-finite).
     """
+    names = code_names(code, model=model, step=step, batches=batches, optimizer=optimizer, scheduler=scheduler)
+    if (run_dir is None) == (checkpoint is None):
+        raise BadInput(None, "give a run directory, or --checkpoint with --code (one of the two)")
+    if (checkpoint is None) != (code is None):
+        raise BadInput("--checkpoint" if code is None else "--code", "--checkpoint and --code go together: the "
+                                                                     "script builds what the checkpoint is loaded into")
     from .distributed.world import joined
     from .replay.engine import ReplayOptions, replay_run
     from .replay.session import resolve_device
+    from .replay.unrecorded import replay_checkpoint
     from .replay.whatif import parse
+    from .runs.run import run_code
+    from .runs.unrecorded import code_specs
     from .views.replay import render_markdown, render_terminal
 
-    check_destinations(json_out, markdown)
+    if checkpoint is not None and code is not None:
+        check_outputs([checkpoint, *code_inputs(code)], {"--json": json_out, "--markdown": markdown})
+        announce_code(code_specs(code, names))
+    else:
+        check_outputs([run_dir], {"--json": json_out, "--markdown": markdown})
+        announce_code(run_code(run_dir))
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
-                            code_paths=code_path or [], trust_run_dir=trust_run_dir, explain=explain,
+                            code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
+                            explain=explain,
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
                             what_if_steps=what_if_steps)
     with joined(run_dir, resolve_device(device)) as world:
         with step_progress("replaying", shown=world.writes) as progress:
-            report = replay_run(run_dir, options, progress=progress)
-        if world.writes:
+            if checkpoint is not None and code is not None:
+                report = replay_checkpoint(checkpoint, code, names, options, progress=progress)
+            else:
+                report = replay_run(run_dir, options, progress=progress)
+        if world.writes:  # under torchrun, rank 0 alone
             emit_json(report, json_out)
             emit_markdown(render_markdown(report), markdown)
-            if json_out != "-":
+            if terminal_view(json_out, markdown):
                 render_terminal(report, stdout_console())
-        code = world.agree(_REPLAY_EXIT[report.verdict])
-    world.exit(code)
-    raise typer.Exit(code)
+        exit_code = world.agree(_REPLAY_EXIT[report.verdict])
+    world.exit(exit_code)
+    raise typer.Exit(exit_code)
 
 
-@app.command()
+@app.command(short_help="Write a checkpoint that resumes cleanly.")
 def repair(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory written by nanforensics.Recorder (only read).",
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="Run directory written by nanforensics.Recorder (only read).",
                                             readable=False)],
-    out: Annotated[Path, typer.Option(help="Folder to write the repaired checkpoint to (created; never inside "
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Folder to write the repaired checkpoint to (created; never inside "
                                            "the run).")],
     reset_state: Annotated[bool, typer.Option("--reset-state", help="Keep the responsible step and zero its "
                                                                     "poisoned optimizer-state coordinates, instead "
                                                                     "of leaving its batch out.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty --out folder.")] = False,
-    verify_steps: Annotated[int, typer.Option(min=0, help="Logged steps replayed from the written checkpoint; all "
+    verify_steps: Annotated[int, typer.Option(metavar="K", min=0, help="Logged steps replayed from the written checkpoint; all "
                                                           "must stay finite.")] = 5,
-    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu or cuda.")] = "auto",
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the repair report as JSON to PATH (- "
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="auto (cuda when present), cpu or cuda.")] = "auto",
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the repair report as JSON to PATH (- "
                                                                    "for stdout, which silences the terminal "
                                                                    "view).")] = None,
-    code_path: Annotated[Optional[list[Path]], typer.Option(help="Folder to import the run's model and step "
+    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="Folder to import the run's model and step "
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
                                                      "directory.")] = False,
+    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
 ) -> None:
     """Write a checkpoint that resumes cleanly: the responsible batch (or its bad samples) left out, verified.
 
     Exit codes: 0 written and verified, 1 the repaired run did not stay finite (nothing written), 2 bad input.
     """
     from .replay.repair import RepairOptions, repair_run
+    from .runs.run import run_code
     from .views.repair import render_repair_terminal
 
-    check_destinations(json_out)
+    check_outputs([run_dir], {"--out": str(out), "--json": json_out}, folders=("--out",))
+    announce_code(run_code(run_dir))
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
-                            code_paths=code_path or [], trust_run_dir=trust_run_dir)
+                            code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code)
     with step_progress("replaying") as progress:
         report = repair_run(run_dir, out, options, progress=progress)
     emit_json(report, json_out)
-    if json_out != "-":
+    if terminal_view(json_out):
         render_repair_terminal(report, stdout_console())
     raise typer.Exit(EXIT_CLEAN if report.written else EXIT_FOUND)
 
@@ -203,16 +315,17 @@ _FULL_HELP = "Read and count every tensor instead of stopping at the first non-f
 _MARGIN_HELP = "Warn when a tensor's max |x| is within this factor of its dtype's largest finite value."
 
 
-@app.command()
+@app.command(short_help="Scan one checkpoint for non-finite values.")
 def scan(
-    checkpoint: Annotated[Path, typer.Argument(help="A .pt/.pth/.safetensors file, a checkpoint folder of a run "
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="A .pt/.pth/.safetensors file, a checkpoint "
+                                                    "folder of a run "
                                                     "(RUN/checkpoints/step_...) or a Hugging Face checkpoint folder.",
                                              readable=False)],
     full: Annotated[bool, typer.Option("--full", help=_FULL_HELP)] = False,
-    margin: Annotated[float, typer.Option(help=_MARGIN_HELP)] = 1000.0,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+    margin: Annotated[float, typer.Option(metavar="FACTOR", help=_MARGIN_HELP)] = 1000.0,
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
 ) -> None:
     """Scan one checkpoint: every tensor's non-finite values and headroom, model and optimizer state apart.
 
@@ -222,55 +335,96 @@ def scan(
     from .formats import open_checkpoint
     from .views.checkpoints import bytes_progress, render_scan_markdown, render_scan_terminal
 
-    check_destinations(json_out, markdown)
+    check_outputs([checkpoint], {"--json": json_out, "--markdown": markdown})
     source = open_checkpoint(checkpoint)
     with bytes_progress(stderr_console()) as progress:
         report = scan_checkpoint(source, full=full, margin=margin, progress=progress)
     emit_json(report, json_out)
     emit_markdown(render_scan_markdown(report), markdown)
-    if json_out != "-":
+    if terminal_view(json_out, markdown):
         render_scan_terminal(report, stdout_console())
     raise typer.Exit(EXIT_CLEAN if report.verdict == CLEAN else EXIT_FOUND)
 
 
-@app.command()
+@app.command(short_help="Find the first poisoned checkpoint.")
 def bisect(
-    checkpoints: Annotated[list[str], typer.Argument(help="Run directories, folders of checkpoints, globs "
+    checkpoints: Annotated[list[str], typer.Argument(metavar="CHECKPOINT", help="Run directories, folders of checkpoints, globs "
                                                           "(quoted) or checkpoint files.")],
     linear: Annotated[bool, typer.Option("--linear", help="Read every checkpoint instead of bisecting.")] = False,
     full: Annotated[bool, typer.Option("--full", help=_FULL_HELP)] = False,
-    margin: Annotated[float, typer.Option(help=_MARGIN_HELP)] = 1000.0,
+    margin: Annotated[float, typer.Option(metavar="FACTOR", help=_MARGIN_HELP)] = 1000.0,
     run_replay: Annotated[bool, typer.Option("--replay", help="Then replay the window from the last clean "
                                                               "checkpoint (runs of nanforensics only).")] = False,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+    code: CodeOption = None,
+    model: ModelOption = None,
+    step: StepOption = None,
+    batches: BatchesOption = None,
+    optimizer: OptimizerOption = None,
+    scheduler: SchedulerOption = None,
+    max_steps: Annotated[int, typer.Option(metavar="N", min=1, help="With --code and no poisoned checkpoint: steps "
+                                                                    "replayed from the last one.")] = 100,
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="With --code: auto (cuda when present), cpu or "
+                                                               "cuda.")] = "auto",
+    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="With --code: folder to import it from "
+                                                                                "(repeatable).")] = None,
+    trust_run_dir: Annotated[bool, typer.Option(help="With --code: allow importing it from inside the checkpoint's "
+                                                     "folder.")] = False,
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(help="Write the report as Markdown to PATH.")] = None,
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
+    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay or --code.")] = False,
 ) -> None:
-    """Find the first poisoned checkpoint in about log2(n) checkpoint reads.
+    """Find the first poisoned checkpoint in about log2(n) checkpoint reads; with --code, replay from the last
+    clean one to name the step, batch and coordinate.
 
-    Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input.
+    Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input; with --code, the
+    replay's: 0 clean, 1 found, 3 a poisoned checkpoint not reproduced from the supplied batches, 4 a non-finite
+    loss only.
     """
+    names = code_names(code, model=model, step=step, batches=batches, optimizer=optimizer, scheduler=scheduler)
+    if code is not None and run_replay:
+        raise BadInput("--code", "replays checkpoints written without the recorder; --replay is for runs of "
+                                 "nanforensics: give one of the two")
     from .checkpoints.bisect import bisect as bisect_checkpoints
     from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
 
-    check_destinations(json_out, markdown)
+    check_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []),
+                  {"--json": json_out, "--markdown": markdown})
+    if code is not None:
+        from .runs.unrecorded import code_specs
+
+        announce_code(code_specs(code, names))
     with bytes_progress(stderr_console()) as progress:
-        report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
+        if code is None:
+            report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
+        else:
+            from .replay.engine import ReplayOptions
+            from .replay.unrecorded import bisect_and_replay
+
+            with step_progress("replaying") as step_bar:
+                report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
+                    device=device, max_steps=max_steps, code_paths=code_path or [], trust_run_dir=trust_run_dir,
+                    trust_code=trust_code), linear=linear, full=full, margin=margin, scan_progress=progress,
+                    progress=step_bar)
     emit_json(report, json_out)
     emit_markdown(render_bisect_markdown(report), markdown)
-    if json_out != "-":
+    if terminal_view(json_out, markdown):
         render_bisect_terminal(report, stdout_console())
+    if report.replayed is not None:
+        raise typer.Exit(_REPLAY_EXIT[report.replayed.verdict])
     if run_replay and report.replay is None:
         stderr_console().print(f"nanforensics: no replay: {report.replay_unavailable or 'not a run of nanforensics'}",
                                markup=False, soft_wrap=True)
     elif run_replay and report.replay is not None:
         from .replay.engine import ReplayOptions, replay_run
+        from .runs.run import run_code
         from .views.replay import render_terminal
 
+        announce_code(run_code(Path(report.replay.run)))
         with step_progress("replaying") as step_bar:
-            replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step),
-                                  progress=step_bar)
-        if json_out != "-":
+            replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step,
+                                                                   trust_code=trust_code), progress=step_bar)
+        if terminal_view(json_out, markdown):
             render_terminal(replayed, stdout_console())
     raise typer.Exit(EXIT_CLEAN if report.first_poisoned is None else EXIT_FOUND)
 
@@ -290,31 +444,35 @@ def append_step_summary(text: str, destination: Optional[str]) -> None:
         raise BadInput(destination, f"cannot append to $GITHUB_STEP_SUMMARY ({e.strerror or e})") from None
 
 
-@app.command()
+@app.command(short_help="Examine a failed job's run or checkpoints.")
 def postmortem(
-    directory: Annotated[Path, typer.Argument(help="A failed job's artifact: a run directory, or a folder of "
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="A failed job's artifact: a run directory, or a folder of "
                                                    "checkpoints.", readable=False)],
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report as JSON to PATH (- for "
+    json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
-    markdown: Annotated[Optional[str], typer.Option(help=_SUMMARY_HELP)] = None,
-    junit: Annotated[Optional[str], typer.Option(help="Write JUnit XML to PATH: the diagnosis as a failed test "
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_SUMMARY_HELP)] = None,
+    junit: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write JUnit XML to PATH: the diagnosis as a failed test "
                                                       "case.")] = None,
-    html: Annotated[Optional[str], typer.Option(help="Write a self-contained HTML report to PATH.")] = None,
+    html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write a self-contained HTML report to PATH.")] = None,
+    trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
 ) -> None:
     """Everything the directory allows: step log, checkpoint bisection, replay, spread per tensor.
 
     Exit codes: 0 no non-finite value, 1 found (pinned to a step, or bracketed), 2 bad input,
-    3 logged NaN reproduced neither by the replay nor in the checkpoints.
+    3 logged NaN reproduced neither by the replay nor in the checkpoints, 4 a non-finite loss only (the replay
+    found every gradient, parameter, optimizer state and buffer finite).
     """
-    from .postmortem import check_outputs
     from .postmortem import postmortem as examine
+    from .runs.run import run_code
     from .views.html import render_html
     from .views.postmortem import render_junit, render_markdown, render_terminal, status_line
 
-    check_outputs(directory, {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html})
-    check_destinations(json_out, markdown, junit, html)
+    summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
+    check_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
+                                "$GITHUB_STEP_SUMMARY": summary_file})
+    announce_code(run_code(directory))
     with step_progress("replaying") as progress:
-        report = examine(directory, progress, note=status_line(stderr_console()))
+        report = examine(directory, progress, note=status_line(stderr_console()), trust_code=trust_code)
     emit_json(report, json_out)
     emit_text(render_junit(report), junit, "JUnit")
     emit_text(render_html(report), html, "HTML")
@@ -322,31 +480,51 @@ def postmortem(
     if markdown is not None:
         emit_markdown(summary, markdown)
     else:
-        append_step_summary(summary, os.environ.get("GITHUB_STEP_SUMMARY") or None)
-    if json_out != "-":
+        append_step_summary(summary, summary_file)
+    if terminal_view(json_out, markdown, junit, html):
         render_terminal(report, stdout_console())
     raise typer.Exit(_REPLAY_EXIT[report.verdict])
 
 
-@app.command("report")
+@app.command("report", short_help="Re-render a saved JSON report.")
 def report_command(
-    saved: Annotated[Path, typer.Argument(help="A JSON report written by replay, bisect or postmortem --json.")],
-    markdown: Annotated[Optional[str], typer.Option(help="Write it as Markdown to PATH.")] = None,
-    html: Annotated[Optional[str], typer.Option(help="Write it as a self-contained HTML page to PATH.")] = None,
+    saved: Annotated[Path, typer.Argument(metavar="REPORT.json", help="A JSON report written by replay, bisect or "
+                                                                          "postmortem --json.")],
+    markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as Markdown to PATH (- for stdout).")] = None,
+    html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as a self-contained HTML page to PATH.")] = None,
 ) -> None:
     """Re-render a saved report on the terminal, as Markdown or as HTML, without replaying anything."""
     from .saved import load_report
     from .views.html import render_html
     from .views.report import render_markdown, render_terminal
 
-    check_destinations(markdown, html)
+    check_outputs([saved], {"--markdown": markdown, "--html": html})
     loaded = load_report(saved)
     emit_markdown(render_markdown(loaded), markdown)
     emit_text(render_html(loaded), html, "HTML")
-    render_terminal(loaded, stdout_console())
+    if terminal_view(markdown, html):
+        render_terminal(loaded, stdout_console())
 
 
 # ---- entry point ------------------------------------------------------------------------------
+
+
+class _PlainArgument(TyperArgument):
+    """An argument as click writes it, ``RUN_DIR``: typer's help adds a type tag (``<path>``) and braces."""
+
+    def display_type_rich(self, ctx: click.Context) -> None:
+        return None
+
+    def _usage_display_name(self) -> str:
+        return self.display_name_raw + ("..." if self.nargs != 1 else "")
+
+
+def _plain_arguments(group: click.Group) -> click.Group:
+    for command in group.commands.values():
+        for param in command.params:
+            if type(param) is TyperArgument:
+                param.__class__ = _PlainArgument
+    return group
 
 
 def main() -> None:
@@ -358,12 +536,12 @@ def main() -> None:
     from .distributed.env import reporting
 
     try:
-        app()
+        _plain_arguments(typer.main.get_command(app))()
     except BadInput as e:
         # Under torchrun rank 0 speaks for the job about the input every rank read alike; a rank that met a problem
         # while replaying its own part names itself.
         if reporting() or e.rank is not None:
-            where = f"rank {e.rank}: " if e.rank else ""
+            where = f"rank {e.rank}: " if e.rank is not None else ""
             stderr_console().print(f"nanforensics: error: {where}{e}", markup=False, soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
     except Exception as e:

@@ -9,10 +9,13 @@ without one it brackets it between a clean checkpoint and the first poisoned che
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
+import shlex
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from . import __version__
 from .checkpoints.bisect import BisectReport, bisect
@@ -25,12 +28,14 @@ from .rootcause.findings import describe
 from .runs import imports
 from .runs.run import MANIFEST, Run, UserCode
 from .runs.steplog import LoggedStep, first_nonfinite
+from .words import count, numbered
 
 POSTMORTEM_SCHEMA = "nanforensics.postmortem/1"
 DONE, SKIPPED, FAILED = "done", "skipped", "failed"
 STEP_LOG, CHECKPOINTS, REPLAY, TENSOR_SPREAD = "step_log", "checkpoints", "replay", "tensor_spread"
 CURVE_POINTS = 2000  # loss curve points kept; longer logs are thinned, keeping the steps around the first NaN
 CHECKPOINT_ONLY = ": checkpoint-only analysis"
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -38,6 +43,7 @@ class Analysis:
     name: str  # STEP_LOG, CHECKPOINTS, REPLAY or TENSOR_SPREAD
     status: str  # DONE, SKIPPED or FAILED
     detail: str  # what it found, or why it was skipped or failed
+    seconds: float | None = None  # how long it took
 
 
 @dataclass
@@ -61,7 +67,7 @@ class Window:
 
 @dataclass
 class PostmortemReport:
-    verdict: str  # "nonfinite" | "clean" | "not_reproduced"
+    verdict: str  # "nonfinite" | "clean" | "not_reproduced" | "loss_only"
     headline: str
     directory: str
     kind: str  # "run": recorded by nanforensics; "checkpoints": a folder of checkpoints only
@@ -75,38 +81,50 @@ class PostmortemReport:
     findings: list[str]
     generator: str = field(default=f"nanforensics {__version__}")
     schema: str = field(default=POSTMORTEM_SCHEMA)
+    started: str | None = None  # when the post-mortem began, ISO 8601 with the local UTC offset
 
     def analysis(self, name: str) -> Analysis:
         return next(a for a in self.analyses if a.name == name)
 
 
 def postmortem(directory: str | Path, progress: ProgressFn | None = None,
-               note: Callable[[str], None] | None = None) -> PostmortemReport:
-    """Analyse ``directory`` as far as it allows; ``note`` hears which analysis starts (for a status line)."""
+               note: Callable[[str], None] | None = None, trust_code: bool = False) -> PostmortemReport:
+    """Analyse ``directory`` as far as it allows; ``note`` hears which analysis starts (for a status line).
+
+    The run's code is called only within the trust policy (``imports.check_callable``) unless ``trust_code``; a
+    callable it refuses leaves a checkpoint-only analysis that says why.
+    """
     path = Path(directory)
     if not path.exists():
         raise BadInput(path, "no such directory")
     if not path.is_dir():
         raise BadInput(path, "not a directory: the post-mortem takes a run directory or a folder of checkpoints")
     say = note or (lambda _: None)
+    started = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     run, not_run = _open_run(path)
     analyses: list[Analysis] = []
 
-    say("reading the step log")
-    steps = _step_log(run, not_run, analyses)
-    say("bisecting the checkpoints")
+    def timed(what: str, analysis: Callable[..., _T], *args: Any) -> _T:
+        """Run one analysis, which appends its Analysis, and record how long it took."""
+        say(what)
+        began = time.perf_counter()
+        result = analysis(*args)
+        analyses[-1].seconds = round(time.perf_counter() - began, 3)
+        return result
+
+    steps = timed("reading the step log", _step_log, run, not_run, analyses)
     # A run whose manifest is unreadable still has its checkpoint folders, which bisect reads without it.
-    checkpoints = _checkpoints(path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run,
-                               analyses)
-    say("replaying")
-    replay, advice = _replay(run, not_run, steps, analyses, progress)
-    say("mapping the spread per tensor")
-    tensor_spread = _tensor_spread(run, replay, analyses)
+    checkpoints = timed("bisecting the checkpoints", _checkpoints,
+                        path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run, analyses)
+    replay, advice = timed("replaying", _replay, run, not_run, steps, analyses, progress, trust_code)
+    tensor_spread = timed("mapping the spread per tensor", _tensor_spread, run, replay, analyses, trust_code)
     if not any(a.status == DONE for a in analyses):
         raise BadInput(path, "nothing could be analysed: " + "; ".join(f"{a.name}: {a.detail}" for a in analyses))
 
     summary = _summary(steps) if steps is not None else None
-    return _report(path, analyses, summary, checkpoints, replay, tensor_spread, advice)
+    report = _report(path, analyses, summary, checkpoints, replay, tensor_spread, advice)
+    report.started = started
+    return report
 
 
 # ---- the analyses ------------------------------------------------------------------------------
@@ -136,7 +154,7 @@ def _step_log(run: Run | None, not_run: Analysis, analyses: list[Analysis]) -> l
         return None
     first = first_nonfinite(steps)
     found = f"loss first non-finite at step {first}" if first is not None else "every logged loss is finite"
-    analyses.append(Analysis(STEP_LOG, DONE, f"{len(steps)} steps logged ({steps[0].step}-{steps[-1].step}); {found}"))
+    analyses.append(Analysis(STEP_LOG, DONE, f"{count(len(steps), 'step')} logged ({steps[0].step}-{steps[-1].step}); {found}"))
     return steps
 
 
@@ -156,12 +174,15 @@ def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis]) -> Bisec
             f", last clean at step {report.last_clean.step}" if report.last_clean else "")
     if report.verdict == "non_monotonic":
         found += "; history not monotonic (a restart or repair?)"
-    analyses.append(Analysis(CHECKPOINTS, DONE, f"{report.checkpoints} checkpoints, {report.scans} read; {found}"))
+    unread = report.skipped + [f"{h.path}/{name}" for h in report.history for name in h.skipped]
+    if unread:  # named, so that a partial read never looks like a clean one
+        found += "; not read: " + ", ".join(u.split(": ", 1)[0] for u in unread)
+    analyses.append(Analysis(CHECKPOINTS, DONE, f"{count(report.checkpoints, 'checkpoint')}, {report.scans} read; {found}"))
     return report
 
 
 def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, analyses: list[Analysis],
-            progress: ProgressFn | None) -> tuple[ReplayReport | None, list[str]]:
+            progress: ProgressFn | None, trust_code: bool) -> tuple[ReplayReport | None, list[str]]:
     """The replay, or None; and what would make it possible when it is the user's code that is missing here."""
     if run is None:
         analyses.append(Analysis(REPLAY, SKIPPED, not_run.detail + CHECKPOINT_ONLY))
@@ -169,54 +190,54 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     if steps is None:
         analyses.append(Analysis(REPLAY, SKIPPED, "the step log is unusable, so there is nothing to replay against"))
         return None, []
-    missing = _unimportable(run)
+    missing = _unimportable(run, trust_code)
     if missing:
         analyses.append(Analysis(REPLAY, SKIPPED, missing + CHECKPOINT_ONLY))
         return None, [f"To pin the step, run the post-mortem where the training code is importable (the training "
                       f"repository's root), or `nanforensics replay {run.path} --code-path DIR`."]
     try:
-        report = replay_run(run.path, ReplayOptions(), progress)
+        report = replay_run(run.path, ReplayOptions(trust_code=trust_code), progress)
     except BadInput as e:
         analyses.append(Analysis(REPLAY, FAILED, str(e)))
         return None, []
     s = report.setup
     found = {"nonfinite": f"responsible step {report.responsible_step}",
              "clean": "no non-finite value",
-             "not_reproduced": "the logged NaN did not reproduce"}[report.verdict]
+             "not_reproduced": "the logged NaN did not reproduce",
+             "loss_only": f"a non-finite loss only, at {numbered('step', report.loss_only_steps)}: "
+                          "gradients, parameters, optimizer state and buffers stayed finite"}[report.verdict]
     analyses.append(Analysis(REPLAY, DONE, f"steps {s.first_step}-{s.last_step} from the checkpoint at step "
                                            f"{s.from_checkpoint} on {s.device}; {found}"))
     return report, []
 
 
-def _unimportable(run: Run) -> str | None:
-    """Which of the run's callables cannot be imported here, and why; None when all of them can."""
-    m = run.manifest
-    roles = [("model factory", m.model_factory), ("step function", m.step_fn),
-             ("optimizer", m.optimizer_factory or m.optimizer_class)]
-    roles += [("scheduler factory", m.scheduler_factory)] if m.scheduler_factory else []
-    for role, spec in roles:
+def _unimportable(run: Run, trust_code: bool) -> str | None:
+    """Which of the run's callables cannot be imported here, or is refused by the trust policy, and why; None when
+    all of them can be."""
+    for role, spec in run.manifest.callables():
         try:
-            imports.resolve(spec, where=run.path / MANIFEST, forbidden=run.path)
+            imports.load_callable(role, spec, where=run.path / MANIFEST, forbidden=run.path, trust_code=trust_code)
         except BadInput as e:  # the problem usually starts with the spec itself: say it once
-            problem = e.problem.removeprefix(f"{spec!r} ")
+            problem = e.problem.removeprefix(f"{role} ").removeprefix(f"{spec!r} ")
             return f"{role} `{spec}` {problem}" if problem != e.problem else f"{role} `{spec}`: {problem}"
     return None
 
 
-def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis]) -> SpreadMap | None:
+def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis],
+                   trust_code: bool) -> SpreadMap | None:
     if run is None or replay is None:
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "needs a replay"))
         return None
     if replay.responsible_step is None:
-        analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value to map"))
+        analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value in the model's state to map"))
         return None
     try:
-        m = spread.trace(run, UserCode.load(run), replay)
+        m = spread.trace(run, UserCode.load(run, trust_code=trust_code), replay)
     except BadInput as e:
         analyses.append(Analysis(TENSOR_SPREAD, FAILED, str(e)))
         return None
     differs = spread.disagreement(m, replay)
-    detail = f"{len(m.rows)} parameters over steps {m.steps[0]}-{m.steps[-1]}"
+    detail = f"{count(len(m.rows), 'parameter')} over steps {m.steps[0]}-{m.steps[-1]}"
     if differs is not None:
         detail += f"; the re-run's counts differ from the replay's from step {differs} (non-deterministic kernels?)"
     analyses.append(Analysis(TENSOR_SPREAD, DONE, detail))
@@ -275,7 +296,8 @@ def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None
         verdict, responsible = "nonfinite", replay.responsible_step
         shown = f"; the logged loss first shows it at step {nan_loss}" if nan_loss is not None else ""
         headline = f"non-finite values began at step {responsible}: {describe(replay.origin)}{shown}"
-    elif poisoned or (nan_loss is not None and (replay is None or replay.verdict != "not_reproduced")):
+    elif poisoned or (nan_loss is not None and (replay is None or replay.verdict not in ("not_reproduced",
+                                                                                        "loss_only"))):
         verdict, responsible, window = "nonfinite", None, _window(checkpoints, summary)
         if window is not None:
             headline = f"non-finite values began {span(window)}, not pinned by a replay"
@@ -287,25 +309,27 @@ def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None
         verdict, responsible = "not_reproduced", None
         clean = ", nor do the checkpoints hold any" if checkpoints is not None else ""
         headline = f"the logged loss is non-finite at step {nan_loss}, but the replay does not reproduce it{clean}"
+    elif replay is not None and replay.verdict == "loss_only":
+        verdict, responsible = "loss_only", None
+        headline = (f"the loss was non-finite at {numbered('step', replay.loss_only_steps)} only: every "
+                    "gradient, parameter, optimizer-state and buffer value stayed finite, so training could go on")
     else:
         verdict, responsible = "clean", None
         looked = [a.name.replace("_", " ") for a in analyses if a.status == DONE and a.name != TENSOR_SPREAD]
         headline = f"no non-finite value found ({', '.join(looked)})"
-    if replay is not None and replay.verdict == "not_reproduced" and poisoned:
-        findings.append("The replay did not reproduce the logged NaN, yet the checkpoints hold non-finite values: "
-                        "the replay is not an exact copy of the run (see its findings).")
+    if replay is not None and replay.verdict in ("not_reproduced", "loss_only") and poisoned:
+        what = "did not reproduce the logged NaN" if replay.verdict == "not_reproduced" else \
+            "found a non-finite loss only"
+        findings.append(f"The replay {what}, yet the checkpoints hold non-finite values: the replay is not an exact "
+                        "copy of the run (see its findings).")
+    kind = "run" if (path / MANIFEST).exists() else "checkpoints"
     if verdict != "clean" and replay is None:  # what would pin the step
-        hint = [f"To pin the step: `{checkpoints.replay.command}`."] if checkpoints and checkpoints.replay else []
+        hint = [f"To pin the step: `{checkpoints.replay.command}`."] if checkpoints and checkpoints.replay else \
+            [f"To pin the step, replay the checkpoints with the training script, when it can give the batch of any "
+             f"step again: `nanforensics bisect {shlex.quote(str(path))} --code train.py` (docs/unrecorded.md)."] \
+            if kind == "checkpoints" and checkpoints and checkpoints.verdict == "poisoned" and checkpoints.last_clean \
+            else []
         findings += advice or hint
-    return PostmortemReport(verdict=verdict, headline=headline, directory=str(path),
-                            kind="run" if (path / MANIFEST).exists() else "checkpoints",
+    return PostmortemReport(verdict=verdict, headline=headline, directory=str(path), kind=kind,
                             responsible_step=responsible, window=window, analyses=analyses, step_log=summary,
                             checkpoints=checkpoints, replay=replay, tensor_spread=tensor_spread, findings=findings)
-
-
-def check_outputs(directory: Path, outputs: dict[str, str | None]) -> None:
-    """Refuse a report path inside the examined directory, before any work: nothing is written there."""
-    for option, destination in outputs.items():
-        if destination and destination != "-" and Path(destination).resolve().is_relative_to(directory.resolve()):
-            raise BadInput(option, f"{destination} lies inside {directory}, which the post-mortem examines and "
-                                   "never writes into")

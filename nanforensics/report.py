@@ -17,12 +17,18 @@ from .runs.files import write_bytes_atomic
 REPLAY_SCHEMA = "nanforensics.replay/1"
 
 # The order in which a step touches its tensors; within a step, an earlier stage is the cause.
-STAGES = ("batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param")
+STAGES = ("batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param", "buffer")
+# A step whose only non-finite values arose in these stages left the model's state intact: a non-finite loss with
+# zero (or finite) gradients, as from a batch with no valid target.
+LOSS_ONLY_STAGES = frozenset({"forward", "loss"})
 
 
 @dataclass
 class Event:
-    """The first non-finite value met at one stage of one step (per state key for optimizer state)."""
+    """The first non-finite value met at one stage of one step (per state key for optimizer state).
+
+    Stage ``buffer`` is the model's registered buffers (BatchNorm's running statistics, EMA shadows) after the step.
+    """
 
     step: int
     stage: str
@@ -57,9 +63,41 @@ class StepRecord:
     params_total: int
     state_nonfinite: int
     state_total: int
+    buffers_nonfinite: int = 0  # floating-point buffer values (integer buffers cannot be non-finite)
+    buffers_total: int = 0
+    loss_ulps: int | None = None  # |logged - replayed| in float32 ulps; None when either is missing or non-finite
     # distributed runs: each rank's logged and replayed loss (logged_loss and replayed_loss are their means)
     rank_logged_losses: list[float | None] | None = None
     rank_replayed_losses: list[float] | None = None
+
+
+@dataclass
+class TensorMismatch:
+    """The first tensor whose replayed value differs from a recorded checkpoint's."""
+
+    tensor: str          # model tensor name, or "exp_avg of fc1.weight" for optimizer state
+    kind: str            # "parameter" | "buffer" | "optimizer_state"
+    index: list[int]     # first differing coordinate; [] when the tensor is missing or its shape or dtype differs
+    recorded: str        # the values there, as text ("0.0123", "nan", "missing", "float32[4, 8]")
+    replayed: str
+    elements: int        # differing elements
+    ulps: int | None     # the difference at ``index`` in units in the last place of its dtype; None if not a float
+    rank: int | None = None  # distributed runs (FSDP2): the rank whose shard of the tensor holds ``index``
+
+
+@dataclass
+class CheckpointComparison:
+    """The replayed state, bit for bit, against a checkpoint the run recorded, as the replay passed it."""
+
+    step: int            # the checkpoint's step: the state before that step, after step - 1
+    path: str
+    tensors: int         # tensors compared: parameters, buffers, optimizer state
+    exact: bool          # every one equal bit for bit (NaN equal to NaN, whatever its payload)
+    mismatched_tensors: int
+    first_mismatch: TensorMismatch | None
+    values: int = 0           # values compared
+    nan_matched: int = 0      # of them, NaN on both sides: equal, but only in being NaN
+    error: str | None = None  # the checkpoint could not be read: it decides nothing
 
 
 @dataclass
@@ -85,13 +123,26 @@ class OpSite:
     module: str | None            # module path the op ran under ("<root>" for the model, None outside it)
     source: str | None            # "file.py:line in function" of the user's code
     input_dtypes: list[str]
-    input_ranges: list[list[str]]  # [min, max] of each floating input, as strings ("inf", "2.8e-45", ...)
+    input_ranges: list[list[str]]  # [min, max] of each floating input, as strings ("inf", "2.8e-45", ...); for
+                                   # the op a value was born in, of every tensor input (a -100 target, a mask)
     output_dtypes: list[str]
+    output_ranges: list[list[str]] = field(default_factory=list)  # [min, max] of each floating output
+
+
+@dataclass
+class InfSource:
+    """Where the ±inf came from that the culprit made NaN of, when it was not computed in the step."""
+
+    kind: str                     # "constant": written on purpose (masked_fill/fill/full/where with an inf scalar:
+                                  # a mask); "outside": only held before the step by a tensor the step read (a buffer)
+    site: OpSite | None           # the operation nearest the culprit that wrote it ("constant")
+    tensor: str | None = None     # a named parameter or buffer that held it before the step, if one did
 
 
 @dataclass
 class OperationCulprit:
-    """The first operation of the responsible step whose output is non-finite while its inputs were finite."""
+    """The operation of the responsible step where the origin's non-finite value was born, found by following
+    that value back along the data flow (see ``rootcause/operations.py``)."""
 
     site: OpSite
     output_value: str             # "nan" | "inf" | "-inf"
@@ -99,6 +150,15 @@ class OperationCulprit:
     autograd_node: str | None = None   # for a backward op, e.g. "LogBackward0"
     forward: OpSite | None = None      # for a backward op, the forward operation it differentiates
     note: str | None = None
+    traced_from: str | None = None     # the origin value followed back, e.g. "forward blocks.0.attn.proj[5, 0, 0] = nan"
+    path: list[str] = field(default_factory=list)  # ops from the culprit to the origin value (views left out,
+                                                   # a long middle elided as "…")
+    inputs_at_index: list[list[str] | None] = field(default_factory=list)  # per input: [min, max] of the elements
+                                       # output_index was computed from (a softmax row); None where the op mixes
+                                       # whole inputs (a matmul, a reduction) or overwrote that one in place
+    inf_source: InfSource | None = None  # for a NaN made from ±inf that was not computed: where that inf came from
+    nan_site: OpSite | None = None     # where NaN arose from the culprit's inf, when that is another operation
+    nan_node: str | None = None        # nan_site's autograd node, for a backward op
 
 
 @dataclass
@@ -112,6 +172,8 @@ class SampleAttribution:
     passes: int                   # forward/backward passes spent
     coupled_groups: list[list[int]]
     message: str
+    micro_batch_samples: list[list[int]] = field(default_factory=list)  # [micro-batch, position in it] of each
+                                  # sample, when the optimizer step was several micro-batches (gradient accumulation)
 
 
 @dataclass
@@ -126,6 +188,7 @@ class Precursor:
     activation_max_abs: float | None
     activation_dtype: str | None
     activation_headroom: float | None  # max |activation| / the dtype's largest finite value
+    learning_rate: float | None = None  # the largest of the param groups' "lr" at optimizer.step()
 
 
 @dataclass
@@ -171,6 +234,25 @@ class WhatIfResult:
 
 
 @dataclass
+class CheckpointLoad:
+    """How a checkpoint written without the recorder was loaded into the model and optimizer the user's code built."""
+
+    checkpoint: str
+    layout: str                   # "torch.save dict", "nanforensics checkpoint", or a folder's files
+    step: int                     # the state before this step: the first step replayed
+    step_from: str                # "metadata" | "trainer_state.json" | "name" | "--from-step"
+    batches: str                  # the batch function, as an import string
+    model_prefix_stripped: str | None  # a wrapper's prefix ("module.", "_orig_mod.") removed from every key
+    optimizer_matched: str        # "name": by the parameter names the file records; "order": it records none
+    optimizer_params: int
+    same_shape_params: int        # by order: parameters sharing their shape with another of their group
+    scheduler: str                # "restored" | "none" | "unused": the checkpoint holds one, no factory was named
+    rng_restored: list[str]       # generators restored from the checkpoint: "torch", "cuda", "python", "numpy"
+    rng_missing: str | None       # why the others were not
+    random_modules: list[str]     # dropout modules with p > 0: their masks depend on the torch RNG
+
+
+@dataclass
 class ReplaySetup:
     run: str
     from_checkpoint: int
@@ -196,21 +278,8 @@ class RankCheck:
 
 
 @dataclass
-class CheckpointDiff:
-    """A distributed run's checkpoint in the replayed window holding a non-finite value where the replay's state at
-    that step holds none: the run wrote a value its own code and data do not compute."""
-
-    step: int
-    path: str
-    tensor: str
-    index: list[int]
-    value: str
-    rank: int | None  # FSDP2: the rank whose shard holds it; None: replicated state rank 0 wrote for every rank (DDP)
-
-
-@dataclass
 class ReplayReport:
-    verdict: str  # "nonfinite" | "clean" | "not_reproduced"
+    verdict: str  # "nonfinite" | "clean" | "not_reproduced" | "loss_only"
     responsible_step: int | None
     responsible_batch: BatchRef | None
     first_nonfinite_loss_step: int | None
@@ -219,7 +288,7 @@ class ReplayReport:
     events: list[Event]
     spread: list[StepRecord]
     state_poisoned: bool
-    reproduced: bool
+    reproduced: bool | None  # replayed losses equal the logged ones; None: no logged loss to compare with
     diverged_at_step: int | None
     fully_nonfinite_step: int | None
     findings: list[str]
@@ -231,8 +300,11 @@ class ReplayReport:
     schema: str = field(default=REPLAY_SCHEMA)
     amp: AmpReport | None = None
     what_if: list[WhatIfResult] = field(default_factory=list)
+    loaded: CheckpointLoad | None = None  # a replay from a checkpoint the recorder did not write
+    loss_only_steps: list[int] = field(default_factory=list)  # before the origin: a non-finite loss, state intact
+    checkpoints_compared: list[CheckpointComparison] = field(default_factory=list)
+    loss_max_ulps: int | None = None  # the largest |logged - replayed| loss difference, float32 ulps
     ranks: list[RankCheck] = field(default_factory=list)  # distributed runs, one per rank
-    checkpoints_differ: list[CheckpointDiff] = field(default_factory=list)  # distributed runs the replay did not reproduce
 
 
 def to_jsonable(obj: Any) -> Any:

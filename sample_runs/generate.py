@@ -3,12 +3,14 @@
 Each run is a real training run of tests/scenarios.py under the project's own recorder,
 deterministic on CPU (fixed seeds, thread count and timestamp: every tensor and JSON value
 comes out the same; safetensors may order its metadata keys differently), stopped a step
-after the first NaN loss as a job that aborts on NaN would be.
+after the first NaN loss as a job that aborts on NaN would be. ``unrecorded/ckpts`` is what
+``unrecorded/train.py``, which knows nothing of the recorder, saves with ``torch.save``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import sys
@@ -46,6 +48,12 @@ def main() -> None:
                                   checkpoint_every=10, stop_on_nan=True, overwrite=True,
                                   code="tests/scenarios.py")  # replayed from the checkout's root
         print(f"{name}: {len(losses)} steps, last logged loss {losses[-1]:.4g}")
+    script = Path(__file__).resolve().parent / "unrecorded" / "train.py"
+    spec = importlib.util.spec_from_file_location("unrecorded_train", script)
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    train.main(args.out / "unrecorded" / "ckpts")
 
 
 if __name__ == "__main__":

@@ -37,12 +37,13 @@ class Result:
         return json.loads(self.stdout)
 
 
-def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = ()) -> Result:
-    """``wrapper`` prefixes the command line (``setpriv ...``: the CLI without root's permission override)."""
+def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = (), columns: int = 160) -> Result:
+    """``wrapper`` prefixes the command line (``setpriv ...``: the CLI without root's permission override);
+    ``columns`` is $COLUMNS, the width of the log the output goes to."""
     # The scenarios the test runs were recorded with (``scenarios:build_model``) are the user's code here: on the
     # path, as a user's installed package would be.
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1", "PYTHONPATH": path}
+    env = {**os.environ, "COLUMNS": str(columns), "NO_COLOR": "1", "PYTHONPATH": path}
     env.pop("NANFORENSICS_DEBUG", None)
     p = subprocess.run([*wrapper, *cli_command(), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd,
                        timeout=300)
@@ -58,9 +59,17 @@ def tree_digest(root: Path) -> dict[str, str]:
     return out
 
 
+ANNOUNCEMENT = "nanforensics: run code: "  # the run's import strings, shown before any is imported
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without the line that announces the run's code."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith(ANNOUNCEMENT)]
+
+
 def assert_one_line_error(result: Result, *needles: str) -> None:
     assert result.code == 2, (result.code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
+    lines = error_lines(result.stderr)
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     for needle in needles:

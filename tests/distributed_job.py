@@ -60,13 +60,16 @@ class Readings(Dataset):
 
 class Documents(Dataset):
     """Right-padded token sequences, as ``scenarios.make_token_batch`` draws them, one at a time with an id;
-    ``defect`` empties document ``at``: padding throughout, so every row of its attention is masked."""
+    ``defect`` empties that document: padding throughout, so every row of its attention is masked. The documents
+    ``unlabelled`` keep their tokens but have every label ignored (-100), as prompt-only examples do."""
 
-    def __init__(self, size: int, defect: int | None) -> None:
+    def __init__(self, size: int, defect: int | None, unlabelled: list[int] | None = None) -> None:
         drawn = scenarios.make_token_batch(0, batch_size=size)
         self.tokens, self.labels = drawn["tokens"], drawn["labels"]
         if defect is not None:
             self.tokens[defect], self.labels[defect] = scenarios.PAD, -100
+        for i in unlabelled or []:
+            self.labels[i] = -100
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -100,6 +103,7 @@ class Job(NamedTuple):
     model_kwargs: dict[str, Any] = {}
     decoder: bool = False  # the transformer of scenarios on token documents, instead of the regressor on readings
     spike: bool = False  # the defect is a glitch reading (1e13): a finite gradient whose square overflows
+    unlabelled: bool = False  # the decoder, and every label of rank 1's shard at DEFECT_STEP ignored: a NaN loss only
 
 
 RUNS: dict[str, Job] = {
@@ -110,6 +114,7 @@ RUNS: dict[str, Job] = {
     "ddp_decoder": Job("ddp", scenarios.train_step_lm, True, decoder=True),  # a fully padded document on rank 1
     "ddp_state_overflow": Job("ddp", scenarios.train_step, True, model_kwargs={"log_features": False, "act": "relu"},
                               spike=True),
+    "ddp_loss_only": Job("ddp", scenarios.train_step_lm, False, decoder=True, unlabelled=True),
     "ddp_flaky": Job("ddp", scenarios.train_step, False, True),
     "fsdp2_flaky": Job("fsdp2", scenarios.train_step, False, True),
     "fsdp2_killed": Job("fsdp2", scenarios.train_step, False),  # rank 1 dies writing checkpoint KILLED_AT: run it last
@@ -146,10 +151,11 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
 
 def record(out: Path, name: str, code: str | None = None, device: torch.device = torch.device("cpu")) -> list[float]:
     """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
-    how, step_fn, defect, flaky, kwargs, decoder, spike = RUNS[name]
+    how, step_fn, defect, flaky, kwargs, decoder, spike, unlabelled = RUNS[name]
     named = lambda fn: fn if code is None or fn.__module__ != "scenarios" else f"{code}:{fn.__qualname__}"  # noqa: E731
     size, at = STEPS * SHARD * WORLD, defect_index() if defect else None
-    data = Documents(size, at) if decoder else Readings(size, at, spike)
+    ignored = [defect_index(position=i) for i in range(SHARD)] if unlabelled else None  # rank 1's shard at step 4
+    data = Documents(size, at, ignored) if decoder else Readings(size, at, spike)
     loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, shuffle=False))
     factory = scenarios.build_decoder if decoder else scenarios.build_model
     model = wrap(factory(**kwargs).to(device), how)

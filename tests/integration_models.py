@@ -16,9 +16,12 @@ import scenarios
 DEFECT_STEP = 6
 
 
-def batches(steps: int, batch_size: int = scenarios.BATCH) -> list[dict[str, Any]]:
-    return [scenarios.make_batch(s, defect="near_zero" if s == DEFECT_STEP else None, batch_size=batch_size)
-            for s in range(steps)]
+def batches(steps: int, batch_size: int = scenarios.BATCH, accumulate: int = 1,
+            defect: bool = True) -> list[dict[str, Any]]:
+    """``accumulate`` micro-batches per optimizer step; the defect in the last micro-batch of step DEFECT_STEP."""
+    bad = (DEFECT_STEP + 1) * accumulate - 1 if defect else -1
+    return [scenarios.make_batch(s, defect="near_zero" if s == bad else None, batch_size=batch_size)
+            for s in range(steps * accumulate)]
 
 
 class TrainerRegressor(torch.nn.Module):
@@ -37,6 +40,39 @@ def build_trainer_regressor() -> TrainerRegressor:
     return TrainerRegressor()
 
 
+class LabelsRegressor(torch.nn.Module):
+    """Takes loss keyword arguments as Hugging Face models do: the Trainer then passes ``num_items_in_batch``, the
+    labels of the whole optimizer step, and does not divide the loss by the number of micro-batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = scenarios.Regressor()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None,
+                **kwargs: Any) -> dict[str, torch.Tensor]:
+        errors = (self.net(x) - labels) ** 2
+        return {"loss": errors.mean() if num_items_in_batch is None else errors.sum() / num_items_in_batch}
+
+
+def build_labels_regressor() -> LabelsRegressor:
+    return LabelsRegressor()
+
+
+def accumulating_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """A user's own step function for the Lightning callback: it gets each optimizer step's micro-batches."""
+    for group, lr in zip(optimizer.param_groups, batch["lr"]):
+        group["lr"] = lr
+    optimizer.zero_grad()
+    losses = []
+    for micro in batch["micro_batches"]:
+        loss = module.net_loss(micro["batch"]) / batch["accumulate"]
+        loss.backward()
+        losses.append(loss.detach())
+    optimizer.step()
+    return sum(losses[1:], losses[0])
+
+
 try:
     import lightning.pytorch as pl
 except ImportError:
@@ -52,8 +88,13 @@ if pl is not None:
             torch.manual_seed(0)
             self.net = scenarios.Regressor()
 
-        def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        def net_loss(self, batch: dict[str, Any]) -> torch.Tensor:
             return F.mse_loss(self.net(batch["x"]), batch["y"])
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+            loss = self.net_loss(batch)
+            self.log("train_loss", loss)  # replayed outside a Trainer, where Lightning warns about it
+            return loss
 
         def configure_optimizers(self) -> Any:
             opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)

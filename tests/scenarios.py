@@ -199,27 +199,37 @@ VOCAB, SEQ_LEN, TOKEN_BATCH, PAD = 64, 16, 8, 0
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int) -> None:
+    """``bias_buffer``: the causal mask kept as an additive buffer of 0 and -inf (as older GPT code does), the padding
+    still masked with masked_fill."""
+
+    def __init__(self, d_model: int, n_head: int, seq_len: int = SEQ_LEN, bias_buffer: bool = False) -> None:
         super().__init__()
         self.n_head = n_head
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
+        if bias_buffer:
+            causal = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
+            self.register_buffer("causal_bias", torch.zeros(seq_len, seq_len).masked_fill(causal, float("-inf")))
+        self.bias_buffer = bias_buffer
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.n_head)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        scores = scores.masked_fill(causal | pad[:, None, None, :], float("-inf"))
+        if self.bias_buffer:
+            scores = (scores + self.causal_bias[:t, :t]).masked_fill(pad[:, None, None, :], float("-inf"))
+        else:
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(causal | pad[:, None, None, :], float("-inf"))
         y = F.softmax(scores, dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int) -> None:
+    def __init__(self, d_model: int, n_head: int, seq_len: int = SEQ_LEN, bias_buffer: bool = False) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head)
+        self.attn = CausalSelfAttention(d_model, n_head, seq_len, bias_buffer)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
@@ -229,10 +239,10 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     def __init__(self, vocab: int = VOCAB, seq_len: int = SEQ_LEN, d_model: int = 32, n_head: int = 2,
-                 n_layer: int = 2) -> None:
+                 n_layer: int = 2, bias_buffer: bool = False) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, seq_len, bias_buffer) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.tok.weight
@@ -274,15 +284,150 @@ def make_token_batch(step: int, seed: int = 0, defect: str | None = None, batch_
     lengths = torch.randint(seq_len // 2, seq_len + 1, (batch_size,), generator=g)
     if defect == "fully_padded":   # an empty document that survived the tokenizer: padding throughout
         lengths[DEFECT_SAMPLE] = 0
-    elif defect is not None:
+    elif defect not in (None, "no_labels"):
         raise ValueError(f"unknown defect {defect!r}")
     tokens[torch.arange(seq_len)[None, :] >= lengths[:, None]] = PAD
     labels = tokens.masked_fill(tokens == PAD, -100)
+    if defect == "no_labels":      # every target masked (prompt-only examples): the mean loss is 0/0 = NaN
+        labels.fill_(-100)
     return {"tokens": tokens, "labels": labels, "ids": [f"doc{step:05d}-{i:02d}" for i in range(batch_size)]}
+
+
+# ---- a CNN with BatchNorm ------------------------------------------------------------------------------------------
+#
+# BatchNorm's running statistics are registered buffers, updated in the training forward from each batch's own
+# statistics. One pixel of 1e30 (a saturated sensor value stored raw) makes every channel's batch variance overflow
+# float32: running_var becomes inf, while the normalised outputs (x/sqrt(inf) = 0), the loss, the gradients, the
+# parameters and Adam's moments all stay finite. Training-mode losses never show it; eval mode would.
+
+IMAGE, CLASSES, IMAGE_BATCH = 8, 3, 8
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, channels: int = 4, classes: int = CLASSES) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, channels, 3, padding=1)
+        self.norm = nn.BatchNorm2d(channels)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.norm(self.conv(image))).mean(dim=(2, 3)))
+
+
+def build_cnn(**kwargs: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return SmallCNN(**kwargs)
+
+
+def train_step_classify(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(batch["image"]), batch["label"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def make_image_batch(step: int, seed: int = 0, defect: str | None = None,
+                     batch_size: int = IMAGE_BATCH) -> dict[str, Any]:
+    """Noise images and labels; ``huge_pixel`` sets one pixel of sample DEFECT_SAMPLE to 1e30."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    image = torch.randn(batch_size, 1, IMAGE, IMAGE, generator=g)
+    label = torch.randint(0, CLASSES, (batch_size,), generator=g)
+    if defect == "huge_pixel":
+        image[DEFECT_SAMPLE, 0, IMAGE // 2, IMAGE // 2] = 1e30
+    elif defect is not None:
+        raise ValueError(f"unknown defect {defect!r}")
+    return {"image": image, "label": label, "ids": [f"img{step:05d}-{i:02d}" for i in range(batch_size)]}
+
+
+# ---- a Hugging Face GPT-2 (the ``hf`` extra), built from its config ---------------------------------------------
+#
+# Two ways a GPT-2 fine-tune meets NaN. A batch whose labels are all -100 (prompts only: every response truncated
+# away) has no token to average over: the mean cross-entropy is 0/0 = NaN, made in the loss's reduction, while the
+# gradients stay 0. And a distillation loss written by hand, softmax as exp/sum on logits divided by a temperature:
+# a temperature annealed too far makes exp overflow to inf, and inf/inf = NaN downstream.
+
+GPT2_VOCAB, GPT2_LEN, GPT2_BATCH = 64, 16, 4
+
+
+def build_gpt2(**kwargs: Any) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=GPT2_VOCAB, n_positions=GPT2_LEN, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, **kwargs)
+    return GPT2LMHeadModel(config)
+
+
+def train_step_gpt2(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """The model computes its own loss from ``labels`` (-100: ignored), as a Trainer would have it."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                 use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def train_step_gpt2_summed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """As the Trainer calls it: the loss summed over tokens, divided by the number of labelled tokens it counted."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                 use_cache=False, num_items_in_batch=(batch["labels"] != -100).sum()).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def train_step_gpt2_distill(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """Cross-entropy against the next token under a temperature, its softmax written by hand as exp/sum."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    e = torch.exp(logits[:, :-1] / batch["temperature"])
+    p = e / e.sum(dim=-1, keepdim=True)
+    target = batch["input_ids"][:, 1:]
+    loss = -torch.log(p.gather(-1, target[..., None])).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def make_gpt2_batch(step: int, seed: int = 0, defect: str | None = None) -> dict[str, Any]:
+    """Right-padded sequences (attention mask 0, labels -100 on the padding). ``all_ignored``: every label -100;
+    ``cold``: a temperature of 1e-3, where exp(logits / T) overflows."""
+    if defect not in (None, "all_ignored", "cold"):
+        raise ValueError(f"unknown defect {defect!r}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ids = torch.randint(1, GPT2_VOCAB, (GPT2_BATCH, GPT2_LEN), generator=g)
+    lengths = torch.randint(GPT2_LEN // 2, GPT2_LEN + 1, (GPT2_BATCH,), generator=g)
+    mask = (torch.arange(GPT2_LEN)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    if defect == "all_ignored":
+        labels = torch.full_like(ids, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+            "temperature": torch.tensor(1e-3 if defect == "cold" else 1.0)}
+
+
+def train_step_lm_scheduled(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
+                            scheduler: Any) -> torch.Tensor:
+    """``train_step_lm``, then the LR scheduler's step, as a loop with a scheduler does."""
+    loss = train_step_lm(model, optimizer, batch)
+    scheduler.step()
+    return loss
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _adamw_lr_range(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1.5e-2)
+
+
+def lr_finder(optimizer: torch.optim.Optimizer) -> Any:
+    """An LR range test: the learning rate doubles every step until training blows up (from 1.5e-2: by step 19)."""
+    return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=2.0)
 
 
 @dataclass(frozen=True)
@@ -351,13 +496,24 @@ SCENARIOS: dict[str, Scenario] = {
     # a transformer: the causal -inf mask fires every step; a fully padded sequence makes softmax's rows NaN
     "decoder_fully_padded": Scenario({}, _adamw, train_step_lm, "fully_padded", "forward", factory=build_decoder,
                                      batches=make_token_batch),
+    # every label -100: a NaN loss, zero gradients, the model's state intact (no origin: verdict loss_only)
+    "decoder_no_labels": Scenario({}, _adamw, train_step_lm, "no_labels", None, factory=build_decoder,
+                                  batches=make_token_batch),
+    # one 1e30 pixel: BatchNorm's running_var turns inf, everything else stays finite
+    "batchnorm_huge_pixel": Scenario({}, _adam, train_step_classify, "huge_pixel", "buffer", factory=build_cnn,
+                                     batches=make_image_batch),
+    # the same decoder under an LR finder: no defect, the step (its learning rate) is what overflows
+    "decoder_lr_finder": Scenario({}, _adamw_lr_range, train_step_lm_scheduled, None, "forward", scheduler=lr_finder,
+                                  factory=build_decoder, batches=make_token_batch),
 }
 
 
 def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int = 17, checkpoint_every: int = 10,
            seed: int = 0, keep_checkpoints: int | None = None, stop_on_nan: bool = False,
-           overwrite: bool = False, code: str | None = None) -> list[float]:
+           overwrite: bool = False, code: str | None = None, defects: dict[int, str] | None = None) -> list[float]:
     """Train scenario ``name`` for ``steps`` steps under the recorder; returns the logged losses.
+
+    ``defects`` maps steps to the defects their batches get, in place of the scenario's one at ``defect_step``.
 
     ``stop_on_nan`` ends the loop a step after the first non-finite loss, as a job that
     aborts on NaN would. ``code`` names this file for replay (``tests/scenarios.py``, relative to the
@@ -376,7 +532,8 @@ def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int 
                   overwrite=overwrite, scaler=scaler, scheduler=scheduler,
                   scheduler_factory=named(sc.scheduler) if sc.scheduler else None) as rec:
         for step in range(steps):
-            batch = sc.batches(step, seed, sc.defect if step == defect_step else None)
+            defect = defects.get(step) if defects is not None else sc.defect if step == defect_step else None
+            batch = sc.batches(step, seed, defect)
             loss = sc.step_fn(model, optimizer, batch, **extras)
             rec.log(step, batch, loss)
             losses.append(float(loss.detach()))

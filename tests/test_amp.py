@@ -45,9 +45,18 @@ def test_scaler_that_catches_every_overflow_is_clean(runs, tmp_path):
     assert steps[DEFECT_STEP]["overflow"] == "forward"
     assert [s["overflow"] for s in ordered if s["skipped"] and s["step"] != DEFECT_STEP] == ["backward"]
     assert any(s["adjustment"] == "growth" for s in ordered)
-    assert any("caught 2 overflow(s)" in f and "65504" in f for f in r["findings"])
+    assert any("caught 2 overflows" in f and "65504" in f and "each step was skipped" in f for f in r["findings"])
+    # the caught NaN loss is not called "no non-finite value" (tests/test_findings.py has the clean run's sentence)
+    assert r["findings"][0] == (f"No non-finite value reached the optimizer state or the parameters over steps "
+                                f"10-23: the non-finite values met at steps 14, {DEFECT_STEP} were overflows the "
+                                f"scaler caught (the non-finite loss logged at step {DEFECT_STEP} among them).")
+    assert any(f.endswith("backed off at steps 14, 17, grew at steps 13, 22.") for f in r["findings"])
     text = md.read_text()
     assert "### Mixed precision" in text and f"| {DEFECT_STEP} | " in text and "caught: state intact" in text
+    # the nano-unit sample is a data defect in the JSON, and the view renders it from the report
+    [d] = [d for d in r["data_defects"] if d["step"] == DEFECT_STEP]
+    assert d["kind"] == "extreme" and (f"`step {DEFECT_STEP}  batch['x'][{scenarios.DEFECT_SAMPLE}, 0] = {d['value']}  "
+                                       f"extreme ({d['count']} such values)`") in text
 
 
 def test_fp16_without_scaler_poisons_the_state_from_the_backward(runs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +29,11 @@ from nanforensics.runs.run import RUN_FORMAT
 
 import distributed_job as job
 import scenarios
-from conftest import TESTS, Result, assert_one_line_error, run_cli, tree_digest
+from conftest import ANNOUNCEMENT, TESTS, Result, assert_one_line_error, run_cli, tree_digest
 from test_samples import ROOT, SAMPLES, assert_same_run
 
-RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_decoder", "ddp_state_overflow", "ddp_flaky",
-            "fsdp2_flaky", "fsdp2_killed"]  # killed last: it ends the job
+RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_decoder", "ddp_state_overflow", "ddp_loss_only",
+            "ddp_flaky", "fsdp2_flaky", "fsdp2_killed"]  # killed last: it ends the job
 DEFECT_ID = f"sample-{job.defect_index():05d}"
 SAMPLE = SAMPLES / "ddp_two_ranks"
 
@@ -51,6 +52,11 @@ def torchrun(*args: str | Path) -> Result:
     """``python -m torch.distributed.run`` with 2 processes on a free port."""
     return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.WORLD),
                    *map(str, args)])
+
+
+def exit_codes(result: Result) -> dict[str, str]:
+    """Each rank's exit code, as torchrun reports a job with a failed rank."""
+    return dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", result.stderr))
 
 
 def replayed(run: Path) -> dict[str, Any]:
@@ -128,6 +134,12 @@ def test_emulated_batchnorm_buffers(runs):
     assert (origin["step"], origin["stage"], origin["rank"]) == (job.DEFECT_STEP, "grad", job.BAD_RANK)
     assert report["responsible_batch"]["rank"] == job.BAD_RANK
     assert report["samples"]["status"] in ("attributed", "coupled")  # BatchNorm couples the samples of a shard
+    # the buffer stage, per rank: each rank's running statistics turn NaN in its own forward of step 5, counted once
+    buffers = [e for e in report["events"] if e["stage"] == "buffer"]
+    assert min(e["step"] for e in buffers) == job.DEFECT_STEP + 1
+    assert {e["rank"] for e in buffers if e["step"] == job.DEFECT_STEP + 1} == {0, 1}
+    after = next(s for s in report["spread"] if s["step"] == job.DEFECT_STEP + 1)
+    assert after["buffers_nonfinite"] == after["buffers_total"] > 0  # one copy's worth, not each rank's added up
 
 
 def test_emulated_transformer(runs):
@@ -160,6 +172,64 @@ def test_emulated_overflow_after_the_collective(runs):
                    f.startswith("Logged losses first non-finite") for f in report["findings"])  # AdamW kept it finite
 
 
+def test_loss_only_on_one_rank(runs, tmp_path):
+    """Every label of rank 1's shard at step 4 is ignored (-100): that rank's mean loss is 0/0 = NaN and its gradients
+    zero, which the all-reduce averages with rank 0's finite ones. The run's loss (the ranks' mean) is NaN at step 4
+    and nothing else is: loss_only (exit code 4 on every rank at world size), the loss rank 1's alone, explained in
+    rank 1's shard."""
+    report = replayed(runs["ddp_loss_only"])
+    assert (report["verdict"], report["loss_only_steps"], report["origin"], report["events"]) == (
+        "loss_only", [job.DEFECT_STEP], None, [])
+    assert report["reproduced"] is True
+    record = next(s for s in report["spread"] if s["step"] == job.DEFECT_STEP)
+    assert record["replayed_loss"] == "nan" and record["params_nonfinite"] == record["state_nonfinite"] == 0
+    for losses in (record["rank_logged_losses"], record["rank_replayed_losses"]):
+        assert isinstance(losses[0], float) and losses[1] == "nan"
+    assert any(f.startswith(f"Only rank 1 computed a non-finite loss at step {job.DEFECT_STEP}, from its own shard")
+               for f in report["findings"]), report["findings"]
+    assert report["samples"]["status"] == "batch_wide" and report["samples"]["batch_size"] == job.SHARD  # rank 1's
+    assert report["operation"] is not None and report["operation"]["traced_from"] == "loss = nan on rank 1"
+    out = tmp_path / "report.json"
+    result = torchrun("-m", "nanforensics", "replay", runs["ddp_loss_only"], "--json", out)
+    codes = exit_codes(result)
+    assert codes == {"0": "4", "1": "4"}, result.stderr[-3000:]
+    at_size = json.loads(out.read_text())
+    assert (at_size["verdict"], at_size["loss_only_steps"], at_size["setup"]["ranks_replayed"]) == (
+        "loss_only", [job.DEFECT_STEP], "torchrun")
+    assert at_size["findings"] == report["findings"]  # rank 0 explains the step in the emulation
+
+
+def test_a_refused_callable_never_runs_on_any_rank(runs, tmp_path):
+    """The trust policy admits a distributed run's callables as it does a single process's (the manifest's fields,
+    README's Security): os:system as the model factory is refused, emulated or on every rank at world size, before
+    anything calls it; rank 0 alone announces the code and speaks the error."""
+    run, marker = tmp_path / "hostile", tmp_path / "payload-ran"
+    shutil.copytree(runs["ddp"], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["model_factory"], manifest["model_kwargs"] = "os:system", {"command": f"touch {marker}"}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    before = tree_digest(run)
+    assert_one_line_error(run_cli("replay", run), "model_factory 'os:system' is refused", "standard library")
+    result = torchrun("-m", "nanforensics", "replay", run)
+    codes = exit_codes(result)
+    assert codes == {"0": "2", "1": "2"}, result.stderr[-3000:]
+    assert result.stderr.count("model_factory 'os:system' is refused") == 1
+    assert result.stderr.count(ANNOUNCEMENT) == 1
+    assert not marker.exists(), "the payload ran"
+    assert tree_digest(run) == before
+
+
+def test_outputs_at_world_size_are_checked_first(runs):
+    """A report into the run directory is refused on every rank before any replays; nothing is written."""
+    run = runs["ddp"]
+    before = tree_digest(run)
+    result = torchrun("-m", "nanforensics", "replay", run, "--json", run / "report.json")
+    codes = exit_codes(result)
+    assert codes == {"0": "2", "1": "2"}, result.stderr[-3000:]
+    assert result.stderr.count("lies inside") == 1 and "which this command examines" in result.stderr
+    assert tree_digest(run) == before
+
+
 def test_shipped_sample_matches_its_generator(runs):
     assert_same_run(SAMPLE, runs["ddp"])  # sample_runs/generate_distributed.py: the same command, renamed
 
@@ -187,7 +257,7 @@ def test_torchrun_replay_at_world_size(runs, tmp_path, name):
     before = tree_digest(runs[name])
     out = tmp_path / "report.json"
     result = torchrun("-m", "nanforensics", "replay", runs[name], "--json", out)
-    codes = dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", result.stderr))
+    codes = exit_codes(result)
     assert codes == {"0": "1", "1": "1"}, result.stderr[-3000:]  # every rank exits with the replay's code, 1: found
     assert result.stdout.count("NON-FINITE") == 1  # rank 0 alone renders the report
     check_attribution(json.loads(out.read_text()), name, "torchrun")
@@ -221,7 +291,9 @@ def test_flaky_rank_named_by_its_losses(runs):
     flip = job.FLIP_STEP + 1
     assert [(c["rank"], c["diverged_at_step"], c["logged_loss"]) for c in report["ranks"]] == [
         (0, flip + 1, "nan"), (1, flip, "nan")]
-    assert report["checkpoints_differ"] == []  # rank 0 wrote the replicated state before the NaN reached it
+    # rank 0 wrote checkpoint 6's replicated state before the NaN reached it: it is clean, and the replay starts there
+    assert report["setup"]["from_checkpoint"] == 6 and all(c["exact"] for c in report["checkpoints_compared"])
+    assert not any(f.startswith("The checkpoint of step") for f in report["findings"])
     assert any(f.startswith(f"Rank 1's logged loss differs from the replay first, at step {flip}") and
                "suspect rank 1's hardware" in f for f in report["findings"])
 
@@ -232,9 +304,13 @@ def test_flaky_shard_named_by_the_checkpoint(runs):
     report = replayed(runs["fsdp2_flaky"])
     assert report["verdict"] == "not_reproduced"
     assert [c["diverged_at_step"] for c in report["ranks"]] == [job.FLIP_STEP + 1] * 2
-    [diff] = report["checkpoints_differ"]
-    assert (diff["step"], diff["tensor"], diff["index"], diff["value"], diff["rank"]) == (
-        6, "model.fc2.weight", [16, 0], "nan", 1)  # row 16 of 32: rank 1's half
+    # from checkpoint 3, the replay's state differs from checkpoint 6 (torch.distributed.checkpoint's shards) in one value
+    [compared] = report["checkpoints_compared"]
+    diff = compared["first_mismatch"]
+    assert (compared["step"], compared["exact"], compared["mismatched_tensors"], diff["elements"]) == (6, False, 1, 1)
+    assert (diff["tensor"], diff["index"], diff["recorded"], diff["rank"]) == (
+        "fc2.weight", [16, 0], "nan", 1)  # row 16 of 32: rank 1's half
+    assert report["diverged_at_step"] == 6
     assert any("do not single out a rank" in f for f in report["findings"])
     assert any("in rank 1's shard" in f and "suspect its hardware" in f for f in report["findings"])
 
@@ -249,13 +325,14 @@ def test_bisect_finds_the_first_poisoned_dcp_checkpoint(runs):
 
 
 def test_killed_mid_checkpoint_leaves_the_previous_one(runs):
-    """Rank 1 died with its shard of checkpoint 6 written and the checkpoint incomplete: only a hidden folder holds it,
-    and every reader carries on from checkpoint 3."""
+    """Rank 1 died with its shard of checkpoint 6 written and the checkpoint incomplete: at most a hidden folder holds
+    it (rank 0 removes its build folder when the collective write fails, unless torchrun's stop comes first), and every
+    reader carries on from checkpoint 3."""
     run = runs["fsdp2_killed"]
     before = tree_digest(run)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")) == [
         "step_00000000", "step_00000003"]
-    assert [p.name.split(".")[1] for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == ["step_00000006"]
+    assert {p.name.split(".")[1] for p in (run / "checkpoints").iterdir() if p.name.startswith(".")} <= {"step_00000006"}
     bisected = bisect([run])
     assert bisected.verdict == "clean" and [r.step for r in bisected.history] == [3, 0]
     result = run_cli("replay", run, "--json", "-", cwd=ROOT)

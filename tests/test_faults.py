@@ -34,7 +34,7 @@ from nanforensics.formats.safetensors_file import SafetensorsFile
 from nanforensics.runs.files import TensorFile
 from safetensors.torch import load_file, save_file
 
-from conftest import DEFECT_STEP, Result, _record, run_cli, tree_digest
+from conftest import DEFECT_STEP, Result, _record, error_lines, run_cli, tree_digest
 
 SCENARIO = "adam_near_zero"
 CK = Path("checkpoints") / "step_00000010"  # the last clean checkpoint before the defect: replay starts here
@@ -146,6 +146,162 @@ def unwritable_output(run: Path, out: Path) -> None:
     (out / "repaired").write_text("a file, not a folder")
 
 
+# ---- hostile inputs (issue 13): outputs aimed at the input, special files, absurd numbers, deep nesting ----------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+SAVED = "saved.json"  # a report inside the run, re-rendered by ``report``
+
+
+def _header(path: Path, change: Callable[[dict], bytes]) -> None:
+    """Rewrite a safetensors file's JSON header (``change`` returns the new header bytes), keeping its data."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    raw = change(json.loads(data[8:8 + n]))
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _log_line(run: Path, line: str) -> None:
+    (run / "steps.jsonl").write_text(line + "\n" + (run / "steps.jsonl").read_text())
+
+
+def report_path_is_the_step_log(run: Path, out: Path) -> None:
+    """Nothing to damage: the command line aims the report at an input (see ARGV)."""
+
+
+def report_path_is_a_symlink_into_the_run(run: Path, out: Path) -> None:
+    (out / "link.json").symlink_to(run / "manifest.json")
+
+
+def report_path_climbs_back_into_the_checkpoint(run: Path, out: Path) -> None:
+    """Nothing to damage: ``CK/../step_00000010/x.json`` is inside the scanned folder."""
+
+
+def markdown_over_the_saved_report(run: Path, out: Path) -> None:
+    (run / SAVED).write_text("{}\n")
+
+
+def html_inside_the_run(run: Path, out: Path) -> None:
+    """Nothing to damage: the post-mortem's --html names a file in the run."""
+
+
+def repair_out_inside_the_run(run: Path, out: Path) -> None:
+    """Nothing to damage: repair's --out names a folder in the run."""
+
+
+def bisect_report_inside_a_globbed_checkpoint(run: Path, out: Path) -> None:
+    """Nothing to damage: bisect's targets are a glob, the report lands in one of the folders it matches."""
+
+
+def fifo_step_log(run: Path, out: Path) -> None:
+    _fifo(run / "steps.jsonl")
+
+
+def fifo_manifest(run: Path, out: Path) -> None:
+    _fifo(run / "manifest.json")
+
+
+def fifo_batch(run: Path, out: Path) -> None:
+    _fifo(run / "batches" / "step_00000012.safetensors")
+
+
+def fifo_checkpoint_file(run: Path, out: Path) -> None:
+    _fifo(run / MODEL)
+
+
+def device_as_optimizer_state(run: Path, out: Path) -> None:
+    (run / CK / "optimizer.safetensors").unlink()
+    (run / CK / "optimizer.safetensors").symlink_to("/dev/zero")
+
+
+def fifo_saved_report(run: Path, out: Path) -> None:
+    os.mkfifo(run / SAVED)
+
+
+def step_1e300(run: Path, out: Path) -> None:
+    _log_line(run, '{"step": 1e300, "loss": 1.0}')
+
+
+def step_infinity(run: Path, out: Path) -> None:
+    _log_line(run, '{"step": Infinity, "loss": 1.0}')
+
+
+def num_threads_two(run: Path, out: Path) -> None:
+    _edit_manifest(run, num_threads="two")
+
+
+def num_threads_negative(run: Path, out: Path) -> None:
+    _edit_manifest(run, num_threads=-3)
+
+
+def rng_not_base64(run: Path, out: Path) -> None:
+    meta = json.loads((run / CK / "meta.json").read_text())
+    meta["rng"]["torch"] = "not base64!"
+    (run / CK / "meta.json").write_text(json.dumps(meta))
+
+
+def deep_manifest(run: Path, out: Path) -> None:
+    (run / "manifest.json").write_text(DEEP)
+
+
+def deep_step_log(run: Path, out: Path) -> None:
+    _log_line(run, DEEP)
+
+
+def deep_batch_tree(run: Path, out: Path) -> None:
+    path = run / "batches" / "step_00000012.safetensors"
+    _header(path, lambda h: json.dumps({**h, "__metadata__": {**h["__metadata__"], "tree": DEEP}}).encode())
+
+
+def shape_1e400(run: Path, out: Path) -> None:
+    _header(run / MODEL, lambda h: json.dumps(h).replace('"shape": [', '"shape": [1e400, ', 1).encode())
+
+
+def deep_safetensors_header(run: Path, out: Path) -> None:
+    _header(run / MODEL, lambda h: json.dumps(h)[:-1].encode() + b', "deep": ' + DEEP.encode() + b"}")
+
+
+def superscript_step_in_metadata(run: Path, out: Path) -> None:
+    save_file({"w": torch.ones(2)}, run / "extra.safetensors", metadata={"step": "\u00b2"})
+
+
+def step_of_5000_digits_in_a_pt_file(run: Path, out: Path) -> None:
+    torch.save({"step": "9" * 5000, "w": torch.ones(2)}, run / "extra.pt")
+
+
+def optimizer_factory_returns_no_optimizer(run: Path, out: Path) -> None:
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["optimizer"]["factory"] = "hostile:not_an_optimizer"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def deep_saved_report(run: Path, out: Path) -> None:
+    (run / SAVED).write_text(DEEP)
+
+
+# The command line of the cases that name their own paths (the rest are command_line's), by damage.
+ARGV: dict[Callable[[Path, Path], None], Callable[[Path, Path], list[str | Path]]] = {
+    report_path_is_the_step_log: lambda run, out: ["replay", run, "--json", run / "steps.jsonl"],
+    report_path_is_a_symlink_into_the_run: lambda run, out: ["replay", run, "--json", out / "link.json"],
+    report_path_climbs_back_into_the_checkpoint:
+        lambda run, out: ["scan", run / CK, "--json", run / CK / ".." / CK.name / "x.json"],
+    markdown_over_the_saved_report: lambda run, out: ["report", run / SAVED, "--markdown", run / SAVED],
+    html_inside_the_run: lambda run, out: ["postmortem", run, "--html", run / "report.html"],
+    repair_out_inside_the_run: lambda run, out: ["repair", run, "--out", run / "repaired"],
+    bisect_report_inside_a_globbed_checkpoint:
+        lambda run, out: ["bisect", str(run / "checkpoints" / "step_*"), "--json", run / CK / "r.json"],
+    fifo_saved_report: lambda run, out: ["report", run / SAVED, "--markdown", out / "report.md"],
+    deep_saved_report: lambda run, out: ["report", run / SAVED, "--markdown", out / "report.md"],
+    superscript_step_in_metadata: lambda run, out: ["scan", run / "extra.safetensors", "--json", out / "report.json"],
+    step_of_5000_digits_in_a_pt_file: lambda run, out: ["scan", run / "extra.pt", "--json", out / "report.json"],
+}
+
+
 # ---- the table ------------------------------------------------------------------------------------------
 
 
@@ -168,6 +324,7 @@ class Damage:
     apply: Callable[[Path, Path], None]
     expect: dict[str, Expect]  # by command: only the commands the damage means something to
     wrapper: tuple[str, ...] = ()
+    kind: str = "damaged file"  # the class of fault, for the summary
 
     @property
     def name(self) -> str:
@@ -175,6 +332,8 @@ class Damage:
 
 
 _BAD_MODEL = ("model.safetensors",)
+_FIFO = "not a regular file (a FIFO)"
+OVER_INPUT, SPECIAL, ABSURD = "output over an input", "special file", "absurd number or deep nesting"
 DAMAGES = [
     Damage(truncated_header, {c: error(*_BAD_MODEL, "truncated") for c in ("scan", "bisect", "replay")}
            | {"postmortem": partial(*_BAD_MODEL, "truncated")}),
@@ -208,12 +367,47 @@ DAMAGES = [
            wrapper=NO_OVERRIDE),
     Damage(unwritable_output, {c: error("report.md") for c in ("scan", "bisect", "replay", "postmortem")}
            | {"repair": error("repaired", "not a directory")}),
+    *(Damage(apply, {command: error(*needles)}, kind=OVER_INPUT) for apply, command, needles in [
+        (report_path_is_the_step_log, "replay", ("--json", "steps.jsonl", "never writes into")),
+        (report_path_is_a_symlink_into_the_run, "replay", ("--json", "link.json", "never writes into")),
+        (report_path_climbs_back_into_the_checkpoint, "scan", ("--json", "x.json", "never writes into")),
+        (markdown_over_the_saved_report, "report", ("--markdown", SAVED, "never writes over")),
+        (html_inside_the_run, "postmortem", ("--html", "report.html", "never writes into")),
+        (repair_out_inside_the_run, "repair", ("--out", "repaired", "never writes into")),
+        (bisect_report_inside_a_globbed_checkpoint, "bisect", ("--json", "r.json", "never writes into")),
+    ]),
+    Damage(fifo_step_log, {"replay": error("steps.jsonl", _FIFO), "postmortem": partial("steps.jsonl", _FIFO)},
+           kind=SPECIAL),
+    Damage(fifo_manifest, {"replay": error("manifest.json", _FIFO)}, kind=SPECIAL),
+    Damage(fifo_batch, {"replay": error("step_00000012.safetensors", _FIFO)}, kind=SPECIAL),
+    Damage(fifo_checkpoint_file, {c: error(*_BAD_MODEL, _FIFO) for c in ("scan", "bisect")}, kind=SPECIAL),
+    Damage(device_as_optimizer_state, {"scan": error("optimizer.safetensors", "not a regular file (a character "
+                                                                               "device)")}, kind=SPECIAL),
+    Damage(fifo_saved_report, {"report": error(SAVED, _FIFO)}, kind=SPECIAL),
+    Damage(step_1e300, {"replay": error("steps.jsonl", "line 1: step 1e+300"),
+                        "postmortem": partial("steps.jsonl", "line 1: step 1e+300")}, kind=ABSURD),
+    Damage(step_infinity, {"replay": error("steps.jsonl", "line 1: step inf")}, kind=ABSURD),
+    Damage(num_threads_two, {"replay": error("manifest.json", "num_threads 'two'")}, kind=ABSURD),
+    Damage(num_threads_negative, {"replay": error("manifest.json", "num_threads -3")}, kind=ABSURD),
+    Damage(rng_not_base64, {"replay": error("meta.json", "rng.torch")}, kind=ABSURD),
+    Damage(deep_manifest, {"replay": error("manifest.json", "nested too deeply")}, kind=ABSURD),
+    Damage(deep_step_log, {"replay": error("steps.jsonl", "line 1")}, kind=ABSURD),
+    Damage(deep_batch_tree, {"replay": error("step_00000012.safetensors", "tree", "nested too deeply")}, kind=ABSURD),
+    Damage(shape_1e400, {"scan": error(*_BAD_MODEL, "shape [inf")}, kind=ABSURD),
+    Damage(deep_safetensors_header, {"scan": error(*_BAD_MODEL, "nested too deeply")}, kind=ABSURD),
+    Damage(superscript_step_in_metadata, {"scan": error("extra.safetensors", "step '²'")}, kind=ABSURD),
+    Damage(step_of_5000_digits_in_a_pt_file, {"scan": error("extra.pt", "step '9999")}, kind=ABSURD),
+    Damage(optimizer_factory_returns_no_optimizer, {"replay": error("manifest.json", "optimizer.factory",
+                                                                    "not a torch.optim.Optimizer")}, kind=ABSURD),
+    Damage(deep_saved_report, {"report": error(SAVED, "nested too deeply")}, kind=ABSURD),
 ]
 CASES = [pytest.param(d, command, id=f"{d.name}-{command}") for d in DAMAGES for command in d.expect]
 
 
-def command_line(command: str, run: Path, out: Path) -> list[str | Path]:
+def command_line(damage: Damage, command: str, run: Path, out: Path) -> list[str | Path]:
     """The command over the damaged run (scan: its start checkpoint, or the run folder when none is left)."""
+    if damage.apply in ARGV:
+        return ARGV[damage.apply](run, out)
     reports: list[str | Path] = ["--json", out / "report.json"]
     if command == "repair":
         return ["repair", run, "--out", out / "repaired", *reports]
@@ -236,7 +430,7 @@ def _attempt(recorded: Path, root: Path, damage: Damage, command: str) -> Outcom
     (out / "report.json").write_text(EARLIER)
     damage.apply(run, out)
     before = tree_digest(run)
-    result = run_cli(*command_line(command, run, out), wrapper=damage.wrapper)
+    result = run_cli(*command_line(damage, command, run, out), wrapper=damage.wrapper)
     for folder in (run, run / CK):  # the digest reads as root; the checks need the folders back to their modes
         if folder.exists():
             folder.chmod(0o755)
@@ -266,6 +460,7 @@ def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 class Tally:
     tried: Counter[str] = field(default_factory=Counter)
     passed: Counter[str] = field(default_factory=Counter)
+    kinds: Counter[str] = field(default_factory=Counter)  # passed, by class of fault
 
 
 TALLY = Tally()
@@ -280,6 +475,7 @@ def summary(request: pytest.FixtureRequest) -> Iterator[None]:
     lines = ["", "damaged inputs by command (passed/tried):"]
     lines += [f"  {c:<11} {TALLY.passed[c]}/{TALLY.tried[c]}" for c in sorted(TALLY.tried)]
     lines += [f"  {'all':<11} {sum(TALLY.passed.values())}/{sum(TALLY.tried.values())}"]
+    lines += ["cases passed by class of fault:"] + [f"  {k:<30} {n}" for k, n in sorted(TALLY.kinds.items())]
     with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
         print("\n".join(lines))
 
@@ -293,7 +489,7 @@ def test_damaged_input(outcomes: dict[str, Outcome], damage: Damage, command: st
     assert o.untouched, "the command changed the directory it examined"
     if expect.outcome == ERROR:
         assert r.code == 2, (r.code, r.stderr, r.stdout[-2000:])
-        [line] = r.stderr.strip().splitlines() or [""]
+        [line] = error_lines(r.stderr) or [""]
         assert line.startswith("nanforensics: error: "), r.stderr
         for needle in expect.needles:
             assert needle in line, (needle, line)
@@ -310,6 +506,7 @@ def test_damaged_input(outcomes: dict[str, Outcome], damage: Damage, command: st
             failed = [a["detail"] for a in report["analyses"] if a["status"] == "failed"]
             assert any(all(n in d for n in expect.needles) for d in failed), report["analyses"]
     TALLY.passed[command] += 1
+    TALLY.kinds[damage.kind] += 1
 
 
 # ---- the readers under random corruption of a valid checkpoint file -------------------------------------
@@ -361,3 +558,55 @@ def test_corrupt_checkpoint_is_bad_input_or_readable(tmp_path: Path, model_file:
                 read()
         except BadInput as e:
             assert "model.safetensors" in str(e) and "\n" not in str(e)
+
+
+# ---- hostile inputs the readers meet outside a run: Hugging Face folders, sockets, outputs through hard links ----
+
+
+@pytest.mark.parametrize("state, needles", [
+    ('{"global_step": "\u00b2"}', ("global_step '²'", "not a step number")),
+    ('{"global_step": "' + "9" * 5000 + '"}', ("global_step '999", "not a step number")),
+    ('{"global_step": 1e300}', ("global_step 1e+300",)),
+    (DEEP, ("nested too deeply",)),
+    (None, ("not a regular file (a FIFO)",)),
+], ids=["superscript", "5000-digits", "1e300", "deep", "fifo"])
+def test_trainer_state_is_bad_input_naming_file_and_field(tmp_path, state, needles):
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    path = tmp_path / "trainer_state.json"
+    if state is None:
+        os.mkfifo(path)
+    else:
+        path.write_text(state)
+    with time_limit(10), pytest.raises(BadInput) as refused:
+        open_checkpoint(tmp_path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message and all(n in message for n in needles), message
+
+
+def test_a_socket_is_not_a_step_log(tmp_path):
+    import socket
+
+    from nanforensics.runs.steplog import read_steps
+
+    path = tmp_path / "steps.jsonl"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        with time_limit(10), pytest.raises(BadInput, match="not a regular file \\(a socket\\)"):
+            read_steps(path)
+
+
+def test_outputs_through_hard_links_and_the_step_summary_are_refused(tmp_path):
+    from nanforensics.outputs import check_outputs
+
+    run, saved = tmp_path / "run", tmp_path / "saved.json"
+    run.mkdir()
+    saved.write_text("{}")
+    os.link(saved, tmp_path / "alias.json")  # the same file under another name: an append would change the input
+    with pytest.raises(BadInput, match="alias.json is .*saved.json, an input"):
+        check_outputs([saved], {"--markdown": str(tmp_path / "alias.json")})
+    with pytest.raises(BadInput, match="GITHUB_STEP_SUMMARY.*never writes into"):
+        check_outputs([run], {"$GITHUB_STEP_SUMMARY": str(run / "summary.md")})
+    with pytest.raises(BadInput, match="--json.*lies inside --out"):
+        check_outputs([run], {"--out": str(tmp_path / "out"), "--json": str(tmp_path / "out" / "r.json")},
+                      folders=("--out",))
+    check_outputs([run, saved], {"--json": str(tmp_path / "report.json"), "--markdown": "-", "--html": None})

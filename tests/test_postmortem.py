@@ -100,7 +100,7 @@ def test_checkpoint_only_when_the_step_function_is_not_importable(copy_run):
     r = postmortem(run)
     assert tree_digest(run) == before
     assert statuses(r) == {STEP_LOG: DONE, CHECKPOINTS: DONE, REPLAY: SKIPPED, TENSOR_SPREAD: SKIPPED}
-    assert r.analysis(REPLAY).detail.startswith("step function `train:step` is not importable here")
+    assert r.analysis(REPLAY).detail.startswith("step_fn `train:step` is not importable here")
     assert r.analysis(REPLAY).detail.endswith("checkpoint-only analysis")
     # checkpoint 10 clean, 20 poisoned, logged loss NaN at 18: the origin lies in steps 10-18
     assert (r.verdict, r.responsible_step, r.window.first, r.window.last) == ("nonfinite", None, 10, DEFECT_STEP + 1)

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -16,10 +17,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nanforensics import Recorder
 from nanforensics.errors import BadInput
 from nanforensics.runs.batches import batch_bytes, read_batch
 from nanforensics.runs.steplog import read_steps
 
+import scenarios
 from conftest import run_cli, tree_digest
 
 JOB = Path(__file__).with_name("recording_job.py")
@@ -60,9 +63,38 @@ def test_full_disk_raises_in_the_training_loop(tmp_path):
     job = _job(tmp_path / "run", 2000, 30_000)
     out, err = job.communicate(timeout=120)
     assert job.returncode != 0 and "finished" not in out
-    assert "nanforensics recorder could not write" in err and "File too large" in err, err[-2000:]
+    assert f"nanforensics recorder could not write {tmp_path / 'run' / 'steps.jsonl'}: File too large" in err, \
+        err[-2000:]
     logged = read_steps(tmp_path / "run" / "steps.jsonl")
     assert 100 < len(logged) < 2000
+
+
+def test_a_failed_checkpoint_write_names_the_file_and_leaves_no_hidden_folder(tmp_path):
+    # the model file (7 kB) fits, a later file of the very first checkpoint does not
+    job = _job(tmp_path / "run", 10, 10_000)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode != 0 and "finished" not in out
+    named = re.search(r"nanforensics recorder could not write (\S+): File too large", err)
+    assert named, err[-2000:]
+    assert Path(named[1]).parent == tmp_path / "run" / "checkpoints" / "step_00000000"  # as it would have been
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []  # neither the checkpoint nor its build folder
+
+
+@pytest.mark.parametrize("leaf, problem", [
+    (lambda: torch.eye(3).to_sparse(), "a sparse_coo tensor cannot be recorded"),
+    (lambda: torch.eye(3).to_sparse_csr(), "a sparse_csr tensor cannot be recorded"),
+    (lambda: torch.empty(3, device="meta"), "a tensor on the meta device holds no values"),
+], ids=["coo", "csr", "meta"])
+@pytest.mark.filterwarnings("ignore:Sparse")
+def test_a_batch_leaf_that_cannot_be_recorded_is_named(tmp_path, leaf, problem):
+    model = scenarios.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(tmp_path / "r", model, optimizer, model_factory=scenarios.build_model,
+                  step_fn=scenarios.train_step) as rec:
+        with pytest.raises(TypeError, match=rf"batch\['x'\]\[1\]: {problem}"):
+            rec.log(0, {"x": [torch.ones(2), leaf()]}, 1.0)
+        rec.log(0, {"x": [torch.ones(2)]}, 1.0)  # the refused step was not counted
+    assert [s.step for s in read_steps(tmp_path / "r" / "steps.jsonl")] == [0]
 
 
 @settings(max_examples=200, deadline=None)

@@ -124,6 +124,26 @@ def test_dtypes_headroom_and_unchecked_tensors(tmp_path):
     assert by_name["scalar"].max_abs == 3.0 and by_name["empty"].checked is False
 
 
+@pytest.mark.filterwarnings("ignore:Sparse")  # torch's notes on building sparse tensors
+def test_sparse_tensors_are_read_never_passed_over_as_clean(tmp_path):
+    """A NaN among a sparse tensor's stored values poisons the checkpoint; its coordinate is the dense one."""
+    coo = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1], [2, 0, 2]]), torch.tensor([3.0, float("nan"), 5.0]), (2, 3))
+    hybrid = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([[1.0, 2.0], [3.0, float("-inf")]]), (3, 2))
+    torch.save({"coo": coo, "hybrid": hybrid, "csr": coo.to_sparse_csr(), "clean": torch.eye(3).to_sparse()},
+               tmp_path / "sparse.pt")
+    before = tree_digest(tmp_path)
+    report = scan_checkpoint(open_checkpoint(tmp_path / "sparse.pt"), full=True)
+    by_name = {t.name: t for t in report.tensors}
+    assert report.verdict == POISONED_PARAMETERS and report.complete and all(t.checked for t in report.tensors)
+    assert (by_name["coo"].nonfinite, by_name["coo"].first_nonfinite.index) == (1, [1, 0])
+    assert (by_name["csr"].nonfinite, by_name["csr"].first_nonfinite.index) == (1, [1, 0])
+    assert by_name["hybrid"].first_nonfinite.index == [2, 1] and by_name["hybrid"].first_nonfinite.value == "-inf"
+    assert (by_name["clean"].nonfinite, by_name["clean"].max_abs) == (0, 1.0)
+    cli = run_cli("scan", tmp_path / "sparse.pt", "--json", "-")
+    assert cli.code == 1 and cli.json()["verdict"] == POISONED_PARAMETERS, cli.stderr
+    assert tree_digest(tmp_path) == before
+
+
 def test_legacy_and_bare_pickles(tmp_path, ck):
     model, optim, _ = state_of(ck.runs["params"], FIRST_POISONED)
     torch.save(model, tmp_path / "bare.pt")  # a plain state dict: everything is model

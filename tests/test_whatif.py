@@ -40,16 +40,27 @@ def test_every_what_if_on_the_seed_case_through_the_cli(runs):
     assert all((x["step"], x["last_step"]) == (DEFECT_STEP, DEFECT_STEP + 5) for x in w.values())
     finite = {name for name, x in w.items() if x["finite"]}
     assert finite == {"skip", "reset-state", f"drop-samples={scenarios.DEFECT_SAMPLE}", "drop-batch"}
-    # as recorded, and with the guard that acts after the moments: the inf is in exp_avg at step t, NaN follows
+    # as recorded, and with the guard that acts after the moments: each replay's origin is the gradient at step t
     for name in ("none", "skip-after-moments", "clip=1", "lr=1e-4"):
-        assert (w[name]["first_nonfinite_step"], w[name]["first_nonfinite"]) == (DEFECT_STEP,
-                                                                               "exp_avg of features.gain")
+        assert (w[name]["first_nonfinite_step"], w[name]["first_nonfinite"]) == (DEFECT_STEP, "grad features.gain")
     assert w["none"]["first_nonfinite_loss_step"] == DEFECT_STEP + 1
     assert w["skip-after-moments"]["first_nonfinite_loss_step"] == DEFECT_STEP + 2  # parameters restored, once
-    assert "clipping made the gradient NaN" in w["clip=1"]["detail"]
-    assert w["reset-state"]["detail"] == "zeroed the optimizer state of 1 coordinate(s), put back 1 parameter value(s)"
+    assert "clipping made 1 infinite gradient value NaN" in w["clip=1"]["detail"]
+    assert w["reset-state"]["detail"] == "zeroed the optimizer state of 1 coordinate, put back 1 parameter value"
     assert w["drop-batch"]["losses"][0] is None and all(x == x for x in w["drop-batch"]["losses"][1:])
     assert any(f.startswith(f"What-if at step {DEFECT_STEP}") for f in r["findings"])
+    # the findings of this run, each the case that occurred (tests/test_findings.py has the other cases)
+    [state] = [f for f in r["findings"] if f.startswith(f"From step {DEFECT_STEP} the optimizer state holds")]
+    assert "infinities in exp_avg (1 value in 1 tensor) and exp_avg_sq (1 value in 1 tensor)" in state
+    assert f"the parameters turned non-finite at step {DEFECT_STEP}" in state and "inf/inf = NaN" in state
+    assert "frozen" not in state
+    assert any(f.startswith("Skipping the step after optimizer.step() has written the state would not have saved")
+               for f in r["findings"])
+    assert any("NaN at step 18, 1 step later;" in f for f in r["findings"])  # not "1 step(s)"
+    assert "Gradient clipping would not have rescued this: the total gradient norm is inf, so the clip factor " \
+           "max_norm/inf is 0, and 0*(-inf) = NaN." in r["findings"]
+    assert w["clip=1"]["detail"].startswith("total gradient norm inf: the clip factor 1/inf is 0, and 0*inf = NaN, "
+                                            "so clipping made 1 infinite gradient value NaN and zeroed the other ")
 
 
 def test_seed_sample_skip_survives_skip_after_moments_and_clip_do_not():
@@ -62,7 +73,7 @@ def test_seed_sample_skip_survives_skip_after_moments_and_clip_do_not():
 
 def test_clip_bounds_a_large_finite_gradient(runs):
     w = _what_if(runs["fp16_adam_state_overflow"], "clip=1")
-    assert (w["none"]["finite"], w["none"]["first_nonfinite"]) == (False, "exp_avg_sq of head.weight")
+    assert (w["none"]["finite"], w["none"]["first_nonfinite"]) == (False, "optimizer_state exp_avg_sq of head.weight")
     assert w["clip=1"]["finite"] is True
     norm = float(w["clip=1"]["detail"].split()[3].rstrip(","))
     assert 1e3 < norm < 65504 and w["clip=1"]["detail"].endswith("scaled down to 1")

@@ -1,11 +1,12 @@
 """Find the first poisoned checkpoint of a run in about log2(n) checkpoint reads.
 
-Non-finite values in parameters and optimizer state are absorbing: once there, no later update
-makes them finite. So along a run's checkpoints "poisoned" is monotone, and bisection over the
-step order finds the boundary: the last (n-1) and first (0) checkpoints are read, then the
-midpoint of the clean/poisoned pair, at most ceil(log2 n) + 2 reads in all, each checkpoint read
-at most once. A read that contradicts absorption (a clean checkpoint after a poisoned one: a
-restart, a manual repair) is reported as non-monotonic history rather than bisected through.
+Non-finite values in parameters, optimizer state and running averages kept as buffers (BatchNorm's
+statistics) are absorbing: once there, no later update makes them finite. So along a run's
+checkpoints "poisoned" is monotone, and bisection over the step order finds the boundary: the
+last (n-1) and first (0) checkpoints are read, then the midpoint of the clean/poisoned pair, at
+most ceil(log2 n) + 2 reads in all, each checkpoint read at most once. A read that contradicts
+absorption (a clean checkpoint after a poisoned one: a restart, a manual repair) is reported as
+non-monotonic history rather than bisected through.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..formats import CheckpointSource, Collection, discover
+from ..report import ReplayReport
 from ..runs.run import batches_present
 from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, TensorScan, check_margin, scan_checkpoint
 
@@ -40,6 +42,8 @@ class ScanRecord:
     complete: bool
     bytes_read: int
     seconds: float
+    format: str = ""  # the layout recognised
+    skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it that was not read
 
 
 @dataclass
@@ -72,8 +76,10 @@ class BisectReport:
     history: list[ScanRecord]
     first_poisoned_scan: ScanReport | None
     replay: ReplayHint | None  # the replay that pins the step, where the run kept that window's batches
-    replay_unavailable: str | None  # why there is none, for checkpoints of a run of ours
+    replay_unavailable: str | None  # why there is none: for checkpoints of a run of ours, or with --code
     schema: str = field(default=BISECT_SCHEMA)
+    replayed: ReplayReport | None = None  # with --code: the replay from the last clean checkpoint
+    skipped: list[str] = field(default_factory=list)  # "path: why" for files in the folders given left unread
 
 
 def scan_bound(n: int) -> int:
@@ -94,7 +100,7 @@ class _Reader:
             report = scan_checkpoint(self.checkpoints[index], full=self.full, margin=self.margin, progress=self.progress)
             self.scans[index] = report
             self.history.append(ScanRecord(index, report.path, report.step, report.verdict, report.complete,
-                                           report.bytes_read, report.seconds))
+                                           report.bytes_read, report.seconds, report.format, report.skipped))
         return self.scans[index].verdict != CLEAN
 
     def complete(self, index: int) -> ScanReport:
@@ -151,7 +157,7 @@ def _report(collection: Collection, reader: _Reader, targets: list[str], linear:
         first_poisoned=_ref(cks[first]) if first is not None else None,
         first_poisoned_verdict=scan.verdict if scan else None,
         poisoned_tensors=scan.poisoned if scan else [], non_monotonic=breaks, history=reader.history,
-        first_poisoned_scan=scan, replay=hint, replay_unavailable=why_not)
+        first_poisoned_scan=scan, replay=hint, replay_unavailable=why_not, skipped=collection.skipped)
 
 
 def _ref(c: CheckpointSource) -> CheckpointRef:

@@ -1,11 +1,15 @@
 """Scan one checkpoint: every tensor's finiteness, first bad coordinate and headroom, and a verdict.
 
-One ``aminmax`` pass per tensor (``finite.extremes``, in chunks whose pages are handed back as
+One ``aminmax`` pass per tensor (``finite.min_max``, in chunks whose pages are handed back as
 soon as they are read, so the resident set stays near one chunk) gives both the verdict and
 max |x|; the exact count and the first coordinate are computed only for tensors found bad.
-Model tensors are read before optimizer state, so stopping at the first non-finite tensor still
-gives the right verdict: a bad model tensor means poisoned parameters, a bad state tensor after
-a clean model means poisoned state only.
+That pass is the scan's ceiling: a ``sum`` reads faster but cannot give max |x|, and on these CPUs
+``aminmax`` runs at 0.6-0.75 of a sum's bandwidth; mapping and handing back the pages costs about
+0.1 more (docs/performance.md).
+The verdict ranks parameters, then buffers, then optimizer state. Model tensors (parameters and
+buffers) are read before optimizer state, so a scan that stops early still gives the right
+verdict: it stops at the first non-finite parameter, or once the model is read when only a
+buffer or a state tensor was bad.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ SCAN_SCHEMA = "nanforensics.scan/1"
 DEFAULT_MARGIN = 1000.0
 CHUNK_BYTES = 32 << 20
 CLEAN, POISONED_PARAMETERS, POISONED_STATE = "clean", "poisoned_parameters", "poisoned_optimizer_state"
+POISONED_BUFFERS = "poisoned_buffers"  # parameters finite, a registered buffer (BatchNorm statistics) not
+RECORDED, BY_NAME = "recorded", "by_name"  # how buffers are told from parameters
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _NO_AMINMAX = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                            "float8_e8m0fnu") if hasattr(torch, n)}
 
@@ -50,6 +57,7 @@ class TensorScan:
     max_abs: float | None  # largest finite |x|; None when no value is finite
     dtype_max: float | None  # the dtype's largest finite value
     near_limit: bool  # max_abs within the margin's factor of dtype_max
+    buffer: bool | None = None  # a model tensor that is a registered buffer; None: unknown, or optimizer state
 
 
 @dataclass
@@ -65,10 +73,10 @@ class GroupSummary:
 @dataclass
 class ScanReport:
     path: str
-    format: str
+    format: str  # the layout recognised: nanforensics, pytorch, lightning, safetensors, safetensors-sharded, accelerate, dcp
     step: int | None
     step_source: str | None  # "metadata" or "name"
-    verdict: str  # CLEAN, POISONED_PARAMETERS or POISONED_STATE
+    verdict: str  # CLEAN, POISONED_PARAMETERS, POISONED_BUFFERS or POISONED_STATE
     complete: bool  # False: stopped at the first non-finite tensor
     margin: float
     groups: dict[str, GroupSummary]
@@ -77,6 +85,10 @@ class ScanReport:
     bytes_total: int
     seconds: float
     schema: str = field(default=SCAN_SCHEMA)
+    # RECORDED: the checkpoint lists its buffers; BY_NAME: only BatchNorm's statistics are recognised as buffers,
+    # and another model tensor may be either
+    buffer_split: str = BY_NAME
+    skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it that was not read
 
     @property
     def poisoned(self) -> list[TensorScan]:
@@ -105,18 +117,21 @@ def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: flo
         progress.advance(bytes_read)
     for info, tensor, release in stream.tensors(len(results)):
         result = _check(info, tensor, release, margin)
+        if info.group == MODEL:
+            result.buffer = source.is_buffer(info.name)
         del tensor  # unmaps it before the next one is mapped
         results.append(result)
         bytes_read += info.nbytes
         if progress:
             progress.advance(info.nbytes)
-        if result.nonfinite and not full:
+        if not full and _settled(results):
             break
     seconds = time.perf_counter() - started + (resume.seconds if resume else 0.0)
     return ScanReport(path=str(source.path), format=source.format, step=source.step, step_source=source.step_source,
                       verdict=_verdict(results), complete=len(results) == len(stream.infos), margin=margin,
                       groups=_groups(stream.infos, results), tensors=results, bytes_read=bytes_read,
-                      bytes_total=stream.nbytes, seconds=seconds)
+                      bytes_total=stream.nbytes, seconds=seconds, skipped=list(source.skipped),
+                      buffer_split=RECORDED if source.buffer_names is not None else BY_NAME)
 
 
 def _widened(t: torch.Tensor) -> torch.Tensor:
@@ -130,39 +145,73 @@ def _extremes(tensor: torch.Tensor, release: Release) -> tuple[float, float]:
     """
     contiguous = tensor.is_contiguous()
     flat = tensor.reshape(-1)
-    step = max(1, CHUNK_BYTES // tensor.element_size())
-    parts = []
+    step = max(1, CHUNK_BYTES // flat.element_size())
+    lo, hi = math.inf, -math.inf
     for start in range(0, flat.numel(), step):
         chunk = flat[start:start + step]
-        parts.append(finite.extremes(_widened(chunk)))
+        mn, mx = (v.item() for v in finite.min_max(chunk))  # a CPU reduction has finished: read it at once
+        if math.isnan(mn) or math.isnan(mx):
+            return math.nan, math.nan
+        lo, hi = min(lo, mn), max(hi, mx)
         if contiguous:
             release(chunk)
-    both = torch.stack(parts)
-    return float(both[:, 0].min()), float(both[:, 1].max())
+    return lo, hi
 
 
 def _check(info: TensorInfo, tensor: torch.Tensor, release: Release, margin: float) -> TensorScan:
     base = {"name": info.name, "group": info.group, "dtype": str(info.dtype).removeprefix("torch."),
             "shape": list(info.shape)}
-    if tensor.layout != torch.strided or not finite.checkable(tensor):
+    coordinates = None
+    if tensor.layout != torch.strided:  # a sparse tensor's stored values are what can be non-finite
+        tensor, coordinates = _sparse_values(info, tensor)
+        release = _keep
+    if not finite.checkable(tensor):
         return TensorScan(**base, checked=False, nonfinite=0, first_nonfinite=None, max_abs=None, dtype_max=None,
                           near_limit=False)
     lo, hi = _extremes(tensor, release)
     if math.isfinite(lo) and math.isfinite(hi):
         count, first, peak = 0, None, max(abs(lo), abs(hi))
-    else:  # extremes are float32: a float64 beyond its range reads inf here, so count before locating
+    else:  # a NaN or an infinity: count, locate, and the largest finite |x| where one is left
         t = _widened(tensor)
         count = finite.count_nonfinite(t)
         first = finite.locate(t) if count else None
         peak = finite.max_abs(t) if count < t.numel() * (2 if t.is_complex() else 1) else None
+    if first is not None and coordinates is not None:  # from the position among the values to the coordinate
+        first = finite.Located(coordinates[:, first.index[0]].tolist() + first.index[1:], first.value)
     limit = torch.finfo(tensor.dtype).max
     return TensorScan(**base, checked=True, nonfinite=count, first_nonfinite=first, max_abs=peak, dtype_max=limit,
                       near_limit=peak is not None and peak * margin >= limit)
 
 
+def _settled(results: list[TensorScan]) -> bool:
+    """Whether no tensor after these could change the verdict (model tensors come first)."""
+    last = results[-1]
+    if last.group != MODEL:
+        return any(r.nonfinite for r in results)
+    return bool(last.nonfinite) and last.buffer is not True
+
+
+def _sparse_values(info: TensorInfo, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse tensor's stored values and the coordinates of each (COO indices, one column per value); a layout
+    that holds its values otherwise is refused rather than passed over as clean."""
+    if tensor.layout not in _SPARSE:
+        raise BadInput(info.file, f"tensor {info.name!r} has layout {str(tensor.layout).removeprefix('torch.')}, "
+                                  "which this nanforensics cannot check")
+    coo = tensor if tensor.layout == torch.sparse_coo else tensor.to_sparse_coo()
+    return coo._values(), coo._indices()
+
+
+def _keep(view: torch.Tensor) -> None:
+    """Sparse values are not pages of the file's map: nothing to hand back."""
+
+
 def _verdict(results: list[TensorScan]) -> str:
-    bad = {r.group for r in results if r.nonfinite}
-    return POISONED_PARAMETERS if MODEL in bad else POISONED_STATE if OPTIMIZER in bad else CLEAN
+    bad = [r for r in results if r.nonfinite]
+    if any(r.group == MODEL and r.buffer is not True for r in bad):  # a tensor not known to be a buffer counts
+        return POISONED_PARAMETERS
+    if any(r.group == MODEL for r in bad):
+        return POISONED_BUFFERS
+    return POISONED_STATE if any(r.group == OPTIMIZER for r in bad) else CLEAN
 
 
 def _groups(infos: list[TensorInfo], results: list[TensorScan]) -> dict[str, GroupSummary]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -34,54 +34,64 @@ def rank_rng_state() -> dict[str, Any]:
     return state
 
 
-def restore_rank_rng(state: dict[str, Any], device: torch.device) -> None:
-    """A rank's RNG states on this process; its own CUDA generator's state goes to ``device``'s."""
-    restore_rng({**state, "cuda": []})
+def restore_rank_rng(state: Any, device: torch.device, where: Path) -> None:
+    """A rank's RNG states (from ``meta.json``'s ``rank_rng``, named ``where`` in errors) on this process; its own
+    CUDA generator's state goes to ``device``'s."""
+    if not isinstance(state, dict):
+        raise BadInput(where, f"rank_rng holds {type(state).__name__}, not a rank's RNG states")
+    restore_rng({**state, "cuda": []}, where)
     if state.get("cuda") and device.type == "cuda":
-        own = state["cuda"][state.get("cuda_device", 0)]
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(own)), dtype=torch.uint8), device)
+        try:
+            own = state["cuda"][state.get("cuda_device", 0)]
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(own, validate=True)),
+                                                      dtype=torch.uint8), device)
+        except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise BadInput(where, f"rank_rng's CUDA state is not one recorded by nanforensics ({e})") from None
 
 
-def _dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
-    _, tensors, _, _ = optimizer_state(model, optimizer)
+def save_shards(build: Path, model_sd: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], step: int,
+                group: Any) -> None:
+    """This rank's part of an FSDP2 checkpoint (its model state dict, its optimizer state tensors keyed
+    ``"<name>/<key>"``), written into ``build`` by every rank together."""
+    import torch.distributed.checkpoint as dcp
+
     state: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name, _, skey = key.rpartition("/")
         state.setdefault(name, {})[skey] = tensor
-    return {"model": model.state_dict(), "optim": {"state": state}, "step": step}
-
-
-def save_shards(build: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                group: Any) -> None:
-    """This rank's part of an FSDP2 checkpoint, written into ``build`` by every rank together."""
-    import torch.distributed.checkpoint as dcp
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        dcp.save(_dcp_state(model, optimizer, step), checkpoint_id=build, process_group=group)
+        dcp.save({"model": model_sd, "optim": {"state": state}, "step": step}, checkpoint_id=build,
+                 process_group=group)
 
 
-def shard_writer(optimizer: torch.optim.Optimizer, step: int, group: Any,
-                 announce: Any) -> TensorWriter:
+def save_rank_shards(build: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                     group: Any) -> None:
+    """A rank other than 0's part of an FSDP2 checkpoint, into the folder rank 0 builds."""
+    _, tensors, _, _ = optimizer_state(model, optimizer)
+    save_shards(build, model.state_dict(), tensors, step, group)
+
+
+def shard_writer(step: int, group: Any, announce: Any) -> TensorWriter:
     """``save_checkpoint``'s tensor writer on rank 0: tells the other ranks the folder (``announce``), then writes
     the shards with them."""
-    def write(build: Path, model: torch.nn.Module, tensors: dict[str, torch.Tensor], file_meta: dict[str, str]) -> None:
+    def write(build: Path, model_sd: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+              file_meta: dict[str, str]) -> None:
         announce(build)
-        save_shards(build, model, optimizer, step, group)
+        save_shards(build, model_sd, tensors, step, group)
     return write
 
 
-def read_sharded(metadata: Path) -> tuple[dict[str, torch.Tensor], list[tuple[str, torch.Tensor]]]:
-    """The model's state dict and the optimizer's state tensors (keyed ``"<name>/<key>"``), each tensor whole."""
+_PARTS = {"model": 2, "optim": 4}  # path length of a model tensor ("model", fqn) and a state tensor ("optim", ...)
+
+
+def read_sharded(metadata: Path, part: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict (``part`` "model") or the optimizer's state tensors keyed ``"<name>/<key>"``
+    ("optim"), each tensor whole, one at a time."""
     layout = Layout(metadata)
-    model: dict[str, torch.Tensor] = {}
-    optim: list[tuple[str, torch.Tensor]] = []
     for t in layout.tensors:
         path = tuple(map(str, t.path))
-        if len(path) == 2 and path[0] == "model":
-            model[path[1]] = assemble(t)
-        elif len(path) == 4 and path[:2] == ("optim", "state"):
-            optim.append((f"{path[2]}/{path[3]}", assemble(t)))
-        else:
+        if not ((len(path) == 2 and path[0] == "model") or (len(path) == 4 and path[:2] == ("optim", "state"))):
             raise BadInput(metadata, f"entry {t.fqn!r} is neither model nor optimizer state of a nanforensics checkpoint")
-    return model, optim
+        if path[0] == part and len(path) == _PARTS[part]:
+            yield (path[1] if part == "model" else f"{path[2]}/{path[3]}"), assemble(t)

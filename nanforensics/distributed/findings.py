@@ -6,19 +6,22 @@ import dataclasses
 import math
 from typing import Callable
 
-from ..checkpoints.scan import scan_checkpoint
-from ..formats.discover import open_checkpoint
-from ..report import BatchRef, CheckpointDiff, Event, RankCheck, ReplayReport
+from ..replay.reproduction import exact_until
+from ..replay.session import Session
+from ..report import BatchRef, Event, RankCheck, ReplayReport
 from ..rootcause.findings import describe
+from ..rootcause.samples import batch_size
 from ..runs.batches import data_leaves
 from ..runs.run import Run
 from ..runs.steplog import first_nonfinite
-from .layout import DDP, FSDP2, RANKS, SHARED_STAGES, World
+from .events import rows
+from .layout import DDP, FSDP2, SHARED_STAGES, World
 
 
-def complete(report: ReplayReport, run: Run, session: object, match: Callable[[float, float], bool]) -> None:
+def complete(report: ReplayReport, run: Run, session: Session, match: Callable[[float, float], bool]) -> None:
     """Add what a distributed run's report has beyond a single process's: the world, the responsible shard, each
-    rank's logged and replayed losses, and which rank's logged losses part from the replay first."""
+    rank's logged and replayed losses, which rank's logged losses part from the replay first, and which rank's shard
+    holds a checkpoint's first value the replay does not compute."""
     from .sessions import RankSession
 
     world = run.world
@@ -33,42 +36,32 @@ def complete(report: ReplayReport, run: Run, session: object, match: Callable[[f
         record.rank_logged_losses = [logged[rank].get(record.step) for rank in range(world.world_size)]
         record.rank_replayed_losses = replayed.get(record.step)
     report.ranks = [_check(rank, run, report, match) for rank in range(world.world_size)]
-    if report.verdict == "not_reproduced":
-        report.checkpoints_differ = _checkpoints_differ(run, world, report)
-
-
-def _checkpoints_differ(run: Run, world: World, report: ReplayReport) -> list[CheckpointDiff]:
-    """The checkpoints written inside the replayed window whose step the replay reached with every parameter and
-    state value finite, but which hold a non-finite one: where it lies says which rank wrote it."""
-    finite_after = {s.step + 1 for s in report.spread if s.params_nonfinite == 0 and s.state_nonfinite == 0}
-    out = []
-    for c in run.checkpoints():
-        if c.step <= report.setup.from_checkpoint or c.step not in finite_after:
-            continue
-        scan = scan_checkpoint(open_checkpoint(c.path))
-        bad = next((t for t in scan.poisoned if t.first_nonfinite is not None), None)
-        if bad is not None:
-            index = bad.first_nonfinite.index  # type: ignore[union-attr]
-            rows = bad.shape[0] if bad.shape else 0
-            out.append(CheckpointDiff(c.step, str(c.path), bad.name, index, bad.first_nonfinite.value,  # type: ignore[union-attr]
-                                      world.shard_owner(rows, index)))
-    return out
+    lengths = rows(session.model)
+    for c in report.checkpoints_compared:
+        m = c.first_mismatch
+        if m is not None and m.index:  # a parameter or its optimizer state: FSDP2 shards it along dimension 0
+            m.rank = world.shard_owner(lengths.get(m.tensor.rpartition(" of ")[2], 0), m.index)
 
 
 def _responsible(run: Run, origin: Event) -> BatchRef:
     """The shard of the origin's rank; every rank's batch of the step when the origin arose after the collective."""
     if origin.rank is not None and origin.stage not in SHARED_STAGES:
+        batch = run.batch(origin.step, origin.rank)
         return BatchRef(origin.step, str(run.batch_file(origin.step, origin.rank)),
-                        dict(data_leaves(run.batch(origin.step, origin.rank))), origin.rank)
-    name = run.batch_file(origin.step, 0).name
-    leaves = {f"rank {rank}: {path}": value for rank in run.ranks
-              for path, value in data_leaves(run.batch(origin.step, rank))}
-    return BatchRef(origin.step, str(run.path / RANKS / "rank_*" / "batches" / name), leaves, None)
+                        dict(data_leaves(batch, size=batch_size(batch))), origin.rank)
+    leaves = {}
+    for rank in run.ranks:
+        batch = run.batch(origin.step, rank)
+        leaves.update({f"rank {rank}: {path}": value for path, value in data_leaves(batch, size=batch_size(batch))})
+    return BatchRef(origin.step, run.batch_origin(origin.step) or "", leaves, None)
 
 
 def _check(rank: int, run: Run, report: ReplayReport, match: Callable[[float, float], bool]) -> RankCheck:
+    """A rank's logged losses against its replayed ones, from the last checkpoint the replay matched bit for bit (a
+    loss before it that differs is the reduction's rounding, as for the run's own losses)."""
+    until = exact_until(report.checkpoints_compared)
     parted = next((s for s in report.spread if s.rank_replayed_losses is not None and s.rank_logged_losses is not None
-                   and s.rank_logged_losses[rank] is not None
+                   and s.rank_logged_losses[rank] is not None and (until is None or s.step >= until)
                    and not match(s.rank_logged_losses[rank], s.rank_replayed_losses[rank])), None)
     return RankCheck(rank, first_nonfinite(run.rank_steps(rank)), parted.step if parted else None,
                      parted.rank_logged_losses[rank] if parted and parted.rank_logged_losses else None,
@@ -137,12 +130,7 @@ def findings(r: ReplayReport) -> list[str]:
             out.append("Logged losses first non-finite: " + "; ".join(
                 f"rank {rank} at step {step}" if step is not None else f"rank {rank} never" for rank, step in shown.items())
                        + ".")
-    for d in r.checkpoints_differ:
-        where = f"in rank {d.rank}'s shard" if d.rank is not None else "in the state rank 0 wrote for every rank"
-        whose = (f"rank {d.rank} held a value the replay does not compute: suspect its hardware" if d.rank is not None
-                 else "a rank's non-finite gradients reached it through the all-reduce, or rank 0's copy was damaged")
-        out.append(f"The checkpoint of step {d.step} holds {d.tensor}[{', '.join(map(str, d.index))}] = {d.value} "
-                   f"{where}, where the replay's parameters and optimizer state at that step are all finite: {whose}.")
+    out += _checkpoint_shard(r) + _loss_only(r, size)
     parted = sorted((c for c in r.ranks if c.diverged_at_step is not None), key=lambda c: (c.diverged_at_step, c.rank))
     if parted:
         c = parted[0]
@@ -158,4 +146,45 @@ def findings(r: ReplayReport) -> list[str]:
                 text += (f". The replay of the same code and shards stays finite there: suspect rank {c.rank}'s hardware "
                          "(its accelerator or memory), or something that rank did outside the step function")
             out.append(text + ".")
+    return out
+
+
+def _checkpoint_shard(r: ReplayReport) -> list[str]:
+    """Whose copy or shard held the first value of a recorded checkpoint that the replay computes finite, where the
+    checkpoint holds it non-finite: a value the run's code and data do not compute."""
+    c = next((c for c in r.checkpoints_compared if c.first_mismatch is not None and c.step == r.diverged_at_step), None)
+    m = c.first_mismatch if c is not None else None
+    if m is None or not m.index or _finite_text(m.recorded) or not _finite_text(m.replayed):
+        return []
+    where = f"{m.tensor}[{', '.join(map(str, m.index))}]"
+    if m.rank is not None:
+        return [f"The checkpoint of step {c.step} holds {where} = {m.recorded} in rank {m.rank}'s shard (FSDP2 shards "
+                f"dimension 0), where the replay of the same code and shards computes {m.replayed}: rank {m.rank} held "
+                "a value the replay does not compute; suspect its hardware (its accelerator or memory)."]
+    return [f"The checkpoint of step {c.step} holds {where} = {m.recorded} in the state rank 0 wrote for every rank "
+            f"(DDP replicates it), where the replay computes {m.replayed}: a rank's non-finite gradients reached it "
+            "through the all-reduce, or rank 0's copy was damaged."]
+
+
+def _finite_text(value: str) -> bool:
+    """Whether a value as a comparison writes it ("0.0123", "nan", "float32[4, 8]") is a finite number."""
+    try:
+        return math.isfinite(float(value))
+    except ValueError:
+        return False
+
+
+def _loss_only(r: ReplayReport, size: int) -> list[str]:
+    """Which ranks computed the non-finite loss of each loss-only step: the run's loss, their mean, shows any one."""
+    out = []
+    for s in r.spread:
+        if s.step not in r.loss_only_steps or s.rank_replayed_losses is None:
+            continue
+        bad = [rank for rank, x in enumerate(s.rank_replayed_losses) if not math.isfinite(x)]
+        if bad and len(bad) < size:
+            own = "its own shard" if len(bad) == 1 else "their own shards"
+            out.append(f"Only {_ranks(bad)} computed a non-finite loss at step {s.step}, from {own}; the other ranks' "
+                       f"stayed finite, and the run's loss, the mean over all {size} ranks, is non-finite because of it.")
+        elif bad:
+            out.append(f"Every rank computed a non-finite loss at step {s.step}, each from its own shard.")
     return out

@@ -19,13 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput
+from ..errors import BadInput, shown
 from ..runs.steplog import LoggedStep
 
 DISTRIBUTED_FORMAT = "nanforensics.run/1+distributed"
 RANKS = "ranks"
 DDP, FSDP2 = "ddp", "fsdp2"
 WRAPPINGS = (DDP, FSDP2)
+MAX_RANKS = 1 << 20  # a world beyond any job's is damage
+DDP_OPTIONS = ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view")
+MP_POLICY = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")  # FSDP2's MixedPrecisionPolicy
+# the floating dtypes a MixedPrecisionPolicy may name; replay looks each up on torch by this name, and nothing else
+DTYPES = ("float16", "bfloat16", "float32", "float64")
 # Stages whose values every rank shares after the gradient collective (replicated under DDP, sharded under FSDP2);
 # the others (batch, forward, loss, grad, ...) are each rank's own.
 SHARED_STAGES = ("optimizer_grad", "optimizer_state", "param")
@@ -55,16 +60,23 @@ class World:
 
     @classmethod
     def read(cls, raw: Any, where: Path) -> "World":
-        try:
-            wrapping = dict(raw["wrapping"])
-            kind = wrapping.pop("kind")
-            world = cls(int(raw["world_size"]), str(kind), str(raw.get("backend", "")), wrapping)
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadInput(where, f"distributed section missing or malformed: {e}") from None
-        if world.world_size < 1 or world.kind not in WRAPPINGS:
-            raise BadInput(where, f"distributed section names {world.world_size} ranks wrapped by {world.kind!r}; "
-                                  f"this nanforensics replays {' and '.join(WRAPPINGS)} runs")
-        return world
+        """The manifest's ``distributed`` section, each field checked: a run directory is untrusted input."""
+        wrapping = raw.get("wrapping") if isinstance(raw, dict) else None
+        if not isinstance(wrapping, dict):
+            raise BadInput(where, "distributed section missing or malformed: it needs world_size, backend and wrapping")
+        size, backend, kind = raw.get("world_size"), raw.get("backend", ""), wrapping.get("kind")
+        if type(size) is not int or not 1 <= size <= MAX_RANKS:
+            raise BadInput(where, f"distributed.world_size {shown(size)} is not a rank count from 1 to {MAX_RANKS}")
+        if kind not in WRAPPINGS:
+            raise BadInput(where, f"distributed.wrapping.kind {shown(kind)}: this nanforensics replays "
+                                  f"{' and '.join(WRAPPINGS)} runs")
+        if not isinstance(backend, str):
+            raise BadInput(where, f"distributed.backend {shown(backend)} is not a string")
+        options = {k: v for k, v in wrapping.items() if k != "kind"}
+        problem = _ddp_problem(options) if kind == DDP else _fsdp2_problem(options)
+        if problem is not None:
+            raise BadInput(where, f"distributed.wrapping {problem}")
+        return cls(size, kind, backend, options)
 
     @property
     def collective(self) -> str:
@@ -76,6 +88,29 @@ class World:
         if self.kind != FSDP2 or not index or dim0 < 1:
             return None
         return index[0] // math.ceil(dim0 / self.world_size)
+
+
+def _ddp_problem(options: dict[str, Any]) -> str | None:
+    for key, value in options.items():
+        if key not in DDP_OPTIONS or not isinstance(value, bool):
+            return f"{shown(key)}: {shown(value)} is not one of DDP's options {', '.join(DDP_OPTIONS)} (true or false)"
+    return None
+
+
+def _fsdp2_problem(options: dict[str, Any]) -> str | None:
+    modules = options.get("modules")
+    if set(options) != {"modules"} or not isinstance(modules, list) or not modules:
+        return "of an FSDP2 run needs modules, the list of fully_shard-ed modules, and nothing else"
+    for spec in modules:
+        if not (isinstance(spec, dict) and set(spec) == {"module", "reshard_after_forward", "mp_policy"}
+                and isinstance(spec["module"], str) and isinstance(spec["reshard_after_forward"], bool)
+                and isinstance(spec["mp_policy"], dict) and set(spec["mp_policy"]) == set(MP_POLICY)):
+            return f"module {shown(spec)} is not {{module, reshard_after_forward, mp_policy}} as the recorder writes it"
+        for key, value in spec["mp_policy"].items():
+            wanted = (bool,) if key == "cast_forward_inputs" else (str, type(None))
+            if not isinstance(value, wanted) or (isinstance(value, str) and value not in DTYPES):
+                return f"mp_policy {key} {shown(value)} is not {' or '.join(DTYPES) if str in wanted else 'true or false'}"
+    return None
 
 
 def merged_steps(per_rank: list[list[LoggedStep]]) -> list[LoggedStep]:

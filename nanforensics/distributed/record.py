@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..runs.checkpoint import save_checkpoint
-from .checkpoint import rank_rng_state, save_shards, shard_writer
+from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
 from .layout import FSDP2, World, rank_dir
 from .world import object_group
 from .wrapping import describe
@@ -70,11 +70,11 @@ class RankRecorder:
         dist.gather_object(rank_rng_state(), states, dst=0, group=self.group)
         sharded = self.world.kind == FSDP2
         if self.leads:
-            writer = shard_writer(optimizer, step, self.group, self._announce) if sharded else None
+            writer = shard_writer(step, self.group, self._announce) if sharded else None
             save_checkpoint(folder, step, self.module, optimizer, scaler=scaler, scheduler=scheduler, rank_rng=states,
                             write_tensors=writer)
         elif sharded:
-            save_shards(self._announce(None), self.module, optimizer, step, self.group)
+            save_rank_shards(self._announce(None), self.module, optimizer, step, self.group)
 
     def _announce(self, build: Path | None) -> Path:
         """The hidden folder rank 0 builds a checkpoint in, made known to every rank."""

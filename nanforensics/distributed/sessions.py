@@ -30,11 +30,11 @@ from ..replay.session import Session, loss_value
 from ..report import Event
 from ..rootcause.samples import _no_optimizer_step
 from ..runs.batches import map_tensors
-from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state
-from ..runs.run import Run, UserCode
+from ..runs.checkpoint import Checkpoint, optimizer_params, rng_state
+from ..runs.run import Rebuilt, Run, UserCode
 from .checkpoint import restore_rank_rng
 from .events import merge, rows, tag
-from .layout import DDP, World, mean_loss
+from .layout import DDP, SHARED_STAGES, World, mean_loss
 from .world import mismatch, object_group
 from .wrapping import emulated, mixed_precision, shard_fsdp2, wrap_ddp
 
@@ -49,12 +49,16 @@ def distributed_session(run: Run, code: UserCode, checkpoint: Checkpoint, device
     return EmulatedSession(run, code, checkpoint, device)
 
 
-def _rank_rng(session: Session, world: World) -> list[dict[str, Any]]:
+def _rank_rng(session: Session, world: World) -> list[Any]:
     states = session.meta.get("rank_rng")
     if not isinstance(states, list) or len(states) != world.world_size:
         raise BadInput(session.checkpoint.path / "meta.json", f"holds no RNG state for each of the {world.world_size} "
                                                               "ranks (rank_rng)")
     return states
+
+
+def _restore(session: Session, state: Any) -> None:
+    restore_rank_rng(state, session.device, session.checkpoint.path / "meta.json")
 
 
 class EmulatedSession(Session):
@@ -77,7 +81,7 @@ class EmulatedSession(Session):
         self.rank_rng = list(_rank_rng(self, self.world))
         self.stepped = emulated(self.model, self.world)
         self.lengths = rows(self.model)
-        restore_rank_rng(self.rank_rng[self.focus], self.device)
+        _restore(self, self.rank_rng[self.focus])
 
     def logged_batch(self, step: int) -> Any:
         return self.run.batch(step, self.focus)
@@ -99,7 +103,13 @@ class EmulatedSession(Session):
     def restore(self, snapshot: dict[str, Any]) -> None:
         super().restore(snapshot)
         self.rank_rng = list(snapshot["rank_rng"])
-        restore_rank_rng(self.rank_rng[self.focus], self.device)
+        _restore(self, self.rank_rng[self.focus])
+
+    def traced_pass(self, origin: Event) -> Any:
+        """The rank in focus's pass; every rank's, averaged, for a value that arose after the collective."""
+        if origin.stage in SHARED_STAGES:
+            return self.run_step()[0]
+        return super().traced_pass(origin)
 
     def run_step(self, monitor: StepMonitor | None = None, locate: bool = False,
                  batch: Any = None) -> tuple[float, list[Event]]:
@@ -116,13 +126,13 @@ class EmulatedSession(Session):
             last = i == size - 1
             if i:
                 Session.restore(self, before)  # the state before the step; this rank's RNG next
-            restore_rank_rng(self.rank_rng[rank], self.device)
+            _restore(self, self.rank_rng[rank])
             shard = batch if batch is not None and rank == self.focus else self.shard_of(step, rank)
             if monitor:
                 monitor.begin(step, shard, locate)
             with _Averaging(self, rank, local, last), (nullcontext() if last else _no_optimizer_step(self.optimizer)):
                 loss = self.call_step(shard)
-            losses[rank] = loss_value(loss, self.run.path / "manifest.json")
+            losses[rank] = loss_value(loss, self.run.code_file)
             self.rank_rng[rank] = rng_state()
             if monitor:
                 events += tag(monitor.end(loss), rank, self.world, self.lengths, shared=last)
@@ -136,6 +146,7 @@ class EmulatedSession(Session):
                     b.copy_(kept)
         self.rank_losses[step] = losses
         self.step += 1
+        _restore(self, self.rank_rng[self.focus])  # between steps, this process is the rank in focus
         return mean_loss(losses), merge(events)
 
 
@@ -197,19 +208,27 @@ class RankSession(Session):
         self.world = run.world
         self.rank = dist.get_rank()
         self.rank_losses: dict[int, list[float]] = {}
-        if self.world.kind != DDP:
-            self.shard = self._fully_shard
         super().__init__(run, code, checkpoint, device)
 
-    def _fully_shard(self, model: torch.nn.Module) -> None:
-        shard_fsdp2(model, self.world, self.device)
+    def call_step(self, batch: Any) -> Any:
+        """The user's step on this rank's shard; what it raises names the rank, which met it alone."""
+        try:
+            return super().call_step(batch)
+        except BadInput as e:
+            e.rank = self.rank
+            raise
+
+    def rebuild(self) -> Rebuilt:
+        """FSDP2's ``fully_shard`` applied before the optimizer is built over the (sharded) parameters."""
+        shard = (lambda model: shard_fsdp2(model, self.world, self.device)) if self.world.kind != DDP else None
+        return self.code.build(self.run, self.checkpoint, self.device, wrap=shard)
 
     def reset(self) -> None:
         super().reset()
         if self.world.kind == DDP:
             self.stepped = wrap_ddp(self.model, self.world, self.device)
         self.lengths = rows(self.model)
-        restore_rng(_rank_rng(self, self.world)[self.rank])
+        _restore(self, _rank_rng(self, self.world)[self.rank])
 
     def logged_batch(self, step: int) -> Any:
         return self.run.batch(step, self.rank)

@@ -89,14 +89,21 @@ def _leave(code: int) -> None:
 
 
 @contextmanager
-def joined(run_dir: Path, device: torch.device) -> Iterator[Joined]:
+def joined(run_dir: Path | None, device: torch.device) -> Iterator[Joined]:
     """Under torchrun, join the process group for the replay of ``run_dir`` (after checking the world size: a
-    mismatch is bad input, raised before any rank waits on another), and leave it afterwards."""
+    mismatch is bad input, raised before any rank waits on another), and leave it afterwards. ``run_dir`` None: a
+    checkpoint replayed with the user's code (--checkpoint), which one process replays."""
     env = torchrun_env()
     if env is None:
         yield Joined()
         return
     rank, size, local_rank = env
+    if run_dir is None:
+        if size != 1:
+            raise BadInput("--checkpoint", f"a run nobody recorded is replayed by one process, not {size}: run the "
+                                           "same command without torchrun")
+        yield Joined()
+        return
     run = Run(run_dir)
     problem = mismatch(run, size)
     if problem is not None:
@@ -109,9 +116,6 @@ def joined(run_dir: Path, device: torch.device) -> Iterator[Joined]:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         yield Joined(rank, size, True)
-    except BadInput as e:
-        e.rank = rank  # from here on a rank may meet a problem the others do not
-        raise
     finally:
         dist.destroy_process_group()
         _GLOO.clear()

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .layout import DDP, FSDP2, World
+from .layout import DDP, DTYPES, FSDP2, World
 
 
 def _fsdp_module_class() -> type | None:
@@ -65,6 +65,10 @@ def _fsdp_options(name: str, module: nn.Module, world_size: int) -> dict[str, An
             raise ValueError(f"module {name or '<root>'!r} is sharded over a {tuple(mesh.shape)} mesh; nanforensics "
                              f"replays FSDP2 over one dimension of all {world_size} ranks (no HSDP, no 2-D parallelism)")
     mp = state._mp_policy
+    odd = [d for d in (mp.param_dtype, mp.reduce_dtype, mp.output_dtype) if d is not None and _dtype_name(d) not in DTYPES]
+    if odd:
+        raise ValueError(f"module {name or '<root>'!r}'s MixedPrecisionPolicy computes in {odd[0]}; nanforensics "
+                         f"replays FSDP2 in {', '.join(DTYPES)}")
     return {"module": name,
             "reshard_after_forward": all(g.post_forward_mesh_info is not None for g in groups),
             "mp_policy": {"param_dtype": _dtype_name(mp.param_dtype), "reduce_dtype": _dtype_name(mp.reduce_dtype),

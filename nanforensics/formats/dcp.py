@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import BadInput
+from ..runs.files import open_input
 from .source import _OPTIMIZER_KEYS, MODEL, OPTIMIZER, TensorInfo, _Entry, _group_of_key
 
 METADATA = ".metadata"
@@ -71,10 +72,8 @@ class Layout:
     def __init__(self, metadata: Path) -> None:
         self.folder = metadata.parent
         try:
-            with open(metadata, "rb") as f:
+            with open_input(metadata) as f:
                 md = _LayoutUnpickler(f).load()
-        except FileNotFoundError:
-            raise BadInput(metadata, "file is missing") from None
         except OSError as e:
             raise BadInput(metadata, f"cannot read ({e.strerror or e})") from None
         except pickle.UnpicklingError as e:
@@ -223,12 +222,9 @@ class _Blob:
         self.file, self.start, self.length, self.fqn = file, start, length, fqn
 
     def __enter__(self) -> io.BufferedReader:
-        try:
-            self._f = open(self.file, "rb")
-        except FileNotFoundError:
-            raise BadInput(self.file, f"is missing (it holds {self.fqn!r})") from None
-        except OSError as e:
-            raise BadInput(self.file, f"cannot read ({e.strerror or e})") from None
+        if not self.file.exists():
+            raise BadInput(self.file, f"is missing (it holds {self.fqn!r})")
+        self._f = open_input(self.file)
         size = os.fstat(self._f.fileno()).st_size
         if self.start < 0 or self.length < 0 or self.start + self.length > size:
             self._f.close()

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BadInput
+from ..errors import BadInput, shown
+from ..runs.files import nesting_exceeds, open_input
 
 _MAX_HEADER = 100 << 20  # the safetensors format's own limit
+_LIMIT = 1 << 63
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
@@ -48,7 +50,7 @@ class SafetensorsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            with open(path, "rb") as f:
+            with open_input(path) as f:
                 size = os.fstat(f.fileno()).st_size
                 head = f.read(8)
                 if len(head) < 8:
@@ -59,21 +61,19 @@ class SafetensorsFile:
                 if 8 + n > size:
                     raise BadInput(path, f"truncated: the header needs {8 + n} bytes, the file has {size}")
                 raw = f.read(n)
-        except FileNotFoundError:
-            raise BadInput(path, "file is missing") from None
-        except IsADirectoryError:
-            raise BadInput(path, "is a directory, not a safetensors file") from None
         except OSError as e:
             raise BadInput(path, f"cannot read ({e.strerror or e})") from None
         try:
             header = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except RecursionError:
+            raise BadInput(path, "not a safetensors file (its header is JSON nested too deeply)") from None
+        except ValueError:  # not JSON, not text, an integer of thousands of digits
             raise BadInput(path, "not a safetensors file (its header is not JSON)") from None
         if not isinstance(header, dict):
             raise BadInput(path, "not a safetensors file (its header is not a JSON object)")
         meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict):
-            raise BadInput(path, "malformed safetensors header (__metadata__ is not an object)")
+        if not isinstance(meta, dict) or nesting_exceeds(meta, 1):
+            raise BadInput(path, "malformed safetensors header (__metadata__ is not an object of strings)")
         self.metadata: dict[str, str] = {str(k): str(v) for k, v in meta.items()}
         base, data_size = 8 + n, size - 8 - n
         self.entries = sorted((self._entry(name, spec, base, data_size) for name, spec in header.items()),
@@ -82,13 +82,17 @@ class SafetensorsFile:
     def _entry(self, name: str, spec: object, base: int, data_size: int) -> Entry:
         try:
             dtype_name, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]  # type: ignore[index]
-            shape = tuple(int(d) for d in shape)
-            begin, end = int(begin), int(end)
+            shape = tuple(shape)
         except (KeyError, TypeError, ValueError):
             raise BadInput(self.path, f"malformed safetensors header entry for tensor {name!r}") from None
-        dtype = _DTYPES.get(dtype_name)
+        for field, values in (("shape", shape), ("data_offsets", (begin, end))):
+            if not all(type(n) is int and 0 <= n < _LIMIT for n in values):  # not 1e400, nor 2.5
+                raise BadInput(self.path, f"tensor {name!r}: {field} {shown(list(values))} is not a list of integers "
+                                          "from 0 to 2^63-1")
+        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise BadInput(self.path, f"tensor {name!r} has dtype {dtype_name}, which this nanforensics cannot read")
+            raise BadInput(self.path, f"tensor {name!r} has dtype {shown(dtype_name)}, which this nanforensics cannot "
+                                      "read")
         if min(shape, default=0) < 0 or not 0 <= begin <= end:
             raise BadInput(self.path, f"malformed safetensors header entry for tensor {name!r}")
         if end > data_size:

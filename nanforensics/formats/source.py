@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
+from ..errors import BadInput
 from . import torch_file
 from .pages import drop_pages
 from .safetensors_file import SafetensorsFile
 
 MODEL, OPTIMIZER = "model", "optimizer"
+BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"})  # BatchNorm's, InstanceNorm's
 _OPTIMIZER_KEYS = frozenset({"optimizer", "optimizers", "optim", "optimizer_state", "optimizer_states",
                              "optimizer_state_dict", "optim_state", "opt_state"})
 
@@ -77,6 +80,20 @@ class CheckpointSource:
     step: int | None = None  # the step it is ordered by
     step_source: str | None = None  # "metadata" or "name"
     run_dir: Path | None = None  # our run directory, when it lies in one
+    buffer_names: frozenset[str] | None = None  # the model's buffers, where the checkpoint records them
+    param_names: frozenset[str] | None = None  # parameters the optimizer steps, where it records them
+
+    def is_buffer(self, name: str) -> bool | None:
+        """Whether model tensor ``name`` is a registered buffer; None when this checkpoint cannot tell.
+
+        Without a recorded list, only names that no parameter takes are recognised: BatchNorm's running statistics.
+        """
+        if self.buffer_names is not None:
+            return name in self.buffer_names
+        if self.param_names is not None and name in self.param_names:
+            return False
+        return True if name.rpartition(".")[2] in BUFFER_NAMES else None
+    skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it left unread
 
     def open(self) -> TensorStream:
         entries: list[_Entry] = []
@@ -102,10 +119,27 @@ def _safetensors_entries(path: Path, group: str | None) -> list[_Entry]:
                    partial(f.read, e), drop_pages) for e in f.entries]
 
 
+def lightning_parts(obj: Any) -> tuple[dict[str, Any], Any] | None:
+    """A Lightning checkpoint's model (``state_dict``) and optimizer state (``optimizer_states``); None for
+    any other object. Its other entries are bookkeeping, never parameters: the callbacks' scores (such as
+    ModelCheckpoint's ``kth_value = inf``, ``best_model_score``), loop counters, schedulers, hyperparameters."""
+    if isinstance(obj, dict) and "pytorch-lightning_version" in obj and isinstance(obj.get("state_dict"), dict):
+        return obj["state_dict"], obj.get("optimizer_states", [])
+    return None
+
+
 def _torch_entries(path: Path, group: str | None) -> list[_Entry]:
     obj, release = torch_file.load(path)
+    parts = lightning_parts(obj)
+    tensors = tree_tensors(obj) if parts is None else chain(
+        ((name, False, t) for name, _, t in tree_tensors(parts[0])),
+        tree_tensors(parts[1], ("optimizer_states",), True))
     entries = []
-    for name, in_optimizer, t in tree_tensors(obj):
+    try:
+        found = list(tensors)
+    except RecursionError:
+        raise BadInput(path, "its objects nest too deeply to be a checkpoint") from None
+    for name, in_optimizer, t in found:
         nbytes = t.numel() * t.element_size() if t.layout == torch.strided else 0
         info = TensorInfo(name, group or (OPTIMIZER if in_optimizer else MODEL), t.dtype, tuple(t.shape), nbytes, path)
         entries.append(_Entry(info, partial(_same, t), release))

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInput
-from ..runs.files import one_line
+from ..runs.files import one_line, open_input
 from .pages import drop_pages, span
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -38,13 +38,20 @@ def _refusal(message: str) -> str:
     return line[:160] or "it needs more than tensors and plain containers"
 
 
+class Refused(BadInput):
+    """A pickle that weights-only loading will not read; ``reason`` says what it asked for."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.reason = reason
+        super().__init__(path, f"refused, not loaded: {reason}, and weights_only loading runs nothing but tensors "
+                               "and plain containers (convert the file to safetensors where you trust it)")
+
+
 def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
     """The unpickled object and a ``release(view)`` that drops the pages of a part of a tensor already read."""
     try:
-        with open(path, "rb") as f:
+        with open_input(path) as f:
             magic = f.read(4)
-    except FileNotFoundError:
-        raise BadInput(path, "file is missing") from None
     except OSError as e:
         raise BadInput(path, f"cannot read ({e.strerror or e})") from None
     if not magic:
@@ -52,13 +59,12 @@ def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
     mapped = magic == _ZIP_MAGIC
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pickle protocol")
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
         except pickle.UnpicklingError as e:
             if "Weights only load failed" in str(e):
-                raise BadInput(path, f"refused, not loaded: {_refusal(str(e))}, and weights_only loading runs "
-                                     "nothing but tensors and plain containers (convert the file to "
-                                     "safetensors where you trust it)") from None
+                raise Refused(path, _refusal(str(e))) from None
             raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
         except Exception as e:  # noqa: BLE001 -- torch.load reports damage with many exception types
             raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None

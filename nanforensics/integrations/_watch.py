@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..outputs import check_outputs
 from ..postmortem import PostmortemReport, postmortem
 from ..report import write_json
 from ..runs.checkpoint import optimizer_params
@@ -61,13 +62,40 @@ def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+ON_NAN = ("fail", "stop", "continue")
+
+
+class NonFiniteLoss(RuntimeError):
+    """Raised by the callbacks at the first non-finite loss, after the post-mortem's reports are written, so that
+    the job fails as CI sees it (a workflow's ``if: failure()`` steps run). ``report`` is the post-mortem (None
+    with ``postmortem_on_nan=False``), ``report_dir`` where its reports are. ``on_nan="stop"`` ends training
+    without it."""
+
+    def __init__(self, message: str, report: PostmortemReport | None, report_dir: Path) -> None:
+        super().__init__(message)
+        self.report, self.report_dir = report, report_dir
+
+
+def micro_batch_total(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The optimizer step's loss: its micro-batches' losses, each as the loop scaled it, added in order (the
+    step functions add them the same way, so replayed losses equal logged ones bit for bit)."""
+    total = losses[0].detach()
+    for loss in losses[1:]:
+        total = total + loss.detach()
+    return total
+
+
 class Watcher:
-    """The part of both callbacks that is not the framework's: records steps into ``run_dir`` and, at the first
-    non-finite loss, runs the post-mortem and writes its reports.
+    """The part of both callbacks that is not the framework's: records optimizer steps into ``run_dir`` and, at
+    the first non-finite loss, runs the post-mortem and writes its reports.
 
     ``step_fn`` defaults to the framework's own step (``default_step_fn`` of the callback class). Reports go to
     ``report_dir`` (default ``<run_dir>.postmortem``, beside the run: nothing is written into the run
-    directory the post-mortem examines); ``report`` holds the post-mortem once one ran.
+    directory the post-mortem examines); ``report`` holds the post-mortem once one ran. ``on_nan`` says what
+    follows: ``"fail"`` raises ``NonFiniteLoss`` (the job fails), ``"stop"`` ends training quietly,
+    ``"continue"`` keeps training. ``on_loss_only`` (default ``"continue"``) takes its place when the post-mortem's
+    verdict is ``loss_only``: the loss was non-finite but no gradient, parameter, optimizer-state or buffer value
+    was (a batch with no valid target), so the model is intact and training can go on.
     """
 
     default_step_fn: Callable[..., Any]
@@ -75,17 +103,23 @@ class Watcher:
     def __init__(self, run_dir: str | Path, *, model_factory: Callable[..., torch.nn.Module] | None = None,
                  model_kwargs: dict[str, Any] | None = None, step_fn: Callable[..., Any] | None = None,
                  checkpoint_every: int = 50, keep_checkpoints: int | None = None, postmortem_on_nan: bool = True,
-                 stop_on_nan: bool = True, report_dir: str | Path | None = None, overwrite: bool = False) -> None:
+                 on_nan: str = "fail", on_loss_only: str = "continue", report_dir: str | Path | None = None,
+                 overwrite: bool = False) -> None:
+        for name, value in (("on_nan", on_nan), ("on_loss_only", on_loss_only)):
+            if value not in ON_NAN:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, ON_NAN))}, not {value!r}")
         self.run_dir = Path(run_dir)
         self.report_dir = Path(report_dir) if report_dir is not None else self.run_dir.with_name(
             self.run_dir.name + ".postmortem")
+        check_outputs([self.run_dir], {"report_dir": self.report_dir / "postmortem.json"})  # never into the run
         self.model_factory, self.model_kwargs = model_factory, model_kwargs
         self.step_fn = step_fn or type(self).default_step_fn
         self.checkpoint_every, self.keep_checkpoints, self.overwrite = checkpoint_every, keep_checkpoints, overwrite
-        self.postmortem_on_nan, self.stop_on_nan = postmortem_on_nan, stop_on_nan
+        self.postmortem_on_nan, self.on_nan, self.on_loss_only = postmortem_on_nan, on_nan, on_loss_only
         self.recorder: Recorder | None = None
         self.report: PostmortemReport | None = None
         self.steps_recorded = 0
+        self._diagnosed = False  # a non-finite loss was met and acted on: later ones are only recorded
 
     def start_recording(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         model_factory: Callable[..., torch.nn.Module], model_kwargs: dict[str, Any] | None) -> None:
@@ -95,29 +129,43 @@ class Watcher:
                                  overwrite=self.overwrite)
 
     def record_step(self, batch: Any, loss: torch.Tensor | float) -> bool:
-        """Record one step; True when its loss is non-finite and the loop should stop."""
+        """Record one optimizer step; True when its loss is non-finite and the loop should stop. With
+        ``on_nan="fail"`` it raises ``NonFiniteLoss`` instead, once the reports are written."""
         if self.recorder is None:
             return False
         self.recorder.log(self.steps_recorded, batch, loss)
         self.steps_recorded += 1
         value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
-        if math.isfinite(value):
+        if math.isfinite(value) or self._diagnosed:
             return False
-        log.warning("nanforensics: the loss is %s at step %d", value, self.steps_recorded - 1)
+        step = self.steps_recorded - 1
+        log.warning("nanforensics: the loss is %s at step %d", value, step)
         if self.postmortem_on_nan:
             self.run_postmortem()
-        return self.stop_on_nan
+        loss_only = self.report is not None and self.report.verdict == "loss_only"
+        action = self.on_loss_only if loss_only else self.on_nan
+        if loss_only and action == "continue":  # the model never saw it: a later NaN loss is examined afresh
+            log.warning("nanforensics: the loss of step %d is %s, but no gradient, parameter, optimizer-state or "
+                        "buffer value is: training goes on (on_loss_only=%r)", step, value, action)
+            return False
+        self._diagnosed = True
+        if action == "fail":
+            self.close_recording()
+            found = f"{self.report.headline} (reports in {self.report_dir})" if self.report else "no post-mortem run"
+            raise NonFiniteLoss(f"the loss is {value} at step {step}: {found}", self.report, self.report_dir)
+        return action == "stop"
 
     def close_recording(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
 
     def run_postmortem(self) -> PostmortemReport:
-        """Close the recording and examine it; the reports land in ``report_dir``."""
+        """Examine the recording so far (it goes on); the reports land in ``report_dir``."""
         from ..views.html import render_html
         from ..views.postmortem import render_markdown
 
-        self.close_recording()
+        if self.recorder is not None:
+            self.recorder.flush()
         self.report = postmortem(self.run_dir)
         write_json(self.report, str(self.report_dir / "postmortem.json"))
         write_bytes_atomic(self.report_dir / "postmortem.md", render_markdown(self.report).encode(), durable=False)

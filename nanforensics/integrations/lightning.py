@@ -3,20 +3,22 @@ goes non-finite. Needs ``pip install 'nanforensics[lightning]'``.
 
 Replay rebuilds the LightningModule with ``model_factory(**model_kwargs)``: by default its own class
 with the hyperparameters ``save_hyperparameters()`` stored, so the class must be importable
-(module level) and those hyperparameters JSON data. It re-runs each step with ``step_fn``: by
-default ``training_step`` below, which does what Lightning's automatic optimization does (your
-``training_step``, backward, the Trainer's gradient clipping, ``optimizer.step()``) at the learning
-rate the loop used, recorded with each batch. Manual optimization, several optimizers and gradient
-accumulation need a ``step_fn`` of your own.
+(module level) and those hyperparameters JSON data. Each optimizer step is recorded as one batch
+holding its micro-batches (one, or ``accumulate_grad_batches`` of them under gradient accumulation)
+and re-run with ``step_fn``: by default ``training_step`` below, which does what Lightning's automatic
+optimization does, at the learning rate the loop used, recorded with each step. Manual optimization
+and several optimizers need a ``step_fn`` of your own.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from ._watch import Watcher, clip, loss_of, lrs, set_lrs
+from ..runs.batches import MICRO_BATCHES
+from ._watch import NonFiniteLoss, Watcher, clip, loss_of, lrs, micro_batch_total, set_lrs
 
 try:
     import lightning.pytorch as pl
@@ -24,32 +26,45 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("nanforensics.integrations.lightning needs PyTorch Lightning: "
                       "pip install 'nanforensics[lightning]'") from e
 
+__all__ = ["NanForensicsCallback", "NonFiniteLoss", "training_step"]
+
+# What LightningModule.log says when the module is not attached to a Trainer, as in replay: nothing is wrong.
+_UNATTACHED_LOG = r"You are trying to `self\.log\(\)` but the `self\.trainer` reference is not registered"
+
 
 def training_step(module: pl.LightningModule, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
-    """One automatic-optimization step as Lightning runs it, from a batch recorded by ``NanForensicsCallback``."""
+    """One optimizer step as automatic optimization runs it, from a step recorded by ``NanForensicsCallback``:
+    for each micro-batch your ``training_step``, its loss divided by ``accumulate_grad_batches`` (as Lightning
+    divides it, also in a shorter last window of an epoch), backward; then the Trainer's gradient clipping and
+    ``optimizer.step()``. Returns the step's loss: the divided micro-batch losses added up."""
     set_lrs(optimizer, batch["lr"])
     optimizer.zero_grad(set_to_none=True)
-    loss = loss_of(module.training_step(batch["batch"], batch["batch_idx"]))
-    if loss is None:
-        raise ValueError("training_step returned no loss")
-    loss.backward()
+    losses = []
+    for micro in batch[MICRO_BATCHES]:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_UNATTACHED_LOG)
+            loss = loss_of(module.training_step(micro["batch"], micro["batch_idx"]))
+        if loss is None:
+            raise ValueError("training_step returned no loss")
+        loss = loss / batch["accumulate"]
+        loss.backward()
+        losses.append(loss)
     clip(optimizer, batch["clip_val"], batch["clip_algorithm"])
     optimizer.step()
-    return loss
+    return micro_batch_total(losses)
 
 
 class NanForensicsCallback(Watcher, pl.Callback):
     """``Trainer(callbacks=[NanForensicsCallback("runs/exp1")])``; options as ``Watcher``'s."""
 
     default_step_fn = staticmethod(training_step)
-    _step_batch: dict[str, Any] | None = None
+    _step: dict[str, Any] | None = None  # the optimizer step being accumulated
+    _losses: list[torch.Tensor]
+    _steps_before = 0  # trainer.global_step when it began
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"NanForensicsCallback records one optimizer; this module has {len(trainer.optimizers)}")
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError("NanForensicsCallback records one batch per optimizer step: use accumulate_grad_batches=1 "
-                             "or a step_fn of your own")
         if self.model_factory is None:
             self.start_recording(pl_module, trainer.optimizers[0], type(pl_module), dict(pl_module.hparams))
         else:
@@ -57,14 +72,26 @@ class NanForensicsCallback(Watcher, pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._step_batch = {"batch": batch, "batch_idx": batch_idx, "lr": lrs(trainer.optimizers[0]),
-                            "clip_val": trainer.gradient_clip_val,
-                            "clip_algorithm": str(trainer.gradient_clip_algorithm or "norm")}
+        if self._step is None:  # the first micro-batch of an optimizer step
+            self._step = {MICRO_BATCHES: [], "accumulate": trainer.accumulate_grad_batches,
+                          "lr": lrs(trainer.optimizers[0]), "clip_val": trainer.gradient_clip_val,
+                          "clip_algorithm": str(trainer.gradient_clip_algorithm or "norm")}
+            self._losses, self._steps_before = [], trainer.global_step
+        self._step[MICRO_BATCHES].append({"batch": batch, "batch_idx": batch_idx})
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        loss = loss_of(outputs)
-        if self._step_batch is not None and loss is not None and self.record_step(self._step_batch, loss):
+        if self._step is None:
+            return
+        loss = loss_of(outputs)  # already divided by accumulate_grad_batches
+        if loss is None:  # training_step returned None: Lightning ran no backward for it
+            self._step[MICRO_BATCHES].pop()
+        else:
+            self._losses.append(loss)
+        if trainer.global_step == self._steps_before:
+            return  # accumulating: the optimizer has not stepped yet
+        step, losses, self._step = self._step, self._losses, None
+        if losses and self.record_step(step, micro_batch_total(losses)):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import finite
 from ..report import AmpReport, Event, ScalerStep
 from ..rootcause.findings import describe
+from ..words import count, numbered
 from .monitor import StepMonitor
 from .session import Session
 
@@ -24,8 +24,8 @@ FP16_MAX = torch.finfo(torch.float16).max  # 65504
 
 # The stage a step's first non-finite value arose in, as an overflow's name.
 _OVERFLOW = {"batch": "data", "forward": "forward", "loss": "loss", "grad": "backward", "optimizer_grad": "unscale",
-             "optimizer_state": "optimizer", "param": "update"}
-_REACHED_STATE = ("optimizer_state", "param")
+             "optimizer_state": "optimizer", "param": "update", "buffer": "buffer"}
+_REACHED_STATE = ("optimizer_state", "param", "buffer")  # what persists into the next step
 
 
 def _adjustment(scale: float | None, next_scale: float | None) -> str:
@@ -60,8 +60,9 @@ class AmpLog:
             for h in handles:
                 h.remove()
         next_scale = scaler.get_scale() if scaler is not None else None
+        # a skipped step can still have written BatchNorm statistics from an overflowed forward: stage buffer
         caught = (scaler is not None and not stepped and bool(events)
-                  and all(e.stage not in _REACHED_STATE for e in events) and _buffers_finite(session.model))
+                  and all(e.stage not in _REACHED_STATE for e in events))
         self.steps[step] = ScalerStep(step, scale, next_scale, _adjustment(scale, next_scale), not stepped,
                                       _OVERFLOW[events[0].stage] if events else None, caught)
         self.caught.pop(step, None)
@@ -86,16 +87,12 @@ class AmpLog:
                          poisoned)
 
 
-def _buffers_finite(model: torch.nn.Module) -> bool:
-    """A skipped step can still have written BatchNorm statistics from an overflowed forward."""
-    return all(finite.all_finite_flags([b for b in model.buffers() if finite.checkable(b)]))
-
-
 _PLAIN = {"data": "a non-finite value in the batch", "forward": "a non-finite activation",
           "loss": "a non-finite loss", "backward": "a non-finite gradient in the backward pass",
           "unscale": "a gradient made non-finite between backward and optimizer.step()",
           "optimizer": "an overflow in the optimizer's own update of its state",
-          "update": "a non-finite parameter update"}
+          "update": "a non-finite parameter update",
+          "buffer": "a non-finite buffer (running statistics, say), the parameters and optimizer state finite"}
 
 
 def overflow_text(kind: str | None, amp: AmpReport, scaled: bool) -> str:
@@ -109,8 +106,12 @@ def overflow_text(kind: str | None, amp: AmpReport, scaled: bool) -> str:
     return _PLAIN.get(kind or "", "no non-finite value")
 
 
-def _steps_text(steps: list[int]) -> str:
-    return ", ".join(map(str, steps)) if steps else "none"
+def _control_text(amp: AmpReport) -> str:
+    """``backed off at steps 14, 17, grew at step 13``, or ``held throughout``."""
+    moves = [f"{verb} at {numbered('step', steps)}" for verb, steps in (
+        ("backed off", [s.step for s in amp.steps if s.adjustment == "backoff"]),
+        ("grew", [s.step for s in amp.steps if s.adjustment == "growth"])) if steps]
+    return ", ".join(moves) or "held throughout"
 
 
 def findings(amp: AmpReport | None) -> list[str]:
@@ -122,13 +123,13 @@ def findings(amp: AmpReport | None) -> list[str]:
     if amp.scaler and amp.steps:
         first, last = amp.steps[0], amp.steps[-1]
         out.append(f"Loss scale {first.scale:g} before step {first.step}, {last.next_scale:g} after step {last.step}: "
-                   f"backed off at steps {_steps_text([s.step for s in amp.steps if s.adjustment == 'backoff'])}, "
-                   f"grew at {_steps_text([s.step for s in amp.steps if s.adjustment == 'growth'])}.")
+                   f"{_control_text(amp)}.")
     if amp.caught:
         parts = [f"step {e.step} ({overflow_text(by_step[e.step].overflow, amp, True)}; {describe(e)})"
                  for e in amp.caught]
-        out.append(f"The scaler caught {len(amp.caught)} overflow(s) before optimizer.step() wrote the moments: "
-                   f"benign, each step was skipped with the optimizer state intact: {'; '.join(parts)}.")
+        each = "each step was" if len(amp.caught) > 1 else "the step was"
+        out.append(f"The scaler caught {count(len(amp.caught), 'overflow')} before optimizer.step() wrote the moments: "
+                   f"benign, {each} skipped with the optimizer state intact: {'; '.join(parts)}.")
     e = amp.state_poisoned_by
     if e is not None:
         step = by_step.get(e.step)
@@ -137,6 +138,4 @@ def findings(amp: AmpReport | None) -> list[str]:
                                         "the moments took the non-finite value.")
         out.append(f"The real failure: non-finite values reached the optimizer state at step {e.step} ({describe(e)}), "
                    f"after {kind}.{guard}")
-    elif amp.scaler:
-        out.append("No non-finite value reached the optimizer state: every overflow was caught.")
     return out

@@ -1,10 +1,14 @@
-"""Replay a recorded run with per-step checks and name the step, batch and coordinate where NaN began."""
+"""Replay a run with per-step checks and name the step, batch and coordinate where NaN began.
+
+``replay`` drives any run a ``StepSource`` and ``StepCode`` describe: ``replay_run`` opens a recorded one,
+``replay.unrecorded`` a trainer's own checkpoint with the user's batch function.
+"""
 
 from __future__ import annotations
 
 import math
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Collection, Sequence
 
@@ -14,9 +18,12 @@ from ..checkpoints.scan import CLEAN, scan_checkpoint
 from ..distributed.findings import complete
 from ..distributed.findings import findings as rank_findings
 from ..errors import BadInput
+from ..finite import value_name
 from ..formats.discover import open_checkpoint
 from ..report import (
+    LOSS_ONLY_STAGES,
     BatchRef,
+    CheckpointComparison,
     Event,
     OperationCulprit,
     Precursor,
@@ -25,22 +32,25 @@ from ..report import (
     SampleAttribution,
     StepRecord,
 )
-from ..rootcause.data import DEFAULT_MAX_ABS, check_batches
+from ..rootcause import DEFAULT_MAX_ABS
+from ..rootcause.data import check_batches
 from ..rootcause.findings import findings
 from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe
-from ..rootcause.samples import attribute_samples
+from ..rootcause.samples import attribute_samples, batch_size
 from ..runs.batches import data_leaves
-from ..runs.checkpoint import Checkpoint
 from ..runs.run import Run, UserCode
+from ..runs.source import StartPoint, StepCode, StepSource
 from ..runs.steplog import first_nonfinite
 from . import whatif
 from .amp import AmpLog
 from .amp import findings as amp_findings
-from .monitor import StepMonitor, totals
+from .monitor import StepMonitor, buffers_total, totals
+from .reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge, losses_match
 from .session import Session, open_session, pinned_threads, resolve_device
 
 ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
+PRECURSOR_STEPS = 16  # steps before the event the precursor curves cover at least, where an older checkpoint allows
 
 
 @dataclass
@@ -50,69 +60,94 @@ class ReplayOptions:
     after: int = 1  # steps replayed after the whole model went non-finite
     max_steps: int | None = None
     code_paths: Sequence[Path] = ()
-    trust_run_dir: bool = False
-    loss_rtol: float | None = None  # None: exact on the recording device type, 1e-3 elsewhere
+    trust_run_dir: bool = False  # import code that lies inside the run directory
+    trust_code: bool = False  # call the run's callables even where the trust policy refuses them (README, Security)
+    loss_rtol: float | None = None  # None: 0 on the recording device type, 1e-3 elsewhere (besides loss_ulps)
+    loss_ulps: int = LOSS_ULPS  # logged and replayed losses this many float32 ulps apart still match
     explain: bool = True  # operation and sample attribution for the responsible step
     data_max_abs: float = DEFAULT_MAX_ABS  # batch values beyond this magnitude are reported as data defects
     what_if: Sequence[whatif.Intervention] = ()  # each a replay from the checkpoint changing the responsible step
     what_if_steps: int = 5  # steps after the responsible one a what-if must stay finite for
 
 
-def _start_checkpoint(run: Run, target: int | None) -> Checkpoint:
+def _start_checkpoint(run: StepSource, target: int | None) -> StartPoint:
     """The newest checkpoint at or before ``target`` whose parameters and state are all finite."""
     checkpoints = run.checkpoints()
+    where = run.checkpoint_folder
     if not checkpoints:
-        raise BadInput(run.path / "checkpoints", "the run has no checkpoints")
+        raise BadInput(where, "the run has no checkpoints")
     candidates = [c for c in checkpoints if target is None or c.step <= target]
     if not candidates:
-        raise BadInput(run.path / "checkpoints", f"no checkpoint at or before step {target} "
-                                                 f"(oldest is step {checkpoints[0].step})")
+        raise BadInput(where, f"no checkpoint at or before step {target} (oldest is step {checkpoints[0].step})")
     for c in reversed(candidates):
         if _checkpoint_finite(c):
             return c
-    raise BadInput(run.path / "checkpoints", f"every checkpoint up to step {candidates[-1].step} already holds "
-                                             "non-finite values: the origin lies before the oldest one kept "
-                                             "(run `nanforensics bisect` on the folder)")
+    raise BadInput(where, f"every checkpoint up to step {candidates[-1].step} already holds non-finite values: the "
+                          "origin lies before the oldest one kept (run `nanforensics bisect` on the folder)")
 
 
-def _checkpoint_finite(c: Checkpoint) -> bool:
+def _precursor_start(run: StepSource, checkpoint: StartPoint, step: int) -> StartPoint:
+    """Where the rewind re-runs from: the start checkpoint, or an older finite one (with its batches kept) when
+    the start leaves fewer than PRECURSOR_STEPS steps before ``step``, since a drift into overflow shows over
+    tens of steps. The newest old enough, else the oldest there is."""
+    if step - checkpoint.step >= PRECURSOR_STEPS:
+        return checkpoint
+    earlier = [c for c in run.checkpoints() if c.step < checkpoint.step]
+    enough = [c for c in earlier if c.step <= step - PRECURSOR_STEPS]
+    for c in enough[-1:] or earlier[:1]:
+        if all(run.batch_origin(s) is not None for s in range(c.step, checkpoint.step)) and _checkpoint_finite(c):
+            return c
+    return checkpoint
+
+
+def _checkpoint_finite(c: StartPoint) -> bool:
     """Streamed, one tensor at a time, stopping at the first non-finite one."""
     return scan_checkpoint(open_checkpoint(c.path)).verdict == CLEAN
 
 
-def _losses_match(logged: float, replayed: float, rtol: float) -> bool:
-    if math.isnan(logged) or math.isnan(replayed):
-        return math.isnan(logged) and math.isnan(replayed)
-    if math.isinf(logged) or math.isinf(replayed):
-        return logged == replayed
-    return abs(logged - replayed) <= rtol * abs(logged)
-
-
 def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                progress: ProgressFn | None = None) -> ReplayReport:
-    """Replay from the last clean checkpoint before the first non-finite logged loss (or ``from_step``)."""
+    """Replay a recorded run from the last clean checkpoint before the first non-finite logged loss (or
+    ``from_step``)."""
     opts = options or ReplayOptions()
     run = Run(run_dir)
-    logged = {s.step: s.loss for s in run.steps}
-    if not logged:
+    if not run.steps:
         raise BadInput(run.path / "steps.jsonl", "no steps were logged")
+    resolve_device(opts.device)  # a bad --device is refused before any of the user's code is imported
+    return replay(run, UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code), opts, progress)
+
+
+def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: ProgressFn | None = None) -> ReplayReport:
+    """Replay ``run`` with ``code`` from the last clean checkpoint before the first non-finite logged loss (or
+    ``opts.from_step``), through the run's last step or ``opts.max_steps``."""
+    logged = {s.step: s.loss for s in run.steps}
     logged_first = first_nonfinite(run.steps)
     device = resolve_device(opts.device)
-    code = UserCode.load(run, opts.code_paths, opts.trust_run_dir)
     checkpoint = _start_checkpoint(run, opts.from_step if opts.from_step is not None else
-                                   (logged_first if logged_first is not None else run.steps[-1].step))
-    last = run.steps[-1].step
-    if opts.max_steps is not None:
-        last = min(last, checkpoint.step + opts.max_steps - 1)
+                                   (logged_first if logged_first is not None else run.last_step))
+    bound = checkpoint.step + opts.max_steps - 1 if opts.max_steps is not None else None
+    last = min((s for s in (run.last_step, bound) if s is not None), default=None)
+    if last is None:
+        raise BadInput("--max-steps", "the run logged no steps, so nothing says where it ends: give --max-steps")
+    logged_nan = [s.step for s in run.steps if s.step >= checkpoint.step and not math.isfinite(s.loss)]
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
-        0.0 if device.type == str(run.manifest.raw.get("device", "cpu")).split(":")[0] else 1e-3)
+        0.0 if device.type == str(run.device or "cpu").split(":")[0] else 1e-3)
 
-    data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs)
+    # Logged batches are checked over the whole window before replaying; batches a function computes (no logged
+    # end, a --max-steps bound) where the replay ran them, not up to a bound the failure may lie far before.
+    data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs) \
+        if run.last_step is not None else []
 
-    with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None) as threads:
+    with pinned_threads(run.num_threads if device.type == "cpu" else None) as threads:
         r = open_session(run, code, checkpoint, device)
         amp = AmpLog()
         params_total, state_total = totals(r.model, r.optimizer)
+        buffers_all = buffers_total(r.model)
+        # the recorded checkpoints past the start, to compare with; a run nobody recorded has only its start
+        later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
+        compared: dict[int, CheckpointComparison] = {}
+        loss_only: list[int] = []
+        loss_events: dict[int, Event] = {}  # the loss of each loss-only step, explained when nothing else is
         events: list[Event] = []
         spread: list[StepRecord] = []
         precursors: list[Precursor] = []
@@ -125,6 +160,16 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                 step = r.step
                 # a step whose overflow the scaler caught returns no events: they are kept aside in amp
                 loss, step_events = amp.run_step(r, monitor, located_from is not None)
+                # a recorded checkpoint passed: the state bit for bit, until one differs (the later ones would too)
+                if r.step in later and r.step not in compared and all(c.exact or c.error for c in compared.values()):
+                    compared[r.step] = compare_checkpoint(r.model, r.optimizer, later[r.step])
+                stages = {e.stage for e in step_events}
+                if located_from is None and "loss" in stages and stages <= LOSS_ONLY_STAGES:
+                    loss_only.append(step)  # nothing non-finite reached gradients or state: not an origin
+                    # detect mode leaves the value unread; the loss is a scalar, its value the replayed loss
+                    loss_events.setdefault(step, replace(
+                        next(e for e in step_events if e.stage == "loss"), value=value_name(loss)))
+                    step_events = []
                 if probe is not None:
                     precursors.append(probe.take(step))
                 if step_events and located_from is None:
@@ -132,7 +177,7 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                     # are read before anything later in the step changes them. The steps up to it are
                     # re-run with the precursor probe, which detection is too cheap to carry.
                     hooks.close()
-                    r.reset()
+                    r = open_session(run, code, _precursor_start(run, checkpoint, step), device)
                     with PrecursorProbe(r.model, r.optimizer) as warmup:
                         while r.step < step:
                             r.run_step()
@@ -147,40 +192,54 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                 events += step_events
                 p_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "param")
                 s_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "optimizer_state")
+                # each rank of a distributed run reports its own copy of the buffers: the copy that holds the most
+                b_bad = max((sum(e.elements_nonfinite for e in step_events if e.stage == "buffer" and e.rank == rank)
+                             for rank in {e.rank for e in step_events}), default=0)
                 state_total = max(state_total, totals(r.model, r.optimizer)[1])  # lazily created state
-                spread.append(StepRecord(step, logged.get(step), loss, p_bad, params_total, s_bad, state_total))
+                logged_loss = logged.get(step)
+                spread.append(StepRecord(step, logged_loss, loss, p_bad, params_total, s_bad, state_total, b_bad,
+                                         buffers_all, float32_ulps(logged_loss, loss) if logged_loss is not None
+                                         else None))
                 if located_from is not None and step >= _horizon(events, spread) + opts.after:
                     break
-                if (located_from is None and logged_first is not None and step >= logged_first + opts.after
-                        and logged_first not in amp.caught):
+                pending = next((s for s in logged_nan if s not in loss_only and s not in amp.caught), None)
+                if located_from is None and pending is not None and step >= pending + opts.after:
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
-        operation, samples = _explain(r, events[0]) if events and opts.explain else (None, None)
+        if run.last_step is None:
+            data_defects = check_batches(run, [s.step for s in spread], opts.data_max_abs)
+        # Without an origin, a loss-only step is still worth explaining: which op made the loss non-finite, from
+        # which samples (a batch with no valid target, typically).
+        explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
+        operation, samples = _explain(r, explained) if explained is not None and opts.explain else (None, None)
         what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
                                          opts.what_if_steps, events[0].rank) if events and opts.what_if else []
 
-    report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol, amp.caught)
+    report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol, amp.caught,
+                     logged_nan=logged_nan, loss_only=loss_only, compared=[compared[s] for s in sorted(compared)],
+                     max_ulps=opts.loss_ulps)
     report.amp, report.what_if = amp.report(r.model, events), what_if
-    report.data_defects, report.precursors, report.operation, report.samples = (
-        data_defects, precursors, operation, samples)
+    report.data_defects, report.precursors, report.operation, report.samples, report.loaded = (
+        data_defects, precursors, operation, samples, code.loaded)
     if run.world is not None:
-        complete(report, run, r, lambda logged, replayed: _losses_match(logged, replayed, rtol))
+        complete(report, run, r, lambda logged, replayed: losses_match(logged, replayed, rtol, opts.loss_ulps))
     report.findings = (findings(report) + rank_findings(report) + amp_findings(report.amp)
                        + whatif.findings(report.what_if, requested=bool(opts.what_if)))
     return report
 
 
 def _explain(session: Session, origin: Event) -> tuple[OperationCulprit | None, SampleAttribution | None]:
-    """Root cause inside the responsible step: which samples (group testing), then which operation; in a distributed
-    run, inside the shard of the origin's rank (None on a rank that leaves the explaining to another)."""
+    """Root cause inside the responsible step: which samples (group testing), then which operation made the
+    origin's value; in a distributed run, inside the shard of the origin's rank (None on a rank that leaves the
+    explaining to another)."""
     with session.focused(origin.rank) as focused:
         if focused is None:
             return None, None
         focused.reset()
         focused.advance_to(origin.step)
         samples = attribute_samples(focused)
-        operation = trace_step(focused.model, focused.optimizer, focused.run_step)
+        operation = trace_step(focused.model, focused.optimizer, lambda: focused.traced_pass(origin), origin)
     return operation, samples
 
 
@@ -193,30 +252,36 @@ def _horizon(events: list[Event], spread: list[StepRecord]) -> int:
     return max(nan_loss, events[0].step) + 1
 
 
-def _report(run: Run, checkpoint: Checkpoint, device: torch.device, threads: int, code: UserCode,
+def _report(run: StepSource, checkpoint: StartPoint, device: torch.device, threads: int, code: StepCode,
             events: list[Event], spread: list[StepRecord], logged_first: int | None, rtol: float,
-            caught: Collection[int] = ()) -> ReplayReport:
+            caught: Collection[int] = (), *, logged_nan: Collection[int] = (), loss_only: Sequence[int] = (),
+            compared: Sequence[CheckpointComparison] = (), max_ulps: int = LOSS_ULPS) -> ReplayReport:
     origin = events[0] if events else None
-    diverged = next((s.step for s in spread if s.logged_loss is not None
-                     and not _losses_match(s.logged_loss, s.replayed_loss, rtol)), None)
+    diverged = judge(spread, list(compared), rtol, max_ulps)
+    # nothing to judge by: no logged loss in the window and no recorded checkpoint passed (a run nobody recorded)
+    judged = any(s.logged_loss is not None for s in spread) or any(c.error is None for c in compared)
     replayed_first = next((s.step for s in spread if not math.isfinite(s.replayed_loss)), None)
     full = next((s.step for s in spread if s.params_total and s.params_nonfinite == s.params_total), None)
     if origin is not None:
         verdict = "nonfinite"
-    elif logged_first is not None and not (diverged is None and logged_first in caught):
-        verdict = "not_reproduced"  # unless the logged NaN was an overflow the scaler caught, replayed as such
+    elif logged_nan and (diverged is not None or not {*caught, *loss_only}.issuperset(logged_nan)):
+        verdict = "not_reproduced"  # unless each logged NaN was replayed as a caught overflow or a loss-only step
+    elif loss_only:
+        verdict = "loss_only"
     else:
         verdict = "clean"
     batch_ref = None
     if origin is not None and run.world is None:  # a distributed run's is a shard, or every rank's: see complete()
-        path = run.batch_file(origin.step)
-        batch_ref = BatchRef(origin.step, str(path), dict(data_leaves(run.batch(origin.step))))
+        batch = run.batch(origin.step)
+        batch_ref = BatchRef(origin.step, run.batch_origin(origin.step) or "",
+                             dict(data_leaves(batch, size=batch_size(batch))))
     setup = ReplaySetup(str(run.path), checkpoint.step, spread[0].step if spread else checkpoint.step,
                         spread[-1].step if spread else checkpoint.step, str(device), threads, code.imported)
     report = ReplayReport(
         verdict=verdict, responsible_step=origin.step if origin else None, responsible_batch=batch_ref,
         first_nonfinite_loss_step=replayed_first, logged_first_nonfinite_loss_step=logged_first, origin=origin,
         events=events, spread=spread, state_poisoned=any(e.stage == "optimizer_state" for e in events),
-        reproduced=diverged is None, diverged_at_step=diverged, fully_nonfinite_step=full, findings=[],
-        setup=setup)
+        reproduced=diverged is None if judged else None, diverged_at_step=diverged, fully_nonfinite_step=full,
+        findings=[], setup=setup, loss_only_steps=list(loss_only), checkpoints_compared=list(compared),
+        loss_max_ulps=max((s.loss_ulps for s in spread if s.loss_ulps is not None), default=None))
     return report

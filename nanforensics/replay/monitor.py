@@ -1,10 +1,19 @@
 """Per-step hooks that check every stage of a training step for non-finite values.
 
-Two modes. *Detect* (the default) computes ``aminmax`` per tensor on the device and syncs once
-per step: cheap enough to run on every replayed step. *Locate* checks each tensor the moment
-a hook sees it and, when one is bad, records its first coordinate and value before later code
-mutates it (gradient clipping turns inf into NaN in place). Replay runs a step in locate mode
-only after detect mode has flagged it.
+Two modes. *Detect* (the default) only says which stages and tensors went non-finite: cheap enough
+to run on every replayed step. A CPU tensor's verdict is read on the spot (``finite.is_finite``: a
+CPU reduction has finished when it returns, so there is nothing to wait for); on an accelerator each
+tensor's ``aminmax`` stays on the device and the step ends with one host sync. *Locate* checks each
+tensor the moment a hook sees it and, when one is bad, records its first coordinate and value before
+later code mutates it (gradient clipping turns inf into NaN in place). Replay runs a step in locate
+mode only after detect mode has flagged it.
+
+What detect mode guarantees: a step is flagged iff a non-finite value is in the batch, in any tensor
+of any module's forward output (every module, not only the root: a later module can absorb a NaN, a
+mask or an index that drops it), in the loss, in a gradient as accumulated, in a gradient changed
+between backward and ``optimizer.step()`` (clipping, unscaling), in the optimizer state or in the
+parameters after the step. Values inside one module's forward that never reach its output are the
+operation trace's business (rootcause/operations.py). docs/performance.md has the cost of each part.
 """
 
 from __future__ import annotations
@@ -28,15 +37,22 @@ _RANK = {s: i for i, s in enumerate(STAGES)}
 class StepMonitor:
     """Hooks on one model and its optimizer; ``begin`` and ``end`` bracket each step."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, defer: bool | None = None) -> None:
+        """``defer``: keep detect-mode verdicts on the device until ``end`` (the default off the CPU); True on a
+        CPU model exercises that path where there is no accelerator."""
         self.model, self.optimizer = model, optimizer
+        self.defer = defer
         self.param_names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         self._handles: list[Any] = []
         self.step = -1
         self.locate = False
-        self._pending: list[tuple[str, str, str | None, torch.Tensor]] = []
+        self._pending: list[tuple[str, str, str | None, tuple[torch.Tensor, torch.Tensor]]] = []
         self._events: dict[tuple[str, str | None], Event] = {}
         self._grad_seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its grad, version) at backward
+        # Buffers already non-finite before the first monitored step are constants (a -inf attention mask kept as a
+        # non-persistent buffer), not state that went bad: the start checkpoint's persistent buffers are all finite.
+        held = [(n, b) for n, b in model.named_buffers() if finite.checkable(b)]
+        self._constant_buffers = {n for (n, _), ok in zip(held, finite.all_finite_flags([b for _, b in held])) if not ok}
 
     # -- installation ---------------------------------------------------------------------------
 
@@ -92,7 +108,7 @@ class StepMonitor:
             self.check("batch", path, leaf)
 
     def end(self, loss: Any) -> list[Event]:
-        """Check loss, optimizer state and parameters; return this step's events in stage order.
+        """Check loss, optimizer state, parameters and buffers; return this step's events in stage order.
 
         In detect mode an event only names the stage and tensor; its index is empty.
         """
@@ -105,10 +121,13 @@ class StepMonitor:
                 self.check("optimizer_state", self._name(p), value, state_key=key)
         for p in optimizer_params(self.optimizer):
             self.check("param", self._name(p), p)
+        for name, b in self.model.named_buffers():  # looked up each step: a module may assign a new tensor
+            if name not in self._constant_buffers:
+                self.check("buffer", name, b)
         if self._pending:
-            flags = finite.verdicts([e for *_, e in self._pending])
-            for (stage, name, key, _), ok in zip(self._pending, flags):
-                if not ok:
+            flags = finite.min_max_verdicts([pair for *_, pair in self._pending])
+            for (stage, name, key, _), good in zip(self._pending, flags):
+                if not good:
                     self._note(stage, name, key, index=[], value="", elements=0, dtype=None)
             self._pending.clear()
         return sorted(self._events.values(), key=lambda e: (_RANK[e.stage], e.state_key or ""))
@@ -117,11 +136,13 @@ class StepMonitor:
         if not finite.checkable(t):
             return
         t = whole(t)  # a sharded tensor (FSDP2 at world size) is checked whole, its coordinates its own
-        if self.locate:
-            if not finite.is_finite(t):
+        if not self.locate and (self.defer or (self.defer is None and t.device.type != "cpu")):
+            self._pending.append((stage, name, state_key, finite.min_max(t)))
+        elif not finite.is_finite(t):
+            if self.locate:
                 self._add(stage, name, state_key, t)
-        else:
-            self._pending.append((stage, name, state_key, finite.extremes(t)))
+            else:
+                self._note(stage, name, state_key, index=[], value="", elements=0, dtype=None)
 
     def _add(self, stage: str, name: str, key: str | None, t: torch.Tensor) -> None:
         where = finite.locate(t)
@@ -144,3 +165,8 @@ def totals(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[in
     params = optimizer_params(optimizer)
     state = sum(v.numel() for p in params for v in optimizer.state.get(p, {}).values() if finite.checkable(v))
     return sum(p.numel() for p in params), state
+
+
+def buffers_total(model: torch.nn.Module) -> int:
+    """Element count of the model's floating-point buffers: the ones a step can make non-finite."""
+    return sum(b.numel() for b in model.buffers() if finite.checkable(b))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import BadInput
+from ..outputs import check_outputs
 from ..report import ReplayReport, WhatIfResult, write_json
 from ..runs.checkpoint import Checkpoint, save_checkpoint
 from ..runs.files import make_build_dir, publish_dir_atomic, write_json_atomic
@@ -37,6 +38,7 @@ class RepairOptions:
     device: str = "auto"
     code_paths: Sequence[Path] = ()
     trust_run_dir: bool = False
+    trust_code: bool = False   # call the run's callables even where the trust policy refuses them
 
 
 @dataclass
@@ -58,13 +60,7 @@ class RepairReport:
 
 
 def _check_out(run_dir: Path, out: Path, force: bool) -> None:
-    run_real, out_real = run_dir.resolve(), out.resolve()
-    if out_real == run_real or run_real in out_real.parents:
-        raise BadInput(out, "lies inside the run directory: repair never writes into the run it repairs")
-    if out_real in run_real.parents:
-        raise BadInput(out, "holds the run directory: replacing it would delete the run")
-    if out.exists() and not out.is_dir():
-        raise BadInput(out, "exists and is not a directory")
+    check_outputs([run_dir], {"--out": out}, folders={"--out"})
     if out.is_dir() and any(out.iterdir()) and not force:
         raise BadInput(out, "exists and is not empty; pass --force to replace it")
 
@@ -85,7 +81,8 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
     run, out = Run(run_dir), Path(out)
     _check_out(run.path, out, opts.force)
     diagnosis = replay_run(run.path, ReplayOptions(device=opts.device, code_paths=opts.code_paths,
-                                                   trust_run_dir=opts.trust_run_dir), progress=progress)
+                                                   trust_run_dir=opts.trust_run_dir, trust_code=opts.trust_code),
+                           progress=progress)
     t = diagnosis.responsible_step
     if t is None:
         raise BadInput(run.path, f"the replay found no non-finite value (verdict {diagnosis.verdict}): "
@@ -93,7 +90,7 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
     change = _change(diagnosis, opts.reset_state)
     checkpoint = next(c for c in run.checkpoints() if c.step == diagnosis.setup.from_checkpoint)
     device = resolve_device(opts.device)
-    code = UserCode.load(run, opts.code_paths, opts.trust_run_dir)
+    code = UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code)
     last = min(t + opts.verify_steps, run.steps[-1].step)
     build = make_build_dir(out)
     try:

@@ -1,21 +1,24 @@
-"""A run's model and optimizer rebuilt at a checkpoint, stepping through the logged batches with the
-user's own step function. Replay, what-if replays and root-cause passes all drive one of these."""
+"""A run's model and optimizer rebuilt at a checkpoint, stepping through its batches with the user's own step
+function. Replay, what-if replays and root-cause passes all drive one of these, for a recorded run or not."""
 
 from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from ..errors import BadInput
 from ..report import Event
 from ..runs.batches import map_tensors
-from ..runs.checkpoint import Checkpoint, restore_rng, rng_state
-from ..runs.run import Run, UserCode
+from ..runs.checkpoint import restore_rng, rng_state
+from ..runs.source import StartPoint, StepCode, StepSource
 from .monitor import StepMonitor
+
+if TYPE_CHECKING:
+    from ..runs.run import Rebuilt
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,7 +51,7 @@ def loss_value(loss: Any, where: Path) -> float:
     raise BadInput(where, f"the step function returned {type(loss).__name__}, not a scalar loss")
 
 
-def open_session(run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> "Session":
+def open_session(run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device) -> "Session":
     """A session for the run: a distributed run's world emulated on this process, or one rank of it under torchrun."""
     if run.world is not None:
         from ..distributed.sessions import distributed_session
@@ -64,19 +67,20 @@ class Session:
     the same model here, a data-parallel wrapper in a distributed session.
     """
 
-    shard: Callable[[torch.nn.Module], None] | None = None  # applied before the optimizer is built (FSDP2)
-
-    def __init__(self, run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> None:
+    def __init__(self, run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device) -> None:
         self.run, self.code, self.checkpoint, self.device = run, code, checkpoint, device
         self.reset()
 
     def reset(self) -> None:
         """Back to the checkpoint: fresh model, optimizer, scaler and scheduler, its RNG states restored."""
-        self.model, self.optimizer, self.scaler, self.scheduler, self.meta = self.code.build(
-            self.run, self.checkpoint, self.device, wrap=self.shard)
+        self.model, self.optimizer, self.scaler, self.scheduler, self.meta = self.rebuild()
         self.stepped: torch.nn.Module = self.model
-        restore_rng(self.meta["rng"])
+        restore_rng(self.meta["rng"], self.checkpoint.path / "meta.json")
         self.step = self.checkpoint.step
+
+    def rebuild(self) -> Rebuilt:
+        """The run's objects at the checkpoint (a rank of a replay at world size shards the model on the way)."""
+        return self.code.build(self.run, self.checkpoint, self.device)
 
     def logged_batch(self, step: int) -> Any:
         """The batch as logged (for a distributed run, the shard of the rank in focus)."""
@@ -91,6 +95,12 @@ class Session:
         leaves the explaining to another."""
         yield self
 
+    def traced_pass(self, origin: Event) -> Any:
+        """The pass the operation trace follows ``origin`` through: the user's step on this step's batch (in a
+        distributed run, the shard of the rank in focus, or every rank's when the origin arose after the collective).
+        Returns the loss."""
+        return self.call_step(self.batch(self.step))
+
     def call_step(self, batch: Any) -> Any:
         """The user's step function on one batch, given the scaler and scheduler as keyword arguments where the
         run recorded them; what it raises becomes a one-line error."""
@@ -100,18 +110,18 @@ class Session:
         except BadInput:
             raise
         except Exception as e:
-            raise BadInput(self.run.path / "manifest.json", f"step function {self.run.manifest.step_fn} raised "
-                                                            f"{e.__class__.__name__} at step {self.step}: {e}") from None
+            raise BadInput(self.run.code_file, f"step function {self.code.step_name} raised "
+                                               f"{e.__class__.__name__} at step {self.step}: {e}") from None
 
     def run_step(self, monitor: StepMonitor | None = None, locate: bool = False,
                  batch: Any = None) -> tuple[float, list[Event]]:
-        """Run the next logged step (on ``batch`` instead of the logged one where given: a what-if drops samples);
+        """Run the next step (on ``batch`` instead of the run's own where given: a what-if drops samples);
         returns its loss and, with a monitor, its events."""
         batch = self.batch(self.step) if batch is None else batch
         if monitor:
             monitor.begin(self.step, batch, locate)
         loss = self.call_step(batch)
-        value = loss_value(loss, self.run.path / "manifest.json")
+        value = loss_value(loss, self.run.code_file)
         events = monitor.end(loss) if monitor else []
         self.step += 1
         return value, events

@@ -17,10 +17,13 @@ import torch
 
 from .. import finite
 from ..errors import BadInput
-from ..report import WhatIfResult
+from ..report import Event, WhatIfResult
+from ..rootcause.findings import describe
 from ..rootcause.samples import batch_size, select
-from ..runs.checkpoint import Checkpoint, optimizer_params
-from ..runs.run import Run, UserCode
+from ..runs.checkpoint import optimizer_params
+from ..runs.source import StartPoint, StepCode, StepSource
+from ..words import count, numbered
+from .monitor import StepMonitor
 from .session import Session, open_session
 
 USAGE = "clip=MAX_NORM, skip, skip-after-moments, reset-state, lr=VALUE, drop-samples=I,J or drop-batch"
@@ -56,13 +59,20 @@ class Clip(Intervention):
         params = [p for p in optimizer_params(optimizer) if p.grad is not None]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_norm))
         grads = [p.grad for p in params]
-        name = finite.value_name(norm)
-        if not math.isfinite(norm) and not all(finite.all_finite_flags(grads)):
-            self.detail = (f"total gradient norm {name}: the clip factor {self.max_norm:g}/{name} is 0 (or NaN) "
-                           "and inf*0 = NaN, so clipping made the gradient NaN")
-        elif not math.isfinite(norm):
-            self.detail = (f"total gradient norm {name} from finite gradients (their squares overflow): the clip "
-                           "factor is 0 and the whole gradient was zeroed")
+        factor = f"the clip factor {self.max_norm:g}/{finite.value_name(norm)}"
+        if math.isnan(norm):  # max_norm/NaN is NaN: every gradient times it is NaN
+            total = sum(g.numel() for g in grads)
+            self.detail = (f"total gradient norm nan: {factor} is NaN, so clipping made all "
+                           f"{count(total, 'gradient value')} NaN")
+        elif math.isinf(norm):  # max_norm/inf is 0: finite gradients are zeroed, an infinite one becomes 0*inf = NaN
+            made_nan = sum(finite.count_nonfinite(g) for g in grads)
+            zeroed = sum(g.numel() for g in grads) - made_nan
+            if made_nan:
+                self.detail = (f"total gradient norm inf: {factor} is 0, and 0*inf = NaN, so clipping made "
+                               f"{count(made_nan, 'infinite gradient value')} NaN and zeroed the other {zeroed:,}")
+            else:
+                self.detail = (f"total gradient norm inf from finite gradients (their squares overflow): {factor} is 0, "
+                               f"so clipping zeroed all {count(zeroed, 'gradient value')}")
         elif norm > self.max_norm:
             self.detail = f"total gradient norm {norm:.4g}, scaled down to {self.max_norm:g}"
         else:
@@ -136,14 +146,15 @@ class ResetState(Intervention):
                     bad = ~torch.isfinite(p)
                     restored += int(bad.sum())
                     p[bad] = saved[bad]
-        self.detail = f"zeroed the optimizer state of {zeroed} coordinate(s), put back {restored} parameter value(s)"
+        self.detail = (f"zeroed the optimizer state of {count(zeroed, 'coordinate')}, put back "
+                       f"{count(restored, 'parameter value')}")
 
 
 class DropSamples(Intervention):
     acts_on_optimizer = False
 
     def __init__(self, spec: str, samples: Sequence[int]) -> None:
-        super().__init__(spec, f"sample(s) {', '.join(map(str, samples))} left out of the batch")
+        super().__init__(spec, f"{numbered('sample', sorted(set(samples)))} left out of the batch")
         self.samples = sorted(set(samples))
 
     def batch(self, batch: Any) -> Any | None:
@@ -203,12 +214,12 @@ def parse(spec: str) -> Intervention:
     raise BadInput("--what-if", f"cannot read {spec!r}; use {USAGE}")
 
 
-def _changed_step(session: Session, change: Intervention) -> float | None:
-    """Run the session's next step with ``change``; None when it drops the step."""
+def _changed_step(session: Session, change: Intervention, monitor: StepMonitor) -> tuple[float | None, list[Event]]:
+    """Run the session's next step with ``change``; no loss and no events when it drops the step."""
     batch = change.batch(session.batch(session.step))
     if batch is None:
         session.step += 1  # the batch is left out: this step does not happen
-        return None
+        return None, []
     fired: list[bool] = []
 
     def before(optimizer: torch.optim.Optimizer, *_: Any) -> None:  # a pre-hook's return value would replace args
@@ -218,13 +229,13 @@ def _changed_step(session: Session, change: Intervention) -> float | None:
     handles = [session.optimizer.register_step_pre_hook(before),
                session.optimizer.register_step_post_hook(lambda o, *_: change.after(o))]
     try:
-        loss, _ = session.run_step(batch=batch)
+        result = session.run_step(monitor, batch=batch)
     finally:
         for h in handles:
             h.remove()
     if change.acts_on_optimizer and not fired:
         change.detail = "optimizer.step() did not run at this step (the scaler skipped it): nothing to change"
-    return loss
+    return result
 
 
 def nonfinite_in(session: Session, loss: float | None) -> str | None:
@@ -242,35 +253,39 @@ def nonfinite_in(session: Session, loss: float | None) -> str | None:
 
 def replay_with(session: Session, change: Intervention | None, last: int) -> WhatIfResult:
     """From the session's next step (the one to change) through ``last``: the change, then the logged steps,
-    each checked for non-finite loss, parameters and optimizer state."""
+    each checked for non-finite loss, parameters and optimizer state. The first step that leaves one is named
+    by this replay's origin: the first stage of that step with a non-finite value, as the replay names it."""
     change = copy.copy(change)  # its notes are this replay's own
     step = session.step
     losses: list[float | None] = []
     first_step = first_what = nan_loss = None
-    for s in range(step, last + 1):
-        loss = _changed_step(session, change) if s == step and change is not None else session.run_step()[0]
-        losses.append(loss)
-        what = nonfinite_in(session, loss)
-        if what is not None and first_step is None:
-            first_step, first_what = s, what
-        if loss is not None and not math.isfinite(loss) and nan_loss is None:
-            nan_loss = s
+    with StepMonitor(session.model, session.optimizer) as monitor:
+        for s in range(step, last + 1):
+            loss, events = (_changed_step(session, change, monitor) if s == step and change is not None
+                            else session.run_step(monitor))
+            losses.append(loss)
+            what = nonfinite_in(session, loss)
+            if what is not None and first_step is None:
+                first_step, first_what = s, describe(events[0]) if events else what
+            if loss is not None and not math.isfinite(loss) and nan_loss is None:
+                nan_loss = s
     return WhatIfResult(change.spec if change else "none",
                         change.description if change else "the replay as recorded", step, last, first_step is None,
                         first_step, first_what, nan_loss, losses, change.detail if change else None)
 
 
-def what_if_replays(run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device, step: int,
+def what_if_replays(run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device, step: int,
                     changes: Sequence[Intervention], steps_after: int, rank: int | None = None) -> list[WhatIfResult]:
     """The replay as recorded, then one replay per change, each from the model rebuilt afresh at ``checkpoint``; in a
     distributed run a change to the batch changes ``rank``'s shard (none on a rank that leaves them to another)."""
-    last = min(step + steps_after, run.steps[-1].step)
+    last = step + steps_after if run.last_step is None else min(step + steps_after, run.last_step)
     results = []
     with open_session(run, code, checkpoint, device).focused(rank) as session:
         if session is None:
             return []
-        for change in [None, *changes]:
-            session.reset()
+        for i, change in enumerate([None, *changes]):
+            if i:
+                session.reset()  # each from the checkpoint files again: nothing mutable shared with the one before
             session.advance_to(step)
             results.append(replay_with(session, change, last))
     return results
@@ -283,5 +298,6 @@ def findings(results: list[WhatIfResult], requested: bool) -> list[str]:
     survived = [r.intervention for r in results[1:] if r.finite]
     failed = [f"{r.intervention} (step {r.first_nonfinite_step}: {r.first_nonfinite})" for r in results[1:]
               if not r.finite]
-    return [f"What-if at step {r0.step}, checked through step {r0.last_step}: the run stays finite with "
-            f"{', '.join(survived) or 'no change tried'}; it still goes non-finite with {', '.join(failed) or 'none'}."]
+    outcomes = ([f"the run stays finite with {', '.join(survived)}"] if survived else []) + (
+        [f"it still goes non-finite with {', '.join(failed)}"] if failed else [])
+    return [f"What-if at step {r0.step}, checked through step {r0.last_step}: {'; '.join(outcomes)}."]

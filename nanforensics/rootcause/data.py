@@ -1,4 +1,4 @@
-"""Data-level checks of logged batches, before any replay: a NaN in the input file is a data defect,
+"""Data-level checks of a run's batches, before any replay: a NaN in the input file is a data defect,
 not a training failure, and a subnormal or huge reading is the usual seed of one."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import torch
 from .. import finite
 from ..report import DataDefect
 from ..runs.batches import leaves
-from ..runs.run import Run
-
-DEFAULT_MAX_ABS = 1e6
+from ..runs.source import StepSource
+from . import DEFAULT_MAX_ABS
 
 
 def _first(mask: torch.Tensor) -> list[int]:
@@ -41,16 +40,16 @@ def check_tensor(t: torch.Tensor, max_abs: float) -> Iterable[tuple[str, int, li
         yield "subnormal", int(subnormal.sum()), index, repr(float(t[tuple(index)]))
 
 
-def check_batches(run: Run, steps: Iterable[int], max_abs: float = DEFAULT_MAX_ABS) -> list[DataDefect]:
+def check_batches(run: StepSource, steps: Iterable[int], max_abs: float = DEFAULT_MAX_ABS) -> list[DataDefect]:
     """Every floating-point tensor of the batches of ``steps``; a missing batch is the replay's error, not ours."""
     defects: list[DataDefect] = []
     for step in steps:
-        for rank in run.ranks:  # each rank's shard of a distributed run
-            path = run.batch_file(step, rank)
-            if not path.exists():
+        for rank in range(run.world.world_size) if run.world is not None else [None]:  # each rank's shard
+            origin = run.batch_origin(step, rank)
+            if origin is None:
                 continue
             for name, leaf in leaves(run.batch(step, rank)):
                 if finite.checkable(leaf):
                     for kind, count, index, value in check_tensor(leaf, max_abs):
-                        defects.append(DataDefect(step, str(path), name, kind, count, index, value, rank))
+                        defects.append(DataDefect(step, origin, name, kind, count, index, value, rank))
     return defects

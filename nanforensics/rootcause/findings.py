@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
-from ..report import Event, OpSite, ReplayReport
+from ..finite import value_name
+from ..replay.reproduction import LOSS_ULPS
+from ..report import CheckpointComparison, CheckpointLoad, Event, OperationCulprit, OpSite, Precursor, ReplayReport
+from ..words import count, numbered
 
 
 def describe(e: Event) -> str:
@@ -23,24 +26,71 @@ def describe_site(op: OpSite) -> str:
     return f"{op.op}{where}" + (f" ({op.source})" if op.source else "")
 
 
+_NONFINITE = ("nan", "inf", "-inf")
+
+
+def _ranges(ranges: list[list[str]]) -> str:
+    return ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges)
+
+
+def _inputs(site: OpSite) -> str:
+    """``finite inputs [..]`` or ``inputs holding -inf ([..])``: read off the input ranges, never assumed."""
+    if not site.input_ranges:
+        return "no floating-point inputs"
+    held = [v for v in _NONFINITE if any(v in r for r in site.input_ranges)]
+    if not held:
+        return f"finite inputs {_ranges(site.input_ranges)}"
+    return f"inputs holding {' and '.join(held)} ({_ranges(site.input_ranges)})"
+
+
+def operation_sentence(op: OperationCulprit) -> str:
+    """Where the origin's value was made, each clause read off the culprit's facts."""
+    if op.site.phase == "backward" and op.forward is not None:
+        subject = f"{op.site.op} in the backward of {describe_site(op.forward)}, autograd node {op.autograd_node},"
+    else:
+        subject = f"{op.site.phase} {describe_site(op.site)}"
+    text = (f"Operation: {subject} produced {op.output_value} at [{', '.join(map(str, op.output_index))}] "
+            f"from {_inputs(op.site)}")
+    if any(r is not None for r in op.inputs_at_index):
+        at = ", ".join("(not shown)" if r is None else f"[{r[0]}, {r[1]}]" + (
+            f" (all {r[0]})" if r[0] == r[1] and r[0] in _NONFINITE else "") for r in op.inputs_at_index)
+        text += f"; the input elements that coordinate was computed from ranged over {at}"
+    if len(op.site.output_ranges) > 1:  # a loss and its total weight, values and indices: the others tell why
+        text += f"; its outputs ranged over {_ranges(op.site.output_ranges)}"
+    if op.site.phase == "backward" and op.forward is not None:
+        text += f"; the forward op's inputs ranged over {_ranges(op.forward.input_ranges)}"
+    text += "."
+    src = op.inf_source
+    if src is not None:
+        infs = " and ".join(v for v in ("-inf", "inf") if any(v in r for r in op.site.input_ranges)) or "±inf"
+        if src.site is not None:
+            held = f", and {src.tensor} held it before the step" if src.tensor else ""
+            text += (f" The {infs} in its inputs was not computed: {src.site.phase} {describe_site(src.site)} wrote "
+                     f"it as a constant (a mask){held}, so this operation, where it became NaN, is the cause.")
+        else:
+            text += (f" The {infs} in its inputs was not computed in this step: "
+                     f"{src.tensor or 'a tensor from before the step'} already held it, so this operation, where it "
+                     "became NaN, is the cause.")
+    if op.nan_site is not None:
+        where = "in the backward pass" if op.nan_site.phase == "backward" and op.site.phase != "backward" \
+            else "downstream of it"
+        node = f", autograd node {op.nan_node}," if op.nan_node else ""
+        text += (f" NaN arose {where}, at {op.nan_site.phase} {describe_site(op.nan_site)}{node} from "
+                 f"{_inputs(op.nan_site)}.")
+    if op.traced_from and op.path:
+        text += f" Traced back from {op.traced_from}: {' <- '.join(reversed(op.path))}."
+    return text
+
+
 def _root_cause(r: ReplayReport) -> list[str]:
     out = []
     for d in r.data_defects:
         if r.responsible_step is None or d.step == r.responsible_step:
             kind = {"nonfinite": "a non-finite", "extreme": "an extreme", "subnormal": "a subnormal"}[d.kind]
             out.append(f"Data: the batch of step {d.step} holds {kind} value, {d.tensor}"
-                       f"[{', '.join(map(str, d.index))}] = {d.value} ({d.count} such in {d.file}).")
-    op = r.operation
-    if op is not None:
-        ranges = ", ".join(f"[{lo}, {hi}]" for lo, hi in op.site.input_ranges)
-        if op.site.phase == "backward" and op.forward is not None:
-            fwd_ranges = ", ".join(f"[{lo}, {hi}]" for lo, hi in op.forward.input_ranges)
-            out.append(f"Operation: {op.site.op} in the backward of {describe_site(op.forward)}, autograd node "
-                       f"{op.autograd_node}, produced {op.output_value} at [{', '.join(map(str, op.output_index))}] "
-                       f"from finite inputs {ranges}; the forward op's inputs ranged over {fwd_ranges}.")
-        else:
-            out.append(f"Operation: {op.site.phase} {describe_site(op.site)} produced {op.output_value} at "
-                       f"[{', '.join(map(str, op.output_index))}] from finite inputs {ranges}.")
+                       f"[{', '.join(map(str, d.index))}] = {d.value} ({count(d.count, 'such value')} in {d.file}).")
+    if r.operation is not None:
+        out.append(operation_sentence(r.operation))
     if r.samples is not None:
         ids = "; ".join(f"{k} = {v}" for k, v in r.samples.sample_leaves.items())
         out.append(f"Samples: {r.samples.message}" + (f" ({ids})" if ids else "") + ".")
@@ -49,15 +99,28 @@ def _root_cause(r: ReplayReport) -> list[str]:
 
 _CAUSE = {
     "batch": "the batch itself holds a non-finite value: a data defect, before any computation",
-    "forward": "the forward pass produced it from finite inputs (an overflow or an invalid operation in module {t})",
+    "forward": "in the forward pass, module {t}'s output is the first module output to hold it",
     "loss": "every module output was finite but the loss computation produced it",
-    "grad": "the forward pass and the loss were finite; the backward pass overflowed",
+    "grad": "the forward pass and the loss were finite; the backward pass made it",
     "optimizer_grad": "the gradients were finite after backward; the step function made them non-finite before "
                       "optimizer.step()",
     "optimizer_state": "the gradients were finite, but the optimizer state overflowed (a squared gradient past the "
                        "dtype's largest value, for instance)",
     "param": "gradients and optimizer state were finite; the parameter update itself produced it",
+    "buffer": "gradients, optimizer state and parameters were finite, but a registered buffer was not: buffers are "
+              "updated outside the optimizer{how}",
 }
+_RUNNING_STATS = ("running_mean", "running_var")  # BatchNorm's (and InstanceNorm's) running averages
+
+
+def _is_running_stat(name: str) -> bool:
+    return name.rpartition(".")[2] in _RUNNING_STATS
+
+
+def _cause(o: Event) -> str:
+    how = (" (BatchNorm updates its running statistics in the training forward, from each batch's own statistics)"
+           if _is_running_stat(o.tensor) else "")
+    return _CAUSE[o.stage].format(t=o.tensor, how=how)
 
 
 def findings(r: ReplayReport) -> list[str]:
@@ -67,12 +130,11 @@ def findings(r: ReplayReport) -> list[str]:
         if r.verdict == "not_reproduced":
             out.append(f"The logged loss was non-finite at step {r.logged_first_nonfinite_loss_step}, but the replay "
                        "found no non-finite value: the failure did not reproduce here.")
-        else:
-            out.append("No non-finite value in any batch, activation, loss, gradient, optimizer state or parameter "
-                       f"over steps {r.setup.first_step}-{r.setup.last_step}.")
+        elif not r.loss_only_steps:  # those have their own sentence
+            out.append(_nothing_reached(r))
     else:
-        out.append(f"Origin: step {o.step}, {describe(o)} ({o.dtype}): {_CAUSE[o.stage].format(t=o.tensor)}.")
-        shown = r.logged_first_nonfinite_loss_step
+        out.append(f"Origin: step {o.step}, {describe(o)} ({o.dtype}): {_cause(o)}.")
+        shown = first_shown(r)
         if shown is not None and shown < o.step:
             caught = r.amp is not None and any(c.step == shown for c in r.amp.caught)
             out.append(f"The logged loss was already non-finite at step {shown}, before the origin: "
@@ -81,32 +143,330 @@ def findings(r: ReplayReport) -> list[str]:
         elif shown is not None and shown != o.step:
             logged = next((s.logged_loss for s in r.spread if s.step == o.step), None)
             loss_text = f" ({logged:.6g})" if logged is not None and math.isfinite(logged) else ""
+            inspect = (f"the step to inspect is step {o.step}, not step {shown}" if step_not_data(r) else
+                       f"the batch to inspect is step {o.step}'s, not step {shown}'s")
             out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "
-                       f"The logged loss first shows NaN at step {shown}, {shown - o.step} step(s) later; "
-                       f"the batch to inspect is step {o.step}'s, not step {shown}'s.")
+                       f"The logged loss first shows NaN at step {shown}, {count(shown - o.step, 'step')} later; "
+                       f"{inspect}.")
+        elif r.reproduced is None and r.first_nonfinite_loss_step not in (None, o.step):
+            replayed = next((s.replayed_loss for s in r.spread if s.step == o.step), None)
+            loss_text = f" ({replayed:.6g})" if replayed is not None and math.isfinite(replayed) else ""
+            shown = r.first_nonfinite_loss_step
+            inspect = (f"the step to inspect is step {o.step}, not step {shown}" if step_not_data(r) else
+                       f"the batch to inspect is step {o.step}'s, not step {shown}'s")
+            out.append(f"The loss at step {o.step} was finite in the replay{loss_text}: it is computed before the "
+                       f"update. It first shows NaN at step {shown}, {count(shown - o.step, 'step')} later, where a "
+                       f"training log shows it too; {inspect}.")
         out += _root_cause(r)
-        step_events = [e for e in r.events if e.step == o.step]
-        grad_inf = next((e for e in step_events if e.stage == "grad" and e.value in ("inf", "-inf")), None)
-        opt_grad = next((e for e in step_events if e.stage == "optimizer_grad"), None)
-        if grad_inf and opt_grad and opt_grad.value == "nan":
-            out.append(f"The step function turned the {grad_inf.value} gradient into NaN before optimizer.step(): "
-                       "gradient clipping cannot rescue an infinity (total norm = inf, clip factor = max_norm/inf = 0, "
-                       "inf*0 = NaN).")
-        elif grad_inf:
-            out.append("Gradient clipping would not have rescued this: the total norm is inf, the clip factor "
-                       "max_norm/inf is 0, and inf*0 = NaN.")
-    state = [e for e in r.events if e.stage == "optimizer_state"]
-    if state:
-        first = min(e.step for e in state)
-        keys = sorted({e.state_key or "" for e in state if e.step == first})
-        out.append(f"Optimizer state ({', '.join(keys)}) holds non-finite values from step {first}: the state is "
-                   "absorbing (beta*NaN stays NaN, no later gradient repairs it). Skipping the step after "
-                   "optimizer.step() has written it would not save the run: skip before the state is written "
-                   "(check the gradients first, as GradScaler does), or repair or reset the state.")
+        out += _batch_wide(r)
+        out += _clipping(r)
+    out += _state(r)
+    out += _buffers(r) + _loss_only(r)
+    if o is None and r.loss_only_steps:  # the first loss-only step, explained: its op and its samples
+        out += _root_cause(r)
     if r.fully_nonfinite_step is not None:
         out.append(f"Every parameter is non-finite by step {r.fully_nonfinite_step}.")
+    out += _reproduction(r)
+    return out + (_loaded(r.loaded) if r.loaded is not None else [])
+
+
+def _loaded(c: CheckpointLoad) -> list[str]:
+    """How a checkpoint the recorder did not write was read: each choice that shapes what the replay means."""
+    basis = {"metadata": "its metadata", "trainer_state.json": "the steps trainer_state.json counts",
+             "name": "its name", "--from-step": "--from-step"}.get(c.step_from, c.step_from)
+    advice = "" if c.step_from == "trainer_state.json" else \
+        f"; a loop that saved it after running step {c.step} needs --from-step {c.step + 1}"
+    out = [f"The checkpoint is taken as the state before step {c.step} (from {basis}): {c.batches}({c.step}) is the "
+           f"first batch replayed{advice}."]
+    if c.model_prefix_stripped:
+        out.append(f"Model keys were saved with the prefix {c.model_prefix_stripped!r} (a wrapper), removed to "
+                   "match the model by name.")
+    if c.optimizer_matched == "order":
+        shared = (f"{c.same_shape_params} of {c.optimizer_params} parameters share their shape with another of their "
+                  "group, so the optimizer must list those in the order training did: a different order among them "
+                  "goes unnoticed") if c.same_shape_params else \
+            "no two parameters of a group share a shape"
+        out.append(f"Optimizer state was matched to the parameters by order, as torch's load_state_dict does: the "
+                   f"checkpoint records no parameter names. Every group's size and every state tensor's shape agree; "
+                   f"{shared}.")
+    if c.scheduler == "unused":
+        out.append("The checkpoint holds an LR scheduler's state, but no scheduler factory was named (--scheduler): "
+                   "the learning rate stays at the checkpoint's value, where training followed its schedule.")
+    if "torch" not in c.rng_restored:
+        why = f" ({c.rng_missing})" if c.rng_missing else ""
+        effect = (f" The model's dropout ({', '.join(c.random_modules)}) draws its masks from it, so they differ from "
+                  "training's: the replayed steps are not the run's, and a failure that needs particular masks may "
+                  "not reproduce.") if c.random_modules else \
+            " The model has no dropout module, so this matters only where the step function draws random numbers."
+        out.append(f"The torch RNG state was not restored{why}: every pass of the replay starts from seed 0."
+                   + effect)
+    return out
+
+
+def first_shown(r: ReplayReport) -> int | None:
+    """The first logged non-finite loss that is not a loss-only step: where the failure shows."""
+    first = r.logged_first_nonfinite_loss_step
+    if first not in r.loss_only_steps:
+        return first
+    return next((s.step for s in r.spread if s.logged_loss is not None and not math.isfinite(s.logged_loss)
+                 and s.step not in r.loss_only_steps), None)
+
+
+def _buffers(r: ReplayReport) -> list[str]:
+    """Non-finite buffers: which, from when, what the parameters and losses did, and what reads the buffers."""
+    e = next((e for e in r.events if e.stage == "buffer"), None)
+    if e is None:
+        return []
+    others = e.tensors_nonfinite - 1
+    what = f"Buffer {e.tensor}" + (f" and {count(others, 'other buffer')}" if others > 0 else "")
+    param = next((p.step for p in r.events if p.stage == "param"), None)
+    if param is not None and param < e.step:
+        return [f"{what} went non-finite at step {e.step}, after the parameters (step {param}): a consequence, not "
+                "the origin."]
+    follows = (f"the parameters turned non-finite at step {param}" if param is not None else
+               f"the parameters stayed finite through step {r.setup.last_step}")
+    out = [f"{what} {'hold' if others else 'holds'} non-finite values from step {e.step}; {follows}. A buffer "
+           "persists from step to step like optimizer state, so the run carries it on."]
+    if _is_running_stat(e.tensor):
+        later = [s for s in r.spread if s.step >= e.step]
+        losses = ("the replayed losses stayed finite through step "
+                  f"{later[-1].step}, since " if later and all(math.isfinite(s.replayed_loss) for s in later) else "")
+        out.append(f"These are BatchNorm running statistics: {losses}in training mode BatchNorm normalises with each "
+                   "batch's own statistics; in eval mode (evaluation, inference) it normalises with the running ones, "
+                   "which keep a non-finite value ((1-momentum)*inf = inf). Reset them (reset_running_stats()) or "
+                   "re-estimate them on clean batches.")
+    return out
+
+
+def _loss_only(r: ReplayReport) -> list[str]:
+    """Steps whose loss was non-finite while nothing the model keeps was."""
+    steps = r.loss_only_steps
+    if not steps:
+        return []
+    values = {_loss(s.replayed_loss) for s in r.spread if s.step in steps and not math.isfinite(s.replayed_loss)}
+    value = " or ".join(sorted(values)) or "non-finite"
+    before = " before the origin" if r.origin is not None else ""
+    return [f"The loss was {value} at {numbered('step', steps)}{before}, but no gradient, parameter, optimizer-state or buffer "
+            "value was: the non-finite loss never reached the model, so training could continue. Such a loss "
+            "typically comes from a batch with no valid target: a mean over zero elements is 0/0 = NaN while its "
+            "gradient is zero (cross_entropy when every label is ignore_index, -100)."]
+
+
+def _mismatch_text(c: CheckpointComparison) -> str:
+    m = c.first_mismatch
+    assert m is not None
+    where = f"[{', '.join(map(str, m.index))}]" if m.index else ""
+    apart = f", {m.ulps} ulp apart" if m.ulps is not None else ""
+    return (f"{m.tensor}{where} is {m.recorded} in the checkpoint of step {c.step}, {m.replayed} in the replay"
+            f"{apart} ({count(m.elements, 'value')} differ{'s' * (m.elements == 1)}, in "
+            f"{count(c.mismatched_tensors, 'tensor')})")
+
+
+def reproduction(r: ReplayReport) -> str:
+    """Whether the replay reproduced the run, on what evidence: the state at a recorded checkpoint, or losses."""
+    if r.reproduced is None:
+        return "cannot be judged: there are no logged losses and no recorded checkpoints to compare the replay with"
+    exact = [c for c in r.checkpoints_compared if c.exact]
+    ulps = ("losses identical" if not r.loss_max_ulps else f"losses within {r.loss_max_ulps} ulp") \
+        if r.loss_max_ulps is not None else "no finite loss to compare"
+    if r.reproduced and exact:
+        c = exact[-1]
+        if not c.nan_matched:
+            return f"reproduced (parameters, optimizer state and buffers bit-exact at step {c.step}; {ulps})"
+        return (f"reproduced (parameters, optimizer state and buffers equal at step {c.step}: {c.nan_matched:,} of "
+                f"its {c.values:,} values NaN in both, the others bit-exact; {ulps})")
+    if r.reproduced:
+        return f"reproduced as far as losses show ({ulps}; no recorded checkpoint in the replayed window)"
+    mismatch = next((c for c in r.checkpoints_compared if c.step == r.diverged_at_step and c.first_mismatch), None)
+    if mismatch is not None:
+        return f"not reproduced: the state diverged by step {mismatch.step}: {_mismatch_text(mismatch)}"
+    s = next(s for s in r.spread if s.step == r.diverged_at_step)
+    apart = f", {s.loss_ulps} ulp apart" if s.loss_ulps is not None else ""
+    return (f"not reproduced: losses diverge from step {s.step} (logged {_loss(s.logged_loss)}, replayed "
+            f"{_loss(s.replayed_loss)}{apart})")
+
+
+def _loss(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.9g}" if math.isfinite(x) else "NaN" if math.isnan(x) else value_name(x)
+
+
+def _reproduction(r: ReplayReport) -> list[str]:
+    if r.reproduced is None:
+        clean = (f"; it stays finite over steps {r.setup.first_step}-{r.setup.last_step}, so a failure of the run "
+                 "within them is not reproduced from the supplied batches") if r.verdict == "clean" else ""
+        return [f"No losses were logged and no recorded checkpoint lies in the replayed window: whether the replay "
+                f"reproduces the run cannot be judged{clean}."]
     if not r.reproduced:
-        out.append(f"Replayed losses differ from the logged ones from step {r.diverged_at_step}: the replay is not "
-                   "an exact copy of the run (non-deterministic kernels, another device or thread count, or a loop "
-                   "that draws random numbers between steps).")
+        text = reproduction(r)
+        return [f"{text[0].upper()}{text[1:]}. The replay is not an exact copy of the run: non-deterministic kernels, "
+                "another device or thread count, a loop that draws random numbers between steps, or files changed "
+                "after recording."]
+    if not r.loss_max_ulps:
+        return []
+    exact = [c.step for c in r.checkpoints_compared if c.exact]
+    rounding = r.loss_max_ulps <= LOSS_ULPS
+    if exact:
+        why = (f"the state is bit-exact at step {exact[-1]}, so that is the loss's own rounding (its reduction summed "
+               "in another order), not a divergence" if rounding else
+               f"more than rounding, yet the state is bit-exact at step {exact[-1]}: the logged losses were not "
+               "computed as the replay computes them (logged from another computation, or edited)")
+    else:
+        why = ("few enough to be the loss's own rounding (its reduction summed in another order)" if rounding else
+               "within the tolerance for a replay on another device type") + \
+              "; no recorded checkpoint in the replayed window confirms the state"
+    return [f"Replayed losses differ from the logged ones by up to {r.loss_max_ulps} float32 ulp: {why}."]
+
+
+def _nothing_reached(r: ReplayReport) -> str:
+    """A run with no origin: clean, or clean apart from overflows the loss scaler caught."""
+    span = f"steps {r.setup.first_step}-{r.setup.last_step}"
+    caught = sorted({e.step for e in r.amp.caught}) if r.amp is not None else []
+    if not caught:
+        return (f"No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter or buffer "
+                f"over {span}.")
+    logged = r.logged_first_nonfinite_loss_step
+    among = f" (the non-finite loss logged at step {logged} among them)" if logged in caught else ""
+    return (f"No non-finite value reached the optimizer state or the parameters over {span}: the non-finite values "
+            f"met at {numbered('step', caught)} were overflows the scaler caught{among}.")
+
+
+def step_not_data(r: ReplayReport) -> bool:
+    """Most of the responsible batch fails sample by sample, and that batch holds no data defect: the step (its
+    learning rate, loss scale, or weights grown over many steps), not its data, is responsible."""
+    return (r.samples is not None and r.samples.status == "batch_wide"
+            and not any(d.step == r.responsible_step for d in r.data_defects))
+
+
+# The precursors that show a step drifting towards overflow: (what, its value at a step, whether it is a fraction
+# of the dtype's largest value).
+_DRIFT = (("the learning rate", lambda p: p.learning_rate, False),
+          ("the gradient norm", lambda p: p.grad_norm, False),
+          ("the largest parameter update", lambda p: p.update_max_abs, False),
+          ("the largest activation", lambda p: p.activation_headroom, True))
+RISE = 10.0  # a precursor that grew by this factor over the window before the origin is cited as rising
+
+
+def rising(before: list[Precursor]) -> list[str]:
+    """The precursors that rose at least ``RISE``-fold from the first to the last step of ``before``."""
+    out = []
+    for label, value, of_dtype in _DRIFT:
+        values = [v for v in (value(p) for p in before) if v is not None and math.isfinite(v) and v > 0]
+        if len(values) >= 2 and values[-1] >= RISE * values[0]:
+            of = f" of {before[-1].activation_dtype}'s largest value" if of_dtype else ""
+            out.append(f"{label} from {values[0]:.3g} to {values[-1]:.3g}{of}")
+    return out
+
+
+def _batch_wide(r: ReplayReport) -> list[str]:
+    """A batch-wide failure: the whole batch is bad data, or, with clean data, the step is responsible, with the
+    precursors that show its drift."""
+    o = r.origin
+    if o is None or r.samples is None or r.samples.status != "batch_wide":
+        return []
+    if not step_not_data(r):
+        return [f"Most of step {o.step}'s batch fails sample by sample, and that batch holds data defects (see Data): "
+                "the batch as a whole is bad data, not particular samples of it."]
+    head = (f"Step {o.step}, not its data, is responsible: most of its batch fails sample by sample, so the cause is "
+            "the state the run had reached (its learning rate, its loss scale, or weights grown over many steps), and "
+            "another batch would most likely fail the same way")
+    before = [p for p in r.precursors if p.step < o.step]
+    if len(before) < 2:
+        return [f"{head}; the replay holds no earlier steps to show a drift."]
+    span = f"steps {before[0].step}-{before[-1].step}"
+    rose = rising(before)
+    if not rose:
+        return [f"{head}; no precursor rose {RISE:g}-fold over {span}."]
+    listed = ", ".join(rose[:-1]) + (" and " if len(rose) > 1 else "") + rose[-1]
+    return [f"{head}. Over {span} {'these' if len(rose) > 1 else 'this'} rose: {listed}."]
+
+
+def _times_zero(value: str) -> str:
+    return f"0*({value})" if value.startswith("-") else f"0*{value}"
+
+
+def _clipping(r: ReplayReport) -> list[str]:
+    """What gradient clipping did, or would have done, with this step's non-finite gradient."""
+    o = r.origin
+    assert o is not None
+    step_events = [e for e in r.events if e.step == o.step]
+    grad = next((e for e in step_events if e.stage == "grad"), None)
+    opt_grad = next((e for e in step_events if e.stage == "optimizer_grad"), None)
+    if grad is None:
+        return []
+    if grad.value in ("inf", "-inf") and opt_grad is not None and opt_grad.value == "nan":
+        return [f"The step function turned the {grad.value} gradient into NaN before optimizer.step(): that is what "
+                f"gradient clipping does to an infinity (total norm inf, clip factor max_norm/inf = 0, and "
+                f"{_times_zero(grad.value)} = NaN), so clipping cannot rescue it."]
+    if (opt_grad is not None and opt_grad.value != grad.value) or (grad.value == "nan" and o.stage != "grad"):
+        return []  # the step function changed the gradients, or they only carry an earlier stage's NaN
+    norm = next((p.grad_norm for p in r.precursors if p.step == o.step), None)
+    if norm is None:  # not measured: the first gradient event says which case it is
+        norm = math.inf if grad.value in ("inf", "-inf") else math.nan
+    if math.isnan(norm):
+        return ["Gradient clipping would not have rescued this: the total gradient norm is NaN, so the clip factor "
+                "max_norm/NaN is NaN, and clipping makes every gradient NaN."]
+    if math.isinf(norm):
+        value = grad.value if grad.value in ("inf", "-inf") else "inf"
+        return [f"Gradient clipping would not have rescued this: the total gradient norm is inf, so the clip factor "
+                f"max_norm/inf is 0, and {_times_zero(value)} = NaN."]
+    return []
+
+
+_SECOND_MOMENTS = {"exp_avg_sq", "max_exp_avg_sq"}  # Adam's v (and AMSGrad's max of it): the update divides by its root
+
+
+def _state_kinds(r: ReplayReport, step: int, keys: list[str]) -> dict[str, str]:
+    """Per state key, "NaN" or "infinities": what the key holds over all parameters at ``step``.
+
+    The precursors' max |value| per key is NaN when any value is NaN and inf when an infinity is the worst;
+    without them, the first non-finite value the replay met stands for the key.
+    """
+    measured = next((p.state_max_abs for p in r.precursors if p.step == step), {})
+    first = {e.state_key: e.value for e in r.events if e.stage == "optimizer_state" and e.step == step}
+    kinds = {}
+    for key in keys:
+        v = measured.get(key)
+        nan = math.isnan(v) if v is not None and not math.isfinite(v) else first.get(key) == "nan"
+        kinds[key] = "NaN" if nan else "infinities"
+    return kinds
+
+
+def _state(r: ReplayReport) -> list[str]:
+    """What the optimizer state holds once it went non-finite, and what follows from it in this run."""
+    state = [e for e in r.events if e.stage == "optimizer_state"]
+    if not state:
+        return []
+    first = min(e.step for e in state)
+    at_first = [e for e in state if e.step == first]
+    kinds = _state_kinds(r, first, sorted({e.state_key or "" for e in at_first}))
+    by_kind: dict[str, list[str]] = {}
+    for e in sorted(at_first, key=lambda e: e.state_key or ""):
+        by_kind.setdefault(kinds[e.state_key or ""], []).append(
+            f"{e.state_key} ({count(e.elements_nonfinite, 'value')} in {count(e.tensors_nonfinite, 'tensor')})")
+    holds = "; ".join(f"{kind} in {' and '.join(keys)}" for kind, keys in sorted(by_kind.items()))
+    finite_keys = sorted(set(next((p.state_max_abs for p in r.precursors if p.step == first), {})) - set(kinds))
+    param = next((e.step for e in r.events if e.stage == "param"), None)
+    follows = (f"the parameters turned non-finite at step {param}" if param is not None else
+               f"the parameters stayed finite through step {r.setup.last_step}")
+    head = f"From step {first} the optimizer state holds {holds}"
+    nan = [k for k, v in kinds.items() if v == "NaN"]
+    if nan:
+        out = [f"{head}; {follows}. NaN in the state is absorbing: beta*NaN stays NaN, and no later gradient repairs "
+               "it."]
+    elif param is None and set(kinds) <= _SECOND_MOMENTS:
+        others = f", while {', '.join(finite_keys)} stayed finite" if finite_keys else ""
+        out = [f"{head}{others}; {follows}. Where v is inf, Adam's update m/(sqrt(v)+eps) is 0: those coordinates "
+               "are frozen, they stop learning rather than turn NaN, and stay frozen while the inf lasts "
+               "(beta2*inf = inf). Zeroing their state (--what-if reset-state) lets them learn again."]
+    elif {"exp_avg", "exp_avg_sq"} <= set(kinds):
+        out = [f"{head}; {follows}. Adam's update m/(sqrt(v)+eps) is inf/inf = NaN there, and the infinities persist "
+               "(beta*inf = inf)."]
+    else:
+        out = [f"{head}; {follows}. An infinity in the state persists (beta*inf = inf)."]
+    if param is not None:
+        out.append("Skipping the step after optimizer.step() has written the state would not have saved the run: "
+                   "skip before the state is written (check the gradients first, as GradScaler does), or repair or "
+                   "reset the state.")
     return out

@@ -35,6 +35,7 @@ class PrecursorProbe:
         self._grad_max: torch.Tensor | None = None
         self._before: list[torch.Tensor] = []
         self._update_max: torch.Tensor | None = None
+        self._lr: float | None = None
         self._state: dict[str, list[torch.Tensor]] = {}
 
     def __enter__(self) -> "PrecursorProbe":
@@ -61,6 +62,8 @@ class PrecursorProbe:
             self._grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
             self._grad_max = torch.stack([_max_abs(finite.extremes(g)) for g in grads]).max()
         self._before = [whole(p).detach().clone() for p in optimizer_params(self.optimizer)]
+        lrs = [float(g["lr"]) for g in optimizer.param_groups if "lr" in g]
+        self._lr = max(lrs) if lrs else None
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         params = [whole(p) for p in optimizer_params(self.optimizer)]
@@ -82,6 +85,7 @@ class PrecursorProbe:
             if headroom is None or ratio > headroom:
                 act_dtype, act_max, headroom = str(dtype).removeprefix("torch."), m, ratio
         p = Precursor(step, value(self._grad_norm), value(self._grad_max), value(self._update_max),
-                      {k: float(torch.stack(v).max()) for k, v in self._state.items()}, act_max, act_dtype, headroom)
+                      {k: float(torch.stack(v).max()) for k, v in self._state.items()}, act_max, act_dtype, headroom,
+                      self._lr)
         self._reset()
         return p

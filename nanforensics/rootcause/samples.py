@@ -6,13 +6,26 @@ pass, so nothing is touched. k bad samples cost O(k log B) passes instead of B. 
 whose halves both pass is *coupled* (BatchNorm statistics, a loss normalised over the batch): it
 is reported as such, never narrowed down by guessing.
 
+A failure is *batch-wide* when most samples fail alone: the step (its learning rate, loss scale, or
+weights grown over many steps), not its data, is then responsible. Deciding that must not cost a
+pass per sample: before halving, single samples drawn at random are tried, up to ``PROBES`` and one
+more than half the batch, stopping at the first that passes. When all of them fail, the batch is
+batch-wide: exactly so for batches of up to ``2 * PROBES - 1`` samples (more than half were tried),
+and for larger ones wrong with a chance below 2**-PROBES when at most half fail. Otherwise halving
+names the samples, and a batch whose named samples are more than half of it is batch-wide as well;
+exactly half is not.
+
 A step function can opt out (its batch is not split along dimension 0) by setting
-``train_step.nanforensics_splittable = False``.
+``train_step.nanforensics_splittable = False``. In an optimizer step recorded as several micro-batches
+(gradient accumulation), positions count across the micro-batches in order, and each sample found is also
+given as (micro-batch, position in it).
 """
 
 from __future__ import annotations
 
+import random
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -21,28 +34,63 @@ from ..errors import BadInput
 from ..replay.monitor import StepMonitor
 from ..replay.session import Session
 from ..report import SampleAttribution
-from ..runs.batches import data_leaves, leaves
+from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
+from ..words import sample_positions
 
-_BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad")
+# With optimizer.step() disabled, a buffer still changes in the forward (BatchNorm's running statistics).
+_BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad", "buffer")
+PROBES = 8  # single samples tried, at most, before a batch is called batch-wide
 
 
 def batch_size(batch: Any) -> int | None:
-    """The common first dimension of the batch's tensors, or None when they disagree."""
+    """The common first dimension of the batch's tensors (summed over the micro-batches of a step made of
+    several), or None when they disagree."""
+    parts = micro_batches(batch)
+    if parts is None:
+        return _size(batch)
+    sizes = [_size(p) for p in parts]
+    return None if None in sizes else sum(sizes)  # type: ignore[arg-type]
+
+
+def _size(batch: Any) -> int | None:
     sizes = {t.shape[0] for _, t in leaves(batch) if isinstance(t, torch.Tensor) and t.ndim >= 1}
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def _spans(batch: Any) -> list[tuple[int, int]]:
+    """(first position, size) of each micro-batch of a step made of several."""
+    out, start = [], 0
+    for part in micro_batches(batch) or []:
+        n = _size(part) or 0
+        out.append((start, n))
+        start += n
+    return out
+
+
 def select(batch: Any, indices: list[int], size: int) -> Any:
-    """The samples at ``indices``: tensors and per-sample lists of length ``size`` are indexed, the rest kept."""
+    """The samples at ``indices`` (positions across the micro-batches of a step made of several, whose
+    micro-batches left without a sample are dropped)."""
+    parts = micro_batches(batch)
+    if parts is None:
+        return _select(batch, indices, size)
+    kept = []
+    for part, (start, n) in zip(parts, _spans(batch)):
+        mine = [i - start for i in indices if start <= i < start + n]
+        if mine:
+            kept.append(_select(part, mine, n))
+    return {**batch, MICRO_BATCHES: kept}
+
+
+def _select(batch: Any, indices: list[int], size: int) -> Any:
+    """Tensors, and tensor-free lists of ``size`` items at any depth, are indexed; the rest is kept."""
     if isinstance(batch, torch.Tensor):
         return batch[torch.tensor(indices, device=batch.device)] if batch.ndim >= 1 and batch.shape[0] == size else batch
-    if isinstance(batch, list) and len(batch) == size and not any(isinstance(v, (torch.Tensor, list, tuple, dict))
-                                                                  for v in batch):
-        return [batch[i] for i in indices]
+    if per_sample(batch, size):
+        return type(batch)(batch[i] for i in indices)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(select(v, indices, size) for v in batch)
+        return type(batch)(_select(v, indices, size) for v in batch)
     if isinstance(batch, dict):
-        return {k: select(v, indices, size) for k, v in batch.items()}
+        return {k: _select(v, indices, size) for k, v in batch.items()}
     return batch
 
 
@@ -87,12 +135,8 @@ class _Tester:
         return any(e.stage in _BEFORE_OPTIMIZER for e in events)
 
 
-def group_test(size: int, fails: Callable[[list[int]], bool],
-               max_bad: int) -> tuple[list[int], list[list[int]]] | None:
-    """Adaptive halving over a batch known to fail as a whole: (failing samples, coupled groups).
-
-    None when more than ``max_bad`` disjoint parts fail on their own (a batch-wide property).
-    """
+def group_test(size: int, fails: Callable[[list[int]], bool]) -> tuple[list[int], list[list[int]]]:
+    """Adaptive halving over a batch known to fail as a whole: (failing samples, coupled groups)."""
     bad: list[int] = []
     coupled: list[list[int]] = []
     pending = [list(range(size))]
@@ -101,22 +145,77 @@ def group_test(size: int, fails: Callable[[list[int]], bool],
         if len(group) == 1:
             bad.append(group[0])
             continue
-        if len(bad) + len(coupled) + len(pending) >= max_bad:
-            return None
         half = len(group) // 2
         halves = [h for h in (group[:half], group[half:]) if fails(h)]
         if halves:
             pending += halves
         else:
             coupled.append(group)
-    return bad, coupled
+    return sorted(bad), coupled
 
 
-def attribute_samples(session: Session, max_bad: int = 8) -> SampleAttribution:
+def probe_order(size: int, probes: int = PROBES) -> list[int]:
+    """The single samples tried first: one more than half the batch, at most ``probes``, drawn at random with
+    a seed of the batch size (the same batch is always probed the same way)."""
+    return random.Random(size).sample(range(size), min(size // 2 + 1, probes))
+
+
+@dataclass
+class Split:
+    """What splitting a failing batch found."""
+
+    status: str                # "attributed", "coupled" or "batch_wide"
+    samples: list[int]         # failing alone: every one (attributed, coupled), or those found (batch_wide)
+    coupled: list[list[int]]
+    tried: list[int]           # the single samples probed before halving
+    named: bool                # every failing sample was named by halving (not only probed)
+
+
+def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PROBES) -> Split:
+    """Probe single samples, then halve: see the module's docstring. ``fails`` is asked each subset once."""
+    known: dict[tuple[int, ...], bool] = {}
+
+    def once(indices: list[int]) -> bool:
+        key = tuple(indices)
+        if key not in known:
+            known[key] = fails(indices)
+        return known[key]
+
+    tried = probe_order(size, probes)
+    failing: list[int] = []
+    for i in tried:
+        if not once([i]):
+            break
+        failing.append(i)
+    else:
+        return Split("batch_wide", sorted(failing), [], tried, named=False)
+    bad, coupled = group_test(size, once)
+    if 2 * len(bad) > size:
+        return Split("batch_wide", bad, [], tried, named=True)
+    return Split("coupled" if coupled else "attributed", bad, coupled, tried, named=True)
+
+
+def _listed(samples: list[int]) -> str:
+    return ", ".join(map(str, samples))
+
+
+def batch_wide_message(split: Split, size: int) -> str:
+    """Why the batch, not a sample, is what fails: the counts behind the decision."""
+    listed = _listed(split.samples)
+    if split.named:
+        found = f"{len(split.samples)} of the {size} samples, more than half, fail alone ({listed})"
+    elif 2 * len(split.tried) > size:
+        found = f"{len(split.samples)} of the {size} samples, more than half, were tried alone and each fails ({listed})"
+    else:
+        found = f"each of {len(split.samples)} samples drawn at random from the {size} fails alone ({listed})"
+    return f"{found}: the failure is not in particular samples"
+
+
+def attribute_samples(session: Session) -> SampleAttribution:
     """Group-test the batch of ``session.step``; the session's state is restored afterwards."""
     step_fn = session.code.step_fn
     batch = session.batch(session.step)
-    leaves = dict(data_leaves(session.logged_batch(session.step)))
+    logged = session.logged_batch(session.step)
     if getattr(step_fn, "nanforensics_splittable", True) is False:
         return SampleAttribution("opted_out", None, [], {}, 0, [],
                                  "the step function opted out of batch splitting (nanforensics_splittable = False)")
@@ -130,23 +229,38 @@ def attribute_samples(session: Session, max_bad: int = 8) -> SampleAttribution:
             return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
                                      "forward and backward on the whole batch stay finite: the failure needs the "
                                      "optimizer update, not a sample")
-        outcome = group_test(size, tester.fails, max_bad)
+        found = split_batch(size, tester.fails)
     finally:
         session.restore(tester.snapshot)
-    if outcome is None:
-        return SampleAttribution(
-            "batch_wide", size, [], {}, tester.passes, [],
-            f"more than {max_bad} disjoint parts of the batch fail on their own: a property of the batch "
-            "as a whole (a constant feature, a shared scale), not of individual samples")
-    bad, coupled = outcome
-    samples = sorted(bad)
-    per_sample = {k: [v[i] for i in samples] for k, v in leaves.items() if isinstance(v, list) and len(v) == size}
-    if coupled:
+    passes = f"{tester.passes} forward/backward passes"
+    if found.status == "batch_wide":
+        return SampleAttribution("batch_wide", size, [], {}, tester.passes, [],
+                                 f"{batch_wide_message(found, size)} ({passes})")
+    samples = found.samples
+    per_sample_leaves, located = _per_sample(logged, samples, size)
+    if found.coupled:
         why = f" (single samples could not be run: {tester.errors[0]})" if tester.errors else ""
-        message = (f"no smaller subset reproduces the failure of samples {coupled[0]}: they fail only together "
+        message = (f"no smaller subset reproduces the failure of samples {found.coupled[0]}: they fail only together "
                    f"(batch-coupled operations such as BatchNorm, or a loss normalised over the batch){why}")
-        return SampleAttribution("coupled", size, samples, per_sample, tester.passes, coupled, message)
-    return SampleAttribution("attributed", size, samples, per_sample, tester.passes, [],
-                             f"sample{'s' * (len(samples) > 1)} {', '.join(map(str, samples))} of {size} "
-                             f"{'produce' if len(samples) > 1 else 'produces'} the "
-                             f"non-finite value alone ({tester.passes} forward/backward passes)")
+        return SampleAttribution("coupled", size, samples, per_sample_leaves, tester.passes, found.coupled, message,
+                                 located)
+    return SampleAttribution("attributed", size, samples, per_sample_leaves, tester.passes, [],
+                             f"{'samples' if len(samples) > 1 else 'sample'} {sample_positions(samples, located)} of "
+                             f"{size} {'produce' if len(samples) > 1 else 'produces'} the non-finite value alone "
+                             f"({passes})", located)
+
+
+def _per_sample(logged: Any, samples: list[int], size: int) -> tuple[dict[str, list[Any]], list[list[int]]]:
+    """The logged non-tensor leaves (ids) of ``samples``, by path; and in a step of several micro-batches,
+    [micro-batch, position in it] of each sample."""
+    spans = _spans(logged)
+    if not spans:
+        return {k: [v[i] for i in samples] for k, v in data_leaves(logged, size=size) if per_sample(v, size)}, []
+    located = [[j, i - start] for i in samples for j, (start, n) in enumerate(spans) if start <= i < start + n]
+    leaves_of: dict[str, list[Any]] = {}
+    for j, i in located:
+        n = spans[j][1]
+        for k, v in data_leaves(micro_batches(logged)[j], f"batch[{MICRO_BATCHES!r}][{j}]", size=n):  # type: ignore[index]
+            if per_sample(v, n):
+                leaves_of.setdefault(k, []).append(v[i])
+    return leaves_of, located

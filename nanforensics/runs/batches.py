@@ -8,10 +8,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import BadInput
-from .files import TensorFile, tensors_to_bytes
+from ..errors import BadInput, shown
+from .files import MAX_NESTING, TensorFile, nesting_exceeds, parse_json, tensors_to_bytes
 
 BATCH_FORMAT = "nanforensics.batch/1"
+# An optimizer step made of several micro-batches (gradient accumulation) is recorded as one batch, a dict whose
+# MICRO_BATCHES entry lists them in the order the loop ran them; the step function loops over them as it did.
+MICRO_BATCHES = "micro_batches"
 
 
 def encode(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -20,6 +23,11 @@ def encode(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
     def walk(node: Any, where: str) -> dict[str, Any]:
         if isinstance(node, torch.Tensor):
+            if node.layout != torch.strided:
+                raise TypeError(f"batch{where}: a {str(node.layout).removeprefix('torch.')} tensor cannot be "
+                                "recorded; pass it dense (.to_dense())")
+            if node.is_meta:
+                raise TypeError(f"batch{where}: a tensor on the meta device holds no values to record")
             key = str(len(tensors))
             tensors[key] = node
             return {"tensor": key}
@@ -37,7 +45,10 @@ def encode(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             raise TypeError(f"batch{where}: {type(node).__name__} is neither a tensor nor JSON data") from None
         return {"json": node}
 
-    return tensors, walk(batch, "")
+    tree = walk(batch, "")
+    if nesting_exceeds(tree):
+        raise TypeError(f"batch nests too deeply to be recorded (more than {MAX_NESTING} levels as JSON)")
+    return tensors, tree
 
 
 def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -77,10 +88,13 @@ def read_batch(path: Path) -> Any:
     meta = f.metadata()
     if meta.get("format") != BATCH_FORMAT:
         raise BadInput(path, f"not a nanforensics batch file (format {meta.get('format')!r})")
+    if "tree" not in meta:
+        raise BadInput(path, "batch structure is malformed (no tree in its metadata)")
+    tree = parse_json(meta["tree"], path, "metadata 'tree'")
     try:
-        return decode(json.loads(meta["tree"]), f.load_all())
+        return decode(tree, f.load_all())
     except (KeyError, ValueError, TypeError) as e:
-        raise BadInput(path, f"batch structure is malformed ({e})") from None
+        raise BadInput(path, f"batch structure is malformed ({shown(e)})") from None
 
 
 def _walk(batch: Any, path: str, whole: Callable[[Any], bool]) -> Iterator[tuple[str, Any]]:
@@ -103,9 +117,25 @@ def has_tensor(node: Any) -> bool:
     return any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(node))
 
 
-def data_leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
-    """The largest tensor-free parts of a batch (sample ids, file names), each whole, by path."""
-    return ((p, v) for p, v in _walk(batch, path, lambda node: not has_tensor(node)) if not has_tensor(v))
+def per_sample(node: Any, size: int) -> bool:
+    """A tensor-free list or tuple of ``size`` items: one item per sample (ids, file names, per-sample dicts)."""
+    return isinstance(node, (list, tuple)) and len(node) == size and not has_tensor(node)
+
+
+def _holds_per_sample(node: Any, size: int) -> bool:
+    return any(per_sample(v, size) for _, v in _walk(node, "", lambda n: per_sample(n, size)))
+
+
+def data_leaves(batch: Any, path: str = "batch", size: int | None = None) -> Iterator[tuple[str, Any]]:
+    """The largest tensor-free parts of a batch (sample ids, file names), each whole, by path.
+
+    With the batch ``size``, a part that holds per-sample lists deeper down (``batch['meta']['ids']``) is
+    opened down to them, so that each per-sample list is a leaf of its own, at any depth.
+    """
+    def whole(node: Any) -> bool:
+        return not has_tensor(node) and (size is None or per_sample(node, size) or not _holds_per_sample(node, size))
+
+    return ((p, v) for p, v in _walk(batch, path, whole) if not has_tensor(v))
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -118,3 +148,9 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(batch, dict):
         return {k: map_tensors(v, fn) for k, v in batch.items()}
     return batch
+
+
+def micro_batches(batch: Any) -> list[Any] | None:
+    """The micro-batches of an optimizer step recorded as several; None for a batch that is not."""
+    parts = batch.get(MICRO_BATCHES) if isinstance(batch, dict) else None
+    return parts if isinstance(parts, list) and parts else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import math
 import random
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from .files import (
     TensorFile,
     load_json,
     make_build_dir,
+    one_line,
     publish_dir_atomic,
     tensors_to_bytes,
     write_bytes_atomic,
@@ -44,8 +46,12 @@ def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return [by_id.get(id(p), f"param.{i}") for i, p in enumerate(optimizer_params(optimizer))]
 
 
+def b64(t: torch.Tensor) -> str:
+    """A generator's state (a uint8 tensor) as JSON text; numpy is optional."""
+    return base64.b64encode(bytes(t.tolist())).decode()
+
+
 def rng_state() -> dict[str, Any]:
-    b64 = lambda t: base64.b64encode(bytes(t.tolist())).decode()  # noqa: E731 - uint8 tensors; numpy is optional
     state: dict[str, Any] = {"torch": b64(torch.get_rng_state()), "cuda": [], "numpy": None}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
@@ -57,17 +63,30 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    unb64 = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
-    torch.set_rng_state(unb64(state["torch"]))
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([unb64(s) for s in state["cuda"]][: torch.cuda.device_count()])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if state.get("numpy") and "numpy" in sys.modules:
-        np = sys.modules["numpy"]
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+def restore_rng(state: Any, where: Path | None = None) -> None:
+    """Set every RNG as ``state`` (from ``rng_state``) holds it; a malformed state is a ``BadInput`` naming ``where``
+    and the field."""
+    part = "rng.torch"
+    try:
+        torch.set_rng_state(_unb64(state["torch"]))
+        part = "rng.cuda"
+        cuda = [_unb64(s) for s in state.get("cuda") or []]
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+        part = "rng.python"
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        part = "rng.numpy"
+        if state.get("numpy") and "numpy" in sys.modules:
+            np = sys.modules["numpy"]
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError, AttributeError) as e:
+        raise BadInput(where, f"{part} is not an RNG state recorded by nanforensics ({one_line(e)[:100]})") from None
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
 
 
 def _json_value(value: Any) -> Any:
@@ -109,7 +128,8 @@ def state_from_json(value: Any, tensors: Callable[[], TensorFile]) -> Any:
     return value
 
 
-TensorWriter = Callable[[Path, torch.nn.Module, dict[str, torch.Tensor], dict[str, str]], None]
+# (build folder, model state dict, optimizer state tensors keyed "<name>/<key>", file metadata)
+TensorWriter = Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]], None]
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -129,9 +149,9 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return names, tensors, scalars, sd
 
 
-def _write_safetensors(build: Path, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+def _write_safetensors(build: Path, model_sd: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
                        file_meta: dict[str, str]) -> None:
-    write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model.state_dict(), file_meta))
+    write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model_sd, file_meta))
     write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
 
 
@@ -147,8 +167,11 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     names, tensors, scalars, sd = optimizer_state(model, optimizer)
     groups = [{**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
               for g in sd["param_groups"]]
+    model_sd = model.state_dict()
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     meta = {"format": CHECKPOINT_FORMAT, "step": step, "param_names": names, "param_groups": groups,
-            "state_scalars": scalars, "rng": rng_state()}
+            "state_scalars": scalars, "rng": rng_state(),
+            "buffer_names": [k for k in model_sd if k in buffers]}  # scan tells buffers from parameters by it
     if rank_rng is not None:
         meta["rank_rng"] = rank_rng
     extras: dict[str, torch.Tensor] = {}
@@ -159,11 +182,19 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
     build = make_build_dir(final)
-    (write_tensors or _write_safetensors)(build, model, tensors, file_meta)
-    if extras:
-        write_bytes_atomic(build / EXTRAS_FILE, tensors_to_bytes(extras, file_meta))
-    write_json_atomic(build / "meta.json", meta, indent=None)
-    publish_dir_atomic(build, final)
+    try:
+        (write_tensors or _write_safetensors)(build, model_sd, tensors, file_meta)
+        if extras:
+            write_bytes_atomic(build / EXTRAS_FILE, tensors_to_bytes(extras, file_meta))
+        write_json_atomic(build / "meta.json", meta, indent=None)
+        publish_dir_atomic(build, final)
+    except OSError as e:  # no hidden half-built folder left behind; the error names the file as it would be
+        shutil.rmtree(build, ignore_errors=True)
+        named = final / Path(e.filename).name if e.filename and Path(e.filename).parent == build else e.filename
+        raise OSError(e.errno, e.strerror or str(e), str(named) if named else None) from e
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        raise
     return final
 
 
@@ -195,13 +226,21 @@ class Checkpoint:
     def optimizer_file(self) -> Path:
         return self.layout_file if self.sharded else self.path / "optimizer.safetensors"
 
-    def _tensors(self) -> tuple[dict[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]:
-        """The model's state dict and the optimizer's state tensors keyed ``"<name>/<key>"``, whole."""
+    def model_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's state dict, each tensor whole."""
         if self.sharded:
             from ..distributed.checkpoint import read_sharded
 
-            return read_sharded(self.model_file)
-        return TensorFile(self.model_file).load_all(), TensorFile(self.optimizer_file).items()
+            return dict(read_sharded(self.layout_file, "model"))
+        return TensorFile(self.model_file).load_all()
+
+    def optimizer_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The optimizer's state tensors keyed ``"<name>/<key>"``, each whole, one at a time."""
+        if self.sharded:
+            from ..distributed.checkpoint import read_sharded
+
+            return read_sharded(self.layout_file, "optim")
+        return TensorFile(self.optimizer_file).items()
 
     def meta(self) -> dict[str, Any]:
         meta = load_json(self.path / "meta.json")
@@ -212,12 +251,32 @@ class Checkpoint:
                 raise BadInput(self.path / "meta.json", f"missing field {key!r}")
         return meta
 
+    def optimizer_state(self, meta: dict[str, Any], params: list[torch.Tensor] | None = None) -> dict[str, Any]:
+        """The optimizer's state dict in torch's layout (its indices in the order of ``meta["param_names"]``).
+
+        ``params``: the optimizer's parameters, each state tensor then laid out like its own (a model sharded for a
+        replay at world size takes its own shard)."""
+        names = meta["param_names"]
+        index = {n: i for i, n in enumerate(names)}
+        state: dict[int, dict[str, Any]] = {}
+        for key, tensor in self.optimizer_tensors():
+            name, _, skey = key.rpartition("/")
+            if name not in index:
+                raise BadInput(self.optimizer_file, f"state {key!r} names no parameter of the optimizer")
+            if params is not None and index[name] < len(params):
+                tensor = shard_like(tensor, params[index[name]])
+            state.setdefault(index[name], {})[skey] = tensor
+        for name, values in meta["state_scalars"].items():
+            state.setdefault(index[name], {}).update(values)
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
     def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any = None,
                   scheduler: Any = None) -> dict[str, Any]:
         """Restore model and optimizer state (and the scaler's and scheduler's, when the run recorded them);
         returns the meta (for the RNG states)."""
         meta = self.meta()
-        model_sd, optimizer_tensors = self._tensors()
+        model_sd = self.model_tensors()
         # load_state_dict casts silently: a float16 file would replay a run that never was
         expected = model.state_dict()
         for name, tensor in model_sd.items():
@@ -231,22 +290,8 @@ class Checkpoint:
         except RuntimeError as e:
             raise BadInput(self.model_file, f"does not fit the model built by the manifest's factory: "
                                             f"{' '.join(str(e).split())[:300]}") from None
-        names = meta["param_names"]
-        index = {n: i for i, n in enumerate(names)}
-        state: dict[int, dict[str, Any]] = {}
-        params = optimizer_params(optimizer)
-        for key, tensor in optimizer_tensors:
-            name, _, skey = key.rpartition("/")
-            if name not in index:
-                raise BadInput(self.optimizer_file, f"state {key!r} names no parameter of the optimizer")
-            if index[name] < len(params):
-                tensor = shard_like(tensor, params[index[name]])
-            state.setdefault(index[name], {})[skey] = tensor
-        for name, values in meta["state_scalars"].items():
-            state.setdefault(index[name], {}).update(values)
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
         try:
-            optimizer.load_state_dict({"state": state, "param_groups": groups})
+            optimizer.load_state_dict(self.optimizer_state(meta, optimizer_params(optimizer)))
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(self.optimizer_file, f"does not fit the optimizer: {e}") from None
         for key, holder in (("scaler", scaler), ("scheduler", scheduler)):

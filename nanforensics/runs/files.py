@@ -1,4 +1,5 @@
-"""Atomic file writes and safetensors I/O shared by the recorder and the readers."""
+"""Atomic file writes, the one way input files are opened and parsed, and safetensors I/O shared by the recorder
+and the readers."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import itertools
 import json
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -48,6 +50,9 @@ def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # a full disk names the file it could not write, not the temporary one or none
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -99,17 +104,76 @@ def tensors_to_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str])
     return save({k: _storable(v, seen) for k, v in tensors.items()}, metadata=metadata)
 
 
-def load_json(path: Path) -> Any:
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
+
+
+def _not_regular(mode: int) -> str | None:
+    return None if stat.S_ISREG(mode) else next((f"not a regular file ({kind})" for is_kind, kind in _KINDS
+                                                  if is_kind(mode)), "not a regular file")
+
+
+def open_input(path: Path) -> BinaryIO:
+    """The one way an input file is opened: a FIFO, socket or device in its place is refused at once, never read
+    (a read from a FIFO waits for a writer that never comes)."""
     try:
-        text = path.read_text()
+        problem = _not_regular(os.stat(path).st_mode)  # before any open: opening some devices acts on them
+        if problem is None:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            problem = _not_regular(os.fstat(fd).st_mode)  # replaced since the stat
+            if problem is not None:
+                os.close(fd)
     except FileNotFoundError:
         raise BadInput(path, "file is missing") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(path, f"cannot read: {e.__class__.__name__}: {e}") from None
+    except OSError as e:
+        raise BadInput(path, f"cannot read ({e.strerror or e})") from None
+    if problem is not None:
+        raise BadInput(path, problem)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_input(path: Path) -> bytes:
+    with open_input(path) as f:
+        try:
+            return f.read()
+        except OSError as e:
+            raise BadInput(path, f"cannot read ({e.strerror or e})") from None
+
+
+MAX_NESTING = 100  # no file this tool reads nests deeper; past it, recursive readers and writers would crash
+
+
+def nesting_exceeds(obj: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether JSON data nests deeper than ``limit`` containers (iterative: deep data cannot crash the check)."""
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        stack += [(c, depth + 1) for c in (node.values() if isinstance(node, dict) else node) if isinstance(c, (dict, list))]
+    return False
+
+
+def parse_json(data: bytes | str, where: Path, what: str = "") -> Any:
+    """JSON input parsed, or a ``BadInput`` naming ``where`` (and ``what`` in it): malformed, an integer too long
+    to convert, or nested deeper than ``MAX_NESTING``."""
+    field = f"{what}: " if what else ""
     try:
-        return json.loads(text)
+        obj = json.loads(data)
     except json.JSONDecodeError as e:
-        raise BadInput(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise BadInput(where, f"{field}not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise BadInput(where, f"{field}JSON nested too deeply (more than {MAX_NESTING} levels)") from None
+    except (ValueError, UnicodeDecodeError) as e:  # an integer of thousands of digits, bytes that are not text
+        raise BadInput(where, f"{field}not valid JSON ({one_line(e)[:120]})") from None
+    if nesting_exceeds(obj):
+        raise BadInput(where, f"{field}JSON nested too deeply (more than {MAX_NESTING} levels)")
+    return obj
+
+
+def load_json(path: Path) -> Any:
+    return parse_json(read_input(path), path)
 
 
 class TensorFile:

@@ -37,6 +37,7 @@ class _StepWriter:
         self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor], dict[str, Any], str] | None] = \
             queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
+        self._failed: Path | None = None  # the file a write error struck
         self._thread = threading.Thread(target=self._work, name="nanforensics-recorder", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # a loop that forgets close() still gets its last steps written
@@ -47,7 +48,9 @@ class _StepWriter:
                 if self._error is None:
                     step, tensors, tree, line = item
                     # The batch is on disk before the line that announces it: a reader never meets a step without one.
-                    write_bytes_atomic(batch_path(self.run_dir, step), encoded_bytes(step, tensors, tree), durable=False)
+                    self._failed = batch_path(self.run_dir, step)
+                    write_bytes_atomic(self._failed, encoded_bytes(step, tensors, tree), durable=False)
+                    self._failed = self.run_dir / STEPS
                     self._steps.write(line)
                     self._steps.flush()
             except BaseException as e:  # noqa: BLE001 - handed to the training loop
@@ -58,7 +61,7 @@ class _StepWriter:
 
     def _raise(self) -> None:
         if self._error is not None:
-            raise OSError(f"nanforensics recorder could not write to {self.run_dir}: {self._error}") from self._error
+            raise _write_error(self._failed or self.run_dir, self._error) from self._error
 
     def put(self, step: int, batch: tuple[dict[str, torch.Tensor], dict[str, Any]], line: str) -> None:
         if self._steps.closed:
@@ -82,6 +85,12 @@ class _StepWriter:
             self._thread.join()
             self._steps.close()
             atexit.unregister(self.close)
+
+
+def _write_error(path: Path, error: BaseException) -> OSError:
+    """What the training loop is told when a write failed: the file, and why (a full disk: no space left)."""
+    why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return OSError(f"nanforensics recorder could not write {path}: {why}")
 
 
 def _created() -> _dt.datetime:
@@ -195,12 +204,15 @@ class Recorder:
 
     def _checkpoint(self, step: int) -> None:
         self._writer.drain()
-        if self.world is not None:
-            self.world.checkpoint(self.path / "checkpoints", step, self.optimizer, scaler=self.scaler,
-                                  scheduler=self.scheduler)
-        else:
-            save_checkpoint(self.path / "checkpoints", step, self.model, self.optimizer, scaler=self.scaler,
-                            scheduler=self.scheduler)
+        try:
+            if self.world is not None:
+                self.world.checkpoint(self.path / "checkpoints", step, self.optimizer, scaler=self.scaler,
+                                      scheduler=self.scheduler)
+            else:
+                save_checkpoint(self.path / "checkpoints", step, self.model, self.optimizer, scaler=self.scaler,
+                                scheduler=self.scheduler)
+        except OSError as e:
+            raise _write_error(Path(e.filename) if e.filename else self.path / "checkpoints", e) from e
         self._checkpoints.append(step)
         if self.keep_checkpoints is not None and len(self._checkpoints) > self.keep_checkpoints:
             dropped, self._checkpoints = self._checkpoints[:-self.keep_checkpoints], self._checkpoints[-self.keep_checkpoints:]
@@ -209,6 +221,12 @@ class Recorder:
                     shutil.rmtree(self.path / "checkpoints" / checkpoint_name(old), ignore_errors=True)
             for old_step in range(dropped[0], self._checkpoints[0]):
                 batch_path(self._data, old_step).unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """Wait for every logged step to reach the disk and go on recording: the run so far is complete there,
+        for a post-mortem to read while training continues. After ``close`` there is nothing to wait for."""
+        if not self._writer._steps.closed:
+            self._writer.drain()
 
     def close(self) -> None:
         """Wait for every logged step to reach the disk; re-raises a write error from the background."""

@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from ..distributed.layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
-from ..errors import BadInput
+from ..errors import BadInput, shown
 from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
 from .files import load_json
-from .steplog import LoggedStep, read_steps
+from .steplog import LoggedStep, is_step, read_steps
 
 RUN_FORMAT = "nanforensics.run/1"
 MANIFEST = "manifest.json"
 STEPS = "steps.jsonl"
 _CHECKPOINT_DIR = re.compile(r"^step_(\d{8})$")
+MAX_THREADS = 4096  # num_threads beyond any machine's cores is damage, not a setting to pin
 
 
 def batch_path(run_dir: Path, step: int) -> Path:
@@ -59,19 +61,49 @@ class Manifest:
             if isinstance(fmt, str) and fmt.startswith("nanforensics.run/"):
                 raise BadInput(path, f"format {fmt!r} is newer than this nanforensics reads ({RUN_FORMAT}); upgrade it")
             raise BadInput(path, f"not a nanforensics run manifest (format {fmt!r})")
-        try:
-            opt = raw["optimizer"]
-            m = cls(model_factory=str(raw["model_factory"]), step_fn=str(raw["step_fn"]),
-                    model_kwargs=dict(raw.get("model_kwargs") or {}), optimizer_class=str(opt["class"]),
-                    optimizer_factory=opt.get("factory"), checkpoint_every=int(raw["checkpoint_every"]),
-                    start_step=int(raw.get("start_step", 0)), num_threads=raw.get("num_threads"), raw=raw,
-                    scaler_enabled=bool(raw["scaler"]["enabled"]) if raw.get("scaler") is not None else None,
-                    scheduler_factory=raw["scheduler"]["factory"] if raw.get("scheduler") is not None else None)
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadInput(path, f"manifest field missing or malformed: {e}") from None
+        get = partial(_field, path, raw)
+        threads = get("num_threads", int, optional=True)
+        if threads is not None and not 1 <= threads <= MAX_THREADS:
+            raise BadInput(path, f"num_threads {shown(threads)} is not a thread count from 1 to {MAX_THREADS}")
+        every, start = get("checkpoint_every", int), get("start_step", int, optional=True) or 0
+        for name, value, low in (("checkpoint_every", every, 1), ("start_step", start, 0)):
+            if not (is_step(value) and value >= low):
+                raise BadInput(path, f"{name} {shown(value)} is not an integer from {low} to 2^63-1")
+        m = cls(model_factory=get("model_factory", str), step_fn=get("step_fn", str),
+                model_kwargs=get("model_kwargs", dict, optional=True) or {},
+                optimizer_class=get("optimizer.class", str),
+                optimizer_factory=get("optimizer.factory", str, optional=True), checkpoint_every=every,
+                start_step=start, num_threads=threads, raw=raw,
+                scaler_enabled=get("scaler.enabled", bool) if raw.get("scaler") is not None else None,
+                scheduler_factory=get("scheduler.factory", str) if raw.get("scheduler") is not None else None)
         if fmt == DISTRIBUTED_FORMAT:
             m.world = World.read(raw.get("distributed"), path)
         return m
+
+    def callables(self) -> list[tuple[str, str]]:
+        """(field, import string) of every callable the run names, in the order they are imported."""
+        named = [("model_factory", self.model_factory), ("step_fn", self.step_fn),
+                 ("optimizer.class", self.optimizer_class), ("optimizer.factory", self.optimizer_factory),
+                 ("scheduler.factory", self.scheduler_factory)]
+        return [(f, spec) for f, spec in named if spec is not None]
+
+
+_KINDS = {str: "an import string", dict: "a JSON object", int: "an integer", bool: "true or false"}
+
+
+def _field(path: Path, raw: dict[str, Any], name: str, kind: type, optional: bool = False) -> Any:
+    """The manifest's field ``name`` (dotted: ``optimizer.class``) when it is a ``kind``; else a one-line error
+    naming the field."""
+    node: Any = raw
+    for part in name.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if node is None:
+        if optional:
+            return None
+        raise BadInput(path, f"field {name} is missing")
+    if not isinstance(node, kind) or (kind is int and isinstance(node, bool)):
+        raise BadInput(path, f"{name} {shown(node)} is not {_KINDS[kind]}")
+    return node
 
 
 class Run:
@@ -116,8 +148,28 @@ class Run:
                     raise BadInput(self.path / "ranks", str(e)) from None
         return self._steps
 
+    @property
+    def last_step(self) -> int | None:
+        return self.steps[-1].step if self.steps else None
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.manifest.num_threads
+
+    @property
+    def device(self) -> str | None:
+        return self.manifest.raw.get("device")
+
+    @property
+    def checkpoint_folder(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def code_file(self) -> Path:
+        return self.path / MANIFEST
+
     def checkpoints(self) -> list[Checkpoint]:
-        folder = self.path / "checkpoints"
+        folder = self.checkpoint_folder
         found = []
         if folder.is_dir():
             for entry in folder.iterdir():
@@ -135,6 +187,23 @@ class Run:
             raise BadInput(path, f"batch of step {step} is missing (needed to replay that step)")
         return read_batch(path)
 
+    def batch_origin(self, step: int, rank: int | None = None) -> str | None:
+        """The file of the batch of ``step`` (of ``rank``'s shard); for a distributed run without a rank, every
+        rank's file as one pattern, when each is present."""
+        if self.world is not None and rank is None:
+            present = all(self.batch_file(step, r).is_file() for r in range(self.world.world_size))
+            return str(self.path / RANKS / "rank_*" / "batches" / batch_path(Path(), step).name) if present else None
+        path = self.batch_file(step, rank)
+        return str(path) if path.is_file() else None
+
+
+def run_code(directory: Path | str) -> list[tuple[str, str]]:
+    """The callables a run directory names, (field, import string), for a command to show before it imports any;
+    none where there is no readable manifest (the command says so itself)."""
+    try:
+        return Manifest.read(Path(directory) / MANIFEST).callables()
+    except BadInput:
+        return []
 
 
 class Rebuilt(NamedTuple):
@@ -157,18 +226,20 @@ class UserCode:
     optimizer_class: type
     imported: list[str]
     scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
+    step_name: str = ""  # the step function's import string, for its errors
+    loaded: None = None  # a run's own checkpoints need no account of how they were loaded
 
     @classmethod
-    def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False) -> "UserCode":
-        where = run.path / MANIFEST
-        m = run.manifest
-        resolve = lambda spec: imports.resolve(  # noqa: E731
-            spec, where=where, search_paths=code_paths, forbidden=None if trust_run_dir else run.path)
-        opt_factory = resolve(m.optimizer_factory) if m.optimizer_factory else None
-        imported = [m.model_factory, m.step_fn, m.optimizer_class] + ([m.optimizer_factory] if m.optimizer_factory else [])
-        imported += [m.scheduler_factory] if m.scheduler_factory else []
-        return cls(resolve(m.model_factory), resolve(m.step_fn), opt_factory, resolve(m.optimizer_class), imported,
-                   resolve(m.scheduler_factory) if m.scheduler_factory else None)
+    def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False,
+             trust_code: bool = False) -> "UserCode":
+        """Import the manifest's callables, each admitted by the trust policy (``imports.check_callable``) before
+        anything calls it; ``trust_code`` lifts the policy, ``trust_run_dir`` allows code inside the run directory."""
+        loaded = {f: imports.load_callable(f, spec, where=run.path / MANIFEST, search_paths=code_paths,
+                                           forbidden=None if trust_run_dir else run.path, trust_code=trust_code)
+                  for f, spec in run.manifest.callables()}
+        return cls(loaded["model_factory"], loaded["step_fn"], loaded.get("optimizer.factory"),
+                   loaded["optimizer.class"], [spec for _, spec in run.manifest.callables()],
+                   loaded.get("scheduler.factory"), step_name=run.manifest.step_fn)
 
     def build(self, run: Run, checkpoint: Checkpoint, device: torch.device,
               wrap: Callable[[torch.nn.Module], None] | None = None) -> Rebuilt:
@@ -188,7 +259,14 @@ class UserCode:
             wrap(model)
         meta = checkpoint.meta()
         if self.optimizer_factory is not None:
-            optimizer = self.optimizer_factory(model)
+            factory = run.manifest.optimizer_factory
+            try:
+                optimizer = self.optimizer_factory(model)
+            except Exception as e:
+                raise BadInput(where, f"optimizer.factory {factory} raised {e.__class__.__name__}: {e}") from None
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise BadInput(where, f"optimizer.factory {factory} returned {type(optimizer).__name__}, not a "
+                                      "torch.optim.Optimizer")
         else:
             named = dict(model.named_parameters(remove_duplicate=False))
             missing = [n for g in meta["param_groups"] for n in g["params"] if n not in named]
@@ -206,6 +284,9 @@ class UserCode:
             except Exception as e:
                 raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} raised "
                                       f"{e.__class__.__name__}: {e}") from None
+            if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+                raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} returned "
+                                      f"{type(scheduler).__name__}, not an LR scheduler")
         enabled = run.manifest.scaler_enabled
         scaler = torch.amp.GradScaler(device.type, enabled=enabled) if enabled is not None else None
         checkpoint.load_into(model, optimizer, scaler=scaler, scheduler=scheduler)

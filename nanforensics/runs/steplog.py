@@ -7,8 +7,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import BadInput
+from ..errors import BadInput, shown
 from ..finite import decode_float, encode_float
+from .files import read_input
+
+MAX_STEP = 2**63 - 1  # a step number beyond int64 is damage: nothing counts steps that far
+
+
+def is_step(value: object) -> bool:
+    """A step number: an int (not a float, not a bool) from 0 to ``MAX_STEP``."""
+    return type(value) is int and 0 <= value <= MAX_STEP
 
 
 def step_line(step: int, loss: float) -> str:
@@ -23,12 +31,7 @@ class LoggedStep:
 
 def read_steps(path: Path) -> list[LoggedStep]:
     """Every complete line; a torn last line (a job killed mid-write) is dropped, garbage elsewhere is an error."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise BadInput(path, "file is missing") from None
-    except OSError as e:
-        raise BadInput(path, f"cannot read: {e}") from None
+    raw = read_input(path)
     # The piece after the last newline is empty, or a line cut short by a killed writer: dropped.
     lines = raw.split(b"\n")[:-1]
     steps: list[LoggedStep] = []
@@ -37,9 +40,13 @@ def read_steps(path: Path) -> list[LoggedStep]:
             continue
         try:
             obj = json.loads(line)
-            entry = LoggedStep(int(obj["step"]), decode_float(obj["loss"]))
-        except (ValueError, KeyError, TypeError):
+            step, loss = obj["step"], decode_float(obj["loss"])
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise BadInput(path, f"line {number} is not a step record: {line[:60]!r}") from None
+        if not is_step(step):
+            raise BadInput(path, f"line {number}: step {shown(step)} is not a step number (an integer from 0 to "
+                                 "2^63-1)")
+        entry = LoggedStep(step, loss)
         if steps and entry.step != steps[-1].step + 1:
             raise BadInput(path, f"line {number}: step {entry.step} follows step {steps[-1].step}")
         steps.append(entry)

@@ -12,7 +12,19 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ..checkpoints.bisect import BisectReport, CheckpointRef, ScanRecord
-from ..checkpoints.scan import CLEAN, POISONED_PARAMETERS, POISONED_STATE, ScanReport, TensorScan
+from ..checkpoints.scan import (
+    BY_NAME,
+    CLEAN,
+    POISONED_BUFFERS,
+    POISONED_PARAMETERS,
+    POISONED_STATE,
+    ScanReport,
+    TensorScan,
+)
+from ..formats import MODEL
+from ..words import count
+from . import replay
+from .layout import print_whole
 
 SHOWN = 20  # tensors listed per table; the JSON report has all of them
 
@@ -20,6 +32,7 @@ _SCAN_VERDICT = {
     CLEAN: ("bold white on green", "CLEAN"),
     POISONED_PARAMETERS: ("bold white on red", "POISONED PARAMETERS"),
     POISONED_STATE: ("bold black on yellow", "POISONED OPTIMIZER STATE"),
+    POISONED_BUFFERS: ("bold black on yellow", "POISONED BUFFERS"),
 }
 _BISECT_VERDICT = {
     "clean": ("bold white on green", "CLEAN"),
@@ -31,9 +44,11 @@ _MEANING = {
     POISONED_PARAMETERS: "the model's parameters hold non-finite values",
     POISONED_STATE: "optimizer state only: the parameters are still finite, but the next step reads this state "
                     "and goes non-finite (a NaN moment) or freezes those coordinates (an infinite second moment)",
+    POISONED_BUFFERS: "buffers only (BatchNorm's running statistics, say): the parameters are finite, but these persist "
+                      "into every later step, and eval mode (evaluation, inference) reads BatchNorm's",
 }
 _TENSOR_HEADERS = ["tensor", "group", "dtype", "shape", "non-finite", "first at", "max |x| / limit"]
-_READ_HEADERS = ["#", "step", "checkpoint", "verdict", "bytes"]
+_READ_HEADERS = ["#", "step", "checkpoint", "layout", "verdict", "bytes"]
 _GROUP_HEADERS = ["group", "tensors", "read", "bytes", "non-finite tensors", "non-finite values", "near limit"]
 
 
@@ -78,6 +93,10 @@ def _step(step: int | None, source: str | None = None) -> str:
     return f"step {step}" + (f" from its {source}" if source else "")
 
 
+def _layout(r: ScanReport) -> str:
+    return f"layout {r.format}, {_step(r.step, r.step_source)}"
+
+
 def _ref(ref: CheckpointRef | None) -> str:
     return "none" if ref is None else f"{_step(ref.step)}  {ref.path}"
 
@@ -90,30 +109,51 @@ def _group_rows(r: ScanReport) -> list[list[str]]:
 def _tensor_row(t: TensorScan) -> list[str]:
     first = f"{t.first_nonfinite.index} = {t.first_nonfinite.value}" if t.first_nonfinite else "-"
     peak = "-" if t.max_abs is None or t.dtype_max is None else f"{t.max_abs:.3g} / {t.dtype_max:.3g}"
-    return [t.name, t.group, t.dtype, str(t.shape), str(t.nonfinite) if t.checked else "unchecked", first, peak]
+    group = "buffer" if t.buffer else t.group
+    return [t.name, group, t.dtype, str(t.shape), str(t.nonfinite) if t.checked else "unchecked", first, peak]
 
 
 def _notable(tensors: Sequence[TensorScan]) -> tuple[list[TensorScan], list[TensorScan]]:
     return [t for t in tensors if t.nonfinite], [t for t in tensors if t.near_limit and not t.nonfinite]
 
 
+def _split_note(r: ScanReport) -> list[str]:
+    """When a tensor counted as a parameter might be a buffer: the format does not say which is which."""
+    unsure = [t.name for t in r.tensors if t.nonfinite and t.group == MODEL and t.buffer is None]
+    if r.buffer_split != BY_NAME or not unsure:
+        return []
+    counted = "counted as a parameter, but may be a buffer" if len(unsure) == 1 else \
+        "counted as parameters, but may be buffers"
+    return [f"This format does not record which model tensors are buffers: {', '.join(unsure[:3])}"
+            f"{' ...' if len(unsure) > 3 else ''} {counted} (only BatchNorm's running statistics are recognised by "
+            "name)."]
+
+
 def _scan_notes(r: ScanReport) -> list[str]:
-    notes = [f"Verdict: {_MEANING[r.verdict]}."]
+    """The notes, then the verdict last: the line a CI log ends on, as pytest's summary is."""
+    notes = _split_note(r)
     if not r.complete:
         notes.append("Stopped at the first non-finite tensor; --full reads and counts every tensor.")
     _, near = _notable(r.tensors)
     if near:
-        notes.append(f"{len(near)} finite tensor(s) within a factor {r.margin:g} of their dtype's largest value: "
+        notes.append(f"{count(len(near), 'finite tensor')} within a factor {r.margin:g} of their dtype's largest value: "
                      "a precursor of overflow.")
-    return notes
+    return notes + _skipped_notes(r.skipped) + [f"Verdict: {_MEANING[r.verdict]}."]
+
+
+def _skipped_notes(skipped: list[str]) -> list[str]:
+    """Files left unread, each named: a partial read must not look like a clean one."""
+    return [f"Not read: {s}." for s in skipped]
 
 
 def _bisect_notes(r: BisectReport) -> list[str]:
     how = "the step in their metadata" if r.order == "metadata" else "the number in their names"
     mode = "linear" if r.mode == "linear" else f"bisection, at most {r.max_scans}"
-    notes = [f"{r.checkpoints} checkpoint(s) ordered by {how}; {r.scans} read ({mode})."]
+    notes = [f"{count(r.checkpoints, 'checkpoint')} ordered by {how}; {r.scans} read ({mode})."]
     if r.first_poisoned_verdict:
         notes.append(f"First poisoned: {_MEANING[r.first_poisoned_verdict]}.")
+    if r.first_poisoned_scan is not None:
+        notes += _split_note(r.first_poisoned_scan)
     if r.first_poisoned is not None and r.last_clean is not None:
         notes.append(f"The first non-finite value arose between {_step(r.last_clean.step)} and "
                      f"{_step(r.first_poisoned.step)}.")
@@ -126,18 +166,20 @@ def _bisect_notes(r: BisectReport) -> list[str]:
                      "was repaired in between (--linear reads them all).")
     if r.replay_unavailable:
         notes.append(f"No replay: {r.replay_unavailable}.")
+    notes += _skipped_notes(r.skipped)
+    notes += _skipped_notes([f"{rec.path}/{s}" for rec in r.history for s in rec.skipped])
     return notes
 
 
 def render_scan_terminal(r: ScanReport, console: Console) -> None:
     style, label = _SCAN_VERDICT[r.verdict]
-    console.print(f"[{style}] {label} [/] {escape(r.path)}  [dim]{r.format}, {_step(r.step, r.step_source)}[/]")
+    print_whole(console, f"[{style}] {label} [/] {escape(r.path)}  [dim]{_layout(r)}[/]")
     groups = Table(box=None, pad_edge=False)
     for h in _GROUP_HEADERS:
         groups.add_column(h, justify="left" if h == "group" else "right")
     for row in _group_rows(r):
         groups.add_row(*row)
-    console.print(groups)
+    print_whole(console, groups)
     _terminal_tensors(r.tensors, console)
     for note in _scan_notes(r):
         console.print(escape(note), soft_wrap=True)
@@ -148,33 +190,35 @@ def _terminal_tensors(tensors: Sequence[TensorScan], console: Console) -> None:
         if not rows:
             continue
         table = Table(title=f"{title} ({len(rows)})", title_justify="left", box=None, pad_edge=False)
-        for h in _TENSOR_HEADERS:  # names fold rather than truncate: they are what the reader needs
-            table.add_column(h, overflow="fold", no_wrap=h != "tensor", min_width=12 if h == "tensor" else None)
+        for h in _TENSOR_HEADERS:  # identifiers and numbers: never wrapped or cut, the row runs on instead
+            table.add_column(h, no_wrap=True)
         for t in rows[:SHOWN]:
             table.add_row(*map(escape, _tensor_row(t)))
-        console.print(table)
+        print_whole(console, table)
         if len(rows) > SHOWN:
             console.print(f"[dim]... and {len(rows) - SHOWN} more (every one in --json)[/]")
 
 
 def render_bisect_terminal(r: BisectReport, console: Console) -> None:
     style, label = _BISECT_VERDICT[r.verdict]
-    console.print(f"[{style}] {label} [/] first poisoned: {escape(_ref(r.first_poisoned))}")
-    console.print(f"{' ' * (len(label) + 2)} last clean:    {escape(_ref(r.last_clean))}")
+    print_whole(console, f"[{style}] {label} [/] first poisoned: {escape(_ref(r.first_poisoned))}")
+    print_whole(console, f"{' ' * (len(label) + 2)} last clean:    {escape(_ref(r.last_clean))}")
     reads = Table(title="checkpoints read", title_justify="left", box=None, pad_edge=False)
     for h in _READ_HEADERS:
         reads.add_column(h)
     for n, rec in _history_rows(r):
         if rec is None:
-            reads.add_row("", "", f"[dim]... {n} more like the rows around[/]", "", "")
+            reads.add_row("", "", f"[dim]... {n} more like the rows around[/]", "", "", "")
         else:
-            reads.add_row(str(n), str(rec.step), escape(rec.path), rec.verdict, f"{rec.bytes_read:,}")
-    console.print(reads)
+            reads.add_row(str(n), str(rec.step), escape(rec.path), rec.format, rec.verdict, f"{rec.bytes_read:,}")
+    print_whole(console, reads)
     _terminal_tensors(r.poisoned_tensors, console)
     for note in _bisect_notes(r):
         console.print(escape(note), soft_wrap=True)
     if r.replay:
         console.print(f"Replay the window: [bold]{escape(r.replay.command)}[/]  (or add --replay)", soft_wrap=True)
+    if r.replayed is not None:
+        replay.render_terminal(r.replayed, console)
 
 
 def _history_rows(r: BisectReport) -> list[tuple[int, ScanRecord | None]]:
@@ -213,7 +257,7 @@ def _md_tensors(tensors: Sequence[TensorScan]) -> list[str]:
 
 def render_scan_markdown(r: ScanReport) -> str:
     out = [f"### nanforensics scan: {_SCAN_VERDICT[r.verdict][1]}", "",
-           f"`{r.path}` ({r.format}, {_step(r.step, r.step_source)})", ""]
+           f"`{r.path}` ({_layout(r)})", ""]
     out += _md_table(_GROUP_HEADERS, _group_rows(r))
     out += _md_tensors(r.tensors)
     out += [*_scan_notes(r), ""]
@@ -224,10 +268,11 @@ def render_bisect_markdown(r: BisectReport) -> str:
     out = [f"### nanforensics bisect: {_BISECT_VERDICT[r.verdict][1]}", "",
            f"- first poisoned: {_ref(r.first_poisoned)}", f"- last clean: {_ref(r.last_clean)}", ""]
     out += _md_table(_READ_HEADERS,
-                     [[str(n), str(rec.step), f"`{rec.path}`", rec.verdict, f"{rec.bytes_read:,}"] if rec else
-                      ["", "", f"... {n} more like the rows around", "", ""] for n, rec in _history_rows(r)])
+                     [[str(n), str(rec.step), f"`{rec.path}`", rec.format, rec.verdict, f"{rec.bytes_read:,}"] if rec
+                      else ["", "", f"... {n} more like the rows around", "", "", ""] for n, rec in _history_rows(r)])
     out += _md_tensors(r.poisoned_tensors)
     out += [*_bisect_notes(r), ""]
     if r.replay:
         out += ["Replay the window:", "", "```", r.replay.command, "```", ""]
-    return "\n".join(out)
+    text = "\n".join(out)
+    return text + "\n" + replay.render_markdown(r.replayed) if r.replayed is not None else text

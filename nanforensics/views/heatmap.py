@@ -7,9 +7,9 @@ from rich.console import Console
 from rich.text import Text
 
 from ..replay.spread import SpreadMap, grouped
+from ..words import count
 
 MAX_ROWS = 24
-LABEL_WIDTH = 32
 SHADES = ("··", "░░", "▒▒", "▓▓", "██")
 STYLES = ("grey42", "yellow", "dark_orange", "red", "bold red")
 LEVEL_NAMES = ("none", "1% or less", "under half", "half or more", "all")
@@ -24,16 +24,12 @@ def level(bad: int, total: int) -> int:
     return 1 if 100 * bad <= total else 2 if 2 * bad < total else 3
 
 
-def _label(name: str) -> str:
-    return name if len(name) <= LABEL_WIDTH else "…" + name[-(LABEL_WIDTH - 1):]
-
-
 def lines(m: SpreadMap) -> list[list[tuple[str, str]]]:
     """The heatmap as lines of (text, rich style) segments."""
     g = grouped(m, MAX_ROWS)
     with_state = any(r.state_total for r in g.rows)
     width = max(2 * len(g.steps), len("parameters"))
-    label = min(LABEL_WIDTH, max(len(r.name) for r in g.rows))
+    label = max(len(r.name) for r in g.rows)  # whole names: a line runs past the width rather than cut one
     gap = "   "
     out: list[list[tuple[str, str]]] = []
     head = [(" " * label + gap, ""), ("parameters".ljust(width), "bold")]
@@ -43,7 +39,7 @@ def lines(m: SpreadMap) -> list[list[tuple[str, str]]]:
         mark = (" " * (2 * at) + "▼").ljust(width)
         out.append([(" " * label + gap, ""), (mark, "bold red")] + ([(gap + mark, "bold red")] if with_state else []))
     for r in g.rows:
-        line = [(_label(r.name).ljust(label) + gap, "")]
+        line = [(r.name.ljust(label) + gap, "")]
         line += [(SHADES[lv], STYLES[lv]) for lv in (level(b, r.params_total) for b in r.params_nonfinite)]
         line.append((" " * (width - 2 * len(g.steps)), ""))
         if with_state:
@@ -55,7 +51,7 @@ def lines(m: SpreadMap) -> list[list[tuple[str, str]]]:
     out.append([(f"non-finite values after each of steps {g.steps[0]}-{g.steps[-1]}{marked}", "dim")])
     out.append([("  ".join(f"{s} {n}" for s, n in zip(SHADES, LEVEL_NAMES)), "dim")])
     if len(g.rows) < len(m.rows):
-        out.append([(f"{len(m.rows)} tensors shown as {len(g.rows)} layers", "dim")])
+        out.append([(f"{count(len(m.rows), 'tensor')} shown as {count(len(g.rows), 'layer')}", "dim")])
     return out
 
 
@@ -64,7 +60,7 @@ def render_terminal(m: SpreadMap, console: Console) -> None:
     title = "spread of non-finite values" + whole
     console.print(Text(title, style="bold"))
     for line in lines(m):
-        console.print(Text.assemble(*line), no_wrap=True, overflow="ellipsis")
+        console.print(Text.assemble(*line), no_wrap=True, crop=False)
 
 
 def render_text(m: SpreadMap) -> str:

@@ -3,6 +3,7 @@ dashboards. The replay and bisect sections are those commands' own views."""
 
 from __future__ import annotations
 
+import io
 import xml.etree.ElementTree as ET
 from typing import Any, Callable
 
@@ -14,12 +15,15 @@ from rich.text import Text
 
 from ..postmortem import DONE, FAILED, SKIPPED, PostmortemReport
 from ..replay import spread
+from ..rootcause.findings import step_not_data
 from . import checkpoints, heatmap, replay
+from .layout import print_whole
 
 VERDICT = {
     "nonfinite": ("bold white on red", "NON-FINITE"),
     "clean": ("bold white on green", "CLEAN"),
     "not_reproduced": ("bold black on yellow", "NOT REPRODUCED"),
+    "loss_only": ("bold black on yellow", "LOSS ONLY"),
 }
 _STATUS_STYLE = {DONE: "green", SKIPPED: "yellow", FAILED: "red"}
 
@@ -49,7 +53,7 @@ def render_terminal(r: PostmortemReport, console: Console) -> None:
     if r.findings:
         parts += [Text(), Text("\n".join(f"- {f}" for f in r.findings))]
     title = Text.assemble((f" {word} ", style), "  ", ("nanforensics post-mortem", "bold"))
-    console.print(Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
+    print_whole(console, Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
     m = spread_map(r)
     if m is not None:
         heatmap.render_terminal(m, console)
@@ -81,23 +85,39 @@ def render_markdown(r: PostmortemReport) -> str:
 def failure_message(r: PostmortemReport) -> str:
     """One line for a CI dashboard: the responsible step, its batch and the origin, or the window."""
     batch = r.replay.responsible_batch if r.replay is not None and r.responsible_step is not None else None
-    return r.headline + (f" (batch {batch.file})" if batch else "")
+    return r.headline + (f" (batch {batch.file})" if batch and not step_not_data(r.replay) else "")
+
+
+def render_text(r: PostmortemReport, width: int = 100) -> str:
+    """The terminal view as plain text, without colour or markup: what the CI log shows."""
+    console = Console(file=io.StringIO(), width=width, color_system=None, highlight=False, emoji=False)
+    render_terminal(r, console)
+    return console.file.getvalue()  # type: ignore[attr-defined]
 
 
 def render_junit(r: PostmortemReport) -> str:
-    """A suite with the diagnosis as one test case (failed unless clean) and one case per analysis."""
+    """A suite with the diagnosis as one test case (failed unless clean) and one case per analysis.
+
+    Test-case names are the same for every run (the directory is a suite property), so a dashboard's history
+    lines up across runs; each case has its ``time``, the suite its ``timestamp``; the failure body is the
+    plain-text report.
+    """
     failures = int(r.verdict != "clean")
     errors = sum(a.status == FAILED for a in r.analyses)
     skipped = sum(a.status == SKIPPED for a in r.analyses)
+    total = sum(a.seconds or 0.0 for a in r.analyses)
     suite = ET.Element("testsuite", name="nanforensics.postmortem", tests=str(1 + len(r.analyses)),
-                       failures=str(failures), errors=str(errors), skipped=str(skipped))
-    case = ET.SubElement(suite, "testcase", classname="nanforensics.postmortem",
-                         name=f"no non-finite values in {r.directory}")
+                       failures=str(failures), errors=str(errors), skipped=str(skipped), time=f"{total:.3f}",
+                       **({"timestamp": r.started} if r.started else {}))
+    ET.SubElement(ET.SubElement(suite, "properties"), "property", name="directory", value=r.directory)
+    case = ET.SubElement(suite, "testcase", classname="nanforensics.postmortem", name="no non-finite values",
+                         time=f"{total:.3f}")
     if failures:
         failure = ET.SubElement(case, "failure", type=r.verdict, message=failure_message(r))
-        failure.text = render_markdown(r)
+        failure.text = "\n" + render_text(r)
     for a in r.analyses:
-        case = ET.SubElement(suite, "testcase", classname="nanforensics.postmortem.analysis", name=a.name)
+        case = ET.SubElement(suite, "testcase", classname="nanforensics.postmortem.analysis", name=a.name,
+                             time=f"{a.seconds or 0.0:.3f}")
         if a.status == FAILED:
             ET.SubElement(case, "error", message=a.detail)
         elif a.status == SKIPPED:
@@ -105,7 +125,7 @@ def render_junit(r: PostmortemReport) -> str:
         else:
             ET.SubElement(case, "system-out").text = a.detail
     root = ET.Element("testsuites", name="nanforensics", tests=suite.get("tests", "0"), failures=str(failures),
-                      errors=str(errors), skipped=str(skipped))
+                      errors=str(errors), skipped=str(skipped), time=f"{total:.3f}")
     root.append(suite)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..replay.repair import RepairReport
+from .layout import print_whole
 
 
 def _loss_range(losses: list[float | None]) -> str:
@@ -39,4 +40,4 @@ def render_repair_terminal(r: RepairReport, console: Console) -> None:
                   "-" if v.finite else f"step {v.first_nonfinite_step}: {v.first_nonfinite}", _loss_range(v.losses),
                   style="green" if v.finite else "red")
     parts: list[Any] = [facts, Text(), check, Text(), Text("\n".join(f"- {f}" for f in r.findings))]
-    console.print(Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
+    print_whole(console, Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))

@@ -11,13 +11,16 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from ..report import AmpReport, Event, ReplayReport, StepRecord, WhatIfResult
-from ..rootcause.findings import describe
+from ..report import AmpReport, DataDefect, Event, ReplayReport, StepRecord, WhatIfResult
+from ..rootcause.findings import describe, first_shown, reproduction, step_not_data
+from ..words import count, numbered, sample_positions
+from .layout import print_whole
 
 _VERDICT = {
     "nonfinite": ("bold white on red", "NON-FINITE"),
     "clean": ("bold white on green", "CLEAN"),
     "not_reproduced": ("bold black on yellow", "NOT REPRODUCED"),
+    "loss_only": ("bold black on yellow", "LOSS ONLY"),
 }
 
 
@@ -56,9 +59,10 @@ def sparkline(values: list[float | None]) -> str:
 def precursor_rows(r: ReplayReport) -> list[tuple[str, list[float | None]]]:
     """(metric, value per replayed precursor step) for every metric the report has."""
     p = r.precursors
-    rows: list[tuple[str, list[float | None]]] = [
-        ("grad norm", [x.grad_norm for x in p]), ("max |grad|", [x.grad_max_abs for x in p]),
-        ("max |update|", [x.update_max_abs for x in p])]
+    rows: list[tuple[str, list[float | None]]] = [("learning rate", [x.learning_rate for x in p])] if any(
+        x.learning_rate is not None for x in p) else []
+    rows += [("grad norm", [x.grad_norm for x in p]), ("max |grad|", [x.grad_max_abs for x in p]),
+             ("max |update|", [x.update_max_abs for x in p])]
     for key in sorted({k for x in p for k in x.state_max_abs}):
         rows.append((f"max |{key}|", [x.state_max_abs.get(key) for x in p]))
     dtype = next((x.activation_dtype for x in p if x.activation_dtype), "")
@@ -73,24 +77,75 @@ def _last_finite(values: list[float | None]) -> str:
 
 def _spread_rows(r: ReplayReport) -> list[StepRecord]:
     """From the step before the origin: the clean steps before it are all zeros."""
-    start = (r.responsible_step - 1) if r.responsible_step is not None else r.spread[-1].step - 2 if r.spread else 0
+    start = (r.responsible_step - 1) if r.responsible_step is not None else r.loss_only_steps[0] - 1 \
+        if r.loss_only_steps else r.spread[-1].step - 2 if r.spread else 0
     return [s for s in r.spread if s.step >= start]
 
 
-def _counts(e: Event) -> str:
+def counts(e: Event) -> str:
+    """``220 values in 3 tensors``; empty for a single value."""
     if e.tensors_nonfinite <= 1 and e.elements_nonfinite <= 1:
         return ""
-    return f"  ({e.elements_nonfinite:,} values in {e.tensors_nonfinite} tensor{'s' * (e.tensors_nonfinite > 1)})"
+    return f"{count(e.elements_nonfinite, 'value')} in {count(e.tensors_nonfinite, 'tensor')}"
+
+
+def _counts(e: Event) -> str:
+    text = counts(e)
+    return f"  ({text})" if text else ""
+
+
+def batch_label(r: ReplayReport) -> str:
+    return "batch (not the cause)" if step_not_data(r) else "responsible batch"
+
+
+_DEFECT = {"nonfinite": "non-finite", "extreme": "extreme", "subnormal": "subnormal"}
+DEFECTS_SHOWN = 5
+
+
+def defect_lines(defects: list[DataDefect]) -> list[str]:
+    """One line per data defect, the first ``DEFECTS_SHOWN``, then how many more the JSON holds."""
+    out = [f"step {d.step}{shard_text(d.rank)}  {d.tensor}[{', '.join(map(str, d.index))}] = {d.value}  {_DEFECT[d.kind]} "
+           f"({count(d.count, 'such value')})" for d in defects[:DEFECTS_SHOWN]]
+    more = len(defects) - DEFECTS_SHOWN
+    return out + ([f"... and {more} more (every one in the JSON report)"] if more > 0 else [])
 
 
 def headline(r: ReplayReport) -> str:
     if r.verdict == "nonfinite":
-        shown = r.logged_first_nonfinite_loss_step
-        tail = f"; logged loss first NaN at step {shown}" if shown is not None else "; logged losses all finite"
+        shown = first_shown(r)
+        if r.reproduced is None:  # nothing logged: the replay's own loss
+            replayed = r.first_nonfinite_loss_step
+            tail = f"; replayed loss first NaN at step {replayed}" if replayed is not None else \
+                "; replayed losses all finite"
+        else:
+            tail = (f"; logged loss first NaN at step {shown}" if shown is not None else
+                    "; logged losses all finite" if r.logged_first_nonfinite_loss_step is None else
+                    "; logged losses non-finite only where the state stayed finite")
+        if step_not_data(r):
+            return f"step {r.responsible_step} failed batch-wide: the step, not its data{tail}"
         return f"responsible step {r.responsible_step}{tail}"
+    if r.verdict == "not_reproduced" and r.logged_first_nonfinite_loss_step is None:  # bisect --code
+        state = f"a non-finite loss only at {numbered('step', r.loss_only_steps)}" if r.loss_only_steps else \
+            "all finite"
+        return f"steps {r.setup.first_step}-{r.setup.last_step} replayed from the supplied batches, {state}: " \
+               "not reproduced"
     if r.verdict == "not_reproduced":
         return f"logged loss NaN at step {r.logged_first_nonfinite_loss_step}, not reproduced by the replay"
-    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed, all finite"
+    if r.verdict == "loss_only":
+        return f"non-finite loss at {numbered('step', r.loss_only_steps)} only: the model's state stayed finite"
+    supplied = " from the supplied batches" if r.loaded is not None else ""
+    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed{supplied}, all finite"
+
+
+def loaded_rows(r: ReplayReport) -> list[tuple[str, str]]:
+    """(label, text) for a checkpoint the recorder did not write: what was loaded, and how."""
+    c = r.loaded
+    if c is None:
+        return []
+    optimizer = f"optimizer matched by {c.optimizer_matched} ({c.optimizer_params} parameters)"
+    rng = f"RNG {', '.join(c.rng_restored)} restored" if c.rng_restored else "RNG not restored"
+    return [("checkpoint", f"{c.checkpoint}  ({c.layout}; the state before step {c.step}; {optimizer}; {rng})"),
+            ("batches", f"{c.batches}(step)")]
 
 
 def world_text(r: ReplayReport) -> str:
@@ -159,29 +214,40 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="dim")
     facts.add_column()
-    facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
-                         f"{s.device}, {s.num_threads} threads{world_text(r)})")
+    if r.loaded is None:
+        facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
+                             f"{s.device}, {s.num_threads} threads{world_text(r)})")
+    else:
+        facts.add_row("replayed", f"steps {s.first_step}-{s.last_step}, {s.device}, {s.num_threads} threads")
+    for label, text in loaded_rows(r):
+        facts.add_row(label, text)
     if r.responsible_batch:
         b = r.responsible_batch
         extra = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items())
-        facts.add_row("responsible batch", Text(f"step {b.step}{shard_text(b.rank)}  {b.file}"
-                                                + (f"\n{extra}" if extra else "")))
+        facts.add_row(batch_label(r), Text(f"step {b.step}{shard_text(b.rank)}  {b.file}"
+                                           + (f"\n{extra}" if extra else "")))
+    if r.data_defects:
+        facts.add_row("data", Text("\n".join(defect_lines(r.data_defects))))
     if r.origin:
         facts.add_row("origin", Text(f"step {r.origin.step}  {describe(r.origin)}  ({r.origin.dtype})", style="bold red"))
     if r.samples is not None and r.samples.samples:
         ids = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in r.samples.sample_leaves.items())
+        where = sample_positions(r.samples.samples, r.samples.micro_batch_samples)
         shard = shard_text(r.responsible_batch.rank if r.responsible_batch else None)
-        facts.add_row("samples", Text(f"{', '.join(map(str, r.samples.samples))} of {r.samples.batch_size}{shard}"
+        facts.add_row("samples", Text(f"{where} of {r.samples.batch_size}{shard}"
                                       + (f"  ({ids})" if ids else "")))
     elif r.samples is not None:
-        facts.add_row("samples", Text(r.samples.status.replace("_", " ")))
+        facts.add_row("samples", Text("batch-wide: most samples fail alone" if r.samples.status == "batch_wide"
+                                      else r.samples.status.replace("_", " ")))
     if r.operation is not None:
         op = r.operation
         via = f" <- {op.forward.op}" if op.forward else ""
         facts.add_row("operation", Text(f"{op.site.phase} {op.site.op}{via} -> {op.output_value}  "
                                         f"module {op.site.module or '(none)'}  {op.site.source or ''}"))
-    facts.add_row("reproduced", "yes: replayed losses equal the logged ones" if r.reproduced
-                  else f"no: losses diverge from step {r.diverged_at_step}")
+    facts.add_row("reproduction", reproduction(r))
+    if r.loss_only_steps:
+        facts.add_row("loss only", numbered("step", r.loss_only_steps)
+                      + ": a non-finite loss; every gradient, parameter, optimizer state and buffer finite")
     parts: list[Any] = [facts]
     if r.events:
         chain = Tree("[bold]propagation chain")
@@ -193,13 +259,14 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     rows = _spread_rows(r)
     if rows:
         table = Table(title="spread of non-finite values", title_justify="left", show_edge=False)
-        for col in ("step", "logged loss", "replayed loss", "parameters", "optimizer state"):
+        buffers = any(x.buffers_total for x in rows)
+        for col in ("step", "logged loss", "replayed loss", "parameters", "optimizer state") + ("buffers",) * buffers:
             table.add_column(col, justify="right")
         for x in rows:
-            mark = "bold red" if x.params_nonfinite or x.state_nonfinite else ""
+            mark = "bold red" if x.params_nonfinite or x.state_nonfinite or x.buffers_nonfinite else ""
             table.add_row(str(x.step), _loss(x.logged_loss), _loss(x.replayed_loss),
                           f"{x.params_nonfinite:,}/{x.params_total:,}", f"{x.state_nonfinite:,}/{x.state_total:,}",
-                          style=mark)
+                          *[f"{x.buffers_nonfinite:,}/{x.buffers_total:,}"] * buffers, style=mark)
         parts += [Text(), table]
     if r.precursors:
         steps = f"{r.precursors[0].step}-{r.precursors[-1].step}"
@@ -221,7 +288,7 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         parts += [Text(), extra]
     if r.findings:
         parts += [Text(), Text("\n".join(f"- {f}" for f in r.findings))]
-    console.print(Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
+    print_whole(console, Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
 
 
 def render_markdown(r: ReplayReport) -> str:
@@ -230,21 +297,26 @@ def render_markdown(r: ReplayReport) -> str:
     out = [f"## nanforensics replay: {word.lower()} - {headline(r)}", "",
            f"Run `{s.run}`, replayed from the checkpoint at step {s.from_checkpoint} over steps "
            f"{s.first_step}-{s.last_step} on {s.device}{world_text(r)}.", ""]
+    out += [f"- **{label.capitalize()}:** `{text}`" for label, text in loaded_rows(r)]
     if r.responsible_batch:
         b = r.responsible_batch
-        out.append(f"- **Responsible batch:** step {b.step}{shard_text(b.rank)}, `{b.file}`")
+        out.append(f"- **{batch_label(r).capitalize()}:** step {b.step}{shard_text(b.rank)}, `{b.file}`")
+    if r.data_defects:
+        out += ["- **Data:**"] + [f"  - `{line}`" for line in defect_lines(r.data_defects)]
     if r.origin:
         out.append(f"- **Origin:** step {r.origin.step}, `{describe(r.origin)}` ({r.origin.dtype})")
-    out.append(f"- **Reproduced:** {'yes' if r.reproduced else f'no, diverges from step {r.diverged_at_step}'}")
+    out.append(f"- **Reproduction:** {reproduction(r)}")
     if r.events:
         out += ["", "### Propagation chain", ""]
         out += [f"{i}. step {e.step}: `{describe(e)}`{_counts(e)}" for i, e in enumerate(r.events, 1)]
     rows = _spread_rows(r)
     if rows:
-        out += ["", "### Spread", "", "| step | logged loss | replayed loss | parameters | optimizer state |",
-                "|---:|---:|---:|---:|---:|"]
+        buffers = any(x.buffers_total for x in rows)
+        out += ["", "### Spread", "", "| step | logged loss | replayed loss | parameters | optimizer state |"
+                + " buffers |" * buffers, "|---:|---:|---:|---:|---:|" + "---:|" * buffers]
         out += [f"| {x.step} | {_loss(x.logged_loss)} | {_loss(x.replayed_loss)} | "
-                f"{x.params_nonfinite}/{x.params_total} | {x.state_nonfinite}/{x.state_total} |" for x in rows]
+                f"{x.params_nonfinite}/{x.params_total} | {x.state_nonfinite}/{x.state_total} |"
+                + f" {x.buffers_nonfinite}/{x.buffers_total} |" * buffers for x in rows]
     if r.precursors:
         out += ["", f"### Precursors, steps {r.precursors[0].step}-{r.precursors[-1].step}", "",
                 "| metric | trend (log scale, ! = non-finite) | last finite |", "|---|---|---:|"]

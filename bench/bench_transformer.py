@@ -1,0 +1,216 @@
+"""The figures of issue 14 on the model users train: a 14M-parameter decoder-only transformer with AdamW.
+
+    python bench/bench_transformer.py [--batch 8] [--rounds 5] [--run-batch 64] [--device cpu|cuda] [--clock wall|cpu]
+
+Model: ``scenarios.Decoder(vocab=8192, seq_len=128, d_model=384, n_head=6, n_layer=6)`` (causal
+self-attention, LayerNorm, a tied head; tests/scenarios.py), AdamW, right-padded token batches,
+2 threads on CPU. Printed, each with its target:
+1. the monitored replay step (StepMonitor, detect mode), ``detect_anomaly(check_nan=True)`` and the
+   recorder (``Recorder.log`` after the step, timed until its writer thread is done; checkpoints
+   excluded) against a plain training step, interleaved over ``--rounds`` at batch ``--batch``
+   (benchlib.py);
+2. a run recorded in a child process (batch ``--run-batch``, one sample fully padded at step 2:
+   softmax of a fully masked row is NaN, AdamW writes it into every moment), then replayed by the
+   real CLI in another child: the whole ``nanforensics replay`` wall time against the recording's
+   own time for the same steps; the peak RSS of each child (``os.wait4``: that child alone);
+3. sample attribution on that step, in this process through the library: passes and seconds, against
+   the recording's time for one step at that batch size.
+The provenance trace of the responsible step has its own bench (bench/bench_provenance.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from benchlib import interleaved, paired_ratio, synced, verdict
+from nanforensics import Recorder
+from nanforensics.replay.monitor import StepMonitor
+from nanforensics.runs.batches import map_tensors
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import scenarios  # noqa: E402 - the test scenarios, outside the installed package
+
+MODEL = {"vocab": 8192, "seq_len": 128, "d_model": 384, "n_head": 6, "n_layer": 6}
+STEPS, DEFECT_STEP = 4, 2
+
+
+def batch(step: int, size: int, device: torch.device, defect: str | None = None) -> dict[str, Any]:
+    b = scenarios.make_token_batch(step, 0, defect, batch_size=size, seq_len=MODEL["seq_len"], vocab=MODEL["vocab"])
+    return map_tensors(b, lambda t: t.to(device))
+
+
+def step_overhead(device: torch.device, size: int, rounds: int, clock: str) -> None:
+    model = scenarios.build_decoder(**MODEL).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    b = batch(0, size, device)
+    monitor = StepMonitor(model, optimizer)
+
+    def plain() -> None:
+        scenarios.train_step_lm(model, optimizer, b)
+
+    def monitored() -> None:
+        with monitor:
+            monitor.begin(0, b, locate=False)
+            assert not monitor.end(scenarios.train_step_lm(model, optimizer, b))
+
+    def anomaly() -> None:
+        with torch.autograd.detect_anomaly(check_nan=True):
+            plain()
+
+    recorder = Recorder(Path(tempfile.mkdtemp(prefix="nf-bench-transformer-")) / "run", model, optimizer,
+                        model_factory="scenarios:build_decoder", model_kwargs=MODEL,
+                        step_fn="scenarios:train_step_lm", checkpoint_every=10**9)
+    logged = [0]
+
+    def recorded() -> None:
+        recorder.log(logged[0], b, scenarios.train_step_lm(model, optimizer, b))
+        logged[0] += 1
+        recorder._writer._queue.join()  # the writer's work is the recorder's cost: none left to the next variant
+
+    variants = {k: synced(device, fn) for k, fn in (("plain", plain), ("monitored", monitored),
+                                                    ("detect_anomaly", anomaly), ("recorder", recorded))}
+    interleaved(variants, 1)  # warm-up: AdamW's state, the allocator
+    times = interleaved(variants, rounds, clock=clock)
+    recorder.close()
+    shutil.rmtree(recorder.path.parent)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: decoder {MODEL}, {params / 1e6:.1f}M parameters, AdamW, {device}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"\n1. one training step at batch {size} x {MODEL['seq_len']} tokens, {rounds} rounds interleaved, {clock} clock")
+    anomaly_ratio = paired_ratio(times, "detect_anomaly")[0]
+    for name in variants:
+        r, q1, q3 = paired_ratio(times, name)
+        line = f"  {name:<16}{statistics.median(times[name]):8.3f} s {r:7.3f}x  ({q1:.3f}-{q3:.3f})"
+        if name == "monitored":
+            line += f"  target <= 1.10 and < detect_anomaly: {verdict(r <= 1.10 and r < anomaly_ratio)}"
+        elif name == "recorder":
+            line += f"  target <= 1.05: {verdict(r <= 1.05)}"
+        print(line)
+
+
+# ---- the recording, in a child process -----------------------------------------------------------------------
+
+
+def record_child(run_dir: Path, size: int, device_name: str) -> None:
+    """Train STEPS steps under the recorder; print the seconds of each step (step and ``Recorder.log``)."""
+    torch.set_num_threads(2)
+    device = torch.device(device_name)
+    model = scenarios.build_decoder(**MODEL).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seconds = []
+    with Recorder(run_dir, model, optimizer, model_factory="scenarios:build_decoder", model_kwargs=MODEL,
+                  step_fn="scenarios:train_step_lm", checkpoint_every=10**9) as rec:
+        for step in range(STEPS):
+            b = batch(step, size, device, "fully_padded" if step == DEFECT_STEP else None)
+            start = time.perf_counter()
+            loss = scenarios.train_step_lm(model, optimizer, b)
+            rec.log(step, b, loss)
+            seconds.append(time.perf_counter() - start)
+    print(json.dumps({"step_seconds": seconds}))
+
+
+def child(args: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS in MB of that child alone, stdout)."""
+    with tempfile.TemporaryFile("w+") as out:
+        start = time.perf_counter()
+        p = subprocess.Popen(args, stdout=out, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+        assert p.stderr is not None
+        err = p.stderr.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - start
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read()
+    if p.returncode not in (0, 1):  # replay exits 1 when it found the culprit
+        raise SystemExit(f"{' '.join(args)} exited {p.returncode}: {err.strip()[-2000:]}")
+    return wall, usage.ru_maxrss / 1024, text  # ru_maxrss is in KiB on Linux
+
+
+def replay_and_attribution(device: torch.device, size: int) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    cli = Path(sys.executable).parent / "nanforensics"
+    with tempfile.TemporaryDirectory(prefix="nf-bench-transformer-") as tmp:
+        run, report_path = Path(tmp) / "run", Path(tmp) / "replay.json"
+        rec_wall, rec_rss, out = child([sys.executable, __file__, "--record-child", str(run), "--run-batch", str(size),
+                                        "--device", str(device)], env)
+        step_seconds = json.loads(out.strip().splitlines()[-1])["step_seconds"]
+        command = [str(cli) if cli.exists() else sys.executable, *([] if cli.exists() else ["-m", "nanforensics"]),
+                   "replay", str(run), "--device", device.type, "--json", str(report_path)]
+        replay_wall, replay_rss, _ = child(command, env)
+        report = json.loads(report_path.read_text())
+        first, last = report["setup"]["first_step"], report["setup"]["last_step"]
+        recorded = sum(step_seconds[first:last + 1])
+        seconds, passes, found = attribution(run, report["responsible_step"], device)
+
+    ratio = replay_wall / recorded
+    print(f"\n2. a run of {STEPS} steps at batch {size} (sample {scenarios.DEFECT_SAMPLE} fully padded at step "
+          f"{DEFECT_STEP}), recorded and replayed by the CLI in child processes")
+    print(f"  verdict {report['verdict']}, responsible step {report['responsible_step']} "
+          f"({report['origin']['stage']} {report['origin']['tensor']}), steps {first}-{last} replayed")
+    print(f"  recording, steps {first}-{last}    {recorded:8.1f} s   ({statistics.median(step_seconds):.1f} s a step, "
+          f"Recorder.log included; the child ran {rec_wall:.1f} s in all)")
+    print(f"  nanforensics replay, whole  {replay_wall:8.1f} s   {ratio:.2f}x the recording: start-up, monitored steps, "
+          "the rewind, attribution and the operation trace; target (proposed) <= 6: " + verdict(ratio <= 6))
+    print(f"  peak RSS: training loop {rec_rss:.0f} MB, replay {replay_rss:.0f} MB = {replay_rss / rec_rss:.2f}x; "
+          f"target (proposed) <= 1.5: {verdict(replay_rss <= 1.5 * rec_rss)}")
+    bound = 1 + 2 * math.ceil(math.log2(size))  # 1 + 2k log2(B), k = 1 bad sample (bench_samples.py)
+    plain = statistics.median(step_seconds)
+    print(f"\n3. sample attribution at batch {size}: {passes} forward/backward passes (target <= 1 + 2 log2 {size} = "
+          f"{bound}: {verdict(passes <= bound)}), {seconds:.1f} s = {seconds / plain:.2f} recorded steps; "
+          f"found samples {found}")
+
+
+def attribution(run_dir: Path, step: int, device: torch.device) -> tuple[float, int, list[int]]:
+    """Seconds, passes and samples of ``attribute_samples`` on the responsible step, as replay runs it."""
+    from nanforensics.replay.session import Session, pinned_threads
+    from nanforensics.rootcause.samples import attribute_samples
+    from nanforensics.runs.run import Run, UserCode
+
+    run = Run(run_dir)
+    with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None):
+        session = Session(run, UserCode.load(run), run.checkpoints()[0], device)
+        session.advance_to(step)
+        start = time.perf_counter()
+        result = attribute_samples(session)
+        return time.perf_counter() - start, result.passes, result.samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8, help="batch size of the step-overhead part")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--run-batch", type=int, default=64, help="batch size of the recorded run")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time, part 1 (benchlib.py)")
+    ap.add_argument("--skip-run", action="store_true", help="only the step overhead (part 1)")
+    ap.add_argument("--record-child", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.record_child:
+        record_child(args.record_child, args.run_batch, args.device)
+        return
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*Anomaly Detection has been enabled.*")
+    device = torch.device(args.device)
+    step_overhead(device, args.batch, args.rounds, args.clock)
+    if not args.skip_run:
+        replay_and_attribution(device, args.run_batch)
+    print("\nthe provenance trace of the responsible step against detect_anomaly: bench/bench_provenance.py")
+
+
+if __name__ == "__main__":
+    main()

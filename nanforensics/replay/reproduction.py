@@ -1,0 +1,176 @@
+"""Did the replay reproduce the run? The state at a recorded checkpoint, bit for bit, is the test.
+
+A logged loss is a reduction: on another machine of the same kind a kernel may sum in another order and
+round the last bit or two differently, while parameters, optimizer state and buffers stay bit-identical.
+So where the replay passes a checkpoint the run recorded (the state before step N), every tensor of it is
+compared bit for bit with the replayed one; losses are compared in float32 ulps (the recorder logs them as
+float32) and decide only for the steps no exactly matched checkpoint follows. A distributed run's FSDP2 checkpoint
+is read whole from its torch.distributed.checkpoint shards, and a replay at world size gathers its own shards whole
+to compare them (every rank, in the same order).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Iterator, Mapping, Union
+
+import torch
+
+from .. import finite
+from ..distributed.tensors import whole
+from ..errors import BadInput
+from ..report import CheckpointComparison, StepRecord, TensorMismatch
+from ..runs.checkpoint import Checkpoint, optimizer_params, param_names
+from ..runs.files import TensorFile
+
+LOSS_ULPS = 8  # a logged and a replayed loss this close (float32 ulps) match: rounding, not divergence
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _ordered(bits: int, nbits: int) -> int:
+    """A float's sign-magnitude bit pattern as an integer that counts ulps: adjacent floats differ by 1."""
+    sign = 1 << (nbits - 1)
+    return bits if bits < sign else sign - bits
+
+
+def float32_ulps(a: float, b: float) -> int | None:
+    """|a - b| in units in the last place of float32; None when either is non-finite or beyond float32."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return None
+    try:
+        x, y = (struct.unpack("<I", struct.pack("<f", v))[0] for v in (a, b))
+    except OverflowError:
+        return None
+    return abs(_ordered(x, 32) - _ordered(y, 32))
+
+
+def losses_match(logged: float, replayed: float, rtol: float, max_ulps: int = LOSS_ULPS) -> bool:
+    """Both NaN, the same infinity, or within ``max_ulps`` float32 ulps or ``rtol`` of each other."""
+    if math.isnan(logged) or math.isnan(replayed):
+        return math.isnan(logged) and math.isnan(replayed)
+    if math.isinf(logged) or math.isinf(replayed):
+        return logged == replayed
+    ulps = float32_ulps(logged, replayed)
+    return (ulps is not None and ulps <= max_ulps) or abs(logged - replayed) <= rtol * abs(logged)
+
+
+def judge(spread: list[StepRecord], compared: list[CheckpointComparison], rtol: float,
+          max_ulps: int = LOSS_ULPS) -> int | None:
+    """The first step where the replay parts from the run (None: reproduced).
+
+    A checkpoint that differs parts them at its step. A loss parts them only after the last checkpoint that
+    matched exactly: before it, a loss that differs is the reduction's rounding, since the state it came
+    from and led to is the recorded one.
+    """
+    mismatch = next((c.step for c in compared if c.error is None and not c.exact), None)
+    until = exact_until(compared)
+    loss = next((s.step for s in spread if s.logged_loss is not None and (until is None or s.step >= until)
+                 and not losses_match(s.logged_loss, s.replayed_loss, rtol, max_ulps)), None)
+    found = [s for s in (mismatch, loss) if s is not None]
+    return min(found) if found else None
+
+
+def exact_until(compared: list[CheckpointComparison]) -> int | None:
+    """The last recorded checkpoint the replay matched bit for bit before any it did not: a logged loss before it
+    that differs is the reduction's rounding."""
+    usable = [c for c in compared if c.error is None]
+    mismatch = next((c.step for c in usable if not c.exact), None)
+    return max((c.step for c in usable if c.exact and (mismatch is None or c.step < mismatch)), default=None)
+
+
+# ---- the state against a checkpoint -----------------------------------------------------------------------
+
+
+def compare_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       checkpoint: Checkpoint) -> CheckpointComparison:
+    """Every model tensor (parameters and buffers) and optimizer-state tensor against ``checkpoint``'s files.
+
+    A checkpoint that cannot be read is reported with its error rather than failing the replay: it decides nothing.
+    """
+    try:
+        results = list(_compared(model, optimizer, checkpoint))
+    except BadInput as e:
+        return CheckpointComparison(checkpoint.step, str(checkpoint.path), 0, False, 0, None, error=str(e))
+    found = [m for m, _, _ in results if m is not None]
+    return CheckpointComparison(checkpoint.step, str(checkpoint.path), len(results), not found, len(found),
+                                found[0] if found else None, sum(n for _, n, _ in results),
+                                sum(nan for _, _, nan in results))
+
+
+_Result = tuple[TensorMismatch | None, int, int]  # the mismatch (None: equal), values compared, values NaN in both
+
+
+def _compared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Checkpoint) -> Iterator[_Result]:
+    """Each tensor, in model then optimizer order."""
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    replayed = model.state_dict()
+    recorded_model, recorded_state = _recorded(checkpoint)
+    for name, recorded in _with_missing(recorded_model, replayed):
+        yield _compare(name, "buffer" if name in buffers else "parameter", recorded, replayed.get(name))
+    state = {f"{n}/{key}": value for n, p in zip(param_names(model, optimizer), optimizer_params(optimizer))
+             for key, value in optimizer.state.get(p, {}).items() if isinstance(value, torch.Tensor)}
+    for key, recorded in _with_missing(recorded_state, state):
+        name, _, state_key = key.rpartition("/")
+        yield _compare(f"{state_key} of {name}", "optimizer_state", recorded, state.get(key))
+
+
+_Tensors = Union[TensorFile, Mapping[str, torch.Tensor]]  # keys() and get(key)
+
+
+def _recorded(checkpoint: Checkpoint) -> tuple[_Tensors, _Tensors]:
+    """The checkpoint's model and optimizer-state tensors: read one at a time from its safetensors files, or
+    assembled whole from a distributed run's torch.distributed.checkpoint shards (FSDP2)."""
+    if checkpoint.sharded:
+        return checkpoint.model_tensors(), dict(checkpoint.optimizer_tensors())
+    return TensorFile(checkpoint.model_file), TensorFile(checkpoint.optimizer_file)
+
+
+def _with_missing(file: _Tensors, replayed: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """The recorded tensors one at a time, then the replayed names the file lacks (recorded as None)."""
+    keys = list(file.keys())
+    for key in keys:
+        yield key, file.get(key)
+    for key in sorted(set(replayed) - set(keys)):
+        yield key, None
+
+
+def _spec(t: torch.Tensor | None) -> str:
+    return "missing" if t is None else f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _compare(name: str, kind: str, recorded: torch.Tensor | None, replayed: torch.Tensor | None) -> _Result:
+    if recorded is None or replayed is None or recorded.dtype != replayed.dtype or recorded.shape != replayed.shape:
+        size = max(t.numel() for t in (recorded, replayed) if t is not None)
+        return TensorMismatch(name, kind, [], _spec(recorded), _spec(replayed), size, None), size, 0
+    a, b = recorded, whole(replayed).detach().cpu()  # a replay at world size holds FSDP2's shards: gathered
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        both_nan = a.isnan() & b.isnan()
+        differ = (a.view(_SIGNED[a.element_size()]) != b.view(_SIGNED[a.element_size()])) & ~both_nan
+    else:
+        both_nan, differ = None, a != b
+    count, nan = int(differ.sum()), int(both_nan.sum()) if both_nan is not None else 0
+    if count == 0:
+        return None, a.numel(), nan
+    flat = int(differ.reshape(-1).to(torch.uint8).argmax())
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)]
+    index = index[:-1] if recorded.is_complex() else index
+    x, y = a.reshape(-1)[flat], b.reshape(-1)[flat]
+    return TensorMismatch(name, kind, index, _text(x), _text(y), count, _ulps(x, y)), a.numel(), nan
+
+
+def _text(x: torch.Tensor) -> str:
+    value = x.item()
+    return finite.value_name(value) if isinstance(value, float) and not math.isfinite(value) else repr(value)
+
+
+def _ulps(x: torch.Tensor, y: torch.Tensor) -> int | None:
+    """The distance of two values of one floating dtype in its own ulps; None across a NaN or for integers."""
+    if not x.is_floating_point() or x.isnan() or y.isnan():
+        return None
+    size = x.element_size()
+    mask = (1 << (8 * size)) - 1
+    bits = [int(v.view(_SIGNED[size]).item()) & mask for v in (x, y)]
+    return abs(_ordered(bits[0], 8 * size) - _ordered(bits[1], 8 * size))

@@ -1,0 +1,22 @@
+"""Counts in words for findings and views: "1 tensor", "3 tensors", "step 12", "steps 12, 14" — never "(s)"."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` with its noun agreeing: ``count(1, "tensor")`` is "1 tensor", ``count(3, "tensor")`` "3 tensors"."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
+def numbered(noun: str, numbers: Sequence[int], plural: str | None = None) -> str:
+    """``numbered("step", [12])`` is "step 12", ``numbered("step", [12, 14])`` "steps 12, 14"."""
+    return f"{noun if len(numbers) == 1 else plural or noun + 's'} {', '.join(map(str, numbers))}"
+
+
+def sample_positions(samples: list[int], located: list[list[int]]) -> str:
+    """``5, 9``; in a step of several micro-batches ``21 (micro-batch 1, sample 5)``."""
+    if not located:
+        return ", ".join(map(str, samples))
+    return ", ".join(f"{k} (micro-batch {j}, sample {i})" for k, (j, i) in zip(samples, located))

@@ -1,0 +1,44 @@
+"""A Lightning fit written without nanforensics: ModelCheckpoint saves a ``.ckpt`` every 2 steps (the module's
+``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``global_step``, and the callbacks' bookkeeping).
+
+The callables replay needs mirror Lightning's automatic optimization of ``integration_models.RegressorModule``:
+its Adam, its step-wise StepLR schedule, backward and step on each batch. The batches are the fit's, in order,
+so ``batch_at(step)`` gives the batch of any step again (the defect at ``integration_models.DEFECT_STEP``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import integration_models as models
+import scenarios
+
+
+def build_model() -> torch.nn.Module:
+    return models.RegressorModule()
+
+
+def make_optimizer(module: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(module.parameters(), lr=module.hparams.lr)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def train_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
+               scheduler: Any = None) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = module.net_loss(batch)
+    loss.backward()
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return loss
+
+
+def batch_at(step: int) -> dict[str, Any]:
+    return scenarios.make_batch(step, defect="near_zero" if step == models.DEFECT_STEP else None,
+                                batch_size=scenarios.BATCH)

@@ -533,8 +533,11 @@ def main() -> None:
     Usage errors are click's own (exit code 2 too); everything else unforeseen is one line as well,
     with the traceback behind NANFORENSICS_DEBUG=1.
     """
-    from .distributed.env import reporting
+    from .distributed.env import exit_on_stop, leave, reporting
 
+    # Under torchrun, until the ranks agree on the replay's exit code a rank ends early only over an error (exit 2),
+    # and torchrun then stops the others: they end with 2 as well.
+    exit_on_stop(EXIT_BAD_INPUT)
     try:
         _plain_arguments(typer.main.get_command(app))()
     except BadInput as e:
@@ -543,7 +546,7 @@ def main() -> None:
         if reporting() or e.rank is not None:
             where = f"rank {e.rank}: " if e.rank is not None else ""
             stderr_console().print(f"nanforensics: error: {where}{e}", markup=False, soft_wrap=True)
-        sys.exit(EXIT_BAD_INPUT)
+        leave(EXIT_BAD_INPUT, wait_for_rank_zero=e.rank is None)
     except Exception as e:
         if os.environ.get("NANFORENSICS_DEBUG"):
             raise
@@ -552,4 +555,4 @@ def main() -> None:
         else:
             message = f"{e.__class__.__name__}: {e} (set NANFORENSICS_DEBUG=1 for the traceback)"
         stderr_console().print(f"nanforensics: error: {message}", markup=False, soft_wrap=True)
-        sys.exit(EXIT_BAD_INPUT)
+        leave(EXIT_BAD_INPUT)

@@ -7,10 +7,7 @@ NCCL on GPU), replays its own rank, and leaves it; rank 0 writes the report, and
 
 from __future__ import annotations
 
-import os
 import shlex
-import signal
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +18,7 @@ import torch.distributed as dist
 
 from ..errors import BadInput
 from ..runs.run import Run
-from .env import torchrun_env
+from .env import exit_now, exit_on_stop, torchrun_env
 
 _GLOO: dict[Any, Any] = {}
 
@@ -72,20 +69,13 @@ class Joined:
         box = [code]
         dist.broadcast_object_list(box, src=0, group=object_group())
         agreed = int(box[0])
-        signal.signal(signal.SIGTERM, lambda signum, frame: _leave(agreed))
+        exit_on_stop(agreed)
         return agreed
 
     def exit(self, code: int) -> None:
-        """Under torchrun, end the process now with ``code``: the interpreter's shutdown would first restore SIGTERM's
-        default action, and a stop from torchrun arriving then would end this rank with -15 instead."""
+        """Under torchrun, end the process now with ``code`` (``exit_now``)."""
         if self.grouped:
-            _leave(code)
-
-
-def _leave(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+            exit_now(code)
 
 
 @contextmanager

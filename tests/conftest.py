@@ -8,13 +8,19 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import pytest
+import torch
 
 import scenarios
+
+# Where a run blown up by its learning rate first overflows depends on the summation order, so on the thread
+# count: the runs recorded here use two threads on any machine (the replays restore what the manifest records).
+torch.set_num_threads(2)
 
 TESTS = Path(__file__).resolve().parent
 DEFECT_STEP = 17
@@ -96,3 +102,36 @@ def copy_run(tmp_path: Path, runs: dict[str, Path]):
         shutil.copytree(runs[name], dest)
         return dest
     return make
+
+
+FAULT_CASE = "fault_case"  # a user property of tests/test_faults.py's cases: (command, class of fault)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The fault suite's cases passed and tried, by command and by class of fault, at the end of the session.
+
+    Counted from the test reports' user properties, so the summary is whole under pytest-xdist too, where a
+    worker's own output never reaches the terminal."""
+    tried: Counter[str] = Counter()
+    passed: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
+    for outcome in ("passed", "failed"):
+        for report in terminalreporter.stats.get(outcome, []):
+            case = dict(getattr(report, "user_properties", ())).get(FAULT_CASE)
+            if case is None or report.when != "call":
+                continue
+            command, kind = case
+            tried[command] += 1
+            if outcome == "passed":
+                passed[command] += 1
+                kinds[kind] += 1
+    if not tried:
+        return
+    write = terminalreporter.write_line
+    write("damaged inputs by command (passed/tried):")
+    for command in sorted(tried):
+        write(f"  {command:<11} {passed[command]}/{tried[command]}")
+    write(f"  {'all':<11} {sum(passed.values())}/{sum(tried.values())}")
+    write("cases passed by class of fault:")
+    for kind, n in sorted(kinds.items()):
+        write(f"  {kind:<30} {n}")

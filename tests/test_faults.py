@@ -5,7 +5,8 @@ catch-all line for unforeseen exceptions), or, where the damage leaves enough, w
 post-mortem marked partial (an analysis failed, naming the file; no step pinned). Either way the input
 directory is byte-identical afterwards and, on an error, the earlier report at the --json path is left
 as it was and no Markdown report is written. The calls run concurrently (a pool as wide as the CPUs),
-since most of each is the import of torch; a summary of damaged inputs by command ends the session.
+since most of each is the import of torch; conftest's summary of them by command and class ends the
+session.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import os
 import shutil
 import signal
 import struct
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,7 +34,7 @@ from nanforensics.formats.safetensors_file import SafetensorsFile
 from nanforensics.runs.files import TensorFile
 from safetensors.torch import load_file, save_file
 
-from conftest import DEFECT_STEP, Result, _record, error_lines, run_cli, tree_digest
+from conftest import DEFECT_STEP, FAULT_CASE, Result, _record, error_lines, run_cli, tree_digest
 
 SCENARIO = "adam_near_zero"
 CK = Path("checkpoints") / "step_00000010"  # the last clean checkpoint before the defect: replay starts here
@@ -456,33 +456,10 @@ def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         return {key: future.result() for key, future in futures.items()}
 
 
-@dataclass
-class Tally:
-    tried: Counter[str] = field(default_factory=Counter)
-    passed: Counter[str] = field(default_factory=Counter)
-    kinds: Counter[str] = field(default_factory=Counter)  # passed, by class of fault
-
-
-TALLY = Tally()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def summary(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After the module: damaged inputs tried and passed, by command, on the terminal (even without -s)."""
-    yield
-    if not TALLY.tried:
-        return
-    lines = ["", "damaged inputs by command (passed/tried):"]
-    lines += [f"  {c:<11} {TALLY.passed[c]}/{TALLY.tried[c]}" for c in sorted(TALLY.tried)]
-    lines += [f"  {'all':<11} {sum(TALLY.passed.values())}/{sum(TALLY.tried.values())}"]
-    lines += ["cases passed by class of fault:"] + [f"  {k:<30} {n}" for k, n in sorted(TALLY.kinds.items())]
-    with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
-        print("\n".join(lines))
-
-
 @pytest.mark.parametrize("damage, command", CASES)
-def test_damaged_input(outcomes: dict[str, Outcome], damage: Damage, command: str) -> None:
-    TALLY.tried[command] += 1
+def test_damaged_input(outcomes: dict[str, Outcome], damage: Damage, command: str,
+                       record_property: Callable[[str, object], None]) -> None:
+    record_property(FAULT_CASE, (command, damage.kind))  # conftest's summary counts them by command and class
     o, expect = outcomes[f"{damage.name}-{command}"], damage.expect[command]
     r = o.result
     assert "Traceback" not in r.stderr and "NANFORENSICS_DEBUG" not in r.stderr, r.stderr
@@ -505,8 +482,6 @@ def test_damaged_input(outcomes: dict[str, Outcome], damage: Damage, command: st
             assert report["responsible_step"] is None and report["window"] is not None, report["headline"]
             failed = [a["detail"] for a in report["analyses"] if a["status"] == "failed"]
             assert any(all(n in d for n in expect.needles) for d in failed), report["analyses"]
-    TALLY.passed[command] += 1
-    TALLY.kinds[damage.kind] += 1
 
 
 # ---- the readers under random corruption of a valid checkpoint file -------------------------------------

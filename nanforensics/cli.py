@@ -12,9 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Optional
 
-import click
 import typer
-from typer.core import TyperArgument
+from typer.core import TyperArgument, TyperGroup
 
 from .errors import BadInput
 from .outputs import check_outputs, expand
@@ -512,14 +511,14 @@ def report_command(
 class _PlainArgument(TyperArgument):
     """An argument as click writes it, ``RUN_DIR``: typer's help adds a type tag (``<path>``) and braces."""
 
-    def display_type_rich(self, ctx: click.Context) -> None:
+    def display_type_rich(self, ctx: typer.Context) -> None:
         return None
 
     def _usage_display_name(self) -> str:
         return self.display_name_raw + ("..." if self.nargs != 1 else "")
 
 
-def _plain_arguments(group: click.Group) -> click.Group:
+def _plain_arguments(group: TyperGroup) -> TyperGroup:
     for command in group.commands.values():
         for param in command.params:
             if type(param) is TyperArgument:

@@ -23,6 +23,7 @@ import scenarios
 torch.set_num_threads(2)
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent  # the repository: README, sample_runs/
 DEFECT_STEP = 17
 STEPS = 24
 

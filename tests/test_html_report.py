@@ -12,7 +12,7 @@ from nanforensics.replay.engine import PRECURSOR_STEPS
 from nanforensics.views.html import render_html
 
 import scenarios
-from conftest import DEFECT_STEP
+from conftest import DEFECT_STEP, ROOT
 from postmortem_cases import examined
 
 
@@ -61,6 +61,12 @@ def test_the_facts_table_names_the_operation_and_the_samples(runs):
     assert "aten::div.Tensor" in f["operation"] and "torch.log" in f["operation"] and "features" in f["operation"]
     sample = scenarios.DEFECT_SAMPLE
     assert f["samples"].startswith(f"{sample} of 64") and f"s{DEFECT_STEP:05d}-{sample:02d}" in f["samples"]
+    assert "ranks (" not in f["replayed"]  # one process: no world to name
+
+
+def test_the_facts_table_names_the_world_of_a_distributed_run():
+    f = facts(Page(render_html(examined(ROOT / "sample_runs" / "ddp_two_ranks"))))
+    assert f["replayed"].endswith(", 2 ranks (ddp, emulated)") and "on rank 1" in f["origin"]
 
 
 def test_charts_have_titled_axes_round_ticks_and_non_finite_marks(runs):

@@ -72,8 +72,8 @@ PLATFORM = frozenset({
     "pydantic_core", "typing_inspection", "annotated_types", "aiohttp", "aiohappyeyeballs", "aiosignal", "attr",
     "attrs", "frozenlist", "multidict", "propcache", "yarl", "anyio", "h11", "httpx", "httpcore", "httpx2",
     "httpcore2", "requests", "urllib3", "certifi", "charset_normalizer", "idna", "truststore", "sortedcontainers",
-    "setuptools", "pkg_resources", "_distutils_hack", "pip", "pytest", "_pytest", "py", "pluggy", "iniconfig",
-    "hypothesis", "_hypothesis_globals", "_hypothesis_pytestplugin", "_hypothesis_ftz_detector", "dill",
+    "setuptools", "pkg_resources", "_distutils_hack", "pip", "pytest", "_pytest", "py", "pluggy", "iniconfig", "xdist",
+    "execnet", "hypothesis", "_hypothesis_globals", "_hypothesis_pytestplugin", "_hypothesis_ftz_detector", "dill",
     "cloudpickle", "joblib", "IPython",
 })
 # The functions of nanforensics that a manifest may name: the integrations' default step functions.

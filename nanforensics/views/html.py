@@ -17,7 +17,7 @@ from ..rootcause.findings import describe, reproduction
 from ..words import count, sample_positions
 from . import heatmap
 from .postmortem import VERDICT, spread_map
-from .replay import batch_label, counts, headline, loaded_rows, precursor_rows
+from .replay import batch_label, counts, headline, loaded_rows, precursor_rows, world_text
 
 LEVEL_FILLS = ("#e5e7eb", "#fcd34d", "#fb923c", "#dc2626", "#7f1d1d")
 PALETTE = ("#2563eb", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be123c", "#4d7c0f", "#a16207")
@@ -93,7 +93,8 @@ def _postmortem(r: PostmortemReport) -> str:
 
 def _replay_sections(r: ReplayReport, spread: SpreadMap | None, loss_chart: str | None) -> list[str]:
     facts = [("replayed", f"{escape(r.setup.run)}: steps {r.setup.first_step}-{r.setup.last_step} from the "
-                          f"checkpoint at step {r.setup.from_checkpoint}, {escape(r.setup.device)}")]
+                          f"checkpoint at step {r.setup.from_checkpoint}, {escape(r.setup.device)}"
+                          f"{escape(world_text(r))}")]
     if r.responsible_batch is not None:
         facts.append((batch_label(r), f"step {r.responsible_batch.step}, "
                                       f"<code>{escape(r.responsible_batch.file)}</code>"))

@@ -4,6 +4,7 @@ unless the user says so."""
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -178,7 +179,9 @@ def test_every_command_refuses_and_shows_the_code_first_and_trust_code_opts_in(c
     ("model_factory", "scenarios:torch.load", False),  # reached through the user's module
     ("model_factory", "__main__:main", False),
     ("step_fn", "scenarios:train_step", True),
-    ("step_fn", "nanforensics.integrations.lightning:training_step", True),  # the integrations' defaults
+    pytest.param("step_fn", "nanforensics.integrations.lightning:training_step", True,  # the integrations' defaults
+                 marks=pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                                          reason="PyTorch Lightning is not installed (nanforensics[lightning])")),
     ("step_fn", "nanforensics.integrations._watch:clip", False),
     ("optimizer.class", "torch.optim.adam:Adam", True),
     ("optimizer.factory", "torch.optim:SGD", True),

@@ -15,7 +15,7 @@ from nanforensics import Recorder
 from nanforensics.rootcause.samples import PROBES, select, split_batch
 
 import scenarios
-from conftest import DEFECT_STEP, run_cli
+from conftest import DEFECT_STEP, _record, run_cli
 
 S, F = scenarios.DEFECT_SAMPLE, scenarios.DEFECT_FEATURE
 HALF = list(range(0, scenarios.BATCH, 2))  # the samples spoiled in the half-bad run
@@ -226,3 +226,30 @@ def test_clean_run_says_no_non_finite_value_and_shows_no_data_row(runs, tmp_path
         f"No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter or buffer over "
         f"steps {span}."]
     assert "\n│ data " not in terminal and "**Data:**" not in md
+
+
+def test_a_coupled_failure_after_a_drift_names_the_drift(runs, tmp_path):
+    """The LR-finder run recorded on one thread overflows a step earlier, in the backward: two samples fail alone,
+    two more only together, and more than half do not. The samples sentence says both; the learning rate's rise
+    is said beside them. Where nothing rose before a coupled failure (BatchNorm's near-zero reading) or the failure is
+    batch-wide (the same run on two threads, whose learning rate rose as much), the drift sentence is not said."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run = _record(tmp_path / "one_thread", "decoder_lr_finder")
+    finally:
+        torch.set_num_threads(threads)
+    r, terminal, _ = replay(run, tmp_path)
+    t, s = r["responsible_step"], r["samples"]
+    assert (s["status"], s["samples"], s["coupled_groups"], r["data_defects"]) == ("coupled", [2, 3], [[4, 5]], [])
+    samples = one(r["findings"], "Samples: ")
+    assert "failure of samples [4, 5]: they fail only together" in samples
+    assert samples.endswith("; samples 2, 3 of 8 produce the non-finite value alone "
+                            "(batch['ids'] = ['doc00018-02', 'doc00018-03']).")
+    drift = one(r["findings"], f"Step {t}'s batch holds no data defect and its failure needs samples together ([4, 5])")
+    assert f"; over steps 0-{t - 1} before it these rose: the learning rate from 0.015 to " in drift
+    assert not [f for f in r["findings"] if "not its data" in f]
+    for name, status in (("batchnorm_near_zero", "coupled"), ("decoder_lr_finder", "batch_wide")):
+        r, _, _ = replay(runs[name], tmp_path)
+        assert r["samples"]["status"] == status
+        assert not [f for f in r["findings"] if "failure needs samples together" in f], r["findings"]

@@ -158,7 +158,7 @@ def findings(r: ReplayReport) -> list[str]:
                        f"update. It first shows NaN at step {shown}, {count(shown - o.step, 'step')} later, where a "
                        f"training log shows it too; {inspect}.")
         out += _root_cause(r)
-        out += _batch_wide(r)
+        out += _batch_wide(r) + _coupled_drift(r)
         out += _clipping(r)
     out += _state(r)
     out += _buffers(r) + _loss_only(r)
@@ -378,8 +378,29 @@ def _batch_wide(r: ReplayReport) -> list[str]:
     rose = rising(before)
     if not rose:
         return [f"{head}; no precursor rose {RISE:g}-fold over {span}."]
+    return [f"{head}. Over {span} {_rose(rose)}."]
+
+
+def _rose(rose: list[str]) -> str:
     listed = ", ".join(rose[:-1]) + (" and " if len(rose) > 1 else "") + rose[-1]
-    return [f"{head}. Over {span} {'these' if len(rose) > 1 else 'this'} rose: {listed}."]
+    return f"{'these' if len(rose) > 1 else 'this'} rose: {listed}"
+
+
+def _coupled_drift(r: ReplayReport) -> list[str]:
+    """A failure that needs samples together, in a batch without data defects, after precursors rose: the drift
+    is said beside the samples, since a run drifting towards overflow fails first on whichever samples push it
+    over."""
+    o = r.origin
+    if (o is None or r.samples is None or r.samples.status != "coupled"
+            or any(d.step == o.step for d in r.data_defects)):
+        return []
+    before = [p for p in r.precursors if p.step < o.step]
+    rose = rising(before) if len(before) >= 2 else []
+    if not rose:
+        return []
+    groups = ", ".join(map(str, r.samples.coupled_groups))
+    return [f"Step {o.step}'s batch holds no data defect and its failure needs samples together ({groups}); over "
+            f"steps {before[0].step}-{before[-1].step} before it {_rose(rose)}."]
 
 
 def _times_zero(value: str) -> str:

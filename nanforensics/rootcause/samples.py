@@ -238,16 +238,17 @@ def attribute_samples(session: Session) -> SampleAttribution:
                                  f"{batch_wide_message(found, size)} ({passes})")
     samples = found.samples
     per_sample_leaves, located = _per_sample(logged, samples, size)
+    alone = (f"{'samples' if len(samples) > 1 else 'sample'} {sample_positions(samples, located)} of {size} "
+             f"{'produce' if len(samples) > 1 else 'produces'} the non-finite value alone")
     if found.coupled:
         why = f" (single samples could not be run: {tester.errors[0]})" if tester.errors else ""
         message = (f"no smaller subset reproduces the failure of samples {found.coupled[0]}: they fail only together "
-                   f"(batch-coupled operations such as BatchNorm, or a loss normalised over the batch){why}")
+                   f"(batch-coupled operations such as BatchNorm, or a loss normalised over the batch){why}"
+                   + (f"; {alone}" if samples else ""))  # last, beside the ids the finding appends
         return SampleAttribution("coupled", size, samples, per_sample_leaves, tester.passes, found.coupled, message,
                                  located)
-    return SampleAttribution("attributed", size, samples, per_sample_leaves, tester.passes, [],
-                             f"{'samples' if len(samples) > 1 else 'sample'} {sample_positions(samples, located)} of "
-                             f"{size} {'produce' if len(samples) > 1 else 'produces'} the non-finite value alone "
-                             f"({passes})", located)
+    return SampleAttribution("attributed", size, samples, per_sample_leaves, tester.passes, [], f"{alone} ({passes})",
+                             located)
 
 
 def _per_sample(logged: Any, samples: list[int], size: int) -> tuple[dict[str, list[Any]], list[list[int]]]:

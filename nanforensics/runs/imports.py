@@ -9,14 +9,17 @@ manifest must not be able to name ``os:system`` with the command in ``model_kwar
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
 import os
+import re
 import site
 import sys
 import sysconfig
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -76,6 +79,38 @@ PLATFORM = frozenset({
     "execnet", "hypothesis", "_hypothesis_globals", "_hypothesis_pytestplugin", "_hypothesis_ftz_detector", "dill",
     "cloudpickle", "joblib", "IPython",
 })
+
+def top_levels(dist: metadata.Distribution) -> set[str]:
+    """The importable top-level names a distribution installs."""
+    listed = dist.read_text("top_level.txt")
+    if listed:
+        return set(listed.split())
+    files = [str(f) for f in dist.files or [] if str(f).endswith(".py") and not str(f).startswith("..")]
+    return {f.split("/")[0].removesuffix(".py") for f in files if ".dist-info" not in f}
+
+
+@functools.cache
+def platform() -> frozenset[str]:
+    """``PLATFORM``, and the top-level modules of every distribution installed here that nanforensics requires,
+    with any of its extras, and that those require in turn (every requirement followed, whatever its markers:
+    refusing too much is safe). A release that brings a new dependency (transformers 5.25 brought ``kernels``)
+    brings it into the platform, without waiting for the list above."""
+    tops, seen, todo = set(PLATFORM), set(), ["nanforensics"]
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-").replace(".", "-")
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        tops |= top_levels(dist)
+        todo += [re.split(r"[\s<>=!~;\[(@]", r.strip(), maxsplit=1)[0] for r in dist.requires or []]
+    return frozenset(t for t in tops if t.isidentifier())
+
+
 # The functions of nanforensics that a manifest may name: the integrations' default step functions.
 TOOL_STEP_FUNCTIONS = frozenset({("nanforensics.integrations.hf", "training_step"),
                                  ("nanforensics.integrations.lightning", "training_step")})
@@ -154,7 +189,7 @@ def _refusal(role: Role, spec: str, obj: Any) -> str | None:
             return None
         if _standard(_top(module)):
             return f"it is {module}.{obj.__qualname__}, of Python's standard library"
-        if _top(module) in PLATFORM:
+        if _top(module) in platform():
             return f"it is {module}.{obj.__qualname__}, a function of {_top(module)}, not of the run's own code"
         if role.functions:
             return None
@@ -174,7 +209,7 @@ def check_callable(role: str, spec: str, obj: Any = NOT_IMPORTED, *, where: Path
     imported), then with the imported object before anything calls it. The policy: nothing of Python's standard
     library or builtins, whatever the string says (the object's own module is checked, so a re-export such as
     ``torch.serialization:os.system`` is caught); only a Python function or class defined in a module; a function
-    only where the role takes one and never one of the tool's own platform (``PLATFORM``); a class only of the
+    only where the role takes one and never one of the tool's own platform (``platform()``); a class only of the
     kind the role names. ``trust_code`` (``--trust-code``) lets anything through.
     """
     if trust_code:

@@ -65,7 +65,8 @@ def import_string_of(fn: Callable[..., Any] | str, what: str) -> str:
 # What nanforensics itself runs on: its own package, its dependencies and theirs. Their functions are not the
 # user's training code, and some run code given the right keyword arguments (torch.load unpickles, torch.hub.load
 # imports a repository, sympy.sympify evaluates a string), so no manifest may call one. Their classes are allowed
-# where a role takes a class (torch.nn.Linear as a model, torch.optim.Adam as an optimizer).
+# where a role takes a class (torch.nn.Linear as a model, torch.optim.Adam as an optimizer). This list is the
+# baseline, kept for a source tree that is not installed; ``platform()`` adds what the installed packages bring.
 PLATFORM = frozenset({
     "nanforensics", "torch", "functorch", "torchgen", "triton", "nvidia", "numpy", "safetensors", "sympy", "isympy",
     "mpmath", "networkx", "jinja2", "markupsafe", "fsspec", "filelock", "typing_extensions", "typer", "click",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import torch
 import typer
@@ -15,10 +14,9 @@ from nanforensics.cli import app
 from nanforensics.report import to_json
 from nanforensics.views.postmortem import render_junit
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from postmortem_cases import examined
 
-ROOT = Path(__file__).resolve().parent.parent
 LONG = "model.encoder.layers.11.self_attention.query_key_value.weight"  # 61 characters
 
 

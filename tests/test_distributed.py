@@ -29,8 +29,8 @@ from nanforensics.runs.run import RUN_FORMAT
 
 import distributed_job as job
 import scenarios
-from conftest import ANNOUNCEMENT, TESTS, Result, assert_one_line_error, run_cli, tree_digest
-from test_samples import ROOT, SAMPLES, assert_same_run
+from conftest import ANNOUNCEMENT, ROOT, TESTS, Result, assert_one_line_error, run_cli, tree_digest
+from test_samples import SAMPLES, assert_same_run
 
 RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_decoder", "ddp_state_overflow", "ddp_loss_only",
             "ddp_flaky", "fsdp2_flaky", "fsdp2_killed"]  # killed last: it ends the job

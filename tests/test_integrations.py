@@ -27,10 +27,9 @@ from rich.console import Console
 
 import integration_models as models
 import scenarios
-from conftest import run_cli, tree_digest
+from conftest import ROOT, run_cli, tree_digest
 
 STEPS = 12
-ROOT = Path(__file__).resolve().parent.parent
 UNATTACHED = "`self.trainer` reference is not registered"
 
 

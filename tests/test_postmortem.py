@@ -10,7 +10,6 @@ import shlex
 import shutil
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 from nanforensics.postmortem import CHECKPOINTS, DONE, FAILED, REPLAY, SKIPPED, STEP_LOG, TENSOR_SPREAD, postmortem
@@ -20,10 +19,9 @@ from nanforensics.views.html import render_html
 from nanforensics.views.postmortem import render_junit, render_markdown
 
 import scenarios
-from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
+from conftest import DEFECT_STEP, ROOT, assert_one_line_error, run_cli, tree_digest
 from postmortem_cases import examined
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / "docs" / "github-actions-postmortem.yml"
 F = scenarios.DEFECT_FEATURE
 

@@ -11,9 +11,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT, run_cli
 
 
 def replay(run: Path, *args: str) -> dict:

@@ -11,9 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_cli, tree_digest
+from conftest import ROOT, run_cli, tree_digest
 
-ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_runs"
 
 

@@ -22,9 +22,8 @@ from safetensors.torch import save_file
 
 import plain_training
 import scenarios
-from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
+from conftest import DEFECT_STEP, ROOT, assert_one_line_error, run_cli, tree_digest
 
-ROOT = Path(__file__).resolve().parent.parent
 PLAIN = "tests/plain_training.py"  # as a user names their script, from the checkout's root
 QUICK = ReplayOptions(explain=False, max_steps=3)  # library-level checks of the loading, not of the diagnosis
 assert plain_training.DEFECT_STEP == DEFECT_STEP  # the twin of the recorded scenario

@@ -4,13 +4,13 @@ safetensors (importing torch is most of a short replay's start-up)."""
 from __future__ import annotations
 
 import ast
-import re
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+from nanforensics.runs.imports import distribution_name
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanforensics"
 
@@ -33,16 +33,12 @@ def test_help_and_usage_errors_do_not_load_torch(args, code):
     assert out.stdout.strip().splitlines()[-1] == f"loaded: [] exit: {code}", out.stdout + out.stderr
 
 
-def _dist_name(requirement: str) -> str:
-    return re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
-
-
 def test_the_package_imports_only_what_it_declares():
     """A fresh ``pip install -e '.[test]'`` holds the declared dependencies and nothing else, while a venv with the
     extras (CI's) holds what they bring too: an undeclared import (``click``, which typer 0.29 stopped requiring)
     works here and fails on the README's first command. Every import in the package must come from the standard
     library, nanforensics, a declared dependency or an extra's (the integrations import theirs inside functions)."""
-    declared = {_dist_name(r) for r in metadata.requires("nanforensics") or []}
+    declared = {distribution_name(r) for r in metadata.requires("nanforensics") or []}
     owners = metadata.packages_distributions()
     undeclared = set()
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -57,6 +53,6 @@ def test_the_package_imports_only_what_it_declares():
                 top = module.split(".")[0]
                 if top in sys.stdlib_module_names or top == "nanforensics":
                     continue
-                if not {_dist_name(d) for d in owners.get(top, [top])} & declared:
+                if not {distribution_name(d) for d in owners.get(top, [top])} & declared:
                     undeclared.add(f"{path.relative_to(PACKAGE.parent)}: {module}")
     assert not undeclared, sorted(undeclared)

@@ -90,6 +90,12 @@ def top_levels(dist: metadata.Distribution) -> set[str]:
     return {f.split("/")[0].removesuffix(".py") for f in files if ".dist-info" not in f}
 
 
+def distribution_name(requirement: str) -> str:
+    """The normalised distribution name a requirement string names (``Typing_Extensions>=4; extra == 'x'`` ->
+    ``typing-extensions``), or a distribution name normalised."""
+    return re.split(r"[\s<>=!~;\[(@]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-").replace(".", "-")
+
+
 @functools.cache
 def platform() -> frozenset[str]:
     """``PLATFORM``, and the top-level modules of every distribution installed here that nanforensics requires,
@@ -99,16 +105,15 @@ def platform() -> frozenset[str]:
     tops, seen, todo = set(PLATFORM), set(), ["nanforensics"]
     while todo:
         name = todo.pop()
-        key = name.lower().replace("_", "-").replace(".", "-")
-        if key in seen:
+        if name in seen:
             continue
-        seen.add(key)
+        seen.add(name)
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
         tops |= top_levels(dist)
-        todo += [re.split(r"[\s<>=!~;\[(@]", r.strip(), maxsplit=1)[0] for r in dist.requires or []]
+        todo += [distribution_name(r) for r in dist.requires or []]
     return frozenset(t for t in tops if t.isidentifier())
 
 

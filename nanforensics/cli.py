@@ -91,6 +91,9 @@ def announce_code(named: list[tuple[str, str]]) -> None:
 
 _TRUST_CODE_HELP = ("Call the run's model factory, step function and optimizer even where the trust policy refuses "
                     "them (README, Security): only for a run you trust.")
+TrustPackageOption = Annotated[Optional[list[str]], typer.Option(
+    metavar="NAME", help="An installed distribution the run's code may come from, such as transformers for a model "
+                         "class of it (repeatable; README, Security).")]
 
 
 _MARKDOWN_HELP = "Write the report as Markdown to PATH (- for stdout)."
@@ -203,6 +206,7 @@ def replay(
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
                                                      "directory (or the checkpoint's folder).")] = False,
+    trust_package: TrustPackageOption = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
     explain: Annotated[bool, typer.Option(help="Find the operation and the samples behind the responsible "
                                                "step (re-runs that one step).")] = True,
@@ -249,7 +253,7 @@ def replay(
         announce_code(run_code(run_dir))
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
-                            explain=explain,
+                            trust_packages=trust_package or [], explain=explain,
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
                             what_if_steps=what_if_steps)
     with joined(run_dir, resolve_device(device)) as world:
@@ -288,6 +292,7 @@ def repair(
                                                                  "function from (repeatable).")] = None,
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
                                                      "directory.")] = False,
+    trust_package: TrustPackageOption = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
 ) -> None:
     """Write a checkpoint that resumes cleanly: the responsible batch (or its bad samples) left out, verified.
@@ -301,7 +306,8 @@ def repair(
     check_outputs([run_dir], {"--out": str(out), "--json": json_out}, folders=("--out",))
     announce_code(run_code(run_dir))
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
-                            code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code)
+                            code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
+                            trust_packages=trust_package or [])
     with step_progress("replaying") as progress:
         report = repair_run(run_dir, out, options, progress=progress)
     emit_json(report, json_out)
@@ -371,6 +377,7 @@ def bisect(
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
+    trust_package: TrustPackageOption = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay or --code.")] = False,
 ) -> None:
     """Find the first poisoned checkpoint in about log2(n) checkpoint reads; with --code, replay from the last
@@ -403,8 +410,8 @@ def bisect(
             with step_progress("replaying") as step_bar:
                 report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
                     device=device, max_steps=max_steps, code_paths=code_path or [], trust_run_dir=trust_run_dir,
-                    trust_code=trust_code), linear=linear, full=full, margin=margin, scan_progress=progress,
-                    progress=step_bar)
+                    trust_code=trust_code, trust_packages=trust_package or []), linear=linear, full=full,
+                    margin=margin, scan_progress=progress, progress=step_bar)
     emit_json(report, json_out)
     emit_markdown(render_bisect_markdown(report), markdown)
     if terminal_view(json_out, markdown):
@@ -422,7 +429,9 @@ def bisect(
         announce_code(run_code(Path(report.replay.run)))
         with step_progress("replaying") as step_bar:
             replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step,
-                                                                   trust_code=trust_code), progress=step_bar)
+                                                                   trust_code=trust_code,
+                                                                   trust_packages=trust_package or []),
+                                  progress=step_bar)
         if terminal_view(json_out, markdown):
             render_terminal(replayed, stdout_console())
     raise typer.Exit(EXIT_CLEAN if report.first_poisoned is None else EXIT_FOUND)

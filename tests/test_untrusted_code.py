@@ -21,7 +21,7 @@ from nanforensics.runs.imports import load_callable, platform, top_levels
 from packaging.requirements import Requirement
 
 import hostile
-from conftest import ANNOUNCEMENT, assert_one_line_error, run_cli, tree_digest
+from conftest import ANNOUNCEMENT, TESTS, assert_one_line_error, run_cli, tree_digest
 
 PAYLOAD = '''
 from pathlib import Path
@@ -49,11 +49,12 @@ def test_code_inside_the_run_dir_is_refused_unless_trusted(copy_run, tmp_path, a
     manifest["step_fn"] = _plant(run, marker, as_package)
     (run / "manifest.json").write_text(json.dumps(manifest))
     before = tree_digest(run)
-    # run from inside the run directory, where a plain import would find the shipped module first
-    result = run_cli("replay", ".", "--no-explain", cwd=run)
+    # run from inside the run directory, where a plain import would find the shipped module first; the user's code is
+    # then not in the working directory: --code-path names it
+    result = run_cli("replay", ".", "--no-explain", "--code-path", TESTS, cwd=run)
     assert_one_line_error(result, "manifest.json", "inside the run directory", "--trust-run-dir")
     assert not marker.exists(), "the shipped code ran"
-    trusted = run_cli("replay", ".", "--no-explain", "--trust-run-dir", "--json", "-", cwd=run)
+    trusted = run_cli("replay", ".", "--no-explain", "--trust-run-dir", "--code-path", TESTS, "--json", "-", cwd=run)
     assert trusted.code == 1, trusted.stderr
     assert marker.exists()
     assert manifest["step_fn"] in trusted.json()["setup"]["imported"]

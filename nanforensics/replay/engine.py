@@ -62,6 +62,7 @@ class ReplayOptions:
     code_paths: Sequence[Path] = ()
     trust_run_dir: bool = False  # import code that lies inside the run directory
     trust_code: bool = False  # call the run's callables even where the trust policy refuses them (README, Security)
+    trust_packages: Sequence[str] = ()  # installed distributions the run's code may come from (--trust-package)
     loss_rtol: float | None = None  # None: 0 on the recording device type, 1e-3 elsewhere (besides loss_ulps)
     loss_ulps: int = LOSS_ULPS  # logged and replayed losses this many float32 ulps apart still match
     explain: bool = True  # operation and sample attribution for the responsible step
@@ -114,7 +115,8 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
     if not run.steps:
         raise BadInput(run.path / "steps.jsonl", "no steps were logged")
     resolve_device(opts.device)  # a bad --device is refused before any of the user's code is imported
-    return replay(run, UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code), opts, progress)
+    return replay(run, UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code,
+                                     opts.trust_packages), opts, progress)
 
 
 def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: ProgressFn | None = None) -> ReplayReport:

@@ -39,6 +39,7 @@ class RepairOptions:
     code_paths: Sequence[Path] = ()
     trust_run_dir: bool = False
     trust_code: bool = False   # call the run's callables even where the trust policy refuses them
+    trust_packages: Sequence[str] = ()  # installed distributions the run's code may come from
 
 
 @dataclass
@@ -81,7 +82,8 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
     run, out = Run(run_dir), Path(out)
     _check_out(run.path, out, opts.force)
     diagnosis = replay_run(run.path, ReplayOptions(device=opts.device, code_paths=opts.code_paths,
-                                                   trust_run_dir=opts.trust_run_dir, trust_code=opts.trust_code),
+                                                   trust_run_dir=opts.trust_run_dir, trust_code=opts.trust_code,
+                                                   trust_packages=opts.trust_packages),
                            progress=progress)
     t = diagnosis.responsible_step
     if t is None:
@@ -90,7 +92,7 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
     change = _change(diagnosis, opts.reset_state)
     checkpoint = next(c for c in run.checkpoints() if c.step == diagnosis.setup.from_checkpoint)
     device = resolve_device(opts.device)
-    code = UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code)
+    code = UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code, opts.trust_packages)
     last = min(t + opts.verify_steps, run.steps[-1].step)
     build = make_build_dir(out)
     try:

@@ -30,7 +30,8 @@ def replay_checkpoint(checkpoint: str | Path, code: str, names: Mapping[str, str
     resolve_device(opts.device)  # a bad --device is refused before any of the user's code is imported
     start = user_checkpoint(checkpoint, opts.from_step, step_from)
     run, user = open_unrecorded(start, code, names, search_paths=opts.code_paths,
-                                trust_checkpoint=opts.trust_run_dir, trust_code=opts.trust_code)
+                                trust_checkpoint=opts.trust_run_dir, trust_code=opts.trust_code,
+                                trust_packages=opts.trust_packages)
     return replay(run, user, dataclasses.replace(opts, from_step=None, max_steps=opts.max_steps or DEFAULT_MAX_STEPS),
                   progress)
 

@@ -9,8 +9,10 @@ manifest must not be able to name ``os:system`` with the command in ``model_kwar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -21,7 +23,7 @@ import sysconfig
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -117,9 +119,18 @@ def platform() -> frozenset[str]:
     return frozenset(t for t in tops if t.isidentifier())
 
 
-# The functions of nanforensics that a manifest may name: the integrations' default step functions.
+# ---- the trust policy ----------------------------------------------------------------------------------
+
+# What nanforensics itself builds from a manifest wherever torch is installed, without --trust-package: the
+# optimizer the run trained with (every manifest names its class), a scheduler class, a torch.nn layer as a model,
+# and the integrations' default step functions. A manifest may import these modules (torch's and nanforensics' own,
+# imported already or harmless to import) and take from them only such classes and those functions; every other
+# module of an installed package is refused before it is imported.
+TOOL_MODULES = ("torch.optim", "torch.nn", "nanforensics.integrations.hf", "nanforensics.integrations.lightning")
+TOOL_CLASSES = ("torch.optim", "torch.nn.modules")  # where the classes they give are defined (__module__)
 TOOL_STEP_FUNCTIONS = frozenset({("nanforensics.integrations.hf", "training_step"),
                                  ("nanforensics.integrations.lightning", "training_step")})
+RUNNING = ("__main__", "__mp_main__")  # the program running (nanforensics), never the run's code
 NOT_IMPORTED = object()  # check_callable's object before the import
 
 
@@ -166,112 +177,281 @@ ROLES: dict[str, Role] = {
     "--scheduler": Role("a scheduler class of torch.optim.lr_scheduler or a function", _is_torch_scheduler, True),
 }
 TRUST_HINT = "--trust-code calls it anyway (README, Security)"
+PACKAGE_HINT = "name its distribution with --trust-package NAME to allow it"
+
+
+def _inside(path: Path, folder: Path | None) -> bool:
+    return folder is not None and path.is_relative_to(folder)
+
+
+def _real(path: str | Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+@functools.cache
+def _installed_folders() -> tuple[tuple[Path, str], ...]:
+    """The standard library's folders and the installed packages', each with what an error calls it; the most
+    specific first (the site-packages folder lies inside the standard library's)."""
+    found: dict[Path, str] = {}
+    for scheme in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
+        paths = sysconfig.get_paths(vars=scheme)
+        found.update({_real(paths[k]): "Python's standard library" for k in ("stdlib", "platstdlib") if k in paths})
+    for scheme in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
+        paths = sysconfig.get_paths(vars=scheme)
+        found.update({_real(paths[k]): "the installed packages" for k in ("purelib", "platlib") if k in paths})
+    found.update({_real(p): "the installed packages" for p in [*site.getsitepackages(), site.getusersitepackages()]})
+    return tuple(sorted(found.items(), key=lambda item: -len(item[0].parts)))
+
+
+def _installed(file: Path) -> str | None:
+    """What installed code ``file`` (resolved) is part of: the standard library, the installed packages, or a Python
+    environment wherever it lies (a ``.venv`` inside the project, a ``site-packages`` folder); None when none."""
+    folder = next((f"{what} ({folder})" for folder, what in _installed_folders() if _inside(file, folder)), None)
+    if folder is not None:
+        return folder
+    for parent in file.parents:
+        if parent.name in ("site-packages", "dist-packages"):
+            return f"the installed packages ({parent})"
+        if (parent / "pyvenv.cfg").is_file() or (parent / "conda-meta").is_dir():
+            return f"the Python environment {parent}"
+    return None
+
+
+@functools.cache
+def _distribution(name: str) -> tuple[frozenset[str], frozenset[Path], tuple[Path, ...]]:
+    """A distribution the user trusts: its top-level module names, the files it installed, and the folders of its
+    top-level modules that it installed no file of (an editable install points at its source)."""
+    try:
+        dist = metadata.distribution(name)
+    except (metadata.PackageNotFoundError, ValueError):
+        raise BadInput("--trust-package", f"{name!r} is not a distribution installed here") from None
+    files = {_real(dist.locate_file(f)) for f in dist.files or [] if not str(f).startswith("..")}
+    tops = {t for t in top_levels(dist) if t.isidentifier()}
+    covered = {Path(str(f)).parts[0].removesuffix(".py") for f in dist.files or []}
+    folders: list[Path] = []
+    for top in tops - covered:
+        try:
+            spec = importlib.util.find_spec(top)  # a top-level name: found, nothing run
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.submodule_search_locations:
+            folders += [_real(p) for p in spec.submodule_search_locations]
+        elif spec is not None and spec.has_location and spec.origin:
+            files.add(_real(spec.origin))
+    return frozenset(tops), frozenset(files), tuple(folders)
+
+
+@dataclass(frozen=True)
+class Places:
+    """Where the code a run names may lie: only in places the user chose. The one place for that decision.
+
+    Those places are the folders and scripts named on the command line (``--code-path``, ``--code``), the working
+    directory (the user's project), and the files of the distributions named with ``--trust-package``. Never the
+    run directory (``forbidden``, unless ``--trust-run-dir``), and never the standard library, a built-in or frozen
+    module, or an installed package not named, wherever it lies (a ``.venv`` inside the project too).
+    ``trust_code`` (``--trust-code``) lifts all but the run directory.
+    """
+
+    roots: tuple[Path, ...] = ()  # resolved: the --code-path folders, a --code script, the working directory
+    folders: tuple[Path, ...] = ()  # resolved: the --code-path folders, searched for a script named by its name
+    cwd: Path | None = None  # resolved: the working directory
+    forbidden: Path | None = None
+    package_tops: frozenset[str] = frozenset()
+    package_files: frozenset[Path] = frozenset()
+    package_folders: tuple[Path, ...] = ()
+    trust_code: bool = False
+
+    @classmethod
+    def chosen(cls, code_paths: Sequence[Path] = (), forbidden: Path | None = None, packages: Sequence[str] = (),
+               trust_code: bool = False) -> "Places":
+        """The places the command line and the working directory name; a named distribution must be installed."""
+        tops: set[str] = set()
+        files: set[Path] = set()
+        folders: list[Path] = []
+        for name in packages:
+            t, f, d = _distribution(distribution_name(name))
+            tops |= t
+            files |= f
+            folders += d
+        cwd = _real(Path.cwd())
+        chosen = [_real(p) for p in code_paths]
+        return cls((*chosen, cwd), tuple(p for p in chosen if p.is_dir()), cwd,
+                   None if forbidden is None else _real(forbidden), frozenset(tops), frozenset(files), tuple(folders),
+                   trust_code)
+
+    def withheld(self) -> list[str]:
+        """The --code-path folders and the working directory that lie inside the run directory: never on sys.path,
+        only looked into to say why a module there is refused."""
+        return [str(f) for f in (*self.folders, self.cwd) if f is not None and _inside(f, self.forbidden)]
+
+    def refusal(self, file: str | Path, what: str) -> str | None:
+        """Why the code of ``what``, in ``file``, may not run; None when ``file`` lies in a place the user chose."""
+        real = _real(file)
+        if self.forbidden is not None and _inside(real, self.forbidden):
+            return (f"{what} is {file}, inside the run directory ({self.forbidden}); pass --trust-run-dir to allow "
+                    "code shipped with the run")
+        if self.trust_code or real in self.package_files or any(_inside(real, f) for f in self.package_folders):
+            return None
+        installed = _installed(real)
+        if installed is not None:
+            hint = "" if installed.startswith("Python's") else f"; {PACKAGE_HINT}"
+            return f"{what} is {file}, part of {installed}, which a run may not call{hint}"
+        if any(real == r or _inside(real, r) for r in self.roots):
+            return None
+        return (f"{what} is {file}, outside the working directory, the --code-path folders and the --trust-package "
+                "distributions")
+
+    def spec_refusal(self, spec: importlib.machinery.ModuleSpec) -> str | None:
+        """Why the module ``spec`` locates may not run, decided before it is imported; a namespace package runs
+        nothing of its own (its modules are decided one by one)."""
+        if spec.origin in ("built-in", "frozen"):
+            if self.trust_code:
+                return None
+            how = "built into" if spec.origin == "built-in" else "frozen into"
+            return f"{spec.name} is part of Python's standard library ({how} the interpreter), which a run may not call"
+        if spec.origin and spec.has_location:
+            return self.refusal(spec.origin, spec.name)
+        if spec.submodule_search_locations is not None:
+            return None
+        return None if self.trust_code else f"{spec.name} has no file to decide by"
 
 
 def _top(module: object) -> str:
     return module.partition(".")[0] if isinstance(module, str) else ""
 
 
-def _standard(module: str) -> bool:
-    return module in sys.stdlib_module_names or module in ("__main__", "__mp_main__")
+def _under(module: str, prefixes: Sequence[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
-def _refusal(role: Role, spec: str, obj: Any) -> str | None:
+def _file_of(obj: Any) -> str | None:
+    """The file of the module that defines ``obj`` (by its ``__module__``, as a decorated function keeps it)."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    return getattr(module, "__file__", None)
+
+
+def _refusal(role: Role, spec: str, obj: Any, places: Places) -> str | None:
     """Why ``obj``, imported from ``spec``, may not stand in ``role``; None when it may."""
     target = spec.rpartition(":")[0]
-    if not target.endswith(".py") and _standard(_top(target)):
-        return f"{_top(target)} is part of Python's standard library, which a run may not call"
     if obj is NOT_IMPORTED:
-        return None
+        return f"{target} is the program running, not the run's code" if _under(target, RUNNING) else None
     module = getattr(obj, "__module__", None)
+    name = f"{module}.{getattr(obj, '__qualname__', '?')}"
+    where = _file_of(obj)
+    located = f"it is {name}, defined in no file" if where is None else places.refusal(where, f"it is {name}, which")
     if inspect.isclass(obj):
-        if _standard(_top(module)):
-            return f"it is {module}.{obj.__qualname__}, of Python's standard library"
+        if isinstance(module, str) and _under(module, TOOL_CLASSES) and role.classes is not None and role.classes(obj):
+            return None
+        if located is not None:
+            return located
         if role.classes is not None and role.classes(obj):
             return None
-        return f"it is the class {module}.{obj.__qualname__}, and {role.wants} is wanted"
+        return f"it is the class {name}, and {role.wants} is wanted"
     if inspect.isfunction(obj):
         if (module, obj.__qualname__) in role.tool_functions:
             return None
-        if _standard(_top(module)):
-            return f"it is {module}.{obj.__qualname__}, of Python's standard library"
-        if _top(module) in platform():
-            return f"it is {module}.{obj.__qualname__}, a function of {_top(module)}, not of the run's own code"
+        if located is not None:
+            return located
+        if _top(module) in platform() and _top(module) not in places.package_tops:
+            return f"it is {name}, a function of {_top(module)}, not of the run's own code"
         if role.functions:
             return None
         return f"it is a function, and {role.wants} is wanted"
     kind = "a built-in function" if inspect.isbuiltin(obj) else "a module" if inspect.ismodule(obj) else \
         "a bound method" if inspect.ismethod(obj) else f"a {type(obj).__name__} object"
     if isinstance(module, str) and not inspect.ismodule(obj):
-        kind += f" of Python's standard library ({module})" if _standard(_top(module)) else f" of {module}"
+        standard = _top(module) in sys.stdlib_module_names or _top(module) in sys.builtin_module_names
+        kind += f" of Python's standard library ({module})" if standard else f" of {module}"
     return f"it is {kind}, not a function or class defined in a module"
 
 
-def check_callable(role: str, spec: str, obj: Any = NOT_IMPORTED, *, where: Path, trust_code: bool = False) -> None:
+def check_callable(role: str, spec: str, obj: Any = NOT_IMPORTED, *, where: Path | str,
+                   places: Places = Places()) -> None:
     """The trust policy, the one gate for every callable a run names; a ``BadInput`` naming the file, the field and
     the reason when ``obj`` may not stand in ``role`` (a key of ``ROLES``).
 
-    Called with the import string alone before anything is imported (a standard-library module is never even
-    imported), then with the imported object before anything calls it. The policy: nothing of Python's standard
-    library or builtins, whatever the string says (the object's own module is checked, so a re-export such as
-    ``torch.serialization:os.system`` is caught); only a Python function or class defined in a module; a function
-    only where the role takes one and never one of the tool's own platform (``platform()``); a class only of the
-    kind the role names. ``trust_code`` (``--trust-code``) lets anything through.
+    Called with the import string alone before anything is imported, then (``resolve``) with each module the
+    string's modules locate to before it is imported, and last with the imported object before anything calls it.
+    The policy: a module only from a place the user chose (``Places``), decided on the file it resolves to;
+    the object defined in such a place too (its own module's file, so a re-export such as ``mymodule:system`` after
+    ``from os import system`` is caught); only a Python function or class defined in a module; a function only where
+    the role takes one and never one of the tool's own platform (``platform()``) unless its distribution is
+    trusted; a class only of the kind the role names; of torch and nanforensics only what ``TOOL_MODULES`` gives.
+    ``places.trust_code`` (``--trust-code``) lets anything through that does not lie inside the run directory.
     """
-    if trust_code:
-        return
-    problem = _refusal(ROLES[role], spec, obj)
+    problem = None if places.trust_code else _refusal(ROLES[role], spec, obj, places)
     if problem is not None:
-        raise BadInput(where, f"{role} {spec!r} is refused: {problem}; {TRUST_HINT}")
+        _refuse(role, spec, where, problem)
 
 
-def load_callable(role: str, spec: str, *, where: Path, search_paths: Sequence[Path] = (),
-                  forbidden: Path | None = None, trust_code: bool = False) -> Any:
-    """The callable ``spec`` names, imported and admitted by ``check_callable`` for ``role``; not yet called."""
-    check_callable(role, spec, where=where, trust_code=trust_code)
-    obj = resolve(spec, where=where, search_paths=search_paths, forbidden=forbidden, trust_code=trust_code)
-    check_callable(role, spec, obj, where=where, trust_code=trust_code)
+def _refuse(role: str, spec: str, where: Path | str, problem: str) -> None:
+    raise BadInput(where, f"{role} {spec!r} is refused: {problem}; {TRUST_HINT}")
+
+
+def load_callable(role: str, spec: str, *, where: Path | str, search_paths: Sequence[Path] = (),
+                  forbidden: Path | None = None, trust_code: bool = False, trust_packages: Sequence[str] = ()) -> Any:
+    """The callable ``spec`` names, imported and admitted by the trust policy for ``role``; not yet called.
+
+    ``search_paths``: the ``--code-path`` folders (and a ``--code`` script); ``forbidden``: the run directory (None
+    under ``--trust-run-dir``); ``trust_packages``: the distributions ``--trust-package`` names.
+    """
+    places = Places.chosen(search_paths, forbidden, trust_packages, trust_code)
+    check_callable(role, spec, where=where, places=places)
+    obj = resolve(spec, role=role, where=where, places=places)
+    check_callable(role, spec, obj, where=where, places=places)
     return obj
-
-
-def _installed_code() -> list[Path]:
-    """The folders of the standard library and installed packages: a script there is not the user's training code."""
-    paths = sysconfig.get_paths()
-    found = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    found.update(getattr(site, "getsitepackages", lambda: [])())
-    found.add(site.getusersitepackages())
-    return [Path(p).resolve() for p in found if p]
 
 
 # ---- importing ---------------------------------------------------------------------------------------------
 
 
-def resolve(spec: str, *, where: Path, search_paths: Sequence[Path] = (), forbidden: Path | None = None,
-            trust_code: bool = False) -> Any:
-    """Import ``spec``; ``where`` names the file that recorded it, for the error message.
-
-    ``forbidden`` is a folder that code may not be loaded from (the run directory being examined). A script in the
-    standard library's or the installed packages' folders is refused unless ``trust_code``: loaded under a name of
-    its own, its functions would pass for the user's.
-    """
+def parse(spec: str, where: Path | str) -> tuple[str, str]:
+    """(target, qualname) of an import string: a dotted module name or a ``.py`` path, a dotted attribute path."""
     target, sep, qualname = spec.rpartition(":")
-    if not sep or not target or not qualname:
+    dotted = target.endswith(".py") or all(part.isidentifier() for part in target.split("."))
+    if not (sep and target and dotted and all(part.isidentifier() for part in qualname.split("."))):
         raise BadInput(where, f"import string {spec!r} is not of the form module:name or file.py:name")
-    added = [str(p) for p in search_paths if str(p) not in sys.path]
-    sys.path[:0] = added
-    # No __pycache__ beside the user's code: it may be the very run directory under examination.
+    return target, qualname
+
+
+@contextlib.contextmanager
+def _importing(places: Places) -> Iterator[None]:
+    """sys.path with the --code-path folders first and the working directory last, for one import only, so no later
+    import finds a file there; never a folder inside the run directory. No __pycache__ is written beside the user's
+    code (it may lie in the examined tree)."""
+    def new(folders: Sequence[Path]) -> list[str]:
+        return [str(f) for f in folders if str(f) not in sys.path and not _inside(f, places.forbidden)]
+
+    first = new(places.folders)
+    last = new([places.cwd]) if places.cwd is not None and "" not in sys.path else []
+    sys.path[:0] = first
+    sys.path.extend(last)
     bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.append(str(Path.cwd()))
     try:
-        if target.endswith(".py"):
-            module = _load_file(target, where, search_paths, forbidden, trust_code)
-        else:
-            module = _load_module(target, spec, where, forbidden)
+        yield
     finally:
         sys.dont_write_bytecode = bytecode
-        for p in added:
-            sys.path.remove(p)
+        for folder in first + last:
+            if folder in sys.path:
+                sys.path.remove(folder)
+
+
+def resolve(spec: str, *, role: str, where: Path | str, places: Places = Places()) -> Any:
+    """Import what ``spec`` names, each module admitted by ``places`` before it runs; ``where`` names the file that
+    recorded it, for the error message."""
+    target, qualname = parse(spec, where)
+    if target.endswith(".py"):
+        with _importing(places):
+            module = _load_file(target, role, spec, where, places)
+    elif _under(target, TOOL_MODULES):  # torch's and nanforensics' own, imported without the user's folders
+        module = _import(target, spec, where)
+    else:
+        with _importing(places):
+            for found in _locate(target, spec, where, places):
+                problem = places.spec_refusal(found)
+                if problem is not None:
+                    _refuse(role, spec, where, problem)
+            module = _import(target, spec, where)
     obj: Any = module
     for part in qualname.split("."):
         try:
@@ -281,24 +461,33 @@ def resolve(spec: str, *, where: Path, search_paths: Sequence[Path] = (), forbid
     return obj
 
 
-def _inside(path: Path, folder: Path | None) -> bool:
-    return folder is not None and path.resolve().is_relative_to(folder.resolve())
+def _locate(name: str, spec: str, where: Path | str, places: Places) -> Iterator[importlib.machinery.ModuleSpec]:
+    """The spec of ``name`` and of each package above it, found without running any of them: a package not yet
+    imported is looked into by its spec's locations, not by importing it (which ``find_spec`` of a dotted name
+    would do)."""
+    parts = name.split(".")
+    locations = None
+    for i in range(1, len(parts) + 1):
+        full, parent = ".".join(parts[:i]), ".".join(parts[:i - 1])
+        try:
+            if i == 1 or parent in sys.modules:
+                found = importlib.util.find_spec(full)  # top level, or its package imported already: nothing runs
+            else:
+                found = importlib.machinery.PathFinder.find_spec(full, locations)
+        except (ImportError, ValueError) as e:
+            raise BadInput(where, f"{spec!r} is not importable here ({e})") from None
+        if found is None and i == 1:
+            found = importlib.machinery.PathFinder.find_spec(full, places.withheld())  # to say why, not to import
+        if found is None:
+            raise BadInput(where, f"{spec!r} is not importable here (no module named {full!r}); pass --code-path DIR "
+                                  "to name where the user's code lives")
+        yield found
+        locations = found.submodule_search_locations
+        if locations is None and i < len(parts):
+            raise BadInput(where, f"{spec!r} is not importable here ({full} is not a package)")
 
 
-def _load_module(name: str, spec: str, where: Path, forbidden: Path | None) -> Any:
-    # Locate the top-level package without importing anything: find_spec("pkg.mod") would run
-    # pkg/__init__.py before we could refuse it.
-    top = None
-    try:
-        top = importlib.util.find_spec(name.partition(".")[0])
-    except (ImportError, ValueError):
-        pass
-    locations = [top.origin] if top is not None and top.origin else []
-    locations += list(top.submodule_search_locations or []) if top is not None else []
-    inside = next((p for p in locations if _inside(Path(p), forbidden)), None)
-    if inside is not None:
-        raise BadInput(where, f"{spec!r} resolves inside the run directory ({inside}); "
-                              "pass --trust-run-dir to allow code shipped with the run")
+def _import(name: str, spec: str, where: Path | str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as e:
@@ -308,30 +497,26 @@ def _load_module(name: str, spec: str, where: Path, forbidden: Path | None) -> A
         raise BadInput(where, f"importing {name} for {spec!r} raised {e.__class__.__name__}: {e}") from None
 
 
-def _load_file(target: str, where: Path, search_paths: Sequence[Path], forbidden: Path | None,
-               trust_code: bool) -> Any:
+def _load_file(target: str, role: str, spec: str, where: Path | str, places: Places) -> Any:
     path = Path(target)
     candidates = [path] if path.is_absolute() else [Path.cwd() / path]
-    candidates += [Path(p) / path.name for p in search_paths]
-    for candidate in candidates:
-        if os.path.lexists(candidate):  # a FIFO or a folder in its place is refused on reading, not passed over
-            break
-    else:
+    candidates += [folder / path.name for folder in places.folders]
+    # a FIFO or a folder in its place is refused on reading, not passed over
+    existing = [c for c in candidates if os.path.lexists(c)]
+    if not existing:
         raise BadInput(where, f"script {target} does not exist here; pass --code-path DIR with its folder")
-    if _inside(candidate, forbidden):
-        raise BadInput(where, f"script {candidate} lies inside the run directory; "
-                              "pass --trust-run-dir to allow code shipped with the run")
-    installed = next((p for p in _installed_code() if _inside(candidate, p)), None)
-    if installed is not None and not trust_code:
-        raise BadInput(where, f"script {candidate} lies among the installed packages ({installed}), not the "
-                              f"user's code; {TRUST_HINT}")
-    name = f"_nanforensics_user_{abs(hash(str(candidate.resolve())))}"
+    refusals = [places.refusal(c, f"script {target}") for c in existing]
+    candidate = next((c for c, problem in zip(existing, refusals) if problem is None), None)
+    if candidate is None:
+        _refuse(role, spec, where, refusals[0] or "")
+    assert candidate is not None
+    name = f"_nanforensics_user_{abs(hash(str(_real(candidate))))}"
     if name in sys.modules:
         return sys.modules[name]
     source = read_input(candidate)  # read as every input is: a FIFO or a device is refused, never waited on
-    spec = importlib.util.spec_from_file_location(name, candidate)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
+    module_spec = importlib.util.spec_from_file_location(name, candidate)
+    assert module_spec is not None
+    module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
         exec(compile(source, str(candidate), "exec", dont_inherit=True), module.__dict__)  # as the loader would

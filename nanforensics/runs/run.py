@@ -231,11 +231,13 @@ class UserCode:
 
     @classmethod
     def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False,
-             trust_code: bool = False) -> "UserCode":
+             trust_code: bool = False, trust_packages: Sequence[str] = ()) -> "UserCode":
         """Import the manifest's callables, each admitted by the trust policy (``imports.check_callable``) before
-        anything calls it; ``trust_code`` lifts the policy, ``trust_run_dir`` allows code inside the run directory."""
+        anything calls it; ``trust_code`` lifts the policy, ``trust_run_dir`` allows code inside the run directory,
+        ``trust_packages`` names installed distributions the run's code may come from."""
         loaded = {f: imports.load_callable(f, spec, where=run.path / MANIFEST, search_paths=code_paths,
-                                           forbidden=None if trust_run_dir else run.path, trust_code=trust_code)
+                                           forbidden=None if trust_run_dir else run.path, trust_code=trust_code,
+                                           trust_packages=trust_packages)
                   for f, spec in run.manifest.callables()}
         return cls(loaded["model_factory"], loaded["step_fn"], loaded.get("optimizer.factory"),
                    loaded["optimizer.class"], [spec for _, spec in run.manifest.callables()],

@@ -194,22 +194,23 @@ def code_specs(code: str, names: Mapping[str, str | None] | None = None) -> list
 
 def open_unrecorded(checkpoint: UserCheckpoint, code: str, names: Mapping[str, str | None] | None = None, *,
                     search_paths: Sequence[Path] = (), trust_checkpoint: bool = False, trust_code: bool = False,
-                    ) -> tuple[UnrecordedRun, UnrecordedCode]:
+                    trust_packages: Sequence[str] = ()) -> tuple[UnrecordedRun, UnrecordedCode]:
     """The run and code for a replay: ``code`` is a script (``train.py``) or a module (``pkg.train``), ``names``
     the callables' names by role (``model``, ``step``, ``batches``, ``optimizer``, ``scheduler``), defaults where
     not given. Each callable passes the trust policy under its option's role (``imports.load_callable``) before
     anything calls it; ``trust_code`` lifts the policy. Code inside the checkpoint's folder is refused unless
-    ``trust_checkpoint``."""
+    ``trust_checkpoint``. A script named by ``code`` is a place the user chose, as a ``--code-path`` folder is."""
     chosen = _chosen(names)
     specs = {role: f"{code}:{name}" for role, name in chosen.items()}
     code_file = Path(code)
+    chosen_paths = [*search_paths, code_file] if code.endswith(".py") else list(search_paths)
     found: dict[str, Any] = {}
     missing = []
     for role, spec in specs.items():
         try:
-            found[role] = imports.load_callable(ROLES[role][1], spec, where=code_file, search_paths=search_paths,
+            found[role] = imports.load_callable(ROLES[role][1], spec, where=code_file, search_paths=chosen_paths,
                                                 forbidden=None if trust_checkpoint else checkpoint.path,
-                                                trust_code=trust_code)
+                                                trust_code=trust_code, trust_packages=trust_packages)
         except imports.MissingName:
             missing.append(role)
     if missing:

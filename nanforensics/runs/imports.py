@@ -302,8 +302,9 @@ class Places:
                 "distributions")
 
     def spec_refusal(self, spec: importlib.machinery.ModuleSpec) -> str | None:
-        """Why the module ``spec`` locates may not run, decided before it is imported; a namespace package runs
-        nothing of its own (its modules are decided one by one)."""
+        """Why the module ``spec`` locates may not run, decided before it is imported. A namespace package runs
+        nothing of its own: it may be imported where one of its folders lies in a place the user chose, and its
+        modules are decided one by one."""
         if spec.origin in ("built-in", "frozen"):
             if self.trust_code:
                 return None
@@ -311,8 +312,9 @@ class Places:
             return f"{spec.name} is part of Python's standard library ({how} the interpreter), which a run may not call"
         if spec.origin and spec.has_location:
             return self.refusal(spec.origin, spec.name)
-        if spec.submodule_search_locations is not None:
-            return None
+        if spec.submodule_search_locations is not None:  # a namespace package: refused when no folder of it may be
+            problems = [self.refusal(folder, spec.name) for folder in spec.submodule_search_locations]
+            return None if None in problems or not problems else problems[0]
         return None if self.trust_code else f"{spec.name} has no file to decide by"
 
 
@@ -440,18 +442,14 @@ def resolve(spec: str, *, role: str, where: Path | str, places: Places = Places(
     """Import what ``spec`` names, each module admitted by ``places`` before it runs; ``where`` names the file that
     recorded it, for the error message."""
     target, qualname = parse(spec, where)
-    if target.endswith(".py"):
-        with _importing(places):
-            module = _load_file(target, role, spec, where, places)
-    elif _under(target, TOOL_MODULES):  # torch's and nanforensics' own, imported without the user's folders
+    if _under(target, TOOL_MODULES):  # torch's and nanforensics' own, imported without the user's folders
         module = _import(target, spec, where)
     else:
         with _importing(places):
-            for found in _locate(target, spec, where, places):
-                problem = places.spec_refusal(found)
-                if problem is not None:
-                    _refuse(role, spec, where, problem)
-            module = _import(target, spec, where)
+            if target.endswith(".py"):
+                module = _load_file(target, role, spec, where, places)
+            else:
+                module = _load_module(target, role, spec, where, places)
     obj: Any = module
     for part in qualname.split("."):
         try:
@@ -461,30 +459,72 @@ def resolve(spec: str, *, role: str, where: Path | str, places: Places = Places(
     return obj
 
 
-def _locate(name: str, spec: str, where: Path | str, places: Places) -> Iterator[importlib.machinery.ModuleSpec]:
-    """The spec of ``name`` and of each package above it, found without running any of them: a package not yet
-    imported is looked into by its spec's locations, not by importing it (which ``find_spec`` of a dotted name
-    would do)."""
+def _find(name: str, locations: Sequence[str] | None, places: Places) -> importlib.machinery.ModuleSpec | None:
+    """The spec of ``name`` through the finders that run nothing to answer: built-in, frozen, then the path (sys.path
+    for a top-level module, its package's folders for one below). The other finders on ``sys.meta_path`` are not
+    asked, since they may run code to answer (setuptools' distutils shim imports a package); a module only they find
+    is not importable here but with --trust-code. A top-level module found nowhere else is looked for in the folders
+    kept off sys.path, to say why it is refused."""
+    machinery = importlib.machinery
+    if locations is not None:
+        return machinery.PathFinder.find_spec(name, list(locations))
+    return (machinery.BuiltinImporter.find_spec(name) or machinery.FrozenImporter.find_spec(name)
+            or machinery.PathFinder.find_spec(name) or machinery.PathFinder.find_spec(name, places.withheld()))
+
+
+def _load_module(name: str, role: str, spec: str, where: Path | str, places: Places) -> Any:
+    """The module ``name``, each package on the way to it decided on the file it resolves to before it runs, and
+    run from that very spec: what was decided is what runs."""
     parts = name.split(".")
-    locations = None
+    module: Any = None
     for i in range(1, len(parts) + 1):
-        full, parent = ".".join(parts[:i]), ".".join(parts[:i - 1])
+        full = ".".join(parts[:i])
+        loaded = sys.modules.get(full)
+        if loaded is not None:
+            found = getattr(loaded, "__spec__", None)
+            if found is None and not places.trust_code:
+                _refuse(role, spec, where, f"{full} has no file to decide by")
+        else:
+            locations = None if module is None else getattr(module, "__path__", None)
+            if module is not None and locations is None:
+                raise BadInput(where, f"{spec!r} is not importable here ({'.'.join(parts[:i - 1])} is not a package)")
+            try:
+                found = _find(full, locations, places)
+            except (ImportError, ValueError) as e:
+                raise BadInput(where, f"{spec!r} is not importable here ({e})") from None
+            if found is None and places.trust_code:
+                return _import(name, spec, where)
+            if found is None:
+                raise BadInput(where, f"{spec!r} is not importable here (no module named {full!r}); pass "
+                                      "--code-path DIR to name where the user's code lives")
+        problem = None if found is None else places.spec_refusal(found)
+        if problem is not None:
+            _refuse(role, spec, where, problem)
+        module = loaded if loaded is not None else _run(found, spec, where)
+    return module
+
+
+def _run(found: importlib.machinery.ModuleSpec, spec: str, where: Path | str) -> Any:
+    """Import the module ``found`` locates, from that spec (as the import system's own loading does)."""
+    try:
+        module = importlib.util.module_from_spec(found)
+        sys.modules[found.name] = module
         try:
-            if i == 1 or parent in sys.modules:
-                found = importlib.util.find_spec(full)  # top level, or its package imported already: nothing runs
-            else:
-                found = importlib.machinery.PathFinder.find_spec(full, locations)
-        except (ImportError, ValueError) as e:
-            raise BadInput(where, f"{spec!r} is not importable here ({e})") from None
-        if found is None and i == 1:
-            found = importlib.machinery.PathFinder.find_spec(full, places.withheld())  # to say why, not to import
-        if found is None:
-            raise BadInput(where, f"{spec!r} is not importable here (no module named {full!r}); pass --code-path DIR "
-                                  "to name where the user's code lives")
-        yield found
-        locations = found.submodule_search_locations
-        if locations is None and i < len(parts):
-            raise BadInput(where, f"{spec!r} is not importable here ({full} is not a package)")
+            if found.loader is not None:
+                found.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(found.name, None)
+            raise
+    except ImportError as e:
+        raise BadInput(where, f"{spec!r} is not importable here ({e}); pass --code-path DIR "
+                              "to name where the user's code lives") from None
+    except Exception as e:  # user code failed at import time
+        raise BadInput(where, f"importing {found.name} for {spec!r} raised {e.__class__.__name__}: {e}") from None
+    module = sys.modules[found.name]  # a module may put another in its place
+    parent, _, child = found.name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], child, module)
+    return module
 
 
 def _import(name: str, spec: str, where: Path | str) -> Any:

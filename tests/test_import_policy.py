@@ -1,0 +1,272 @@
+"""The trust policy is an allow-list of places: a run's import strings resolve only to files under the working
+directory, a --code-path folder, a --code script or a --trust-package distribution, decided before anything is
+imported. Generated over the whole standard library (CPython's ``test`` package with it), the frozen and built-in
+modules, every installed package and odd spellings; and the reported cases through the real command line."""
+
+from __future__ import annotations
+
+import _imp
+import functools
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import sysconfig
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nanforensics.errors import BadInput
+from nanforensics.runs.imports import ROLES, TOOL_MODULES, load_callable
+
+from conftest import ROOT, TESTS, assert_one_line_error, run_cli, tree_digest
+
+# Cheap checks (nothing is imported): enough examples to sweep each class, a fraction of a second each.
+CHEAP = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _dotted(relative: Path) -> str | None:
+    """The module name of a source or extension file, relative to the folder it is importable from."""
+    parts = list(relative.with_suffix("").parts)
+    parts[-1] = parts[-1].partition(".")[0]  # _json.cpython-311-x86_64-linux-gnu -> _json
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts) if parts and all(p.isidentifier() for p in parts) else None
+
+
+@functools.cache
+def standard_library() -> list[str]:
+    """Every module of the standard library by its files (CPython's ``test`` package, ``idlelib``, ``lib-dynload``'s
+    extensions), with ``sys.stdlib_module_names``."""
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    names = set(sys.stdlib_module_names)
+    for path in folder.rglob("*"):
+        if path.suffix not in (".py", ".so") or "site-packages" in path.parts or "__pycache__" in path.parts:
+            continue
+        relative = path.relative_to(folder)
+        if relative.parts[0] == "lib-dynload":
+            relative = relative.relative_to("lib-dynload")
+        if (name := _dotted(relative)) is not None:
+            names.add(name)
+    return sorted(names)
+
+
+def frozen_and_builtin() -> list[str]:
+    frozen = getattr(_imp, "_frozen_module_names", lambda: [])()  # 3.11+
+    return sorted({*sys.builtin_module_names, *frozen, "__hello__", "__phello__", "__phello__.spam", "builtins"})
+
+
+@functools.cache
+def installed() -> list[str]:
+    """Every module of every installed distribution, by the files it installed (torch, transformers, pytest, ...),
+    but the few modules of torch and nanforensics the tool itself builds from (``TOOL_MODULES``)."""
+    names = set()
+    for dist in importlib.metadata.distributions():
+        for f in dist.files or []:
+            if f.suffix in (".py", ".so") and not str(f).startswith(".."):
+                name = _dotted(Path(str(f)))
+                if name and not any(name == t or name.startswith(t + ".") for t in TOOL_MODULES):
+                    names.add(name)
+    return sorted(names)
+
+
+def test_the_classes_are_the_whole_of_them():
+    """The generated inputs cover what the old deny-list missed, not only what it held."""
+    assert {"test.support", "test.support.os_helper", "idlelib.run", "_json"} <= set(standard_library())
+    assert {"__hello__", "__phello__.spam", "_imp", "sys", "builtins"} <= set(frozen_and_builtin())
+    assert {"torch.serialization", "sympy", "transformers.models.gpt2.modeling_gpt2", "_pytest.main"} <= set(installed())
+    assert len(standard_library()) > 1000 and len(installed()) > 10000
+
+
+@contextmanager
+def nowhere_chosen(tmp: Path) -> Iterator[None]:
+    """An empty working directory and no --code-path: the only places the user chose hold nothing."""
+    before = os.getcwd()
+    os.chdir(tmp)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def assert_refused_before_import(role: str, spec: str, tmp: Path, *why: str) -> None:
+    """Refused, for one of the reasons ``why`` when given (or not importable here at all: a module of another
+    platform, such as ``winreg``), with nothing imported and sys.path as it was."""
+    modules, path = set(sys.modules), list(sys.path)
+    with nowhere_chosen(tmp), pytest.raises(BadInput) as refused:
+        load_callable(role, spec, where=tmp / "manifest.json")
+    message = str(refused.value)
+    assert "\n" not in message and "manifest.json" in message, message
+    assert not why or any(reason in message for reason in (*why, "is not importable here")), message
+    assert set(sys.modules) == modules, sorted(set(sys.modules) - modules)  # nothing was imported, so nothing ran
+    assert sys.path == path  # and no folder was left behind
+
+
+@pytest.fixture(scope="module")
+def empty(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("empty")
+
+
+ROLE = st.sampled_from(sorted(ROLES))
+ATTRIBUTE = st.sampled_from(["main", "system", "run_in_subinterp", "rmtree", "Path.unlink", "join", "eval", "x.y.z"])
+
+
+@CHEAP
+@given(role=ROLE, module=st.sampled_from(standard_library()), attribute=ATTRIBUTE)
+def test_the_standard_library_is_refused_before_import(empty, role, module, attribute):
+    assert_refused_before_import(role, f"{module}:{attribute}", empty, "standard library")
+
+
+@CHEAP
+@given(role=ROLE, module=st.sampled_from(frozen_and_builtin()), attribute=ATTRIBUTE)
+def test_frozen_and_builtin_modules_are_refused_before_import(empty, role, module, attribute):
+    assert_refused_before_import(role, f"{module}:{attribute}", empty, "standard library")
+
+
+@CHEAP
+@given(role=ROLE, module=st.sampled_from(installed()), attribute=ATTRIBUTE)
+def test_installed_packages_not_named_are_refused_before_import(empty, role, module, attribute):
+    assert_refused_before_import(role, f"{module}:{attribute}", empty, "installed packages")
+
+
+SPELLINGS = st.sampled_from(["", ".", "..", " ", "\t", "\u200b", "\x00", "/", ":", "-", "\\", "..."])
+LOOKALIKES = str.maketrans("osiet", "ｏѕіеｔ")  # fullwidth and Cyrillic letters
+
+
+@CHEAP
+@given(role=ROLE, module=st.sampled_from(["os", "subprocess", "builtins", "test.support", "os.path", "pathlib",
+                                          "shutil", "torch", "sympy", "__hello__"]),
+       before=SPELLINGS, inside=SPELLINGS, after=SPELLINGS, attribute=ATTRIBUTE, lookalike=st.booleans(),
+       noise=st.text(alphabet="ab._:/ \x00\u200bｏ", max_size=12))
+def test_odd_spellings_are_refused_before_import(empty, role, module, before, inside, after, attribute,
+                                                 lookalike, noise):
+    """Leading, trailing and doubled dots, relative names, blanks, NUL, lookalike letters, extra colons, paths."""
+    head, dot, tail = module.partition(".")
+    name = f"{before}{head}{dot}{inside if dot else ''}{tail}{after}"
+    spec = f"{name.translate(LOOKALIKES) if lookalike else name}:{attribute}{noise}"
+    assert_refused_before_import(role, spec, empty)
+
+
+@pytest.mark.parametrize("spec", ["builtins:eval", "os.path:join", "pathlib:Path.unlink", "os:path.join",
+                                  "test.support:run_in_subinterp", "test.support.os_helper:rmtree", "__hello__:main",
+                                  "__phello__.spam:main", "torch:load", "torch.hub:load", "sympy:sympify",
+                                  "transformers:GPT2LMHeadModel", "numpy:load", "__main__:main"])
+def test_what_the_old_deny_list_let_through_or_held_is_refused(spec, tmp_path):
+    assert_refused_before_import("model_factory", spec, tmp_path, "standard library", "installed packages",
+                                 "the program running")
+
+
+def _project(tmp: Path) -> tuple[Path, Path]:
+    """A project (the working directory) with a module of its own and a ``.venv`` holding an installed package
+    ``venvpkg`` (with its dist-info), as a virtual environment inside the project would; returns (project,
+    site-packages). Importing either module writes a marker file beside it."""
+    project = tmp / "project"
+    site = project / ".venv" / "lib" / "python3.11" / "site-packages"
+    (site / "venvpkg").mkdir(parents=True)
+    (project / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    mark = "from pathlib import Path\nPath(__file__).with_name('imported').write_text('ran')\n"
+    build = "def build_model(**kwargs):\n    import scenarios\n    return scenarios.build_model(**kwargs)\n"
+    (site / "venvpkg" / "__init__.py").write_text(mark + build)
+    info = site / "venvpkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: venvpkg\nVersion: 1.0\n")
+    (info / "RECORD").write_text("venvpkg/__init__.py,,\nvenvpkg-1.0.dist-info/METADATA,,\n"
+                                 "venvpkg-1.0.dist-info/RECORD,,\n")
+    (project / "own.py").write_text(mark + build)
+    return project, site
+
+
+def test_a_venv_inside_the_project_is_refused_unless_its_package_is_named(tmp_path, monkeypatch):
+    project, site = _project(tmp_path)
+    monkeypatch.syspath_prepend(str(site))  # the environment is on the path, as an activated one would be
+    monkeypatch.chdir(project)
+    where = tmp_path / "manifest.json"
+    assert callable(load_callable("model_factory", "own:build_model", where=where))  # the project's own code
+    assert (project / "imported").exists()
+    with pytest.raises(BadInput, match="part of the installed packages .*--trust-package NAME"):
+        load_callable("model_factory", "venvpkg:build_model", where=where)
+    assert not (site / "venvpkg" / "imported").exists() and "venvpkg" not in sys.modules
+    with pytest.raises(BadInput, match="'nosuchdist' is not a distribution installed here"):
+        load_callable("model_factory", "venvpkg:build_model", where=where, trust_packages=["nosuchdist"])
+    try:
+        assert callable(load_callable("model_factory", "venvpkg:build_model", where=where, trust_packages=["venvpkg"]))
+        assert (site / "venvpkg" / "imported").exists()
+    finally:
+        sys.modules.pop("venvpkg", None)
+    sys.modules.pop("own", None)
+
+
+def test_the_working_directory_leaves_sys_path_after_the_import(tmp_path, monkeypatch):
+    project, _ = _project(tmp_path)
+    monkeypatch.chdir(project)
+    path = list(sys.path)
+    try:
+        load_callable("model_factory", "own:build_model", where=tmp_path / "manifest.json")
+    finally:
+        sys.modules.pop("own", None)
+    assert sys.path == path
+
+
+# ---- the reported cases, through the command line ------------------------------------------------------------
+
+
+def _sample(tmp: Path, **manifest: object) -> Path:
+    """A copy of the shipped sample run, its manifest changed as a hostile run directory's would be."""
+    run = tmp / "run"
+    shutil.copytree(ROOT / "sample_runs" / "seed_adam", run)
+    data = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**data, **manifest}))
+    return run
+
+
+def test_cpython_test_package_cannot_run_code_or_delete_batches(tmp_path):
+    """``test.support:run_in_subinterp`` runs the string it is given; ``test.support.os_helper:rmtree`` deleted the
+    run's batches through postmortem. Neither is imported now."""
+    marker = tmp_path / "payload-ran"
+    code = _sample(tmp_path / "code", model_factory="test.support:run_in_subinterp",
+                   model_kwargs={"code": f"open({str(marker)!r}, 'w').write('ran')"})
+    rmtree = _sample(tmp_path / "rmtree", model_factory="test.support.os_helper:rmtree")
+    manifest = json.loads((rmtree / "manifest.json").read_text())
+    (rmtree / "manifest.json").write_text(json.dumps({**manifest, "model_kwargs": {"path": str(rmtree / "batches")}}))
+    before = tree_digest(rmtree)
+    calls = [("replay", code, "--no-explain"), ("replay", rmtree, "--no-explain"),
+             ("postmortem", rmtree, "--json", tmp_path / "pm.json")]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda args: run_cli(*args, cwd=ROOT), calls))
+    assert_one_line_error(results[0], "manifest.json", "test.support:run_in_subinterp' is refused", "standard library")
+    assert_one_line_error(results[1], "manifest.json", "test.support.os_helper:rmtree' is refused", "standard library")
+    assert not marker.exists(), "the payload ran"
+    assert results[2].code == 1, results[2].stderr
+    replay = next(a for a in json.loads((tmp_path / "pm.json").read_text())["analyses"] if a["name"] == "replay")
+    assert replay["status"] == "skipped" and "is refused" in replay["detail"], replay
+    assert tree_digest(rmtree) == before  # the batches survive
+
+
+def test_a_module_file_in_the_run_directory_is_never_imported_later(tmp_path):
+    """``cd RUN && nanforensics replay .``: the run directory is never on sys.path, so the ``gmpy2.py`` and
+    ``flint.py`` sympy tries when torch first imports it are not found there."""
+    run = _sample(tmp_path)
+    marker = tmp_path / "payload-ran"
+    for name in ("gmpy2", "flint"):
+        (run / f"{name}.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nraise ImportError('no')\n")
+    result = run_cli("replay", ".", "--no-explain", "--code-path", TESTS, cwd=run)
+    assert result.code == 1, result.stderr
+    assert not marker.exists(), "a module file of the run directory ran"
+
+
+def test_a_venv_package_through_the_command_line(tmp_path, monkeypatch):
+    """--trust-package reaches the policy from the command line; without it the package is not even imported."""
+    project, site = _project(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    run = _sample(tmp_path, model_factory="venvpkg:build_model")
+    refused = run_cli("replay", run, "--no-explain", "--code-path", TESTS, cwd=project)
+    assert_one_line_error(refused, "manifest.json", "venvpkg:build_model' is refused", "--trust-package NAME")
+    assert not (site / "venvpkg" / "imported").exists()
+    trusted = run_cli("replay", run, "--no-explain", "--code-path", TESTS, "--trust-package", "venvpkg", cwd=project)
+    assert trusted.code == 1, trusted.stderr
+    assert (site / "venvpkg" / "imported").exists()

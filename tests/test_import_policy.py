@@ -85,13 +85,15 @@ def test_the_classes_are_the_whole_of_them():
 
 @contextmanager
 def nowhere_chosen(tmp: Path) -> Iterator[None]:
-    """An empty working directory and no --code-path: the only places the user chose hold nothing."""
-    before = os.getcwd()
+    """An empty working directory, no --code-path and no $PYTHONPATH: the only place the user chose holds nothing."""
+    before, environment = os.getcwd(), os.environ.pop("PYTHONPATH", None)
     os.chdir(tmp)
     try:
         yield
     finally:
         os.chdir(before)
+        if environment is not None:
+            os.environ["PYTHONPATH"] = environment
 
 
 def assert_refused_before_import(role: str, spec: str, tmp: Path, *why: str) -> None:

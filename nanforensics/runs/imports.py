@@ -246,13 +246,14 @@ class Places:
     """Where the code a run names may lie: only in places the user chose. The one place for that decision.
 
     Those places are the folders and scripts named on the command line (``--code-path``, ``--code``), the working
-    directory (the user's project), and the files of the distributions named with ``--trust-package``. Never the
-    run directory (``forbidden``, unless ``--trust-run-dir``), and never the standard library, a built-in or frozen
-    module, or an installed package not named, wherever it lies (a ``.venv`` inside the project too).
+    directory (the user's project), the folders of ``$PYTHONPATH`` (the user's environment saying where their code
+    is, as CI jobs do with ``PYTHONPATH=src``), and the files of the distributions named with ``--trust-package``.
+    Never the run directory (``forbidden``, unless ``--trust-run-dir``), and never the standard library, a built-in
+    or frozen module, or an installed package not named, wherever it lies (a ``.venv`` inside the project too).
     ``trust_code`` (``--trust-code``) lifts all but the run directory.
     """
 
-    roots: tuple[Path, ...] = ()  # resolved: the --code-path folders, a --code script, the working directory
+    roots: tuple[Path, ...] = ()  # resolved: the --code-path folders, a --code script, $PYTHONPATH, the working dir
     folders: tuple[Path, ...] = ()  # resolved: the --code-path folders, searched for a script named by its name
     cwd: Path | None = None  # resolved: the working directory
     forbidden: Path | None = None
@@ -264,7 +265,8 @@ class Places:
     @classmethod
     def chosen(cls, code_paths: Sequence[Path] = (), forbidden: Path | None = None, packages: Sequence[str] = (),
                trust_code: bool = False) -> "Places":
-        """The places the command line and the working directory name; a named distribution must be installed."""
+        """The places the command line, the working directory and $PYTHONPATH name; a named distribution must be
+        installed."""
         tops: set[str] = set()
         files: set[Path] = set()
         folders: list[Path] = []
@@ -275,7 +277,8 @@ class Places:
             folders += d
         cwd = _real(Path.cwd())
         chosen = [_real(p) for p in code_paths]
-        return cls((*chosen, cwd), tuple(p for p in chosen if p.is_dir()), cwd,
+        environment = [_real(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        return cls((*chosen, *environment, cwd), tuple(p for p in chosen if p.is_dir()), cwd,
                    None if forbidden is None else _real(forbidden), frozenset(tops), frozenset(files), tuple(folders),
                    trust_code)
 
@@ -298,8 +301,8 @@ class Places:
             return f"{what} is {file}, part of {installed}, which a run may not call{hint}"
         if any(real == r or _inside(real, r) for r in self.roots):
             return None
-        return (f"{what} is {file}, outside the working directory, the --code-path folders and the --trust-package "
-                "distributions")
+        return (f"{what} is {file}, outside the working directory, the --code-path folders, $PYTHONPATH and the "
+                "--trust-package distributions")
 
     def spec_refusal(self, spec: importlib.machinery.ModuleSpec) -> str | None:
         """Why the module ``spec`` locates may not run, decided before it is imported. A namespace package runs

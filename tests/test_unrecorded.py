@@ -176,7 +176,7 @@ def test_code_inside_the_checkpoint_folder_is_refused_unless_trusted(plain, tmp_
     torch.save(state["optimizer"], folder / "optimizer.pt")
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
     shutil.copy(ROOT / PLAIN, folder / "train.py")
-    with pytest.raises(BadInput, match="train.py lies inside .*--trust-run-dir"):
+    with pytest.raises(BadInput, match="train.py.* lies inside the run directory.*--trust-run-dir"):
         replay_checkpoint(folder, str(folder / "train.py"), None, QUICK)
     trusted = replay_checkpoint(folder, str(folder / "train.py"), None, replace(QUICK, trust_run_dir=True))
     assert (trusted.loaded.step, trusted.loaded.step_from) == (10, "trainer_state.json")
@@ -340,11 +340,11 @@ def hostile_script(tmp_path, monkeypatch) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("role, name, why", [
     ("model", "Touch", "it is the class hostile.Touch, and an nn.Module subclass or a function is wanted"),
-    ("model", "load", "a function of torch, not of the run's own code"),
+    ("model", "load", "it is torch.serialization.load, whose file"),  # torch's, which the user did not name
     ("model", "build_partial", "a partial object of Python's standard library (functools)"),
     ("step", "Touch", "it is the class hostile.Touch, and a function is wanted"),
     ("batches", "system", "of Python's standard library"),
-    ("optimizer", "run", "it is subprocess.run, of Python's standard library"),
+    ("optimizer", "run", "it is subprocess.run, whose file"),
     ("scheduler", "Touch", "a scheduler class of torch.optim.lr_scheduler or a function is wanted"),
 ])
 def test_a_refused_callable_never_runs(plain, hostile_script, role, name, why):

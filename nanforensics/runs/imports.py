@@ -2,9 +2,11 @@
 
 A callable is stored as ``package.module:qualname`` or, for one defined in a script,
 ``path/to/file.py:qualname``. Replay reaches user code only through these strings, and each one
-through ``load_callable``, which applies the trust policy (``check_callable``) before the import and
-again to the imported object, before anything calls it. A run directory is untrusted input: its
-manifest must not be able to name ``os:system`` with the command in ``model_kwargs``.
+through ``load_callable``, which applies the trust policy (``check_callable``) to the string, to each module on
+the way before it runs (``Places``: an allow-list of the places the user chose, decided on the file the module
+resolves to), and to the imported object, before anything calls it. A run directory is untrusted input: its
+manifest must not be able to name ``os:system`` with the command in ``model_kwargs``, nor
+``test.support:run_in_subinterp``, nor leave a module file where a later import would find it.
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ def _distribution(name: str) -> tuple[frozenset[str], frozenset[Path], tuple[Pat
     folders: list[Path] = []
     for top in tops - covered:
         try:
-            spec = importlib.util.find_spec(top)  # a top-level name: found, nothing run
+            spec = importlib.util.find_spec(top)  # of a distribution the user names: its finder may be asked
         except (ImportError, ValueError):
             continue
         if spec is not None and spec.submodule_search_locations:
@@ -291,17 +293,17 @@ class Places:
         """Why the code of ``what``, in ``file``, may not run; None when ``file`` lies in a place the user chose."""
         real = _real(file)
         if self.forbidden is not None and _inside(real, self.forbidden):
-            return (f"{what} is {file}, inside the run directory ({self.forbidden}); pass --trust-run-dir to allow "
-                    "code shipped with the run")
+            return (f"{what} ({file}) lies inside the run directory; pass --trust-run-dir to allow code shipped "
+                    "with the run")
         if self.trust_code or real in self.package_files or any(_inside(real, f) for f in self.package_folders):
             return None
         installed = _installed(real)
         if installed is not None:
             hint = "" if installed.startswith("Python's") else f"; {PACKAGE_HINT}"
-            return f"{what} is {file}, part of {installed}, which a run may not call{hint}"
+            return f"{what} ({file}) is part of {installed}, which a run may not call{hint}"
         if any(real == r or _inside(real, r) for r in self.roots):
             return None
-        return (f"{what} is {file}, outside the working directory, the --code-path folders, $PYTHONPATH and the "
+        return (f"{what} ({file}) lies outside the working directory, the --code-path folders, $PYTHONPATH and the "
                 "--trust-package distributions")
 
     def spec_refusal(self, spec: importlib.machinery.ModuleSpec) -> str | None:
@@ -343,7 +345,7 @@ def _refusal(role: Role, spec: str, obj: Any, places: Places) -> str | None:
     module = getattr(obj, "__module__", None)
     name = f"{module}.{getattr(obj, '__qualname__', '?')}"
     where = _file_of(obj)
-    located = f"it is {name}, defined in no file" if where is None else places.refusal(where, f"it is {name}, which")
+    located = f"it is {name}, defined in no file" if where is None else places.refusal(where, f"it is {name}, whose file")
     if inspect.isclass(obj):
         if isinstance(module, str) and _under(module, TOOL_CLASSES) and role.classes is not None and role.classes(obj):
             return None

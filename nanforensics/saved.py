@@ -6,9 +6,9 @@ from pathlib import Path
 
 from .checkpoints.bisect import BISECT_SCHEMA, BisectReport
 from .errors import BadInput
+from .inputs import load_json
 from .postmortem import POSTMORTEM_SCHEMA, PostmortemReport
 from .report import REPLAY_SCHEMA, ReplayReport, from_jsonable
-from .runs.files import load_json
 
 SavedReport = ReplayReport | BisectReport | PostmortemReport
 SCHEMAS: dict[str, type] = {REPLAY_SCHEMA: ReplayReport, BISECT_SCHEMA: BisectReport,

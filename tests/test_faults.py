@@ -30,8 +30,7 @@ from hypothesis import strategies as st
 from nanforensics.checkpoints.scan import scan_checkpoint
 from nanforensics.errors import BadInput
 from nanforensics.formats import open_checkpoint
-from nanforensics.formats.safetensors_file import SafetensorsFile
-from nanforensics.runs.files import TensorFile
+from nanforensics.inputs import SafetensorsFile, TensorFile
 from safetensors.torch import load_file, save_file
 
 from conftest import DEFECT_STEP, FAULT_CASE, Result, _record, error_lines, run_cli, tree_digest

@@ -23,8 +23,8 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import BadInput
-from ..runs.files import open_input
-from .source import _OPTIMIZER_KEYS, MODEL, OPTIMIZER, TensorInfo, _Entry, _group_of_key
+from ..inputs import open_input
+from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS, Entry, TensorInfo, group_of_key
 
 METADATA = ".metadata"
 _LAYOUT_MODULE = "torch.distributed.checkpoint.metadata"
@@ -129,14 +129,14 @@ def values(metadata: Path, keys: Iterable[str]) -> dict[str, Any]:
     return {k: layout.read_bytes_item(k) for k in keys if k in layout.items and not hasattr(layout.items[k], "chunks")}
 
 
-def dcp_entries(metadata: Path, group: str | None) -> list[_Entry]:
+def dcp_entries(metadata: Path, group: str | None) -> list[Entry]:
     layout = Layout(metadata)
     shaped = _optimizer_prefixes(layout.nested.values())
     out = []
     for t in layout.tensors:
         nbytes = math.prod(t.size) * t.dtype.itemsize
         info = TensorInfo(t.fqn, group or _group(t, shaped), t.dtype, t.size, nbytes, metadata)
-        out.append(_Entry(info, partial(assemble, t), _drop))
+        out.append(Entry(info, partial(assemble, t), _drop))
     return out
 
 
@@ -154,11 +154,11 @@ def _optimizer_prefixes(paths: Iterable[tuple[Any, ...]]) -> set[tuple[Any, ...]
 
 
 def _group(t: _Tensor, optimizer_prefixes: set[tuple[Any, ...]]) -> str:
-    if any(str(k).lower() in _OPTIMIZER_KEYS for k in t.path[:-1]):
+    if any(str(k).lower() in OPTIMIZER_KEYS for k in t.path[:-1]):
         return OPTIMIZER
     if any(t.path[:len(p) + 1] == (*p, "state") for p in optimizer_prefixes):
         return OPTIMIZER
-    return _group_of_key(t.fqn) if t.path == (t.fqn,) else MODEL
+    return group_of_key(t.fqn) if t.path == (t.fqn,) else MODEL
 
 
 def assemble(t: _Tensor) -> torch.Tensor:

@@ -17,13 +17,13 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import BadInput, shown
+from ..inputs import SafetensorsFile, load_json
 from ..runs.checkpoint import Checkpoint
-from ..runs.files import load_json
 from ..runs.run import MANIFEST, Run
 from ..runs.steplog import is_step
 from . import dcp, torch_file
-from .safetensors_file import SafetensorsFile
-from .source import MODEL, OPTIMIZER, CheckpointSource, lightning_parts
+from .entries import MODEL, OPTIMIZER
+from .source import CheckpointSource, lightning_parts
 
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 _STEP_KEYS = ("step", "global_step")

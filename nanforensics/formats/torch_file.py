@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInput
-from ..runs.files import one_line, open_input
+from ..inputs import one_line, open_input
 from .pages import drop_pages, span
 
 _ZIP_MAGIC = b"PK\x03\x04"

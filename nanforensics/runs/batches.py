@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInput, shown
-from .files import MAX_NESTING, TensorFile, nesting_exceeds, parse_json, tensors_to_bytes
+from ..inputs import MAX_NESTING, TensorFile, nesting_exceeds, parse_json
+from .files import tensors_to_bytes
 
 BATCH_FORMAT = "nanforensics.batch/1"
 # An optimizer step made of several micro-batches (gradient accumulation) is recorded as one batch, a dict whose

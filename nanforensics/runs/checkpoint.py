@@ -16,16 +16,8 @@ import torch
 from ..distributed.tensors import shard_like
 from ..errors import BadInput
 from ..finite import decode_float, encode_float
-from .files import (
-    TensorFile,
-    load_json,
-    make_build_dir,
-    one_line,
-    publish_dir_atomic,
-    tensors_to_bytes,
-    write_bytes_atomic,
-    write_json_atomic,
-)
+from ..inputs import TensorFile, load_json, one_line
+from .files import make_build_dir, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic, write_json_atomic
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
 EXTRAS_FILE = "extras.safetensors"  # tensors of the scaler's and scheduler's state, when they hold any

@@ -12,10 +12,10 @@ import torch
 
 from ..distributed.layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
 from ..errors import BadInput, shown
+from ..inputs import load_json
 from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
-from .files import load_json
 from .steplog import LoggedStep, is_step, read_steps
 
 RUN_FORMAT = "nanforensics.run/1"

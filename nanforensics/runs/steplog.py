@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import BadInput, shown
 from ..finite import decode_float, encode_float
-from .files import read_input
+from ..inputs import read_input
 
 MAX_STEP = 2**63 - 1  # a step number beyond int64 is damage: nothing counts steps that far
 

@@ -132,10 +132,10 @@ def read_input(path: Path, limit: int = MAX_TEXT_BYTES) -> bytes:
             raise BadInput(path, f"cannot read ({e.strerror or e})") from None
 
 
-def excerpt(data: bytes | str, limit: int = 40) -> str:
+def excerpt(data: bytes | str, limit: int = 24) -> str:
     """At most ``limit`` characters of a file's content for an error line, escaped (``repr``): never a newline or
     an escape sequence, never more of a file than identifies the place."""
-    return shown(data[:limit], limit + 8)
+    return shown(data[:limit], 2 * limit)
 
 
 # ---- JSON -------------------------------------------------------------------------------------------------------
@@ -236,11 +236,20 @@ def _check_claim(t: torch.Tensor, where: Path) -> None:
             raise BadInput(where, f"a tensor of shape {shown(list(t.shape))} claims {claimed} bytes over a storage of "
                                   f"{stored} (a stride-0 or overlapping view); nanforensics reads at most "
                                   f"{MAX_EXPANDED_BYTES} more than a tensor stores")
-    elif t.layout == torch.sparse_coo:
-        values = t._values()
-        if values.numel() > t.numel():
-            raise BadInput(where, f"a sparse tensor of shape {shown(list(t.shape))} stores {values.numel()} values, "
-                                  "more than it has elements")
+    else:  # a sparse tensor claims only what its stored parts hold: those are views, checked as such
+        for part in _sparse_parts(t):
+            _check_claim(part, where)
+
+
+def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors a sparse tensor stores (indices and values)."""
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return []
 
 
 # ---- safetensors ------------------------------------------------------------------------------------------------

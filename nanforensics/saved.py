@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .checkpoints.bisect import BISECT_SCHEMA, BisectReport
 from .errors import BadInput
-from .inputs import load_json
+from .inputs import examine, load_json
 from .postmortem import POSTMORTEM_SCHEMA, PostmortemReport
 from .report import REPLAY_SCHEMA, ReplayReport, from_jsonable
 
@@ -17,6 +17,7 @@ SCHEMAS: dict[str, type] = {REPLAY_SCHEMA: ReplayReport, BISECT_SCHEMA: BisectRe
 
 def load_report(path: Path) -> SavedReport:
     """The report saved at ``path``; a file of another schema, or a newer version of one, is refused by name."""
+    examine(path)
     data = load_json(path)
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema not in SCHEMAS:

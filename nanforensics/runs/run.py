@@ -12,7 +12,7 @@ import torch
 
 from ..distributed.layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
 from ..errors import BadInput, shown
-from ..inputs import load_json
+from ..inputs import examine, load_json
 from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
@@ -115,6 +115,7 @@ class Run:
             raise BadInput(self.path, "no such run directory")
         if not self.path.is_dir():
             raise BadInput(self.path, "not a directory")
+        examine(self.path)
         self.manifest = Manifest.read(self.path / MANIFEST)
         self.world = self.manifest.world
         self._steps: list[LoggedStep] | None = None

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .finite import encode_float
-from .runs.files import write_bytes_atomic
+from .outputs import write_output
 
 REPLAY_SCHEMA = "nanforensics.replay/1"
 
@@ -326,10 +325,6 @@ def to_json(report: Any) -> str:
 
 
 def write_json(report: Any, destination: str) -> None:
-    """``-`` is stdout; a path is written atomically, so a failed run leaves an earlier report as it was."""
-    text = to_json(report)
-    if destination == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        write_bytes_atomic(Path(destination), text.encode(), durable=False)
+    """``-`` is stdout; a path is written atomically through ``outputs``' checks, so a failed run leaves an earlier
+    report as it was."""
+    write_output(destination, to_json(report))

@@ -137,7 +137,7 @@ def _checked(path: Path, option: str | None, folder: bool = False, create: bool 
         if problem is not None:
             raise BadInput(where, f"{named}is {problem.removeprefix('not a regular file ')[1:-1]}, not a regular file: "
                                   "reports replace only regular files")
-        if not os.access(real, os.W_OK):
+        if not mode & 0o222 or not os.access(real, os.W_OK):  # no write bit: read-only even to root
             raise BadInput(where, f"{named}is read-only: not replaced")
     parent = real.parent
     if not parent.exists():
@@ -163,11 +163,18 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+_sources: dict[str, str] = {}  # resolved source (or bytecode) file -> the module imported from it
+_seen: dict[str, object] = {}  # the modules _sources was built from
+
+
 def _imported(real: Path) -> str | None:
     """The module this process imported from ``real`` (its source or its cached bytecode), if any."""
-    for name, module in list(sys.modules.items()):
-        for attr in ("__file__", "__cached__"):
-            file = getattr(module, attr, None)
-            if isinstance(file, str) and os.path.realpath(file) == str(real):
-                return name
-    return None
+    with _lock:
+        for name, module in list(sys.modules.items()):
+            if _seen.get(name) is not module:  # resolved once per module, not once per output
+                _seen[name] = module
+                for attr in ("__file__", "__cached__"):
+                    file = getattr(module, attr, None)
+                    if isinstance(file, str):
+                        _sources[os.path.realpath(file)] = name
+        return _sources.get(str(real))

@@ -116,7 +116,7 @@ from pathlib import Path
 import torch
 from nanforensics.formats import open_checkpoint
 from nanforensics.checkpoints.scan import scan_checkpoint
-from nanforensics.runs.files import TensorFile
+from nanforensics.inputs import TensorFile
 from nanforensics import finite
 status = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
 before = status("VmRSS:")

@@ -7,7 +7,6 @@ neither torch nor rich (docs/performance.md has the import times).
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Optional
@@ -16,7 +15,7 @@ import typer
 from typer.core import TyperArgument, TyperGroup
 
 from .errors import BadInput
-from .outputs import check_outputs, expand
+from .outputs import append_output, check_outputs, expand, write_output
 from .rootcause import DEFAULT_MAX_ABS
 
 if TYPE_CHECKING:
@@ -97,6 +96,9 @@ TrustPackageOption = Annotated[Optional[list[str]], typer.Option(
 
 
 _MARKDOWN_HELP = "Write the report as Markdown to PATH (- for stdout)."
+CreateDirsOption = Annotated[bool, typer.Option("--create-dirs", help="Create the missing folders of an output path "
+                                                                      "(--json, --markdown, ...); without it, an "
+                                                                      "output whose folder does not exist is refused.")]
 
 
 def terminal_view(*destinations: Optional[str]) -> bool:
@@ -107,12 +109,9 @@ def terminal_view(*destinations: Optional[str]) -> bool:
 def emit_json(report: object, destination: Optional[str]) -> None:
     if destination is None:
         return
-    from .report import write_json
+    from .report import to_json
 
-    try:
-        write_json(report, destination)
-    except OSError as e:
-        raise BadInput(destination, f"cannot write the JSON report ({e.strerror or e})") from None
+    write_output(destination, to_json(report), "--json")
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -122,23 +121,13 @@ _REPLAY_EXIT = {"clean": EXIT_CLEAN, "nonfinite": EXIT_FOUND, "not_reproduced": 
 
 
 def emit_markdown(text: str, destination: Optional[str]) -> None:
-    emit_text(text, destination, "Markdown")
+    emit_text(text, destination, "--markdown")
 
 
-def emit_text(text: str, destination: Optional[str], what: str) -> None:
+def emit_text(text: str, destination: Optional[str], option: str) -> None:
     """A rendered report written atomically to ``destination`` (when given; ``-`` is stdout)."""
-    if destination is None:
-        return
-    if destination == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    from .runs.files import write_bytes_atomic
-
-    try:
-        write_bytes_atomic(Path(destination), text.encode(), durable=False)
-    except OSError as e:
-        raise BadInput(destination, f"cannot write the {what} report ({e.strerror or e})") from None
+    if destination is not None:
+        write_output(destination, text, option)
 
 
 # A run nobody recorded: the user's training script names the callables replay needs.
@@ -219,6 +208,7 @@ def replay(
                                                               "drop-samples=I,J, drop-batch.")] = None,
     what_if_steps: Annotated[int, typer.Option(metavar="K", min=0, help="Steps after the responsible one a what-if must stay "
                                                            "finite for.")] = 5,
+    create_dirs: CreateDirsOption = False,
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
 
@@ -246,10 +236,11 @@ def replay(
     from .views.replay import render_markdown, render_terminal
 
     if checkpoint is not None and code is not None:
-        check_outputs([checkpoint, *code_inputs(code)], {"--json": json_out, "--markdown": markdown})
+        check_outputs([checkpoint, *code_inputs(code), *(code_path or [])], {"--json": json_out, "--markdown": markdown},
+                      create_dirs=create_dirs)
         announce_code(code_specs(code, names))
     else:
-        check_outputs([run_dir], {"--json": json_out, "--markdown": markdown})
+        check_outputs([run_dir, *(code_path or [])], {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
         announce_code(run_code(run_dir))
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
@@ -294,6 +285,7 @@ def repair(
                                                      "directory.")] = False,
     trust_package: TrustPackageOption = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
+    create_dirs: CreateDirsOption = False,
 ) -> None:
     """Write a checkpoint that resumes cleanly: the responsible batch (or its bad samples) left out, verified.
 
@@ -303,7 +295,8 @@ def repair(
     from .runs.run import run_code
     from .views.repair import render_repair_terminal
 
-    check_outputs([run_dir], {"--out": str(out), "--json": json_out}, folders=("--out",))
+    check_outputs([run_dir, *(code_path or [])], {"--out": str(out), "--json": json_out}, folders=("--out",),
+                  create_dirs=create_dirs)
     announce_code(run_code(run_dir))
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
@@ -331,6 +324,7 @@ def scan(
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
+    create_dirs: CreateDirsOption = False,
 ) -> None:
     """Scan one checkpoint: every tensor's non-finite values and headroom, model and optimizer state apart.
 
@@ -340,7 +334,7 @@ def scan(
     from .formats import open_checkpoint
     from .views.checkpoints import bytes_progress, render_scan_markdown, render_scan_terminal
 
-    check_outputs([checkpoint], {"--json": json_out, "--markdown": markdown})
+    check_outputs([checkpoint], {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
     source = open_checkpoint(checkpoint)
     with bytes_progress(stderr_console()) as progress:
         report = scan_checkpoint(source, full=full, margin=margin, progress=progress)
@@ -379,6 +373,7 @@ def bisect(
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
     trust_package: TrustPackageOption = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay or --code.")] = False,
+    create_dirs: CreateDirsOption = False,
 ) -> None:
     """Find the first poisoned checkpoint in about log2(n) checkpoint reads; with --code, replay from the last
     clean one to name the step, batch and coordinate.
@@ -394,8 +389,8 @@ def bisect(
     from .checkpoints.bisect import bisect as bisect_checkpoints
     from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
 
-    check_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []),
-                  {"--json": json_out, "--markdown": markdown})
+    check_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []) + list(code_path or []),
+                  {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
     if code is not None:
         from .runs.unrecorded import code_specs
 
@@ -445,11 +440,7 @@ def append_step_summary(text: str, destination: Optional[str]) -> None:
     """GitHub's job summary: appended to the file $GITHUB_STEP_SUMMARY names, as other steps do."""
     if destination is None:
         return
-    try:
-        with open(destination, "a", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as e:
-        raise BadInput(destination, f"cannot append to $GITHUB_STEP_SUMMARY ({e.strerror or e})") from None
+    append_output(destination, text, "$GITHUB_STEP_SUMMARY")
 
 
 @app.command(short_help="Examine a failed job's run or checkpoints.")
@@ -463,6 +454,7 @@ def postmortem(
                                                       "case.")] = None,
     html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write a self-contained HTML report to PATH.")] = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
+    create_dirs: CreateDirsOption = False,
 ) -> None:
     """Everything the directory allows: step log, checkpoint bisection, replay, spread per tensor.
 
@@ -477,13 +469,13 @@ def postmortem(
 
     summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
     check_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
-                                "$GITHUB_STEP_SUMMARY": summary_file})
+                                "$GITHUB_STEP_SUMMARY": summary_file}, create_dirs=create_dirs)
     announce_code(run_code(directory))
     with step_progress("replaying") as progress:
         report = examine(directory, progress, note=status_line(stderr_console()), trust_code=trust_code)
     emit_json(report, json_out)
-    emit_text(render_junit(report), junit, "JUnit")
-    emit_text(render_html(report), html, "HTML")
+    emit_text(render_junit(report), junit, "--junit")
+    emit_text(render_html(report), html, "--html")
     summary = render_markdown(report)
     if markdown is not None:
         emit_markdown(summary, markdown)
@@ -500,16 +492,17 @@ def report_command(
                                                                           "postmortem --json.")],
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as Markdown to PATH (- for stdout).")] = None,
     html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as a self-contained HTML page to PATH.")] = None,
+    create_dirs: CreateDirsOption = False,
 ) -> None:
     """Re-render a saved report on the terminal, as Markdown or as HTML, without replaying anything."""
     from .saved import load_report
     from .views.html import render_html
     from .views.report import render_markdown, render_terminal
 
-    check_outputs([saved], {"--markdown": markdown, "--html": html})
+    check_outputs([saved], {"--markdown": markdown, "--html": html}, create_dirs=create_dirs)
     loaded = load_report(saved)
     emit_markdown(render_markdown(loaded), markdown)
-    emit_text(render_html(loaded), html, "HTML")
+    emit_text(render_html(loaded), html, "--html")
     if terminal_view(markdown, html):
         render_terminal(loaded, stdout_console())
 

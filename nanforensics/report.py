@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .finite import decode_float, encode_float
-from .runs.files import write_bytes_atomic
+from .finite import encode_float
+from .outputs import write_output
 
 REPLAY_SCHEMA = "nanforensics.replay/1"
 
@@ -323,72 +320,11 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def from_jsonable(kind: Any, data: Any, where: str = "report") -> Any:
-    """The inverse of ``to_jsonable`` for the type ``kind``: saved reports are re-rendered without replaying.
-
-    Fields a newer writer of the same schema added are ignored (the schemas promise only additions);
-    a missing field or a value of the wrong type is a ``ValueError`` that says where it is.
-    """
-    if kind is Any:
-        return data
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin in (typing.Union, types.UnionType):
-        if data is None and type(None) in args:
-            return None
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return from_jsonable(option, data, where)
-            except ValueError as e:
-                errors.append(e)
-        raise errors[0] if errors else ValueError(f"{where}: null where a value is required")
-    if dataclasses.is_dataclass(kind):
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: expected an object, found {type(data).__name__}")
-        hints = typing.get_type_hints(kind)
-        values = {}
-        for f in dataclasses.fields(kind):
-            if f.name in data:
-                values[f.name] = from_jsonable(hints[f.name], data[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ValueError(f"{where}: field {f.name!r} is missing")
-        return kind(**values)
-    if origin is list:
-        if not isinstance(data, list):
-            raise ValueError(f"{where}: expected a list, found {type(data).__name__}")
-        return [from_jsonable(args[0], v, f"{where}[{i}]") for i, v in enumerate(data)]
-    if origin is dict:
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: expected an object, found {type(data).__name__}")
-        return {k: from_jsonable(args[1], v, f"{where}.{k}") for k, v in data.items()}
-    if kind is float:
-        if isinstance(data, str):
-            try:
-                return decode_float(data)
-            except ValueError:
-                pass
-        if isinstance(data, (int, float)) and not isinstance(data, bool):
-            return data  # an int stays an int: that is how to_json wrote it
-    elif kind is int:
-        if isinstance(data, int) and not isinstance(data, bool):
-            return data
-    elif kind in (str, bool):
-        if isinstance(data, kind):
-            return data
-    else:
-        raise TypeError(f"{where}: cannot load a {kind!r}")
-    raise ValueError(f"{where}: expected {kind.__name__}, found {json.dumps(data)[:40]}")
-
-
 def to_json(report: Any) -> str:
     return json.dumps(to_jsonable(report), indent=2, allow_nan=False) + "\n"
 
 
 def write_json(report: Any, destination: str) -> None:
-    """``-`` is stdout; a path is written atomically, so a failed run leaves an earlier report as it was."""
-    text = to_json(report)
-    if destination == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        write_bytes_atomic(Path(destination), text.encode(), durable=False)
+    """``-`` is stdout; a path is written atomically through ``outputs``' checks, so a failed run leaves an earlier
+    report as it was."""
+    write_output(destination, to_json(report))

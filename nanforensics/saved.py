@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checkpoints.bisect import BISECT_SCHEMA, BisectReport
-from .errors import BadInput
+from .errors import BadInput, shown
+from .inputs import examine, load_json
 from .postmortem import POSTMORTEM_SCHEMA, PostmortemReport
-from .report import REPLAY_SCHEMA, ReplayReport, from_jsonable
-from .runs.files import load_json
+from .report import REPLAY_SCHEMA, ReplayReport
+from .schema import load
 
 SavedReport = ReplayReport | BisectReport | PostmortemReport
 SCHEMAS: dict[str, type] = {REPLAY_SCHEMA: ReplayReport, BISECT_SCHEMA: BisectReport,
@@ -17,16 +18,14 @@ SCHEMAS: dict[str, type] = {REPLAY_SCHEMA: ReplayReport, BISECT_SCHEMA: BisectRe
 
 def load_report(path: Path) -> SavedReport:
     """The report saved at ``path``; a file of another schema, or a newer version of one, is refused by name."""
+    examine(path)
     data = load_json(path)
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema not in SCHEMAS:
         family = str(schema).rpartition("/")[0]
         newer = next((s for s in SCHEMAS if s.rpartition("/")[0] == family), None)
         if newer is not None:
-            raise BadInput(path, f"schema {schema!r} is not {newer!r}, the version this nanforensics reads; upgrade it")
-        raise BadInput(path, f"not a report nanforensics re-renders (schema {schema!r}; it reads "
+            raise BadInput(path, f"schema {shown(schema)} is not {newer!r}, the version this nanforensics reads; upgrade it")
+        raise BadInput(path, f"not a report nanforensics re-renders (schema {shown(schema)}; it reads "
                              f"{', '.join(SCHEMAS)})")
-    try:
-        return from_jsonable(SCHEMAS[schema], data)
-    except ValueError as e:
-        raise BadInput(path, f"malformed {schema} report: {e}") from None
+    return load(SCHEMAS[schema], data, path, "report")

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import pytest
 import torch
-from nanforensics.runs.files import TensorFile
+from nanforensics.inputs import TensorFile
 from nanforensics.runs.run import Run
 from safetensors.torch import save_file
 

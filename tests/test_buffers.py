@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from nanforensics.checkpoints.scan import BY_NAME, POISONED_BUFFERS, POISONED_PARAMETERS, RECORDED, scan_checkpoint
 from nanforensics.formats import open_checkpoint
+from nanforensics.inputs import TensorFile
 from nanforensics.replay.monitor import StepMonitor
-from nanforensics.runs.files import TensorFile
 from safetensors.torch import load_file
 from torch import nn
 

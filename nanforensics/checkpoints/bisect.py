@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ..formats import CheckpointSource, Collection, discover
 from ..report import ReplayReport
-from ..runs.run import batches_present
+from ..runs.run import batch_gaps
 from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, TensorScan, check_margin, scan_checkpoint
 
 BISECT_SCHEMA = "nanforensics.bisect/1"
@@ -171,20 +171,12 @@ def _replay(clean: CheckpointSource | None, poisoned: CheckpointSource) -> tuple
     if clean is None or clean.run_dir != poisoned.run_dir or clean.step is None or poisoned.step is None:
         return None, "no clean checkpoint of the run precedes the first poisoned one, so there is nothing to replay from"
     run = poisoned.run_dir
-    missing = [s for s in range(clean.step, poisoned.step) if not batches_present(run, s)]
+    missing = batch_gaps(run, clean.step, poisoned.step)
     if missing:
-        return None, (f"the run kept no batches for steps {_ranges(missing)} (recorded with keep_checkpoints?), "
+        spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in missing)
+        return None, (f"the run kept no batches for steps {spans} (recorded with keep_checkpoints?), "
                       "so the window cannot be replayed")
     command = f"nanforensics replay {shlex.quote(str(run))} --from-step {clean.step}"
     return ReplayHint(str(run), clean.step, command), None
 
-
-def _ranges(steps: list[int]) -> str:
-    spans: list[list[int]] = []
-    for s in steps:
-        if spans and s == spans[-1][1] + 1:
-            spans[-1][1] = s
-        else:
-            spans.append([s, s])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 

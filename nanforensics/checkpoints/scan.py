@@ -24,7 +24,7 @@ import torch
 from .. import finite
 from ..errors import BadInput
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo
-from ..formats.source import Release
+from ..formats.entries import Release
 
 SCAN_SCHEMA = "nanforensics.scan/1"
 DEFAULT_MARGIN = 1000.0

@@ -7,7 +7,8 @@ Hugging Face folders (sharded with ``*.index.json``, or ``model.safetensors``, w
 """
 
 from .discover import Collection, discover, open_checkpoint
-from .source import MODEL, OPTIMIZER, CheckpointSource, TensorInfo, TensorStream
+from .entries import MODEL, OPTIMIZER, TensorInfo
+from .source import CheckpointSource, TensorStream
 
 __all__ = ["MODEL", "OPTIMIZER", "CheckpointSource", "Collection", "TensorInfo", "TensorStream", "discover",
            "open_checkpoint"]

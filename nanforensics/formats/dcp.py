@@ -23,8 +23,8 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import BadInput
-from ..runs.files import open_input
-from .source import _OPTIMIZER_KEYS, MODEL, OPTIMIZER, TensorInfo, _Entry, _group_of_key
+from ..inputs import check_tensors, open_input, shape_problem
+from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS, Entry, TensorInfo, group_of_key
 
 METADATA = ".metadata"
 _LAYOUT_MODULE = "torch.distributed.checkpoint.metadata"
@@ -102,7 +102,11 @@ class Layout:
             if info is None:
                 raise BadInput(self.path, f"tensor {fqn!r}: no storage recorded for its chunk at {list(c.offsets)}")
             chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), self._file(fqn, info), info.offset, info.length))
-        return _Tensor(fqn, tuple(path), item.properties.dtype, tuple(item.size), tuple(chunks))
+        t = _Tensor(fqn, tuple(path), item.properties.dtype, tuple(item.size), tuple(chunks))
+        problem = _tiling_problem(t)
+        if problem is not None:
+            raise BadInput(self.path, f"tensor {fqn!r}: {problem}: not read")
+        return t
 
     def _file(self, fqn: str, info: Any) -> Path:
         if getattr(info, "transform_descriptors", None):
@@ -129,14 +133,41 @@ def values(metadata: Path, keys: Iterable[str]) -> dict[str, Any]:
     return {k: layout.read_bytes_item(k) for k in keys if k in layout.items and not hasattr(layout.items[k], "chunks")}
 
 
-def dcp_entries(metadata: Path, group: str | None) -> list[_Entry]:
+def _tiling_problem(t: _Tensor) -> str | None:
+    """Why the chunks do not lay out the tensor exactly once, before anything is allocated for it: a chunk outside
+    it, chunks that overlap or leave holes (read as they are, a hole would be uninitialised memory called clean),
+    or a chunk whose blob is too small to hold it (a size declared far beyond the bytes on disk)."""
+    problem = shape_problem(t.size, t.dtype.itemsize)
+    if problem is not None:
+        return problem
+    for c in t.chunks:
+        if len(c.offsets) != len(t.size) or len(c.sizes) != len(t.size) or \
+                any(o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, t.size)):
+            return f"its chunk at {list(c.offsets)} of size {list(c.sizes)} lies outside its size {list(t.size)}"
+        if c.length < math.prod(c.sizes) * t.dtype.itemsize:
+            return (f"its chunk at {list(c.offsets)} claims {math.prod(c.sizes) * t.dtype.itemsize} bytes, its blob "
+                    f"holds {c.length}")
+    boxes = sorted((c.offsets, tuple(o + s for o, s in zip(c.offsets, c.sizes))) for c in t.chunks if math.prod(c.sizes))
+    for i, (lo, hi) in enumerate(boxes):  # a sweep along the first dimension: FSDP's shards meet only their neighbours
+        for lo2, hi2 in boxes[i + 1:]:
+            if lo2[:1] >= hi[:1]:
+                break
+            if all(a < d and c < b for a, b, c, d in zip(lo, hi, lo2, hi2)):
+                return f"its chunks at {list(lo)} and {list(lo2)} overlap"
+    covered = sum(math.prod(c.sizes) for c in t.chunks)
+    if covered != math.prod(t.size):
+        return f"its chunks cover {covered} of its {math.prod(t.size)} elements, leaving holes"
+    return None
+
+
+def dcp_entries(metadata: Path, group: str | None) -> list[Entry]:
     layout = Layout(metadata)
     shaped = _optimizer_prefixes(layout.nested.values())
     out = []
     for t in layout.tensors:
         nbytes = math.prod(t.size) * t.dtype.itemsize
         info = TensorInfo(t.fqn, group or _group(t, shaped), t.dtype, t.size, nbytes, metadata)
-        out.append(_Entry(info, partial(assemble, t), _drop))
+        out.append(Entry(info, partial(assemble, t), _drop))
     return out
 
 
@@ -154,22 +185,19 @@ def _optimizer_prefixes(paths: Iterable[tuple[Any, ...]]) -> set[tuple[Any, ...]
 
 
 def _group(t: _Tensor, optimizer_prefixes: set[tuple[Any, ...]]) -> str:
-    if any(str(k).lower() in _OPTIMIZER_KEYS for k in t.path[:-1]):
+    if any(str(k).lower() in OPTIMIZER_KEYS for k in t.path[:-1]):
         return OPTIMIZER
     if any(t.path[:len(p) + 1] == (*p, "state") for p in optimizer_prefixes):
         return OPTIMIZER
-    return _group_of_key(t.fqn) if t.path == (t.fqn,) else MODEL
+    return group_of_key(t.fqn) if t.path == (t.fqn,) else MODEL
 
 
 def assemble(t: _Tensor) -> torch.Tensor:
     """The whole tensor: its only chunk as loaded, or its chunks copied into place."""
     if len(t.chunks) == 1 and t.chunks[0].sizes == t.size:
         return _chunk(t, t.chunks[0])
-    out = torch.empty(t.size, dtype=t.dtype)
+    out = torch.empty(t.size, dtype=t.dtype)  # every element written: the layout tiles it (_tiling_problem)
     for c in t.chunks:
-        if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, t.size)):
-            raise BadInput(c.file, f"tensor {t.fqn!r}: chunk at {list(c.offsets)} of size {list(c.sizes)} lies "
-                                   f"outside its size {list(t.size)}")
         view = out
         for dim, (o, s) in enumerate(zip(c.offsets, c.sizes)):
             view = view.narrow(dim, o, s)
@@ -238,7 +266,7 @@ class _Blob:
 
 def _load(f: io.BufferedReader, file: Path, fqn: str) -> Any:
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        value = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" in str(e):
             raise BadInput(file, f"refused, not loaded: {fqn!r} needs more than tensors and plain values, and "
@@ -246,6 +274,8 @@ def _load(f: io.BufferedReader, file: Path, fqn: str) -> Any:
         raise BadInput(file, f"{fqn!r} is not a readable torch.save blob ({_short(e)})") from None
     except Exception as e:
         raise BadInput(file, f"{fqn!r} is not a readable torch.save blob ({_short(e)})") from None
+    check_tensors(value, file)
+    return value
 
 
 def _short(e: BaseException) -> str:

@@ -17,13 +17,13 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import BadInput, shown
+from ..inputs import SafetensorsFile, examine, load_json, open_input
 from ..runs.checkpoint import Checkpoint
-from ..runs.files import load_json
 from ..runs.run import MANIFEST, Run
 from ..runs.steplog import is_step
 from . import dcp, torch_file
-from .safetensors_file import SafetensorsFile
-from .source import MODEL, OPTIMIZER, CheckpointSource, lightning_parts
+from .entries import MODEL, OPTIMIZER
+from .source import CheckpointSource, lightning_parts
 
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 _STEP_KEYS = ("step", "global_step")
@@ -72,6 +72,7 @@ def open_checkpoint(path: Path) -> CheckpointSource:
     """One checkpoint: a tensor file, one of our checkpoint folders, or a Hugging Face folder."""
     if not path.exists():
         raise BadInput(path, "no such file or directory")
+    examine(path)
     if path.is_dir():
         if (path / MANIFEST).exists():
             count = len(Run(path).checkpoints())
@@ -115,13 +116,17 @@ def _without_last_copies(sources: list[CheckpointSource], skipped: list[str]) ->
 def _expand(target: str, skipped: list[str]) -> list[CheckpointSource]:
     """The checkpoints ``target`` names; the data files among its entries that are none go to ``skipped``."""
     if not os.path.exists(target) and any(c in target for c in "*?["):
-        matches = _candidates([Path(m) for m in sorted(glob.glob(target))], skipped)
+        paths = [Path(m) for m in sorted(glob.glob(target))]
+        for p in paths:
+            examine(p)
+        matches = _candidates(paths, skipped)
         if not matches:
             raise BadInput(target, "the pattern matches no checkpoint")
         return matches
     path = Path(target)
     if not path.exists():
         raise BadInput(path, "no such file or directory")
+    examine(path)
     if not path.is_dir():
         return [_file_checkpoint(path)]
     if (path / MANIFEST).exists():
@@ -182,11 +187,8 @@ def _file_checkpoint(path: Path) -> CheckpointSource:
 
 def _refuse_non_pytorch(path: Path) -> None:
     """A file that starts as neither of torch.save's formats (a report, a log, a config) is not a checkpoint."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError:
-        return  # the loader says what is wrong with reading it
+    with open_input(path) as f:  # a FIFO named .pt is refused here, never waited on
+        head = f.read(64)
     if not head or head.startswith(_PYTORCH_MAGIC):
         return
     text = head.lstrip()

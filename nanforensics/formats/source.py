@@ -2,44 +2,21 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from ..errors import BadInput
-from . import torch_file
+from ..inputs import SafetensorsFile
+from . import dcp, torch_file
+from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS, Entry, Release, TensorInfo, group_of_key
 from .pages import drop_pages
-from .safetensors_file import SafetensorsFile
 
-MODEL, OPTIMIZER = "model", "optimizer"
 BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"})  # BatchNorm's, InstanceNorm's
-_OPTIMIZER_KEYS = frozenset({"optimizer", "optimizers", "optim", "optimizer_state", "optimizer_states",
-                             "optimizer_state_dict", "optim_state", "opt_state"})
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    group: str  # MODEL or OPTIMIZER
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    file: Path
-
-
-Release = Callable[[torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class _Entry:
-    info: TensorInfo
-    load: Callable[[], torch.Tensor]
-    release: Release
 
 
 class TensorStream:
@@ -51,7 +28,7 @@ class TensorStream:
     asking for the next keeps its resident set near one chunk, whatever the checkpoint's size.
     """
 
-    def __init__(self, entries: list[_Entry]) -> None:
+    def __init__(self, entries: list[Entry]) -> None:
         self._entries = entries
         self.infos = [e.info for e in entries]
         self.nbytes = sum(i.nbytes for i in self.infos)
@@ -96,26 +73,24 @@ class CheckpointSource:
     skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it left unread
 
     def open(self) -> TensorStream:
-        entries: list[_Entry] = []
+        entries: list[Entry] = []
         for file, group in self.files:
             entries += _entries(file, group)
         entries.sort(key=lambda e: e.info.group != MODEL)  # stable: model first keeps early stopping sound
         return TensorStream(entries)
 
 
-def _entries(file: Path, group: str | None) -> list[_Entry]:
+def _entries(file: Path, group: str | None) -> list[Entry]:
     if file.suffix == ".safetensors":
         return _safetensors_entries(file, group)
-    if file.name == ".metadata":  # torch.distributed.checkpoint; imported here because it builds on this module
-        from .dcp import dcp_entries
-
-        return dcp_entries(file, group)
+    if file.name == dcp.METADATA:  # torch.distributed.checkpoint
+        return dcp.dcp_entries(file, group)
     return _torch_entries(file, group)
 
 
-def _safetensors_entries(path: Path, group: str | None) -> list[_Entry]:
+def _safetensors_entries(path: Path, group: str | None) -> list[Entry]:
     f = SafetensorsFile(path)
-    return [_Entry(TensorInfo(e.name, group or _group_of_key(e.name), e.dtype, e.shape, e.end - e.start, path),
+    return [Entry(TensorInfo(e.name, group or group_of_key(e.name), e.dtype, e.shape, e.end - e.start, path),
                    partial(f.read, e), drop_pages) for e in f.entries]
 
 
@@ -128,7 +103,7 @@ def lightning_parts(obj: Any) -> tuple[dict[str, Any], Any] | None:
     return None
 
 
-def _torch_entries(path: Path, group: str | None) -> list[_Entry]:
+def _torch_entries(path: Path, group: str | None) -> list[Entry]:
     obj, release = torch_file.load(path)
     parts = lightning_parts(obj)
     tensors = tree_tensors(obj) if parts is None else chain(
@@ -142,17 +117,12 @@ def _torch_entries(path: Path, group: str | None) -> list[_Entry]:
     for name, in_optimizer, t in found:
         nbytes = t.numel() * t.element_size() if t.layout == torch.strided else 0
         info = TensorInfo(name, group or (OPTIMIZER if in_optimizer else MODEL), t.dtype, tuple(t.shape), nbytes, path)
-        entries.append(_Entry(info, partial(_same, t), release))
+        entries.append(Entry(info, partial(_same, t), release))
     return entries
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _group_of_key(key: str) -> str:
-    """A flat key (safetensors) belongs to the optimizer when its first component says so."""
-    return OPTIMIZER if re.split(r"[./]", key, maxsplit=1)[0].lower() in _OPTIMIZER_KEYS else MODEL
 
 
 def tree_tensors(obj: Any, prefix: tuple[str, ...] = (), in_optimizer: bool = False
@@ -169,7 +139,7 @@ def tree_tensors(obj: Any, prefix: tuple[str, ...] = (), in_optimizer: bool = Fa
         shaped = isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list)
         names = _param_names(obj["param_groups"]) if shaped else {}
         for key, value in obj.items():
-            inside = in_optimizer or shaped or str(key).lower() in _OPTIMIZER_KEYS
+            inside = in_optimizer or shaped or str(key).lower() in OPTIMIZER_KEYS
             if shaped and key == "state":
                 for index, state in value.items():
                     yield from tree_tensors(state, prefix + ("state", str(names.get(index, index))), True)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInput
-from ..runs.files import one_line, open_input
+from ..inputs import check_tensors, one_line, open_input
 from .pages import drop_pages, span
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -68,6 +68,7 @@ def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
             raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
         except Exception as e:  # noqa: BLE001 -- torch.load reports damage with many exception types
             raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
+    check_tensors(obj, path)
     return obj, (_PageRelease(path) if mapped else _keep)
 
 

@@ -38,10 +38,11 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import BadInput
+from ..inputs import TensorFile
 from ..runs.checkpoint import Checkpoint, b64, restore_rng, rng_state, state_from_json
-from ..runs.files import TensorFile
 from . import torch_file
-from .source import _OPTIMIZER_KEYS, MODEL, OPTIMIZER, CheckpointSource, lightning_parts
+from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS
+from .source import CheckpointSource, lightning_parts
 
 MODEL_KEYS = ("model", "model_state_dict", "state_dict", "model_state", "module", "net", "network")
 SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "lr_scheduler_state_dict", "lr_schedulers",
@@ -184,7 +185,7 @@ def _optimizer_of(obj: Any, path: Path) -> dict[str, Any]:
         return obj
     found: list[tuple[str, dict[str, Any]]] = []
     for key, value in (obj.items() if isinstance(obj, dict) else ()):
-        if str(key).lower() not in _OPTIMIZER_KEYS:
+        if str(key).lower() not in OPTIMIZER_KEYS:
             continue
         if _optimizer_shaped(value):
             found.append((str(key), value))
@@ -192,7 +193,7 @@ def _optimizer_of(obj: Any, path: Path) -> dict[str, Any]:
             found += [(f"{key}[{i}]", v) for i, v in enumerate(value)]
     if not found:
         raise BadInput(path, "holds no optimizer state dict (no 'state' and 'param_groups' under "
-                             f"{', '.join(sorted(_OPTIMIZER_KEYS))}): replaying from fresh optimizer state would "
+                             f"{', '.join(sorted(OPTIMIZER_KEYS))}): replaying from fresh optimizer state would "
                              "replay a run that never was")
     if len(found) > 1:
         raise BadInput(path, f"holds the state of {len(found)} optimizers ({', '.join(k for k, _ in found)}); "

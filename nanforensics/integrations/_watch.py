@@ -11,11 +11,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..outputs import check_outputs
+from ..outputs import check_outputs, write_output
 from ..postmortem import PostmortemReport, postmortem
-from ..report import write_json
+from ..report import to_json
 from ..runs.checkpoint import optimizer_params
-from ..runs.files import write_bytes_atomic
 from ..runs.recorder import Recorder
 
 log = logging.getLogger("nanforensics")
@@ -111,7 +110,7 @@ class Watcher:
         self.run_dir = Path(run_dir)
         self.report_dir = Path(report_dir) if report_dir is not None else self.run_dir.with_name(
             self.run_dir.name + ".postmortem")
-        check_outputs([self.run_dir], {"report_dir": self.report_dir / "postmortem.json"})  # never into the run
+        check_outputs([self.run_dir], {"report_dir": self.report_dir / "postmortem.json"}, create_dirs=True)  # never into the run
         self.model_factory, self.model_kwargs = model_factory, model_kwargs
         self.step_fn = step_fn or type(self).default_step_fn
         self.checkpoint_every, self.keep_checkpoints, self.overwrite = checkpoint_every, keep_checkpoints, overwrite
@@ -167,8 +166,8 @@ class Watcher:
         if self.recorder is not None:
             self.recorder.flush()
         self.report = postmortem(self.run_dir)
-        write_json(self.report, str(self.report_dir / "postmortem.json"))
-        write_bytes_atomic(self.report_dir / "postmortem.md", render_markdown(self.report).encode(), durable=False)
-        write_bytes_atomic(self.report_dir / "postmortem.html", render_html(self.report).encode(), durable=False)
+        for name, text in (("postmortem.json", to_json(self.report)), ("postmortem.md", render_markdown(self.report)),
+                           ("postmortem.html", render_html(self.report))):
+            write_output(self.report_dir / name, text, "report_dir", create_dirs=True)  # its own folder, made here
         log.warning("nanforensics post-mortem: %s (reports in %s)", self.report.headline, self.report_dir)
         return self.report

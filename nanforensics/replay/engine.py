@@ -131,6 +131,9 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     last = min((s for s in (run.last_step, bound) if s is not None), default=None)
     if last is None:
         raise BadInput("--max-steps", "the run logged no steps, so nothing says where it ends: give --max-steps")
+    if run.steps and run.steps[0].step > checkpoint.step:  # the window is then the log's steps, never a gap's range
+        raise BadInput(run.path, f"its step log starts at step {run.steps[0].step}, after the start checkpoint (step "
+                       f"{checkpoint.step}): the steps between were never logged")
     logged_nan = [s.step for s in run.steps if s.step >= checkpoint.step and not math.isfinite(s.loss)]
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
         0.0 if device.type == str(run.device or "cpu").split(":")[0] else 1e-3)

@@ -60,9 +60,9 @@ class RepairReport:
     schema: str = REPAIR_SCHEMA
 
 
-def _check_out(run_dir: Path, out: Path, force: bool) -> None:
-    check_outputs([run_dir], {"--out": out}, folders={"--out"})
-    if out.is_dir() and any(out.iterdir()) and not force:
+def _check_out(run_dir: Path, out: Path, opts: RepairOptions) -> None:
+    check_outputs([run_dir, *opts.code_paths], {"--out": out}, folders={"--out"})
+    if out.is_dir() and any(out.iterdir()) and not opts.force:
         raise BadInput(out, "exists and is not empty; pass --force to replace it")
 
 
@@ -80,7 +80,7 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
     """Diagnose, re-run with the responsible step changed, verify from the written files, publish."""
     opts = options or RepairOptions()
     run, out = Run(run_dir), Path(out)
-    _check_out(run.path, out, opts.force)
+    _check_out(run.path, out, opts)
     diagnosis = replay_run(run.path, ReplayOptions(device=opts.device, code_paths=opts.code_paths,
                                                    trust_run_dir=opts.trust_run_dir, trust_code=opts.trust_code,
                                                    trust_packages=opts.trust_packages),

@@ -20,9 +20,9 @@ import torch
 from .. import finite
 from ..distributed.tensors import whole
 from ..errors import BadInput
+from ..inputs import TensorFile
 from ..report import CheckpointComparison, StepRecord, TensorMismatch
 from ..runs.checkpoint import Checkpoint, optimizer_params, param_names
-from ..runs.files import TensorFile
 
 LOSS_ULPS = 8  # a logged and a replayed loss this close (float32 ulps) match: rounding, not divergence
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInput, shown
-from .files import MAX_NESTING, TensorFile, nesting_exceeds, parse_json, tensors_to_bytes
+from ..inputs import MAX_NESTING, TensorFile, nesting_exceeds, parse_json
+from .files import tensors_to_bytes
 
 BATCH_FORMAT = "nanforensics.batch/1"
 # An optimizer step made of several micro-batches (gradient accumulation) is recorded as one batch, a dict whose
@@ -51,18 +52,24 @@ def encode(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, tree
 
 
-def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def decode(tree: Any, tensors: dict[str, torch.Tensor], used: set[str] | None = None) -> Any:
+    """The batch ``encode`` split; each tensor is referenced once, as ``encode`` writes it, so a tree cannot make one
+    small tensor into a batch of 200,000 (each a copy on the replay device)."""
+    used = set() if used is None else used
     if not isinstance(tree, dict) or len(tree) != 1:
         raise ValueError(f"malformed batch tree node {tree!r:.60}")
     (kind, value), = tree.items()
     if kind == "tensor":
+        if value in used:
+            raise ValueError(f"tensor {value!r:.20} is referenced more than once")
+        used.add(value)
         return tensors[value]
     if kind == "tuple":
-        return tuple(decode(v, tensors) for v in value)
+        return tuple(decode(v, tensors, used) for v in value)
     if kind == "list":
-        return [decode(v, tensors) for v in value]
+        return [decode(v, tensors, used) for v in value]
     if kind == "dict":
-        return {k: decode(v, tensors) for k, v in value}
+        return {k: decode(v, tensors, used) for k, v in value}
     if kind == "json":
         return value
     raise ValueError(f"unknown batch tree node kind {kind!r}")

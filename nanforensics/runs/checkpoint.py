@@ -16,19 +16,36 @@ import torch
 from ..distributed.tensors import shard_like
 from ..errors import BadInput
 from ..finite import decode_float, encode_float
-from .files import (
-    TensorFile,
-    load_json,
-    make_build_dir,
-    one_line,
-    publish_dir_atomic,
-    tensors_to_bytes,
-    write_bytes_atomic,
-    write_json_atomic,
-)
+from ..inputs import TensorFile, load_json, one_line
+from ..schema import load
+from .files import make_build_dir, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic, write_json_atomic
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
 EXTRAS_FILE = "extras.safetensors"  # tensors of the scaler's and scheduler's state, when they hold any
+
+
+@dataclass
+class GroupParams:
+    """What a reader takes from each of meta.json's ``param_groups``: its parameters, by name (the rest of a group
+    is the optimizer's hyperparameters, passed on as they are)."""
+
+    params: list[str]
+
+
+@dataclass
+class CheckpointMeta:
+    """meta.json's schema: a checkpoint's bookkeeping beside its tensors."""
+
+    format: str
+    param_names: list[str]
+    param_groups: list[GroupParams]
+    state_scalars: dict[str, dict[str, Any]]
+    rng: dict[str, Any]
+    step: int | None = None
+    buffer_names: list[str] | None = None
+    rank_rng: list[dict[str, Any]] | None = None
+    scaler: Any = None
+    scheduler: Any = None
 
 
 def checkpoint_name(step: int) -> str:
@@ -243,12 +260,12 @@ class Checkpoint:
         return TensorFile(self.optimizer_file).items()
 
     def meta(self) -> dict[str, Any]:
-        meta = load_json(self.path / "meta.json")
+        """meta.json, checked against ``CheckpointMeta`` (and returned as read: its hyperparameters as they are)."""
+        path = self.path / "meta.json"
+        meta = load_json(path)
         if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-            raise BadInput(self.path / "meta.json", f"not a {CHECKPOINT_FORMAT} checkpoint")
-        for key in ("param_names", "param_groups", "state_scalars", "rng"):
-            if key not in meta:
-                raise BadInput(self.path / "meta.json", f"missing field {key!r}")
+            raise BadInput(path, f"not a {CHECKPOINT_FORMAT} checkpoint")
+        load(CheckpointMeta, meta, path)
         return meta
 
     def optimizer_state(self, meta: dict[str, Any], params: list[torch.Tensor] | None = None) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Atomic file writes, the one way input files are opened and parsed, and safetensors I/O shared by the recorder
-and the readers."""
+"""Atomic file writes (the recorder's, and under ``outputs``' checks every report's) and tensors as safetensors bytes.
+Files are read through ``nanforensics.inputs``."""
 
 from __future__ import annotations
 
@@ -7,16 +7,12 @@ import itertools
 import json
 import os
 import shutil
-import stat
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
-
-from ..errors import BadInput
 
 _counter = itertools.count()
 
@@ -102,114 +98,3 @@ def _storable(tensor: torch.Tensor, seen: set[int]) -> torch.Tensor:
 def tensors_to_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     seen: set[int] = set()
     return save({k: _storable(v, seen) for k, v in tensors.items()}, metadata=metadata)
-
-
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
-
-
-def _not_regular(mode: int) -> str | None:
-    return None if stat.S_ISREG(mode) else next((f"not a regular file ({kind})" for is_kind, kind in _KINDS
-                                                  if is_kind(mode)), "not a regular file")
-
-
-def open_input(path: Path) -> BinaryIO:
-    """The one way an input file is opened: a FIFO, socket or device in its place is refused at once, never read
-    (a read from a FIFO waits for a writer that never comes)."""
-    try:
-        problem = _not_regular(os.stat(path).st_mode)  # before any open: opening some devices acts on them
-        if problem is None:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-            problem = _not_regular(os.fstat(fd).st_mode)  # replaced since the stat
-            if problem is not None:
-                os.close(fd)
-    except FileNotFoundError:
-        raise BadInput(path, "file is missing") from None
-    except OSError as e:
-        raise BadInput(path, f"cannot read ({e.strerror or e})") from None
-    if problem is not None:
-        raise BadInput(path, problem)
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
-def read_input(path: Path) -> bytes:
-    with open_input(path) as f:
-        try:
-            return f.read()
-        except OSError as e:
-            raise BadInput(path, f"cannot read ({e.strerror or e})") from None
-
-
-MAX_NESTING = 100  # no file this tool reads nests deeper; past it, recursive readers and writers would crash
-
-
-def nesting_exceeds(obj: Any, limit: int = MAX_NESTING) -> bool:
-    """Whether JSON data nests deeper than ``limit`` containers (iterative: deep data cannot crash the check)."""
-    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        stack += [(c, depth + 1) for c in (node.values() if isinstance(node, dict) else node) if isinstance(c, (dict, list))]
-    return False
-
-
-def parse_json(data: bytes | str, where: Path, what: str = "") -> Any:
-    """JSON input parsed, or a ``BadInput`` naming ``where`` (and ``what`` in it): malformed, an integer too long
-    to convert, or nested deeper than ``MAX_NESTING``."""
-    field = f"{what}: " if what else ""
-    try:
-        obj = json.loads(data)
-    except json.JSONDecodeError as e:
-        raise BadInput(where, f"{field}not valid JSON ({e.msg} at line {e.lineno})") from None
-    except RecursionError:
-        raise BadInput(where, f"{field}JSON nested too deeply (more than {MAX_NESTING} levels)") from None
-    except (ValueError, UnicodeDecodeError) as e:  # an integer of thousands of digits, bytes that are not text
-        raise BadInput(where, f"{field}not valid JSON ({one_line(e)[:120]})") from None
-    if nesting_exceeds(obj):
-        raise BadInput(where, f"{field}JSON nested too deeply (more than {MAX_NESTING} levels)")
-    return obj
-
-
-def load_json(path: Path) -> Any:
-    return parse_json(read_input(path), path)
-
-
-class TensorFile:
-    """A safetensors file opened lazily: tensors are memory-mapped and read one at a time."""
-
-    def __init__(self, path: Path) -> None:
-        # The header checked first: safe_open calls a truncated file "incomplete metadata" and an unreadable
-        # one "No such file"; SafetensorsFile names the problem and the tensor. Imported here: formats reads runs.
-        from ..formats.safetensors_file import SafetensorsFile
-
-        self.path = path
-        SafetensorsFile(path)
-        try:
-            self._handle = safe_open(str(path), framework="pt", device="cpu")
-        except (SafetensorError, OSError, ValueError) as e:
-            raise BadInput(path, f"not a readable safetensors file ({one_line(e)})") from None
-
-    def keys(self) -> list[str]:
-        return list(self._handle.keys())
-
-    def metadata(self) -> dict[str, str]:
-        return dict(self._handle.metadata() or {})
-
-    def get(self, key: str) -> torch.Tensor:
-        try:
-            return self._handle.get_tensor(key)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise BadInput(self.path, f"tensor {key!r} is unreadable ({one_line(e)})") from None
-
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for key in self.keys():
-            yield key, self.get(key)
-
-    def load_all(self) -> dict[str, torch.Tensor]:
-        return dict(self.items())
-
-
-def one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or e.__class__.__name__

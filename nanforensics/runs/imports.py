@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..errors import BadInput
-from .files import read_input
+from ..inputs import read_input
 
 
 class MissingName(BadInput):

@@ -12,10 +12,10 @@ import torch
 
 from ..distributed.layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
 from ..errors import BadInput, shown
+from ..inputs import examine, load_json
 from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
-from .files import load_json
 from .steplog import LoggedStep, is_step, read_steps
 
 RUN_FORMAT = "nanforensics.run/1"
@@ -29,11 +29,24 @@ def batch_path(run_dir: Path, step: int) -> Path:
     return run_dir / "batches" / f"step_{step:08d}.safetensors"
 
 
-def batches_present(run_dir: Path, step: int) -> bool:
-    """Whether the run directory holds the batch of ``step`` (every rank's, for a distributed run), read from the
-    folders alone: a damaged manifest does not hide them."""
-    ranks = sorted((run_dir / RANKS).glob("rank_*"))
-    return all(batch_path(folder, step).is_file() for folder in ranks or [run_dir])
+_BATCH_FILE = re.compile(r"^step_(\d{1,19})\.safetensors$")
+
+
+def batch_gaps(run_dir: Path, first: int, end: int) -> list[tuple[int, int]]:
+    """The spans [a, b] of steps in [first, end) whose batches the run directory lacks (any rank's, for a distributed
+    run), from the listing of its folders: never a walk over every step of a range that a damaged step number can
+    make 2^63 long."""
+    held: set[int] | None = None
+    for folder in sorted((run_dir / RANKS).glob("rank_*")) or [run_dir]:
+        files = (folder / "batches").glob("step_*.safetensors") if (folder / "batches").is_dir() else []
+        steps = {int(m.group(1)) for p in files if (m := _BATCH_FILE.match(p.name)) and p.is_file()}
+        held = steps if held is None else held & steps
+    gaps, at = [], first
+    for s in sorted(s for s in held or () if first <= s < end):
+        if s > at:
+            gaps.append((at, s - 1))
+        at = s + 1
+    return gaps + [(at, end - 1)] if at < end else gaps
 
 
 @dataclass
@@ -115,6 +128,7 @@ class Run:
             raise BadInput(self.path, "no such run directory")
         if not self.path.is_dir():
             raise BadInput(self.path, "not a directory")
+        examine(self.path)
         self.manifest = Manifest.read(self.path / MANIFEST)
         self.world = self.manifest.world
         self._steps: list[LoggedStep] | None = None

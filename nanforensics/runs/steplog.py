@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import BadInput, shown
 from ..finite import decode_float, encode_float
-from .files import read_input
+from ..inputs import excerpt, read_input
 
 MAX_STEP = 2**63 - 1  # a step number beyond int64 is damage: nothing counts steps that far
 
@@ -42,7 +42,7 @@ def read_steps(path: Path) -> list[LoggedStep]:
             obj = json.loads(line)
             step, loss = obj["step"], decode_float(obj["loss"])
         except (ValueError, KeyError, TypeError, RecursionError):
-            raise BadInput(path, f"line {number} is not a step record: {line[:60]!r}") from None
+            raise BadInput(path, f"line {number} is not a step record: {excerpt(line)}") from None
         if not is_step(step):
             raise BadInput(path, f"line {number}: step {shown(step)} is not a step number (an integer from 0 to "
                                  "2^63-1)")

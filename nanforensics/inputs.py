@@ -1,0 +1,393 @@
+"""The one way in: every file nanforensics reads is opened, bounded and parsed here.
+
+A file is read only when it is a regular file reached without leaving the tree being examined (a run
+directory, a checkpoint, a saved report: ``examine`` names them), so a symlink inside a run that points
+at a credentials file is refused unread, and nothing of it is ever quoted. It is opened non-blocking and
+checked again after opening, so a FIFO in a file's place never hangs a command. What a file claims is
+checked against the limits below before anything is allocated for it: a header's tensor count, the
+element count a shape or a stride claims, JSON nesting and size. The limits are in README's Security
+section.
+
+Safetensors is read here too: it is the run format's own, and its header is the first claim a checkpoint
+makes. ``SafetensorsFile`` maps one tensor at a time (``safe_open``, and ``TensorFile`` over it, maps the
+whole file for the life of the handle: a scan would end with the whole checkpoint resident); the header
+is checked against the file's size first, so a truncated file is a ``BadInput`` naming the tensor that
+runs past its end, never a bus error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import stat
+import struct
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .errors import BadInput, shown
+
+# ---- the limits (README, Security: "Files nanforensics reads and writes") ---------------------------------------
+MAX_TEXT_BYTES = 256 << 20  # a JSON or text file read whole: manifest, meta.json, steps.jsonl, a report
+MAX_NESTING = 100  # no file this tool reads nests deeper; past it, recursive readers and writers would crash
+MAX_JSON_OBJECTS = 1_000_000  # objects in one JSON document (a long run's report holds some thousands)
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header: the format's own limit
+MAX_TENSORS = 100_000  # tensors in one file (a safetensors header, a PyTorch pickle, a DCP checkpoint)
+MAX_EXPANDED_BYTES = 64 << 20  # how far a view (a stride of 0) may claim more bytes than its storage holds
+MAX_STRIDE = (1 << 63) - 1  # a shape whose contiguous strides (in bytes) pass int64 cannot be laid out
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+# ---- the examined trees -----------------------------------------------------------------------------------------
+
+_trees: list[tuple[Path, Path]] = []  # (as given, absolute; resolved): what this process examines
+_lock = threading.Lock()
+
+
+def examine(root: Path | str) -> None:
+    """Declare ``root`` (a run directory, a checkpoint file or folder, a saved report) examined: a file below it is
+    read only where it resolves inside it, and no output is written into it (``outputs``)."""
+    given, real = Path(os.path.abspath(root)), Path(os.path.realpath(root))
+    with _lock:
+        if (given, real) not in _trees:
+            _trees.append((given, real))
+
+
+def examined() -> list[Path]:
+    """The resolved roots of every tree examined in this process."""
+    with _lock:
+        return [real for _, real in _trees]
+
+
+def _leaves_tree(path: Path) -> Path | None:
+    """The examined root that ``path`` lies under by name but leaves when resolved (through a symlink), if any."""
+    given_path = Path(os.path.abspath(path))
+    with _lock:
+        trees = list(_trees)
+    for given, real in trees:
+        if given_path != given and given_path.is_relative_to(given):
+            if not Path(os.path.realpath(given_path)).is_relative_to(real):
+                return given
+    return None
+
+
+# ---- opening ----------------------------------------------------------------------------------------------------
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
+
+
+def not_regular(mode: int) -> str | None:
+    """None for a regular file; else what the mode says it is."""
+    return None if stat.S_ISREG(mode) else next((f"not a regular file ({kind})" for is_kind, kind in _KINDS
+                                                  if is_kind(mode)), "not a regular file")
+
+
+def open_input(path: Path) -> BinaryIO:
+    """The one way an input file is opened: a file reached through a symlink out of its examined tree is refused
+    unread (its content never quoted); a FIFO, socket or device in its place is refused at once, never read (a
+    read from a FIFO waits for a writer that never comes)."""
+    outside = _leaves_tree(path)
+    if outside is not None:
+        raise BadInput(path, f"leads outside {outside}, the tree being examined (a symlink): not read")
+    try:
+        problem = not_regular(os.stat(path).st_mode)  # before any open: opening some devices acts on them
+        if problem is None:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            problem = not_regular(os.fstat(fd).st_mode)  # replaced since the stat
+            if problem is not None:
+                os.close(fd)
+    except FileNotFoundError:
+        raise BadInput(path, "file is missing") from None
+    except OSError as e:
+        raise BadInput(path, f"cannot read ({e.strerror or e})") from None
+    if problem is not None:
+        raise BadInput(path, problem)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_input(path: Path, limit: int = MAX_TEXT_BYTES) -> bytes:
+    """A whole file of at most ``limit`` bytes (its size checked before it is read)."""
+    with open_input(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise BadInput(path, f"{size} bytes, more than the {limit} this nanforensics reads of such a file")
+        try:
+            return f.read(limit + 1)
+        except OSError as e:
+            raise BadInput(path, f"cannot read ({e.strerror or e})") from None
+
+
+def excerpt(data: bytes | str, limit: int = 24) -> str:
+    """At most ``limit`` characters of a file's content for an error line, escaped (``repr``): never a newline or
+    an escape sequence, never more of a file than identifies the place."""
+    return shown(data[:limit], 2 * limit)
+
+
+# ---- JSON -------------------------------------------------------------------------------------------------------
+
+
+def nesting_exceeds(obj: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether JSON data nests deeper than ``limit`` containers (iterative: deep data cannot crash the check)."""
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        stack += [(c, depth + 1) for c in (node.values() if isinstance(node, dict) else node) if isinstance(c, (dict, list))]
+    return False
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _bounded_loads(data: bytes | str, limit: int) -> Any:
+    """``json.loads`` that stops once it has built ``limit`` objects, before it builds more."""
+    count = 0
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise _TooMany
+        return dict(items)
+
+    return json.loads(data, object_pairs_hook=pairs)
+
+
+def parse_json(data: bytes | str, where: Path, what: str = "", objects: int = MAX_JSON_OBJECTS) -> Any:
+    """JSON input parsed, or a ``BadInput`` naming ``where`` (and ``what`` in it): malformed, an integer too long
+    to convert, more than ``objects`` objects, or nested deeper than ``MAX_NESTING``."""
+    field = f"{what}: " if what else ""
+    try:
+        obj = _bounded_loads(data, objects)
+    except json.JSONDecodeError as e:
+        raise BadInput(where, f"{field}not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise BadInput(where, f"{field}JSON nested too deeply (more than {MAX_NESTING} levels)") from None
+    except _TooMany:
+        raise BadInput(where, f"{field}more than {objects} JSON objects") from None
+    except (ValueError, UnicodeDecodeError) as e:  # an integer of thousands of digits, bytes that are not text
+        raise BadInput(where, f"{field}not valid JSON ({one_line(e)[:120]})") from None
+    if nesting_exceeds(obj):
+        raise BadInput(where, f"{field}JSON nested too deeply (more than {MAX_NESTING} levels)")
+    return obj
+
+
+def load_json(path: Path) -> Any:
+    return parse_json(read_input(path), path)
+
+
+# ---- what tensors claim -----------------------------------------------------------------------------------------
+
+
+def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
+    """Why a shape cannot be laid out (a negative size, contiguous strides past int64), or None."""
+    if any(n < 0 for n in shape):
+        return f"shape {shown(list(shape))} has a negative size"
+    if math.prod(n for n in shape if n) * itemsize > MAX_STRIDE:
+        return f"shape {shown(list(shape))} has strides beyond 2^63 bytes"
+    return None
+
+
+def check_tensors(obj: Any, where: Path) -> None:
+    """Refuse an unpickled object whose tensors claim what no storage holds, before anything reads them: more than
+    ``MAX_TENSORS`` of them, containers nested deeper than ``MAX_NESTING``, a view claiming more than
+    ``MAX_EXPANDED_BYTES`` beyond its storage (a stride of 0 over 2^40 elements), a sparse tensor whose stored
+    values do not fit its claimed size."""
+    stack, seen, tensors = [(obj, 0)], set(), 0
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise BadInput(where, f"its objects nest more than {MAX_NESTING} deep")
+        if isinstance(node, torch.Tensor):
+            tensors += 1
+            if tensors > MAX_TENSORS:
+                raise BadInput(where, f"holds more than {MAX_TENSORS} tensors")
+            _check_claim(node, where)
+        elif isinstance(node, (dict, list, tuple)) and id(node) not in seen:
+            seen.add(id(node))
+            children = node.values() if isinstance(node, dict) else node
+            stack += [(c, depth + 1) for c in children]
+
+
+def _check_claim(t: torch.Tensor, where: Path) -> None:
+    problem = shape_problem(tuple(t.shape), t.element_size())
+    if problem is not None:
+        raise BadInput(where, f"a tensor's {problem}")
+    if t.layout == torch.strided:
+        claimed, stored = t.numel() * t.element_size(), t.untyped_storage().nbytes()
+        if claimed > stored + MAX_EXPANDED_BYTES:
+            raise BadInput(where, f"a tensor of shape {shown(list(t.shape))} claims {claimed} bytes over a storage of "
+                                  f"{stored} (a stride-0 or overlapping view); nanforensics reads at most "
+                                  f"{MAX_EXPANDED_BYTES} more than a tensor stores")
+    else:  # a sparse tensor claims only what its stored parts hold: those are views, checked as such
+        for part in _sparse_parts(t):
+            _check_claim(part, where)
+
+
+def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors a sparse tensor stores (indices and values)."""
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return []
+
+
+# ---- safetensors ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the file: absolute byte range [start, end)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+class SafetensorsFile:
+    """Header parsed and validated on open; tensors mapped on demand by ``read``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with open_input(path) as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(8)
+                if len(head) < 8:
+                    raise BadInput(path, f"truncated: {size} bytes, too short for a safetensors header")
+                (n,) = struct.unpack("<Q", head)
+                if n > MAX_HEADER_BYTES:
+                    raise BadInput(path, f"not a safetensors file (header length {n})")
+                if 8 + n > size:
+                    raise BadInput(path, f"truncated: the header needs {8 + n} bytes, the file has {size}")
+                raw = f.read(n)
+        except OSError as e:
+            raise BadInput(path, f"cannot read ({e.strerror or e})") from None
+        try:  # an entry is an object: counting objects bounds the tensors before they are built
+            header = _bounded_loads(raw, MAX_TENSORS + 2)
+        except RecursionError:
+            raise BadInput(path, "not a safetensors file (its header is JSON nested too deeply)") from None
+        except _TooMany:
+            raise BadInput(path, f"its header lists more than {MAX_TENSORS} tensors") from None
+        except ValueError:  # not JSON, not text, an integer of thousands of digits
+            raise BadInput(path, "not a safetensors file (its header is not JSON)") from None
+        if not isinstance(header, dict):
+            raise BadInput(path, "not a safetensors file (its header is not a JSON object)")
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or nesting_exceeds(meta, 1):
+            raise BadInput(path, "malformed safetensors header (__metadata__ is not an object of strings)")
+        if len(header) > MAX_TENSORS:
+            raise BadInput(path, f"its header lists more than {MAX_TENSORS} tensors")
+        self.metadata: dict[str, str] = {str(k): str(v) for k, v in meta.items()}
+        base, data_size = 8 + n, size - 8 - n
+        self.entries = sorted((self._entry(name, spec, base, data_size) for name, spec in header.items()),
+                              key=lambda e: e.start)
+
+    def _entry(self, name: str, spec: object, base: int, data_size: int) -> Entry:
+        try:
+            dtype_name, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]  # type: ignore[index]
+            shape = tuple(shape)
+        except (KeyError, TypeError, ValueError):
+            raise BadInput(self.path, f"malformed safetensors header entry for tensor {name!r}") from None
+        for field, values in (("shape", shape), ("data_offsets", (begin, end))):
+            if not all(type(n) is int and 0 <= n <= MAX_STRIDE for n in values):  # not 1e400, nor 2.5
+                raise BadInput(self.path, f"tensor {name!r}: {field} {shown(list(values))} is not a list of integers "
+                                          "from 0 to 2^63-1")
+        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
+            raise BadInput(self.path, f"tensor {name!r} has dtype {shown(dtype_name)}, which this nanforensics cannot "
+                                      "read")
+        if not 0 <= begin <= end:
+            raise BadInput(self.path, f"malformed safetensors header entry for tensor {name!r}")
+        problem = shape_problem(shape, dtype.itemsize)
+        if problem is not None:
+            raise BadInput(self.path, f"tensor {name!r}: {problem}")
+        if end > data_size:
+            raise BadInput(self.path, f"truncated: tensor {name!r} ends at data byte {end}, "
+                                      f"the file holds {data_size} data bytes")
+        expected = math.prod(shape) * dtype.itemsize
+        if end - begin != expected:
+            raise BadInput(self.path, f"tensor {name!r} spans {end - begin} bytes, its shape {list(shape)} "
+                                      f"of {dtype_name} needs {expected}")
+        return Entry(name, dtype, shape, base + begin, base + end)
+
+    def read(self, entry: Entry) -> torch.Tensor:
+        """The tensor over a private read-only map of its bytes: unmapped when the tensor is freed.
+
+        Read-only, so torch's warning about non-writable buffers is silenced: nothing here writes.
+        """
+        if entry.end == entry.start:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        offset = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open_input(self.path) as f:
+                if os.fstat(f.fileno()).st_size < entry.end:
+                    raise BadInput(self.path, f"truncated while being read: tensor {entry.name!r} is past its end")
+                region = mmap.mmap(f.fileno(), entry.end - offset, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ,
+                                   offset=offset)
+        except OSError as e:
+            raise BadInput(self.path, f"cannot map tensor {entry.name!r} ({e.strerror or e})") from None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(region, dtype=entry.dtype, count=math.prod(entry.shape),
+                                    offset=entry.start - offset)
+        return flat.view(entry.shape)
+
+
+class TensorFile:
+    """A safetensors file opened lazily: tensors are memory-mapped and read one at a time."""
+
+    def __init__(self, path: Path) -> None:
+        # The header checked first: safe_open calls a truncated file "incomplete metadata" and an unreadable
+        # one "No such file"; SafetensorsFile names the problem and the tensor.
+        self.path = path
+        SafetensorsFile(path)
+        try:
+            self._handle = safe_open(str(path), framework="pt", device="cpu")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise BadInput(path, f"not a readable safetensors file ({one_line(e)})") from None
+
+    def keys(self) -> list[str]:
+        return list(self._handle.keys())
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self._handle.metadata() or {})
+
+    def get(self, key: str) -> torch.Tensor:
+        try:
+            return self._handle.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise BadInput(self.path, f"tensor {key!r} is unreadable ({one_line(e)})") from None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for key in self.keys():
+            yield key, self.get(key)
+
+    def load_all(self) -> dict[str, torch.Tensor]:
+        return dict(self.items())
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or e.__class__.__name__

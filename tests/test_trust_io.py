@@ -1,0 +1,657 @@
+"""One way in, one way out (issue 19, items 2, 3, 4 and 6): the hostile inputs as CLI cases, and each class as a
+property over generated members.
+
+Classes: A, outputs over every kind of path (``outputs``, the one writer); B, reads of every kind of file and of
+claims a header, a stride or a step number makes (``inputs``, the one reader); C, JSON fields of every wrong type
+(``schema``); D, secrets behind symlinks; E, DCP chunks that leave holes. The CLI cases run concurrently, as
+tests/test_faults.py's do, and count in conftest's summary by command and class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import pickle
+import shutil
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import typing
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nanforensics import inputs
+from nanforensics.errors import BadInput
+from nanforensics.formats import torch_file
+from nanforensics.formats.dcp import _Chunk, _Tensor, _tiling_problem
+from nanforensics.inputs import SafetensorsFile, examine, load_json, read_input
+from nanforensics.outputs import check_outputs, write_output
+from nanforensics.runs.checkpoint import Checkpoint, CheckpointMeta
+from nanforensics.runs.run import Run, batch_gaps
+from nanforensics.saved import load_report
+
+from conftest import FAULT_CASE, ROOT, Result, error_lines, run_cli, tree_digest
+from test_faults import time_limit
+
+SAMPLE = ROOT / "sample_runs" / "seed_adam"  # replays from the checkout's root, where its code lies
+CK = Path("checkpoints") / "step_00000010"
+SECRET = "AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+WRITER, READER, SCHEMA, SECRETS, HOLES = ("A: outputs", "B: reads and claims", "C: wrong JSON types",
+                                         "D: secrets", "E: DCP holes")
+IS_ROOT = os.geteuid() == 0
+
+
+def _copy(tmp: Path) -> Path:
+    run = tmp / "run"
+    shutil.copytree(SAMPLE, run)
+    return run
+
+
+def _edit_json(path: Path, change: Callable[[Any], None]) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _safetensors(path: Path, header: dict[str, Any], data: bytes = b"") -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def _dcp(folder: Path, size: list[int]) -> Path:
+    """A DCP checkpoint of one [4, 2] tensor whose metadata then declares it ``size``: a chunk short of it."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process"
+        dcp.save({"model": {"w": torch.ones(4, 2)}}, checkpoint_id=folder)
+    md = pickle.loads((folder / ".metadata").read_bytes())
+    md.state_dict_metadata["model.w"].size = torch.Size(size)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    return folder
+
+
+# ---- the reported cases, through the real CLI -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str
+    command: str
+    prepare: Callable[[Path], list[str | Path]]  # makes the hostile input under tmp, returns the command line
+    needles: tuple[str, ...]  # in the one-line error (exit 2)
+    check: Callable[[Path, Result], None] | None = None  # what must hold afterwards besides
+
+
+def fifo_named_pt(tmp: Path) -> list[str | Path]:
+    os.mkfifo(tmp / "model.pt")
+    return ["scan", tmp / "model.pt"]
+
+
+def fifo_named_ckpt_in_a_folder(tmp: Path) -> list[str | Path]:
+    (tmp / "ckpts").mkdir()
+    os.mkfifo(tmp / "ckpts" / "epoch=1.ckpt")
+    return ["bisect", tmp / "ckpts"]
+
+
+def stride_zero_pt(tmp: Path) -> list[str | Path]:
+    torch.save({"w": torch.zeros(1).expand(2**40)}, tmp / "expanded.pt")  # 1.5 KB on disk
+    return ["scan", tmp / "expanded.pt"]
+
+
+def sparse_claiming_10_gib(tmp: Path) -> list[str | Path]:
+    n = 10 * 2**30 // 4
+    sparse = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long).expand(1, n), torch.ones(1).expand(n), (n,),
+                                     check_invariants=False)
+    torch.save({"w": sparse}, tmp / "sparse.pt")
+    return ["scan", tmp / "sparse.pt"]
+
+
+def too_many_tensors(tmp: Path) -> list[str | Path]:
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(inputs.MAX_TENSORS + 1)}
+    return ["scan", _safetensors(tmp / "many.safetensors", header)]
+
+
+def strides_past_int64(tmp: Path) -> list[str | Path]:
+    header = {"w": {"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}}
+    return ["scan", _safetensors(tmp / "overflow.safetensors", header)]
+
+
+def steps_near_2_63(tmp: Path) -> list[str | Path]:
+    run = _copy(tmp)
+    (run / "steps.jsonl").write_text("".join(json.dumps({"step": 2**63 - 3 + i, "loss": loss}) + "\n"
+                                             for i, loss in enumerate([1.0, "nan"])))
+    return ["replay", run]
+
+
+def one_tensor_200000_times(tmp: Path) -> list[str | Path]:
+    run = _copy(tmp)
+    tree = json.dumps({"list": [{"tensor": "0"}] * 200_000})
+    from safetensors.torch import save_file
+
+    save_file({"0": torch.ones(2, 16)}, run / "batches" / "step_00000012.safetensors",
+              metadata={"format": "nanforensics.batch/1", "step": "12", "tree": tree})
+    return ["replay", run, "--from-step", "10"]
+
+
+def meta_scalars_a_list(tmp: Path) -> list[str | Path]:
+    run = _copy(tmp)
+    _edit_json(run / CK / "meta.json", lambda m: m.update(state_scalars=[1, 2]))
+    return ["replay", run, "--from-step", "10"]
+
+
+def meta_param_names_a_number(tmp: Path) -> list[str | Path]:
+    run = _copy(tmp)
+    _edit_json(run / CK / "meta.json", lambda m: m.update(param_names=7))
+    return ["scan", run / CK]
+
+
+def step_log_links_to_a_secret(tmp: Path) -> list[str | Path]:
+    run = _copy(tmp)
+    (tmp / "credentials").write_text(SECRET + "\n")
+    (run / "steps.jsonl").unlink()
+    (run / "steps.jsonl").symlink_to(tmp / "credentials")
+    return ["postmortem", run, "--json", tmp / "report.json"]
+
+
+def no_secret(tmp: Path, r: Result) -> None:
+    report = (tmp / "report.json").read_text()
+    for text in (r.stdout, r.stderr, report):
+        assert SECRET[:12] not in text and "wJalr" not in text
+    failed = [a["detail"] for a in json.loads(report)["analyses"] if a["status"] == "failed"]
+    assert any("steps.jsonl" in d and "leads outside" in d for d in failed), failed
+
+
+def dcp_with_holes(tmp: Path) -> list[str | Path]:
+    return ["scan", _dcp(tmp / "dcp", [8, 2])]
+
+
+def dcp_declared_4_tib(tmp: Path) -> list[str | Path]:
+    return ["scan", _dcp(tmp / "dcp", [2**39, 2])]
+
+
+def json_over_a_device_node(tmp: Path) -> list[str | Path]:
+    os.mknod(tmp / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a second /dev/null, made here
+    return ["scan", SAMPLE / CK, "--json", tmp / "null"]
+
+
+def still_a_device(tmp: Path, r: Result) -> None:
+    assert stat.S_ISCHR(os.lstat(tmp / "null").st_mode) and stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+
+
+def json_over_a_fifo(tmp: Path) -> list[str | Path]:
+    os.mkfifo(tmp / "pipe")
+    (tmp / "link.json").symlink_to(tmp / "pipe")
+    return ["scan", SAMPLE / CK, "--json", tmp / "link.json"]
+
+
+def still_a_fifo(tmp: Path, r: Result) -> None:
+    assert stat.S_ISFIFO(os.lstat(tmp / "pipe").st_mode) and (tmp / "link.json").is_symlink()
+
+
+def json_over_the_imported_code(tmp: Path) -> list[str | Path]:
+    """The replay imports tests/scenarios.py (the manifest names it); --json aims at that file, in a copy of the
+    project so that a failure damages nothing."""
+    (tmp / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "scenarios.py", tmp / "tests" / "scenarios.py")
+    shutil.copytree(SAMPLE, tmp / "run")
+    return ["replay", "run", "--json", "tests/scenarios.py"]
+
+
+def code_untouched(tmp: Path, r: Result) -> None:
+    assert (tmp / "tests" / "scenarios.py").read_bytes() == (ROOT / "tests" / "scenarios.py").read_bytes()
+
+
+def json_into_a_missing_folder(tmp: Path) -> list[str | Path]:
+    return ["scan", SAMPLE / CK, "--json", tmp / "no" / "such" / "report.json"]
+
+
+def no_folder_made(tmp: Path, r: Result) -> None:
+    assert not (tmp / "no").exists()
+
+
+def step_summary_is_a_fifo(tmp: Path) -> list[str | Path]:
+    os.mkfifo(tmp / "summary")
+    return ["postmortem", SAMPLE / "checkpoints", "--markdown", tmp / "summary"]
+
+
+CASES = [
+    Case("fifo_named_pt", READER, "scan", fifo_named_pt, ("model.pt", "not a regular file (a FIFO)")),
+    Case("fifo_named_ckpt_in_a_folder", READER, "bisect", fifo_named_ckpt_in_a_folder, ("epoch=1.ckpt", "a FIFO")),
+    Case("stride_zero_pt", READER, "scan", stride_zero_pt, ("expanded.pt", "stride-0", "over a storage of 4")),
+    Case("sparse_claiming_10_gib", READER, "scan", sparse_claiming_10_gib, ("sparse.pt", "stride-0")),
+    Case("too_many_tensors", READER, "scan", too_many_tensors, ("many.safetensors", f"more than {inputs.MAX_TENSORS} tensors")),
+    Case("strides_past_int64", READER, "scan", strides_past_int64, ("overflow.safetensors", "strides beyond 2^63")),
+    Case("steps_near_2_63", READER, "replay", steps_near_2_63, ("run", "step log starts at step 9223372036854775805")),
+    Case("one_tensor_200000_times", READER, "replay", one_tensor_200000_times, ("step_00000012.safetensors",
+                                                                      "referenced more than once")),
+    Case("meta_scalars_a_list", SCHEMA, "replay", meta_scalars_a_list, ("meta.json", "state_scalars: expected an object")),
+    Case("meta_param_names_a_number", SCHEMA, "scan", meta_param_names_a_number, ("meta.json", "param_names: expected a list")),
+    Case("step_log_links_to_a_secret", SECRETS, "postmortem", step_log_links_to_a_secret, (), no_secret),
+    Case("dcp_with_holes", HOLES, "scan", dcp_with_holes, (".metadata", "'model.w'", "leaving holes")),
+    Case("dcp_declared_4_tib", HOLES, "scan", dcp_declared_4_tib, (".metadata", "'model.w'", "leaving holes")),
+    Case("json_over_a_fifo", WRITER, "scan", json_over_a_fifo, ("--json", "link.json", "FIFO"), still_a_fifo),
+    Case("json_over_the_imported_code", WRITER, "replay", json_over_the_imported_code, ("--json", "scenarios.py", "imported"),
+         code_untouched),
+    Case("json_into_a_missing_folder", WRITER, "scan", json_into_a_missing_folder, ("--json", "does not exist",
+                                                                            "--create-dirs"), no_folder_made),
+    Case("step_summary_is_a_fifo", WRITER, "postmortem", step_summary_is_a_fifo, ("--markdown", "summary", "FIFO")),
+    *([Case("json_over_a_device_node", WRITER, "scan", json_over_a_device_node, ("--json", "null", "character device"),
+            still_a_device)] if IS_ROOT else []),
+]
+
+
+def _attempt(case: Case, tmp: Path) -> Result:
+    argv = case.prepare(tmp)
+    cwd = tmp if case.name == "json_over_the_imported_code" else ROOT
+    before = tree_digest(SAMPLE)
+    result = run_cli(*argv, cwd=cwd)
+    assert tree_digest(SAMPLE) == before
+    return result
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Result]]:
+    """Every case at once (most of each call is the import of torch)."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        tmps = {c.name: tmp_path_factory.mktemp(c.name) for c in CASES}
+        futures = {c.name: pool.submit(_attempt, c, tmps[c.name]) for c in CASES}
+        return {name: (tmps[name], f.result()) for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_hostile_input(results: dict[str, tuple[Path, Result]], case: Case,
+                       record_property: Callable[[str, object], None]) -> None:
+    record_property(FAULT_CASE, (case.command, case.kind))  # conftest's summary counts them by command and class
+    tmp, r = results[case.name]
+    assert "Traceback" not in r.stderr and "NANFORENSICS_DEBUG" not in r.stderr, r.stderr
+    if case.needles:
+        assert r.code == 2, (r.code, r.stderr, r.stdout[-1000:])
+        [line] = error_lines(r.stderr)
+        assert line.startswith("nanforensics: error: ")
+        for needle in case.needles:
+            assert needle in line, (needle, line)
+    if case.check is not None:
+        case.check(tmp, r)
+
+
+def test_create_dirs_creates_the_missing_folder(tmp_path: Path) -> None:
+    r = run_cli("scan", SAMPLE / CK, "--json", tmp_path / "a" / "b" / "r.json", "--create-dirs")
+    assert r.code == 0, r.stderr
+    assert json.loads((tmp_path / "a" / "b" / "r.json").read_text())["verdict"] == "clean"
+
+
+# ---- A: outputs over every kind of path -------------------------------------------------------------------------
+
+KINDS = ["absent", "regular", "read-only", "directory", "fifo", "socket", "device", "dangling"]
+ROLES = ["plain", "an input", "inside an input folder", "inside an examined tree", "under a code path", "imported"]
+
+
+@contextlib.contextmanager
+def _made(kind: str, path: Path) -> Iterator[None]:
+    """A file of ``kind`` at ``path`` for the length of the block."""
+    server = None
+    if kind in ("regular", "read-only"):
+        path.write_text("# earlier\n")
+        if kind == "read-only":
+            path.chmod(0o444)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))
+    elif kind == "device":
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    elif kind == "dangling":
+        path.symlink_to(path.with_name("nowhere"))
+    try:
+        yield
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _state(path: Path) -> tuple[int, bytes | None]:
+    st_ = os.lstat(path)
+    return st_.st_mode, path.read_bytes() if stat.S_ISREG(st_.st_mode) else None
+
+
+def _import_file(path: Path) -> str:
+    name = f"_trust_io_{abs(hash(path))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return name
+
+
+def _role(role: str, folder: Path, name: str) -> tuple[Path, Callable[[], None]]:
+    """Where the output goes for ``role``, and what makes it that (run before the output is written)."""
+    if role == "an input":
+        return folder / name, lambda: check_outputs([folder / name], {})
+    if role in ("inside an input folder", "under a code path"):
+        (folder / "tree").mkdir()
+        return folder / "tree" / name, lambda: check_outputs([folder / "tree"], {})
+    if role == "inside an examined tree":
+        (folder / "tree").mkdir()
+        return folder / "tree" / name, lambda: examine(folder / "tree")
+    return folder / name, lambda: None
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(KINDS), role=st.sampled_from(ROLES), through_symlink=st.booleans(),
+       folder_missing=st.booleans(), create_dirs=st.booleans())
+def test_outputs_over_every_kind_of_path(kind: str, role: str, through_symlink: bool, folder_missing: bool,
+                                         create_dirs: bool) -> None:
+    """Written only when absent, or a regular file this process may write, and nothing the command reads, examines
+    or imported; through a symlink, the file it resolves to is replaced and the symlink stays. Else refused, one
+    line, and the path as it was."""
+    if kind == "device" and not IS_ROOT:
+        kind = "fifo"  # making a device node takes root; as root, /dev/null's twin is made in the temporary folder
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        target, declare = _role(role, folder, "report.py" if role == "imported" else "report.json")
+        if role == "imported":
+            kind = "regular"
+        with _made(kind, target):
+            if role == "imported":
+                module = _import_file(target)
+            declare()
+            path = target
+            if through_symlink:
+                path = folder / "link.json"
+                path.symlink_to(target)
+            elif folder_missing and kind == "absent" and role == "plain":
+                path = target = folder / "missing" / "report.json"
+            before = _state(target) if os.path.lexists(target) else None
+            allowed = role == "plain" and (kind == "regular" or (kind == "absent" and not through_symlink and (
+                not folder_missing or create_dirs)))
+            try:
+                with time_limit(10):
+                    write_output(path, "{}\n", "--json", create_dirs=create_dirs)
+            except BadInput as e:
+                assert not allowed, e
+                assert str(e).startswith("--json: ") and "\n" not in str(e)
+                assert (_state(target) if os.path.lexists(target) else None) == before
+            else:
+                assert allowed, (kind, role)
+                assert target.read_text() == "{}\n" and (not through_symlink or path.is_symlink())
+            finally:
+                if role == "imported":
+                    del sys.modules[module]
+    assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+
+
+def test_dev_null_itself_is_never_replaced() -> None:
+    with pytest.raises(BadInput, match="character device"):
+        write_output("/dev/null", "x", "--json")
+    with pytest.raises(BadInput, match="character device"):
+        check_outputs([], {"--json": "/dev/null"})
+    assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+
+
+# ---- B and D: reads of every kind of file; nothing of a file outside the tree quoted ------------------------------
+
+READ_KINDS = ["regular", "fifo", "socket", "directory", "device", "link inside", "link outside", "link to fifo",
+              "dangling"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(kind=st.sampled_from(READ_KINDS), name=st.sampled_from(["steps.jsonl", "manifest.json", "meta.json",
+                                                               "model.safetensors", "model.pt", "report.json"]),
+       secret=st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=16, max_size=60))
+def test_reads_of_every_kind_of_file(kind: str, name: str, secret: str) -> None:
+    """Read only when a regular file inside the examined tree; else a one-line refusal, at once (a FIFO never
+    waited on), that quotes nothing of a file outside the tree."""
+    if kind == "device" and not IS_ROOT:
+        kind = "fifo"
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as made:
+        tree, outside = Path(tmp) / "run", Path(tmp) / "credentials"
+        tree.mkdir()
+        outside.write_text(secret)
+        (tree / "inner").write_text(secret)
+        path = tree / name
+        if kind.startswith("link") or kind == "dangling":
+            to = {"link inside": tree / "inner", "link outside": outside, "dangling": tree / "gone",
+                  "link to fifo": tree / "pipe"}[kind]
+            if kind == "link to fifo":
+                os.mkfifo(to)
+            path.symlink_to(to)
+        elif kind != "regular":
+            made.enter_context(_made(kind, path))
+        else:
+            path.write_text(secret)
+        examine(tree)
+        readers = [lambda: read_input(path), lambda: load_json(path), lambda: SafetensorsFile(path),
+                   lambda: torch_file.load(path)]
+        for read in readers:
+            try:
+                with time_limit(10):
+                    read()
+            except BadInput as e:
+                message = str(e)
+                assert message.startswith(str(path)) and "\n" not in message
+                if kind == "link outside":
+                    assert "leads outside" in message and secret[:8] not in message
+                if kind in ("fifo", "socket", "directory", "device", "link to fifo"):
+                    assert "not a regular file" in message
+            else:
+                assert kind in ("regular", "link inside"), kind
+
+
+# ---- B: what headers and strides claim, across the int64 range ---------------------------------------------------
+
+_sizes = st.one_of(st.integers(0, 8), st.integers(0, 2**63 + 8), st.integers(-(2**64), 2**64),
+                   st.sampled_from([2**31, 2**32, 2**40, 2**62, 2**63 - 1, 2**63]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(entries=st.lists(st.tuples(st.sampled_from(["F32", "F16", "I64", "U8", "BOOL", "C64"]),
+                                  st.lists(_sizes, max_size=4), _sizes, _sizes), max_size=12),
+       data_size=st.integers(0, 256))
+def test_safetensors_headers_claiming_any_size(entries: list[tuple[str, list[int], int, int]], data_size: int,
+) -> None:
+    """A header's shapes and offsets across the int64 range and beyond: refused in one line, or every tensor it
+    lists lies within the file and reads without allocating more than the file holds."""
+    header = {f"t{i}": {"dtype": d, "shape": shape, "data_offsets": [a, b]} for i, (d, shape, a, b) in enumerate(entries)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _safetensors(Path(tmp) / "x.safetensors", header, bytes(data_size))
+        try:
+            f = SafetensorsFile(path)
+        except BadInput as e:
+            assert str(e).startswith(str(path)) and "\n" not in str(e)
+            return
+        for entry in f.entries:
+            assert entry.end - entry.start <= data_size
+            assert f.read(entry).numel() * entry.dtype.itemsize == entry.end - entry.start
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(0, 40), limit=st.integers(1, 30))
+def test_the_tensor_count_is_checked_before_the_tensors_are_built(count: int, limit: int) -> None:
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inputs, "MAX_TENSORS", limit)
+        path = _safetensors(Path(tmp) / "x.safetensors", header)
+        if count > limit:
+            with pytest.raises(BadInput, match=f"more than {limit} tensors"):
+                SafetensorsFile(path)
+        else:
+            assert len(SafetensorsFile(path).entries) == count
+
+
+@settings(max_examples=150, deadline=None)
+@given(shape=st.lists(st.one_of(st.integers(0, 4), st.integers(0, 2**45)), min_size=1, max_size=3),
+       stored=st.integers(1, 64), strided=st.booleans())
+def test_pickled_views_claiming_more_than_they_store(shape: list[int], stored: int, strided: bool) -> None:
+    """A stride-0 view of a few stored elements may claim any shape: read when its claim is within
+    MAX_EXPANDED_BYTES of what it stores, refused before anything reads it beyond."""
+    base = torch.arange(stored, dtype=torch.float32)
+    strides = [0] * len(shape)
+    if strided and shape[-1] <= stored:
+        strides[-1] = 1
+    try:
+        view = base.as_strided(shape, strides)
+    except RuntimeError:  # a shape whose element count torch itself cannot hold
+        return
+    claimed = math.prod(shape) * 4
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "view.pt"
+        torch.save({"w": view}, path)
+        try:
+            obj, _ = torch_file.load(path)
+        except BadInput as e:
+            assert claimed > stored * 4 + inputs.MAX_EXPANDED_BYTES, str(e)
+            assert "stride-0" in str(e) or "strides beyond 2^63" in str(e), str(e)
+        else:
+            assert claimed <= obj["w"].untyped_storage().nbytes() + inputs.MAX_EXPANDED_BYTES
+
+
+@settings(max_examples=300, deadline=None)
+@given(present=st.sets(st.integers(0, 60), max_size=40), first=st.integers(0, 60), span=st.integers(0, 60),
+       far=st.sampled_from([0, 2**40, 2**63 - 70]))
+def test_missing_batches_never_walk_the_gap(present: set[int], first: int, span: int, far: int) -> None:
+    """``batch_gaps`` over any [first, end), up to 2^63: the spans of missing batches, from the listing alone."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp)
+        (run / "batches").mkdir()
+        for s in present:
+            (run / "batches" / f"step_{far + s:08d}.safetensors").write_bytes(b"")
+        with time_limit(5):
+            gaps = batch_gaps(run, far + first, far + first + span)
+        missing = [s for a, b in gaps for s in range(a, b + 1)]
+        assert missing == [far + s for s in range(first, first + span) if s not in present]
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.lists(st.integers(0, 6), min_size=1, max_size=2),
+       boxes=st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=2, max_size=2),
+                                st.lists(st.integers(0, 6), min_size=2, max_size=2)), max_size=5))
+def test_dcp_chunks_must_tile_their_tensor(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> None:
+    """Chunk layouts over a small tensor: accepted exactly when they cover every element once (checked against a
+    mask), since a hole would be read as uninitialised memory."""
+    n = len(size)
+    chunks = [_Chunk(tuple(o[:n]), tuple(s[:n]), Path("x"), 0, 1 << 20) for o, s in boxes]
+    problem = _tiling_problem(_Tensor("w", ("w",), torch.float32, tuple(size), tuple(chunks)))
+    mask, inside = torch.zeros(size, dtype=torch.int64), True
+    for c in chunks:
+        if any(o + s > m for o, s, m in zip(c.offsets, c.sizes, size)):
+            inside = False
+            break
+        view = mask
+        for dim, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+            view = view.narrow(dim, o, s)
+        view += 1
+    assert (problem is None) == (inside and bool((mask == 1).all())), (problem, size, boxes)
+
+
+# ---- C: every field of a schema, given a value of every wrong JSON type --------------------------------------------
+
+WRONG = {"an object": {"x": 1}, "a list": [1], "a string": "s", "an integer": 7, "a number": 2.5, "a boolean": True,
+         "null": None}
+_META_FIELDS = [f.name for f in fields(CheckpointMeta)]
+
+
+def _wrong_for(hint: str) -> list[str]:
+    """The JSON types a field of this type hint does not take."""
+    takes = {"str": ["a string"], "list": ["a list"], "dict": ["an object"], "int": ["an integer"], "Any": list(WRONG)}
+    ok = next((v for k, v in takes.items() if hint.startswith(k)), [])
+    return [w for w in WRONG if w not in ok and not (w == "null" and "None" in hint)]
+
+
+@settings(max_examples=120, deadline=None)
+@given(field=st.sampled_from(_META_FIELDS), data=st.data())
+def test_meta_json_fields_of_every_wrong_type(field: str, data: st.DataObject) -> None:
+    hint = str(CheckpointMeta.__annotations__[field])
+    wrong = _wrong_for(hint)
+    if not wrong:
+        return
+    kind = data.draw(st.sampled_from(wrong))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "step_00000010"
+        shutil.copytree(SAMPLE / CK, folder)
+        _edit_json(folder / "meta.json", lambda m: m.update({field: WRONG[kind]}))
+        with pytest.raises(BadInput) as refused:
+            Checkpoint(folder, 10).meta()
+    message = str(refused.value)
+    assert message.startswith(str(folder / "meta.json")) and "\n" not in message
+    assert field in message or field == "format", message
+
+
+@pytest.fixture(scope="module")
+def saved_bisect(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from nanforensics.checkpoints.bisect import bisect
+    from nanforensics.report import to_jsonable
+
+    return to_jsonable(bisect([SAMPLE / "checkpoints"]))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_saved_report_fields_of_every_wrong_type(saved_bisect: dict[str, Any], data: st.DataObject) -> None:
+    """A saved report's fields (those the bisect filled), each given a value of another JSON type: refused naming
+    the field, unless its type takes that value too (Any; null where optional; an integer for a float)."""
+    from nanforensics.checkpoints.bisect import BisectReport
+
+    field = data.draw(st.sampled_from(sorted(k for k, v in saved_bisect.items() if k != "schema" and v is not None)))
+    original = saved_bisect[field]
+    kind = data.draw(st.sampled_from(sorted(k for k, v in WRONG.items() if type(v) is not type(original))))
+    value = WRONG[kind]
+    hint = typing.get_type_hints(BisectReport)[field]
+    args = typing.get_args(hint)
+    takes = hint is Any or (value is None and type(None) in args) or (type(value) is int and float in (hint, *args))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "report.json"
+        path.write_text(json.dumps({**saved_bisect, field: value}))
+        try:
+            load_report(path)
+        except BadInput as e:
+            assert str(e).startswith(str(path)) and "\n" not in str(e) and f"report.{field}" in str(e), str(e)
+        else:
+            assert takes, (field, kind, hint)
+
+
+# ---- D: an excerpt of a damaged file inside the tree is short and escaped -------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(line=st.text(min_size=1, max_size=200).filter(lambda s: "\n" not in s and s.strip()))
+def test_a_damaged_step_log_line_is_quoted_short_and_escaped(line: str) -> None:
+    from nanforensics.runs.steplog import read_steps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "steps.jsonl"
+        path.write_text(line + "\n", encoding="utf-8", errors="surrogatepass")
+        try:
+            read_steps(path)
+        except BadInput as e:
+            message = str(e)
+            assert "\n" not in message and "\x1b" not in message and "\r" not in message
+            assert len(message) < len(str(path)) + 160
+
+
+def test_a_run_whose_manifest_links_outside_is_refused_unread(tmp_path: Path) -> None:
+    run = _copy(tmp_path)
+    (tmp_path / "secret.json").write_text(json.dumps({"format": SECRET}))
+    (run / "manifest.json").unlink()
+    (run / "manifest.json").symlink_to(tmp_path / "secret.json")
+    with pytest.raises(BadInput, match="leads outside") as refused:
+        Run(run)
+    assert "wJalr" not in str(refused.value)

@@ -8,6 +8,7 @@ from .checkpoints.bisect import BISECT_SCHEMA, BisectReport
 from .errors import BadInput
 from .postmortem import POSTMORTEM_SCHEMA, PostmortemReport
 from .report import REPLAY_SCHEMA, ReplayReport, from_jsonable
+from .rootcause.findings import narrate
 from .runs.files import load_json
 
 SavedReport = ReplayReport | BisectReport | PostmortemReport
@@ -27,6 +28,11 @@ def load_report(path: Path) -> SavedReport:
         raise BadInput(path, f"not a report nanforensics re-renders (schema {schema!r}; it reads "
                              f"{', '.join(SCHEMAS)})")
     try:
-        return from_jsonable(SCHEMAS[schema], data)
+        report = from_jsonable(SCHEMAS[schema], data)
     except ValueError as e:
         raise BadInput(path, f"malformed {schema} report: {e}") from None
+    replay = report if isinstance(report, ReplayReport) else report.replay if isinstance(report, PostmortemReport) \
+        else report.replayed
+    if replay is not None and not replay.headline:  # written before reports carried their sentences
+        narrate(replay)
+    return report

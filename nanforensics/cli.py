@@ -59,6 +59,14 @@ def stderr_console() -> Console:
     return Console(stderr=True, highlight=False)
 
 
+def say(line: str) -> None:
+    """One line on stderr, through ``visible``: a file name or import string from a run neither acts on the
+    terminal nor breaks the line (every error is one line)."""
+    from .views.escaping import visible
+
+    stderr_console().print(visible(line), markup=False, soft_wrap=True)
+
+
 @contextmanager
 def step_progress(what: str, shown: bool = True) -> Iterator[Optional[Callable[[int, int, int], None]]]:
     """A transient progress bar on stderr when it is a terminal; nothing in logs and pipes (nor on a rank other
@@ -85,8 +93,7 @@ def announce_code(named: list[tuple[str, str]]) -> None:
     from .distributed.env import reporting
 
     if named and reporting():  # under torchrun, rank 0 speaks for every rank
-        stderr_console().print("nanforensics: run code: " + ", ".join(f"{field}={spec}" for field, spec in named),
-                               markup=False, soft_wrap=True)
+        say("nanforensics: run code: " + ", ".join(f"{field}={spec}" for field, spec in named))
 
 
 _TRUST_CODE_HELP = ("Call the run's model factory, step function and optimizer even where the trust policy refuses "
@@ -412,8 +419,7 @@ def bisect(
     if report.replayed is not None:
         raise typer.Exit(_REPLAY_EXIT[report.replayed.verdict])
     if run_replay and report.replay is None:
-        stderr_console().print(f"nanforensics: no replay: {report.replay_unavailable or 'not a run of nanforensics'}",
-                               markup=False, soft_wrap=True)
+        say(f"nanforensics: no replay: {report.replay_unavailable or 'not a run of nanforensics'}")
     elif run_replay and report.replay is not None:
         from .replay.engine import ReplayOptions, replay_run
         from .runs.run import run_code
@@ -544,7 +550,7 @@ def main() -> None:
         # while replaying its own part names itself.
         if reporting() or e.rank is not None:
             where = f"rank {e.rank}: " if e.rank is not None else ""
-            stderr_console().print(f"nanforensics: error: {where}{e}", markup=False, soft_wrap=True)
+            say(f"nanforensics: error: {where}{e}")
         leave(EXIT_BAD_INPUT, wait_for_rank_zero=e.rank is None)
     except Exception as e:
         if os.environ.get("NANFORENSICS_DEBUG"):
@@ -553,5 +559,5 @@ def main() -> None:
             message = f"{e.filename}: {e.strerror or e}"
         else:
             message = f"{e.__class__.__name__}: {e} (set NANFORENSICS_DEBUG=1 for the traceback)"
-        stderr_console().print(f"nanforensics: error: {message}", markup=False, soft_wrap=True)
+        say(f"nanforensics: error: {message}")
         leave(EXIT_BAD_INPUT)

@@ -17,6 +17,7 @@ from ..report import write_json
 from ..runs.checkpoint import optimizer_params
 from ..runs.files import write_bytes_atomic
 from ..runs.recorder import Recorder
+from ..views.escaping import visible
 
 log = logging.getLogger("nanforensics")
 
@@ -151,7 +152,8 @@ class Watcher:
         self._diagnosed = True
         if action == "fail":
             self.close_recording()
-            found = f"{self.report.headline} (reports in {self.report_dir})" if self.report else "no post-mortem run"
+            found = visible(f"{self.report.headline} (reports in {self.report_dir})") if self.report else \
+                "no post-mortem run"
             raise NonFiniteLoss(f"the loss is {value} at step {step}: {found}", self.report, self.report_dir)
         return action == "stop"
 
@@ -170,5 +172,5 @@ class Watcher:
         write_json(self.report, str(self.report_dir / "postmortem.json"))
         write_bytes_atomic(self.report_dir / "postmortem.md", render_markdown(self.report).encode(), durable=False)
         write_bytes_atomic(self.report_dir / "postmortem.html", render_html(self.report).encode(), durable=False)
-        log.warning("nanforensics post-mortem: %s (reports in %s)", self.report.headline, self.report_dir)
+        log.warning("nanforensics post-mortem: %s", visible(f"{self.report.headline} (reports in {self.report_dir})"))
         return self.report

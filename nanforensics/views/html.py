@@ -13,7 +13,6 @@ import math
 from typing import Any, Sequence
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
-from markupsafe import Markup
 
 from ..checkpoints.bisect import BisectReport, CheckpointRef
 from ..finite import Located
@@ -39,7 +38,7 @@ Section = dict[str, Any]  # one part of the page, by its "kind" (the template's 
 
 def _finalize(value: Any) -> Any:
     """Every value the template writes, before autoescaping: control characters and bidi overrides made visible."""
-    return value if isinstance(value, Markup) or not isinstance(value, str) else visible(value)
+    return visible(value) if isinstance(value, str) and not hasattr(value, "__html__") else value  # not a macro's
 
 
 @functools.cache

@@ -126,7 +126,9 @@ _REPLAY_EXIT = {"clean": EXIT_CLEAN, "nonfinite": EXIT_FOUND, "not_reproduced": 
 
 
 def emit_markdown(text: str, destination: Optional[str]) -> None:
-    emit_text(text, destination, "Markdown")
+    from .views.escaping import visible_lines
+
+    emit_text(visible_lines(text), destination, "Markdown")
 
 
 def emit_text(text: str, destination: Optional[str], what: str) -> None:
@@ -442,9 +444,11 @@ def append_step_summary(text: str, destination: Optional[str]) -> None:
     """GitHub's job summary: appended to the file $GITHUB_STEP_SUMMARY names, as other steps do."""
     if destination is None:
         return
+    from .views.escaping import visible_lines
+
     try:
         with open(destination, "a", encoding="utf-8") as f:
-            f.write(text)
+            f.write(visible_lines(text))
     except OSError as e:
         raise BadInput(destination, f"cannot append to $GITHUB_STEP_SUMMARY ({e.strerror or e})") from None
 

@@ -41,6 +41,11 @@ def visible(text: object) -> str:
     return "".join(ch if _allowed(ch) else _escape(ch) for ch in text)
 
 
+def visible_lines(text: str) -> str:
+    """A rendered text (Markdown) line by line through ``visible``: its lines kept, nothing else that acts."""
+    return "\n".join(map(visible, text.split("\n")))
+
+
 def markup(text: object) -> str:
     """``visible(text)`` for a string rich parses as markup: a sample id ``[red]x[/red]`` or ``[link=...]`` stays
     text."""

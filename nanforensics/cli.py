@@ -50,13 +50,13 @@ EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED, EXIT_LOSS_ONLY = 0,
 def stdout_console() -> Console:
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, emoji=False)  # ":skull:" in a run's name stays text, as markup does
 
 
 def stderr_console() -> Console:
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, emoji=False)
 
 
 def say(line: str) -> None:

@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nanforensics.checkpoints.scan import ScanReport, scan_checkpoint
 from nanforensics.cli import say
 from nanforensics.errors import BadInput
+from nanforensics.formats import open_checkpoint
 from nanforensics.saved import load_report
+from nanforensics.views.checkpoints import render_scan_terminal
 from nanforensics.views.escaping import markup, visible, xml_document, xml_text
 from nanforensics.views.html import render_html
 from nanforensics.views.postmortem import render_junit
@@ -225,13 +228,25 @@ def _spelled(obj: Any, text: str) -> Any:
     return obj
 
 
+@pytest.fixture(scope="module")
+def scanned(hostile_run) -> ScanReport:
+    """The run's poisoned checkpoint, scanned whole: tensor names and groups in every table of the scan's view."""
+    return scan_checkpoint(open_checkpoint(hostile_run["run"] / "checkpoints" / "step_00000010"), full=True)
+
+
+def _console() -> Console:
+    return Console(file=io.StringIO(), width=200, color_system=None, highlight=False, emoji=False)
+
+
 @settings(max_examples=20, deadline=None)
 @given(text=hostile)
-def test_every_string_of_a_report_leaves_escaped(hostile_run, text):
-    """The post-mortem's report with ``text`` in every string field, rendered by every view."""
+def test_every_string_of_a_report_leaves_escaped(hostile_run, scanned, text):
+    """The post-mortem's report (its replay and bisection inside) and a scan's, with ``text`` in every string
+    field, rendered by every view."""
     report = _spelled(load_report(hostile_run["json_path"]), text)
-    console = Console(file=io.StringIO(), width=200, color_system=None, highlight=False, emoji=False)
+    console = _console()
     render_terminal(report, console)
+    render_scan_terminal(_spelled(scanned, text), console)
     assert_terminal_safe(console.file.getvalue())
     assert_page_is_the_templates(render_html(report))
     suite = ET.fromstring(render_junit(report).encode())

@@ -49,13 +49,21 @@ EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED, EXIT_LOSS_ONLY = 0,
 def stdout_console() -> Console:
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, emoji=False)  # ":skull:" in a run's name stays text, as markup does
 
 
 def stderr_console() -> Console:
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, emoji=False)
+
+
+def say(line: str) -> None:
+    """One line on stderr, through ``visible``: a file name or import string from a run neither acts on the
+    terminal nor breaks the line (every error is one line)."""
+    from .views.escaping import visible
+
+    stderr_console().print(visible(line), markup=False, soft_wrap=True)
 
 
 @contextmanager
@@ -84,8 +92,7 @@ def announce_code(named: list[tuple[str, str]]) -> None:
     from .distributed.env import reporting
 
     if named and reporting():  # under torchrun, rank 0 speaks for every rank
-        stderr_console().print("nanforensics: run code: " + ", ".join(f"{field}={spec}" for field, spec in named),
-                               markup=False, soft_wrap=True)
+        say("nanforensics: run code: " + ", ".join(f"{field}={spec}" for field, spec in named))
 
 
 _TRUST_CODE_HELP = ("Call the run's model factory, step function and optimizer even where the trust policy refuses "
@@ -121,7 +128,9 @@ _REPLAY_EXIT = {"clean": EXIT_CLEAN, "nonfinite": EXIT_FOUND, "not_reproduced": 
 
 
 def emit_markdown(text: str, destination: Optional[str]) -> None:
-    emit_text(text, destination, "--markdown")
+    from .views.escaping import visible_lines
+
+    emit_text(visible_lines(text), destination, "--markdown")
 
 
 def emit_text(text: str, destination: Optional[str], option: str) -> None:
@@ -414,8 +423,7 @@ def bisect(
     if report.replayed is not None:
         raise typer.Exit(_REPLAY_EXIT[report.replayed.verdict])
     if run_replay and report.replay is None:
-        stderr_console().print(f"nanforensics: no replay: {report.replay_unavailable or 'not a run of nanforensics'}",
-                               markup=False, soft_wrap=True)
+        say(f"nanforensics: no replay: {report.replay_unavailable or 'not a run of nanforensics'}")
     elif run_replay and report.replay is not None:
         from .replay.engine import ReplayOptions, replay_run
         from .runs.run import run_code
@@ -440,7 +448,9 @@ def append_step_summary(text: str, destination: Optional[str]) -> None:
     """GitHub's job summary: appended to the file $GITHUB_STEP_SUMMARY names, as other steps do."""
     if destination is None:
         return
-    append_output(destination, text, "$GITHUB_STEP_SUMMARY")
+    from .views.escaping import visible_lines
+
+    append_output(destination, visible_lines(text), "$GITHUB_STEP_SUMMARY")
 
 
 @app.command(short_help="Examine a failed job's run or checkpoints.")
@@ -546,7 +556,7 @@ def main() -> None:
         # while replaying its own part names itself.
         if reporting() or e.rank is not None:
             where = f"rank {e.rank}: " if e.rank is not None else ""
-            stderr_console().print(f"nanforensics: error: {where}{e}", markup=False, soft_wrap=True)
+            say(f"nanforensics: error: {where}{e}")
         leave(EXIT_BAD_INPUT, wait_for_rank_zero=e.rank is None)
     except Exception as e:
         if os.environ.get("NANFORENSICS_DEBUG"):
@@ -555,5 +565,5 @@ def main() -> None:
             message = f"{e.filename}: {e.strerror or e}"
         else:
             message = f"{e.__class__.__name__}: {e} (set NANFORENSICS_DEBUG=1 for the traceback)"
-        stderr_console().print(f"nanforensics: error: {message}", markup=False, soft_wrap=True)
+        say(f"nanforensics: error: {message}")
         leave(EXIT_BAD_INPUT)

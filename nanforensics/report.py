@@ -39,6 +39,7 @@ class Event:
     # distributed runs: the rank whose own values these are (its batch shard, activations, local gradients), or the
     # rank whose FSDP2 shard holds the coordinate; None for values every rank holds alike (DDP after the all-reduce)
     rank: int | None = None
+    text: str = ""  # how the views name it, "grad fc2.weight[3, 7] = inf" (rootcause.findings.narrate)
 
 
 @dataclass
@@ -250,6 +251,27 @@ class CheckpointLoad:
 
 
 @dataclass
+class TensorSpread:
+    """One parameter (or a layer of them) and its optimizer state: non-finite values after each step of the map."""
+
+    name: str
+    params_total: int
+    state_total: int
+    params_nonfinite: list[int]
+    state_nonfinite: list[int]
+
+
+@dataclass
+class SpreadMap:
+    """Where the non-finite values are after each step: the data behind the spread heatmaps (replay/spread.py)."""
+
+    steps: list[int]  # the counts are taken after each of these steps
+    rows: list[TensorSpread]  # in the optimizer's parameter order
+    responsible_step: int | None
+    basis: str  # "per_tensor": measured per tensor; "totals": the replay report's whole-model totals
+
+
+@dataclass
 class ReplaySetup:
     run: str
     from_checkpoint: int
@@ -302,6 +324,11 @@ class ReplayReport:
     checkpoints_compared: list[CheckpointComparison] = field(default_factory=list)
     loss_max_ulps: int | None = None  # the largest |logged - replayed| loss difference, float32 ulps
     ranks: list[RankCheck] = field(default_factory=list)  # distributed runs, one per rank
+    # The sentences and the picture the views render, drawn from the facts above once they are final
+    # (rootcause.findings.narrate): views only render.
+    headline: str = ""
+    reproduction: str = ""  # whether the replay reproduced the logged losses, in one sentence
+    spread_map: SpreadMap | None = None  # the whole model as one row, from the per-step totals in ``spread``
 
 
 def to_jsonable(obj: Any) -> Any:

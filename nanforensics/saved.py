@@ -9,6 +9,7 @@ from .errors import BadInput, shown
 from .inputs import examine, load_json
 from .postmortem import POSTMORTEM_SCHEMA, PostmortemReport
 from .report import REPLAY_SCHEMA, ReplayReport
+from .rootcause.findings import narrate
 from .schema import load
 
 SavedReport = ReplayReport | BisectReport | PostmortemReport
@@ -28,4 +29,9 @@ def load_report(path: Path) -> SavedReport:
             raise BadInput(path, f"schema {shown(schema)} is not {newer!r}, the version this nanforensics reads; upgrade it")
         raise BadInput(path, f"not a report nanforensics re-renders (schema {shown(schema)}; it reads "
                              f"{', '.join(SCHEMAS)})")
-    return load(SCHEMAS[schema], data, path, "report")
+    report = load(SCHEMAS[schema], data, path, "report")
+    replay = report if isinstance(report, ReplayReport) else report.replay if isinstance(report, PostmortemReport) \
+        else report.replayed
+    if replay is not None and not replay.headline:  # written before reports carried their sentences
+        narrate(replay)
+    return report

@@ -16,6 +16,7 @@ from ..postmortem import PostmortemReport, postmortem
 from ..report import to_json
 from ..runs.checkpoint import optimizer_params
 from ..runs.recorder import Recorder
+from ..views.escaping import visible
 
 log = logging.getLogger("nanforensics")
 
@@ -150,7 +151,8 @@ class Watcher:
         self._diagnosed = True
         if action == "fail":
             self.close_recording()
-            found = f"{self.report.headline} (reports in {self.report_dir})" if self.report else "no post-mortem run"
+            found = visible(f"{self.report.headline} (reports in {self.report_dir})") if self.report else \
+                "no post-mortem run"
             raise NonFiniteLoss(f"the loss is {value} at step {step}: {found}", self.report, self.report_dir)
         return action == "stop"
 
@@ -169,5 +171,5 @@ class Watcher:
         for name, text in (("postmortem.json", to_json(self.report)), ("postmortem.md", render_markdown(self.report)),
                            ("postmortem.html", render_html(self.report))):
             write_output(self.report_dir / name, text, "report_dir", create_dirs=True)  # its own folder, made here
-        log.warning("nanforensics post-mortem: %s (reports in %s)", self.report.headline, self.report_dir)
+        log.warning("nanforensics post-mortem: %s", visible(f"{self.report.headline} (reports in {self.report_dir})"))
         return self.report

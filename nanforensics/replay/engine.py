@@ -34,7 +34,7 @@ from ..report import (
 )
 from ..rootcause import DEFAULT_MAX_ABS
 from ..rootcause.data import check_batches
-from ..rootcause.findings import findings
+from ..rootcause.findings import findings, narrate
 from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe
 from ..rootcause.samples import attribute_samples, batch_size
@@ -231,7 +231,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         complete(report, run, r, lambda logged, replayed: losses_match(logged, replayed, rtol, opts.loss_ulps))
     report.findings = (findings(report) + rank_findings(report) + amp_findings(report.amp)
                        + whatif.findings(report.what_if, requested=bool(opts.what_if)))
-    return report
+    return narrate(report)
 
 
 def _explain(session: Session, origin: Event) -> tuple[OperationCulprit | None, SampleAttribution | None]:

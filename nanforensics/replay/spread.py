@@ -10,37 +10,17 @@ only when the replay found an origin, over the few steps from just before it to 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from .. import finite
 from ..errors import BadInput
-from ..report import ReplayReport
+from ..report import ReplayReport, SpreadMap, TensorSpread
 from ..runs.checkpoint import optimizer_params, param_names
 from ..runs.run import Run, UserCode
 from .session import open_session, pinned_threads
 
 CONTEXT_STEPS = 2  # clean steps shown before the responsible one
-
-
-@dataclass
-class TensorSpread:
-    """One parameter (or a layer of them) and its optimizer state: non-finite values after each step of the map."""
-
-    name: str
-    params_total: int
-    state_total: int
-    params_nonfinite: list[int]
-    state_nonfinite: list[int]
-
-
-@dataclass
-class SpreadMap:
-    steps: list[int]  # the counts are taken after each of these steps
-    rows: list[TensorSpread]  # in the optimizer's parameter order
-    responsible_step: int | None
-    basis: str  # "per_tensor": measured per tensor; "totals": the replay report's whole-model totals
 
 
 def from_replay(r: ReplayReport) -> SpreadMap | None:

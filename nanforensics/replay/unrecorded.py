@@ -11,6 +11,7 @@ from ..checkpoints.bisect import BisectReport, bisect
 from ..checkpoints.scan import DEFAULT_MARGIN, Progress
 from ..errors import BadInput
 from ..report import ReplayReport
+from ..rootcause.findings import narrate
 from ..runs.unrecorded import open_unrecorded, user_checkpoint
 from .engine import ProgressFn, ReplayOptions, replay
 from .session import resolve_device
@@ -69,4 +70,5 @@ def bisect_and_replay(targets: Sequence[str | Path], code: str, names: Mapping[s
             r.findings.insert(0, f"The checkpoint at step {poisoned.step} holds non-finite values, but the replay from "
                                  f"the clean one at step {clean.step} {state} through step {r.setup.last_step}: "
                                  "not reproduced from the supplied batches.")
+            narrate(r)
     return report

@@ -6,6 +6,7 @@ import math
 
 from ..finite import value_name
 from ..replay.reproduction import LOSS_ULPS
+from ..replay.spread import from_replay
 from ..report import CheckpointComparison, CheckpointLoad, Event, OperationCulprit, OpSite, Precursor, ReplayReport
 from ..words import count, numbered
 
@@ -330,6 +331,44 @@ def _nothing_reached(r: ReplayReport) -> str:
     among = f" (the non-finite loss logged at step {logged} among them)" if logged in caught else ""
     return (f"No non-finite value reached the optimizer state or the parameters over {span}: the non-finite values "
             f"met at {numbered('step', caught)} were overflows the scaler caught{among}.")
+
+
+def headline(r: ReplayReport) -> str:
+    """The report's verdict in one line: the responsible step, or the steps replayed and what they showed."""
+    if r.verdict == "nonfinite":
+        shown = first_shown(r)
+        if r.reproduced is None:  # nothing logged: the replay's own loss
+            replayed = r.first_nonfinite_loss_step
+            tail = f"; replayed loss first NaN at step {replayed}" if replayed is not None else \
+                "; replayed losses all finite"
+        else:
+            tail = (f"; logged loss first NaN at step {shown}" if shown is not None else
+                    "; logged losses all finite" if r.logged_first_nonfinite_loss_step is None else
+                    "; logged losses non-finite only where the state stayed finite")
+        if step_not_data(r):
+            return f"step {r.responsible_step} failed batch-wide: the step, not its data{tail}"
+        return f"responsible step {r.responsible_step}{tail}"
+    if r.verdict == "not_reproduced" and r.logged_first_nonfinite_loss_step is None:  # bisect --code
+        state = f"a non-finite loss only at {numbered('step', r.loss_only_steps)}" if r.loss_only_steps else \
+            "all finite"
+        return f"steps {r.setup.first_step}-{r.setup.last_step} replayed from the supplied batches, {state}: " \
+               "not reproduced"
+    if r.verdict == "not_reproduced":
+        return f"logged loss NaN at step {r.logged_first_nonfinite_loss_step}, not reproduced by the replay"
+    if r.verdict == "loss_only":
+        return f"non-finite loss at {numbered('step', r.loss_only_steps)} only: the model's state stayed finite"
+    supplied = " from the supplied batches" if r.loaded is not None else ""
+    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed{supplied}, all finite"
+
+
+def narrate(r: ReplayReport) -> ReplayReport:
+    """Set the report's sentences and its whole-model spread map from its facts, once they are final (again after
+    a fact changes): the views render these and compute nothing."""
+    for e in [*r.events, *([r.origin] if r.origin else []),
+              *((r.amp.caught + ([r.amp.state_poisoned_by] if r.amp.state_poisoned_by else [])) if r.amp else [])]:
+        e.text = describe(e)
+    r.headline, r.reproduction, r.spread_map = headline(r), reproduction(r), from_replay(r)
+    return r
 
 
 def step_not_data(r: ReplayReport) -> bool:

@@ -7,7 +7,6 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -24,6 +23,7 @@ from ..checkpoints.scan import (
 from ..formats import MODEL
 from ..words import count
 from . import replay
+from .escaping import markup
 from .layout import print_whole
 
 SHOWN = 20  # tensors listed per table; the JSON report has all of them
@@ -70,7 +70,7 @@ class ProgressBar:
     def start(self, label: str, total_bytes: int) -> None:
         if self._task is not None:
             self._progress.remove_task(self._task)
-        self._task = self._progress.add_task(escape(label), total=total_bytes)
+        self._task = self._progress.add_task(markup(label), total=total_bytes)
 
     def advance(self, nbytes: int) -> None:
         if self._task is not None:
@@ -173,16 +173,16 @@ def _bisect_notes(r: BisectReport) -> list[str]:
 
 def render_scan_terminal(r: ScanReport, console: Console) -> None:
     style, label = _SCAN_VERDICT[r.verdict]
-    print_whole(console, f"[{style}] {label} [/] {escape(r.path)}  [dim]{_layout(r)}[/]")
+    print_whole(console, f"[{style}] {label} [/] {markup(r.path)}  [dim]{markup(_layout(r))}[/]")
     groups = Table(box=None, pad_edge=False)
     for h in _GROUP_HEADERS:
         groups.add_column(h, justify="left" if h == "group" else "right")
     for row in _group_rows(r):
-        groups.add_row(*row)
+        groups.add_row(*map(markup, row))
     print_whole(console, groups)
     _terminal_tensors(r.tensors, console)
     for note in _scan_notes(r):
-        console.print(escape(note), soft_wrap=True)
+        console.print(markup(note), soft_wrap=True)
 
 
 def _terminal_tensors(tensors: Sequence[TensorScan], console: Console) -> None:
@@ -193,7 +193,7 @@ def _terminal_tensors(tensors: Sequence[TensorScan], console: Console) -> None:
         for h in _TENSOR_HEADERS:  # identifiers and numbers: never wrapped or cut, the row runs on instead
             table.add_column(h, no_wrap=True)
         for t in rows[:SHOWN]:
-            table.add_row(*map(escape, _tensor_row(t)))
+            table.add_row(*map(markup, _tensor_row(t)))
         print_whole(console, table)
         if len(rows) > SHOWN:
             console.print(f"[dim]... and {len(rows) - SHOWN} more (every one in --json)[/]")
@@ -201,8 +201,8 @@ def _terminal_tensors(tensors: Sequence[TensorScan], console: Console) -> None:
 
 def render_bisect_terminal(r: BisectReport, console: Console) -> None:
     style, label = _BISECT_VERDICT[r.verdict]
-    print_whole(console, f"[{style}] {label} [/] first poisoned: {escape(_ref(r.first_poisoned))}")
-    print_whole(console, f"{' ' * (len(label) + 2)} last clean:    {escape(_ref(r.last_clean))}")
+    print_whole(console, f"[{style}] {label} [/] first poisoned: {markup(_ref(r.first_poisoned))}")
+    print_whole(console, f"{' ' * (len(label) + 2)} last clean:    {markup(_ref(r.last_clean))}")
     reads = Table(title="checkpoints read", title_justify="left", box=None, pad_edge=False)
     for h in _READ_HEADERS:
         reads.add_column(h)
@@ -210,13 +210,13 @@ def render_bisect_terminal(r: BisectReport, console: Console) -> None:
         if rec is None:
             reads.add_row("", "", f"[dim]... {n} more like the rows around[/]", "", "", "")
         else:
-            reads.add_row(str(n), str(rec.step), escape(rec.path), rec.format, rec.verdict, f"{rec.bytes_read:,}")
+            reads.add_row(str(n), str(rec.step), *map(markup, (rec.path, rec.format, rec.verdict)), f"{rec.bytes_read:,}")
     print_whole(console, reads)
     _terminal_tensors(r.poisoned_tensors, console)
     for note in _bisect_notes(r):
-        console.print(escape(note), soft_wrap=True)
+        console.print(markup(note), soft_wrap=True)
     if r.replay:
-        console.print(f"Replay the window: [bold]{escape(r.replay.command)}[/]  (or add --replay)", soft_wrap=True)
+        console.print(f"Replay the window: [bold]{markup(r.replay.command)}[/]  (or add --replay)", soft_wrap=True)
     if r.replayed is not None:
         replay.render_terminal(r.replayed, console)
 

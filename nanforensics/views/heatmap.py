@@ -6,8 +6,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from ..replay.spread import SpreadMap, grouped
+from ..replay.spread import grouped
+from ..report import SpreadMap
 from ..words import count
+from .escaping import visible
 
 MAX_ROWS = 24
 SHADES = ("··", "░░", "▒▒", "▓▓", "██")
@@ -29,7 +31,8 @@ def lines(m: SpreadMap) -> list[list[tuple[str, str]]]:
     g = grouped(m, MAX_ROWS)
     with_state = any(r.state_total for r in g.rows)
     width = max(2 * len(g.steps), len("parameters"))
-    label = max(len(r.name) for r in g.rows)  # whole names: a line runs past the width rather than cut one
+    names = [visible(r.name) for r in g.rows]
+    label = max(map(len, names))  # whole names: a line runs past the width rather than cut one
     gap = "   "
     out: list[list[tuple[str, str]]] = []
     head = [(" " * label + gap, ""), ("parameters".ljust(width), "bold")]
@@ -38,8 +41,8 @@ def lines(m: SpreadMap) -> list[list[tuple[str, str]]]:
         at = g.steps.index(g.responsible_step)
         mark = (" " * (2 * at) + "▼").ljust(width)
         out.append([(" " * label + gap, ""), (mark, "bold red")] + ([(gap + mark, "bold red")] if with_state else []))
-    for r in g.rows:
-        line = [(r.name.ljust(label) + gap, "")]
+    for r, name in zip(g.rows, names):
+        line = [(name.ljust(label) + gap, "")]
         line += [(SHADES[lv], STYLES[lv]) for lv in (level(b, r.params_total) for b in r.params_nonfinite)]
         line.append((" " * (width - 2 * len(g.steps)), ""))
         if with_state:

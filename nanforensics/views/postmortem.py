@@ -8,15 +8,15 @@ import xml.etree.ElementTree as ET
 from typing import Any, Callable
 
 from rich.console import Console, Group
-from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from ..postmortem import DONE, FAILED, SKIPPED, PostmortemReport
-from ..replay import spread
+from ..report import SpreadMap
 from ..rootcause.findings import step_not_data
 from . import checkpoints, heatmap, replay
+from .escaping import markup, visible, xml_document
 from .layout import print_whole
 
 VERDICT = {
@@ -28,11 +28,11 @@ VERDICT = {
 _STATUS_STYLE = {DONE: "green", SKIPPED: "yellow", FAILED: "red"}
 
 
-def spread_map(r: PostmortemReport) -> spread.SpreadMap | None:
+def spread_map(r: PostmortemReport) -> SpreadMap | None:
     """Per tensor where the post-mortem measured it, else the replay's whole-model totals."""
     if r.tensor_spread is not None:
         return r.tensor_spread
-    return spread.from_replay(r.replay) if r.replay is not None else None
+    return r.replay.spread_map if r.replay is not None else None
 
 
 def _label(name: str) -> str:
@@ -46,12 +46,13 @@ def render_terminal(r: PostmortemReport, console: Console) -> None:
     table.add_column(no_wrap=True)
     table.add_column()
     kind = "a recorded run" if r.kind == "run" else "checkpoints only"
-    table.add_row("directory", "", Text(f"{r.directory}  ({kind})"))  # Text: paths and errors are not markup
+    table.add_row("directory", "", Text(f"{visible(r.directory)}  ({kind})"))  # Text: paths and errors are not markup
     for a in r.analyses:
-        table.add_row(_label(a.name), Text(a.status, style=_STATUS_STYLE[a.status]), Text(a.detail))
-    parts: list[Any] = [Text(r.headline, style="bold"), Text(), table]
+        table.add_row(Text(visible(_label(a.name))), Text(visible(a.status), style=_STATUS_STYLE.get(a.status, "")),
+                      Text(visible(a.detail)))
+    parts: list[Any] = [Text(visible(r.headline), style="bold"), Text(), table]
     if r.findings:
-        parts += [Text(), Text("\n".join(f"- {f}" for f in r.findings))]
+        parts += [Text(), Text("\n".join(f"- {visible(f)}" for f in r.findings))]
     title = Text.assemble((f" {word} ", style), "  ", ("nanforensics post-mortem", "bold"))
     print_whole(console, Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
     m = spread_map(r)
@@ -127,12 +128,11 @@ def render_junit(r: PostmortemReport) -> str:
     root = ET.Element("testsuites", name="nanforensics", tests=suite.get("tests", "0"), failures=str(failures),
                       errors=str(errors), skipped=str(skipped), time=f"{total:.3f}")
     root.append(suite)
-    ET.indent(root)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+    return xml_document(root)
 
 
 def status_line(console: Console) -> Callable[[str], None] | None:
     """What the post-mortem is doing, when ``console`` is a terminal (CI logs get the report only)."""
     if not console.is_terminal:
         return None
-    return lambda what: console.print(f"[dim]post-mortem: {escape(what)}...[/]")
+    return lambda what: console.print(f"[dim]post-mortem: {markup(what)}...[/]")

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..replay.repair import RepairReport
+from .escaping import markup, visible
 from .layout import print_whole
 
 
@@ -24,20 +25,20 @@ def _loss_range(losses: list[float | None]) -> str:
 
 def render_repair_terminal(r: RepairReport, console: Console) -> None:
     style, word = ("bold white on green", "REPAIRED") if r.written else ("bold white on red", "NOT WRITTEN")
-    title = Text.assemble((f" {word} ", style), "  ", (f"{r.change} at step {r.responsible_step}", "bold"))
+    title = Text.assemble((f" {word} ", style), "  ", (visible(f"{r.change} at step {r.responsible_step}"), "bold"))
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="dim")
     facts.add_column()
-    facts.add_row("run", r.run)
-    facts.add_row("change", f"step {r.responsible_step}: {r.description}")
-    facts.add_row("checkpoint", f"{r.checkpoint}  (state before step {r.resume_step})" if r.written
-                  else f"none written to {r.out}")
+    facts.add_row("run", markup(r.run))
+    facts.add_row("change", markup(f"step {r.responsible_step}: {r.description}"))
+    facts.add_row("checkpoint", markup(f"{r.checkpoint}  (state before step {r.resume_step})" if r.written
+                                       else f"none written to {r.out}"))
     v = r.verification
-    check = Table(title="verification: " + v.description, title_justify="left", show_edge=False)
+    check = Table(title=markup("verification: " + v.description), title_justify="left", show_edge=False)
     for col in ("steps", "stays finite", "first non-finite", "loss"):
         check.add_column(col)
     check.add_row(f"{v.step}-{v.last_step}" if v.losses else "none logged", "yes" if v.finite else "no",
-                  "-" if v.finite else f"step {v.first_nonfinite_step}: {v.first_nonfinite}", _loss_range(v.losses),
+                  "-" if v.finite else markup(f"step {v.first_nonfinite_step}: {v.first_nonfinite}"), _loss_range(v.losses),
                   style="green" if v.finite else "red")
-    parts: list[Any] = [facts, Text(), check, Text(), Text("\n".join(f"- {f}" for f in r.findings))]
+    parts: list[Any] = [facts, Text(), check, Text(), Text("\n".join(f"- {visible(f)}" for f in r.findings))]
     print_whole(console, Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))

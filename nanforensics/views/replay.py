@@ -12,8 +12,9 @@ from rich.text import Text
 from rich.tree import Tree
 
 from ..report import AmpReport, DataDefect, Event, ReplayReport, StepRecord, WhatIfResult
-from ..rootcause.findings import describe, first_shown, reproduction, step_not_data
+from ..rootcause.findings import step_not_data
 from ..words import count, numbered, sample_positions
+from .escaping import markup, visible
 from .layout import print_whole
 
 _VERDICT = {
@@ -110,33 +111,6 @@ def defect_lines(defects: list[DataDefect]) -> list[str]:
     return out + ([f"... and {more} more (every one in the JSON report)"] if more > 0 else [])
 
 
-def headline(r: ReplayReport) -> str:
-    if r.verdict == "nonfinite":
-        shown = first_shown(r)
-        if r.reproduced is None:  # nothing logged: the replay's own loss
-            replayed = r.first_nonfinite_loss_step
-            tail = f"; replayed loss first NaN at step {replayed}" if replayed is not None else \
-                "; replayed losses all finite"
-        else:
-            tail = (f"; logged loss first NaN at step {shown}" if shown is not None else
-                    "; logged losses all finite" if r.logged_first_nonfinite_loss_step is None else
-                    "; logged losses non-finite only where the state stayed finite")
-        if step_not_data(r):
-            return f"step {r.responsible_step} failed batch-wide: the step, not its data{tail}"
-        return f"responsible step {r.responsible_step}{tail}"
-    if r.verdict == "not_reproduced" and r.logged_first_nonfinite_loss_step is None:  # bisect --code
-        state = f"a non-finite loss only at {numbered('step', r.loss_only_steps)}" if r.loss_only_steps else \
-            "all finite"
-        return f"steps {r.setup.first_step}-{r.setup.last_step} replayed from the supplied batches, {state}: " \
-               "not reproduced"
-    if r.verdict == "not_reproduced":
-        return f"logged loss NaN at step {r.logged_first_nonfinite_loss_step}, not reproduced by the replay"
-    if r.verdict == "loss_only":
-        return f"non-finite loss at {numbered('step', r.loss_only_steps)} only: the model's state stayed finite"
-    supplied = " from the supplied batches" if r.loaded is not None else ""
-    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed{supplied}, all finite"
-
-
 def loaded_rows(r: ReplayReport) -> list[tuple[str, str]]:
     """(label, text) for a checkpoint the recorder did not write: what was loaded, and how."""
     c = r.loaded
@@ -193,9 +167,9 @@ def whatif_parts(r: ReplayReport) -> list[Any]:
     for col in _COLUMNS:
         table.add_column(col, no_wrap=col == "change")
     for row in whatif_rows(r.what_if):
-        table.add_row(*row, style="green" if row[1] == "yes" else "red")
+        table.add_row(*map(markup, row), style="green" if row[1] == "yes" else "red")
     details = _details(r.what_if)
-    return [table] + ([Text("\n".join(f"- {d}" for d in details))] if details else [])
+    return [table] + ([Text("\n".join(f"- {visible(d)}" for d in details))] if details else [])
 
 
 def whatif_markdown(r: ReplayReport) -> list[str]:
@@ -210,41 +184,43 @@ def whatif_markdown(r: ReplayReport) -> list[str]:
 def render_terminal(r: ReplayReport, console: Console) -> None:
     style, word = _VERDICT[r.verdict]
     s = r.setup
-    title = Text.assemble((f" {word} ", style), "  ", (headline(r), "bold"))
+    title = Text.assemble((f" {word} ", style), "  ", (visible(r.headline), "bold"))
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="dim")
     facts.add_column()
     if r.loaded is None:
-        facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
-                             f"{s.device}, {s.num_threads} threads{world_text(r)})")
+        facts.add_row("run", Text(visible(f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-"
+                                          f"{s.last_step}, {s.device}, {s.num_threads} threads{world_text(r)})")))
     else:
-        facts.add_row("replayed", f"steps {s.first_step}-{s.last_step}, {s.device}, {s.num_threads} threads")
+        facts.add_row("replayed", Text(visible(f"steps {s.first_step}-{s.last_step}, {s.device}, {s.num_threads} "
+                                               "threads")))
     for label, text in loaded_rows(r):
-        facts.add_row(label, text)
+        facts.add_row(label, Text(visible(text)))
     if r.responsible_batch:
         b = r.responsible_batch
-        extra = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items())
-        facts.add_row(batch_label(r), Text(f"step {b.step}{shard_text(b.rank)}  {b.file}"
+        extra = visible("  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items()))
+        facts.add_row(batch_label(r), Text(visible(f"step {b.step}{shard_text(b.rank)}  {b.file}")
                                            + (f"\n{extra}" if extra else "")))
     if r.data_defects:
-        facts.add_row("data", Text("\n".join(defect_lines(r.data_defects))))
+        facts.add_row("data", Text("\n".join(map(visible, defect_lines(r.data_defects)))))
     if r.origin:
-        facts.add_row("origin", Text(f"step {r.origin.step}  {describe(r.origin)}  ({r.origin.dtype})", style="bold red"))
+        facts.add_row("origin", Text(visible(f"step {r.origin.step}  {r.origin.text}  ({r.origin.dtype})"),
+                                     style="bold red"))
     if r.samples is not None and r.samples.samples:
         ids = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in r.samples.sample_leaves.items())
         where = sample_positions(r.samples.samples, r.samples.micro_batch_samples)
         shard = shard_text(r.responsible_batch.rank if r.responsible_batch else None)
-        facts.add_row("samples", Text(f"{where} of {r.samples.batch_size}{shard}"
-                                      + (f"  ({ids})" if ids else "")))
+        facts.add_row("samples", Text(visible(f"{where} of {r.samples.batch_size}{shard}"
+                                              + (f"  ({ids})" if ids else ""))))
     elif r.samples is not None:
-        facts.add_row("samples", Text("batch-wide: most samples fail alone" if r.samples.status == "batch_wide"
-                                      else r.samples.status.replace("_", " ")))
+        facts.add_row("samples", Text(visible("batch-wide: most samples fail alone" if r.samples.status == "batch_wide"
+                                              else r.samples.status.replace("_", " "))))
     if r.operation is not None:
         op = r.operation
         via = f" <- {op.forward.op}" if op.forward else ""
-        facts.add_row("operation", Text(f"{op.site.phase} {op.site.op}{via} -> {op.output_value}  "
-                                        f"module {op.site.module or '(none)'}  {op.site.source or ''}"))
-    facts.add_row("reproduction", reproduction(r))
+        facts.add_row("operation", Text(visible(f"{op.site.phase} {op.site.op}{via} -> {op.output_value}  "
+                                                f"module {op.site.module or '(none)'}  {op.site.source or ''}")))
+    facts.add_row("reproduction", Text(visible(r.reproduction)))
     if r.loss_only_steps:
         facts.add_row("loss only", numbered("step", r.loss_only_steps)
                       + ": a non-finite loss; every gradient, parameter, optimizer state and buffer finite")
@@ -254,7 +230,7 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         for step in sorted({e.step for e in r.events}):
             node = chain.add(f"[bold]step {step}")
             for e in (e for e in r.events if e.step == step):
-                node.add(Text(describe(e) + _counts(e)))
+                node.add(Text(visible(e.text + _counts(e))))
         parts += [Text(), chain]
     rows = _spread_rows(r)
     if rows:
@@ -275,7 +251,7 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         for col, justify in (("metric", "left"), ("trend", "left"), ("last finite", "right")):
             table.add_column(col, justify=justify)  # type: ignore[arg-type]
         for name, values in precursor_rows(r):
-            table.add_row(name, sparkline(values), _last_finite(values))
+            table.add_row(markup(name), sparkline(values), _last_finite(values))
         parts += [Text(), table]
     if r.ranks:
         table = Table(title="ranks: logged losses against the replay's", title_justify="left", show_edge=False)
@@ -287,14 +263,14 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     for extra in amp_parts(r) + whatif_parts(r):
         parts += [Text(), extra]
     if r.findings:
-        parts += [Text(), Text("\n".join(f"- {f}" for f in r.findings))]
+        parts += [Text(), Text("\n".join(f"- {visible(f)}" for f in r.findings))]
     print_whole(console, Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
 
 
 def render_markdown(r: ReplayReport) -> str:
     _, word = _VERDICT[r.verdict]
     s = r.setup
-    out = [f"## nanforensics replay: {word.lower()} - {headline(r)}", "",
+    out = [f"## nanforensics replay: {word.lower()} - {r.headline}", "",
            f"Run `{s.run}`, replayed from the checkpoint at step {s.from_checkpoint} over steps "
            f"{s.first_step}-{s.last_step} on {s.device}{world_text(r)}.", ""]
     out += [f"- **{label.capitalize()}:** `{text}`" for label, text in loaded_rows(r)]
@@ -304,11 +280,11 @@ def render_markdown(r: ReplayReport) -> str:
     if r.data_defects:
         out += ["- **Data:**"] + [f"  - `{line}`" for line in defect_lines(r.data_defects)]
     if r.origin:
-        out.append(f"- **Origin:** step {r.origin.step}, `{describe(r.origin)}` ({r.origin.dtype})")
-    out.append(f"- **Reproduction:** {reproduction(r)}")
+        out.append(f"- **Origin:** step {r.origin.step}, `{r.origin.text}` ({r.origin.dtype})")
+    out.append(f"- **Reproduction:** {r.reproduction}")
     if r.events:
         out += ["", "### Propagation chain", ""]
-        out += [f"{i}. step {e.step}: `{describe(e)}`{_counts(e)}" for i, e in enumerate(r.events, 1)]
+        out += [f"{i}. step {e.step}: `{e.text}`{_counts(e)}" for i, e in enumerate(r.events, 1)]
     rows = _spread_rows(r)
     if rows:
         buffers = any(x.buffers_total for x in rows)
@@ -352,7 +328,7 @@ def amp_rows(amp: AmpReport) -> list[tuple[str, ...]]:
 def amp_headline(amp: AmpReport) -> str:
     precision = f"autocast {amp.autocast}" if amp.autocast else f"{amp.param_dtype} parameters"
     caught = ", ".join(str(e.step) for e in amp.caught) or "none"
-    failure = describe(amp.state_poisoned_by) if amp.state_poisoned_by else "none"
+    failure = amp.state_poisoned_by.text if amp.state_poisoned_by else "none"
     return (f"{precision}, {'a GradScaler' if amp.scaler else 'no GradScaler'}; caught before the moments were "
             f"written (benign): {caught}; first to reach the optimizer state (the failure): {failure}")
 
@@ -361,11 +337,11 @@ def amp_parts(r: ReplayReport) -> list[Any]:
     """Terminal renderables for ``r.amp`` (none without it)."""
     if r.amp is None:
         return []
-    table = Table(title=f"mixed precision: {amp_headline(r.amp)}", title_justify="left", show_edge=False)
+    table = Table(title=markup(f"mixed precision: {amp_headline(r.amp)}"), title_justify="left", show_edge=False)
     for col in _AMP_COLUMNS:
         table.add_column(col, justify="right" if col in ("step", "scale") else "left")
     for row in amp_rows(r.amp):
-        table.add_row(*row, style="bold red" if row[-1].startswith("reached") else "")
+        table.add_row(*map(markup, row), style="bold red" if row[-1].startswith("reached") else "")
     return [table]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from rich.console import Console
 
 from ..postmortem import PostmortemReport
-from ..replay.spread import from_replay
 from ..report import ReplayReport
 from ..saved import SavedReport
 from . import checkpoints, heatmap, postmortem, replay
@@ -16,9 +15,8 @@ def render_terminal(r: SavedReport, console: Console) -> None:
         postmortem.render_terminal(r, console)
     elif isinstance(r, ReplayReport):
         replay.render_terminal(r, console)
-        m = from_replay(r) if r.responsible_step is not None else None
-        if m is not None:
-            heatmap.render_terminal(m, console)
+        if r.spread_map is not None and r.responsible_step is not None:
+            heatmap.render_terminal(r.spread_map, console)
     else:
         checkpoints.render_bisect_terminal(r, console)
 

@@ -1,0 +1,83 @@
+"""Text from a run on its way out, escaped once, by the one function of its destination.
+
+Every string a run supplies (sample ids, file names, tensor and module names, manifest strings, group names, any
+field of a saved report) is untrusted. For the terminal, ``visible`` keeps only printable characters and writes
+every other one as a visible escape, so an escape sequence (``ESC]0;title BEL``, ``ESC[2J``), a bidi override or a
+newline can neither act on the terminal nor split one line of output (an error) into several; ``markup`` adds
+rich's escaping where rich parses the string as markup. HTML goes through Jinja2's autoescaping with ``visible`` as
+its finalizer (views/html.py), JUnit XML through ``xml_document``, which writes what XML 1.0 forbids visibly too.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+import xml.etree.ElementTree as ET
+
+# Allowed as they are: letters, marks, numbers, punctuation, symbols and spaces (Zs). Everything else - controls
+# (C0, DEL, C1), format characters (bidi overrides, zero-width joiners), line and paragraph separators, surrogates
+# (undecodable bytes of a file name), private-use and unassigned code points - is written as an escape.
+_ALLOWED = frozenset("LMNPS") | {"Zs"}
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _allowed(ch: str) -> bool:
+    category = unicodedata.category(ch)
+    return category in _ALLOWED or category[0] in _ALLOWED
+
+
+def _escape(ch: str) -> str:
+    if ch in _NAMED:
+        return _NAMED[ch]
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def visible(text: object) -> str:
+    """``text`` as one line of printable characters: ``ESC`` becomes ``\\x1b``, a newline ``\\n``, U+202E
+    ``\\u202e``; printable text (any script, symbols, emoji) is left as it is."""
+    text = str(text)
+    if text.isascii() and text.isprintable():  # the usual case: nothing to do
+        return text
+    return "".join(ch if _allowed(ch) else _escape(ch) for ch in text)
+
+
+def visible_lines(text: str) -> str:
+    """A rendered text (Markdown) line by line through ``visible``: its lines kept, nothing else that acts."""
+    return "\n".join(map(visible, text.split("\n")))
+
+
+def markup(text: object) -> str:
+    """``visible(text)`` for a string rich parses as markup: a sample id ``[red]x[/red]`` or ``[link=...]`` stays
+    text."""
+    from rich.markup import escape
+
+    return escape(visible(text))
+
+
+# ---- XML ---------------------------------------------------------------------------------------
+
+
+def _xml_allowed(ch: str) -> bool:
+    """The characters XML 1.0 admits (its production ``Char``), less the ones ``visible`` escapes (but newline and
+    tab, which a text node keeps)."""
+    code = ord(ch)
+    legal = ch in "\t\n" or 0x20 <= code <= 0xD7FF or 0xE000 <= code <= 0xFFFD or code >= 0x10000
+    return legal and (ch in "\t\n" or _allowed(ch))
+
+
+def xml_text(text: str) -> str:
+    """A text node's content: lines kept, every other character XML forbids or a terminal would act on escaped."""
+    return "".join(ch if _xml_allowed(ch) else _escape(ch) for ch in text)
+
+
+def xml_document(root: ET.Element) -> str:
+    """The one writer of XML: every attribute becomes one visible line, every text node legal XML 1.0; then
+    ElementTree's own escaping of ``<``, ``&`` and quotes."""
+    for element in root.iter():
+        element.attrib = {key: visible(value) for key, value in element.attrib.items()}
+        if element.text is not None:
+            element.text = xml_text(element.text)
+        if element.tail is not None:
+            element.tail = xml_text(element.tail)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

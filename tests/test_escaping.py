@@ -1,0 +1,255 @@
+"""Text from a run leaves escaped, by class: names and ids with every control character, escape sequence, bidi
+override, rich markup and HTML special, generated, through the one escaping function of each destination
+(terminal, HTML, JUnit XML) and through a real recorded run whose module, sample ids and folder are spelled with
+them, replayed, reported and re-rendered by the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import shutil
+import unicodedata
+import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nanforensics.checkpoints.scan import ScanReport, scan_checkpoint
+from nanforensics.cli import say
+from nanforensics.errors import BadInput
+from nanforensics.formats import open_checkpoint
+from nanforensics.saved import load_report
+from nanforensics.views.checkpoints import render_scan_terminal
+from nanforensics.views.escaping import markup, visible, xml_document, xml_text
+from nanforensics.views.html import render_html
+from nanforensics.views.postmortem import render_junit
+from nanforensics.views.report import render_terminal
+from rich.console import Console
+from rich.text import Text
+
+import hostile_names
+from conftest import assert_one_line_error, error_lines, run_cli
+
+C0 = [chr(c) for c in range(0x20)]
+C1 = [chr(c) for c in range(0x80, 0xA0)]
+BIDI = ["\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067", "\u2068", "\u2069", "\u200e", "\u200f",
+        "\u061c"]
+SEQUENCES = ["\x1b]0;title\x07", "\x1b[2J", "\x1b[31m", "\x1b]8;;https://evil\x1b\\link\x1b]8;;\x1b\\", "\x9b2J",
+             "\r\nCLEAN", "[red]x[/red]", "[link=https://evil]y[/link]", "[/]", "[bold", ":skull:", "\\[b]",
+             "<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "&amp;", "&lt;", "\"'", "]]>", "-->"]
+# Pieces a name or id is made of: the control characters one by one, whole escape sequences, markup and HTML, and
+# any code point at all (surrogates too: the undecodable bytes of a file name).
+hostile = st.lists(st.one_of(st.sampled_from(C0 + ["\x7f"] + C1 + BIDI + ["\u2028", "\u2029", "\ufeff"]),
+                             st.sampled_from(SEQUENCES), st.text(st.characters(exclude_categories=()), max_size=4)),
+                   max_size=8).map("".join)
+
+EXAMPLES = settings(max_examples=300, deadline=None)
+
+
+def printable(text: str, keep: str = "") -> bool:
+    """Nothing a terminal acts on or a reader cannot see: letters, marks, numbers, punctuation, symbols, spaces."""
+    return all(c in keep or unicodedata.category(c)[0] in "LMNPS" or unicodedata.category(c) == "Zs" for c in text)
+
+
+# ---- the escaping functions, on generated text ---------------------------------------------------------------
+
+
+@EXAMPLES
+@given(hostile)
+def test_visible_leaves_one_line_of_printable_characters(text):
+    shown = visible(text)
+    assert printable(shown) and "\n" not in shown
+    assert len(shown.splitlines()) <= 1  # no line or paragraph separator either
+    for c in set(text) - set(shown):  # what went is written out: ESC as \x1b, U+202E as \u202e
+        assert visible(c).startswith("\\") and len(visible(c)) > 1 and visible(c) in shown
+
+
+@EXAMPLES
+@given(st.text(st.characters(categories=("L", "M", "N", "P", "S", "Zs"))))
+def test_visible_leaves_printable_text_as_it_is(text):
+    assert visible(text) == text
+
+
+@EXAMPLES
+@given(hostile)
+def test_markup_stays_text_in_rich(text):
+    """A sample id ``[red]x[/red]`` or ``[link=...]`` is shown as written, never styled or linked."""
+    rendered = Text.from_markup(f"[dim]{markup(text)}[/dim]", emoji=False)  # inside the views' own markup
+    assert rendered.plain == visible(text) and [span.style for span in rendered.spans] == ["dim"]
+
+
+@EXAMPLES
+@given(hostile, hostile)
+def test_the_xml_writer_writes_any_text_as_parseable_xml(attribute, text):
+    root = ET.Element("testsuite", name=attribute)
+    ET.SubElement(root, "failure", message=attribute).text = text
+    parsed = ET.fromstring(xml_document(root).encode())
+    assert parsed.get("name") == parsed.find("failure").get("message") == visible(attribute)
+    body = parsed.find("failure").text or ""
+    assert body == xml_text(text) and printable(body, keep="\n\t")  # its lines kept, each printable
+
+
+@settings(max_examples=100, deadline=None)
+@given(hostile, hostile)
+def test_an_error_is_one_printable_line(where, problem):
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        say(f"nanforensics: error: {BadInput(where, problem)}")
+    err = stderr.getvalue()
+    assert err.endswith("\n") and err.count("\n") == 1 and printable(err, keep="\n"), err
+
+
+# ---- a real run whose names are an attacker's ----------------------------------------------------------------
+
+RUN_NAME = "run\x1b]0;t\x07\n[bold]r<u>\u202e:skull:"
+TEMPLATE_TAGS = {"html", "head", "meta", "title", "style", "body", "main", "h1", "h2", "span", "table", "tr", "th",
+                 "td", "code", "ul", "ol", "li", "svg", "text", "path", "rect", "line", "polyline", "circle", "div",
+                 "i", "b", "footer"}
+
+
+class Tags(HTMLParser):
+    """Every element and attribute name in a page, and its text."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.tags: set[str] = set()
+        self.attributes: set[str] = set()
+        self.text: list[str] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        self.attributes |= {name for name, _ in attrs}
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def assert_page_is_the_templates(html: str) -> Tags:
+    page = Tags(html)
+    assert page.tags <= TEMPLATE_TAGS, page.tags - TEMPLATE_TAGS
+    assert not {a for a in page.attributes if a.startswith("on")} and "<script" not in html
+    assert printable(html, keep="\n"), {c for c in html if not printable(c, keep="\n")}
+    return page
+
+
+def assert_terminal_safe(*outputs: str) -> None:
+    for out in outputs:
+        assert printable(out, keep="\n"), sorted({repr(c) for c in out if not printable(c, keep="\n")})
+
+
+@pytest.fixture(scope="module")
+def hostile_run(tmp_path_factory) -> dict[str, Any]:
+    """The run recorded, then examined once by ``postmortem`` with every output: the terminal, JSON, HTML, JUnit."""
+    root = tmp_path_factory.mktemp("hostile")
+    run = hostile_names.record(root / RUN_NAME)
+    out = {name: root / f"report.{name}" for name in ("json", "html", "xml")}
+    result = run_cli("postmortem", run, "--json", out["json"], "--html", out["html"], "--junit", out["xml"],
+                     columns=300)
+    assert result.code == 1, result.stderr
+    return {"run": run, "root": root, "result": result, **{k: p.read_text(encoding="utf-8") for k, p in out.items()},
+            "json_path": out["json"]}
+
+
+def test_the_postmortem_shows_the_names_escaped(hostile_run):
+    result = hostile_run["result"]
+    assert_terminal_safe(result.stdout, result.stderr)
+    shown = visible(hostile_names.HOSTILE)
+    # The module name opens every tensor name: the origin, the chain and the heatmap's rows show it escaped, and
+    # its markup as text (a word rich never breaks across lines).
+    assert "\\x1b]0;pwned\\x07\\x1b[2J" in result.stdout and "[red]x[/red][link=https://evil]y[/link]" in result.stdout
+    assert f"grad {shown.split(' ')[0]}" in result.stdout
+    assert visible(RUN_NAME) in result.stdout  # the run's folder, in the facts
+
+
+def test_the_html_report_holds_run_text_only_as_text(hostile_run):
+    page = assert_page_is_the_templates(hostile_run["html"])
+    text = "".join(page.text)
+    assert "<script>alert(1)</script><img src=x onerror=alert(1)>&amp;" in text  # shown, as text
+    assert visible(RUN_NAME) in text
+
+
+def test_the_junit_report_parses_and_names_the_origin(hostile_run):
+    suite = ET.fromstring(hostile_run["xml"].encode()).find("testsuite")
+    failure = suite.find("testcase/failure")
+    assert "\\x1b]0;pwned" in failure.get("message") and printable(failure.get("message"))
+    assert printable(failure.text, keep="\n") and suite.find("properties/property").get("value").endswith(
+        visible(RUN_NAME))
+
+
+def test_report_re_renders_the_saved_report_escaped(hostile_run, tmp_path):
+    html, markdown = tmp_path / "again.html", tmp_path / "again.md"
+    result = run_cli("report", hostile_run["json_path"], "--html", html, "--markdown", markdown, columns=300)
+    assert result.code == 0, result.stderr
+    assert_terminal_safe(result.stdout, result.stderr, markdown.read_text(encoding="utf-8"))
+    assert "[red]x[/red][link=https://evil]y[/link]" in result.stdout
+    assert html.read_text(encoding="utf-8") == hostile_run["html"]
+
+
+def test_errors_naming_hostile_files_and_import_strings_are_one_line(hostile_run, tmp_path):
+    # A file name with newlines and escapes: one line, which never says CLEAN at its start.
+    missing = tmp_path / "x\x1b]0;t\x07\nCLEAN\x1b[2J.pt"
+    result = run_cli("scan", missing)
+    assert_one_line_error(result, "\\x1b]0;t\\x07\\nCLEAN\\x1b[2J.pt")
+    assert_terminal_safe(result.stdout, result.stderr)
+    # A manifest string (the model factory's import string) spelled the same way: announced and refused, escaped.
+    copy = tmp_path / "copy"
+    shutil.copytree(hostile_run["run"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["model_factory"] = "no_such\x1b]0;t\x07\nCLEAN[red]:build"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    result = run_cli("replay", copy)
+    assert result.code == 2 and len(error_lines(result.stderr)) == 1, result.stderr
+    assert_terminal_safe(result.stdout, result.stderr)
+    assert "no_such\\x1b]0;t\\x07\\nCLEAN[red]:build" in result.stderr
+
+
+# ---- every string of a report, generated ---------------------------------------------------------------------
+
+# Fields the views look up a table by: a saved report with another value there is refused, not rendered.
+_LOOKED_UP = {"verdict", "kind", "schema", "status", "stage", "adjustment", "basis", "order", "mode"}
+
+
+def _spelled(obj: Any, text: str) -> Any:
+    """``obj`` with ``text`` appended to every string it holds (dict keys too), but the looked-up ones."""
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: getattr(obj, f.name) if f.name in _LOOKED_UP
+                                           else _spelled(getattr(obj, f.name), text) for f in dataclasses.fields(obj)
+                                           if f.init})
+    if isinstance(obj, str):
+        return obj + text
+    if isinstance(obj, list):
+        return [_spelled(v, text) for v in obj]
+    if isinstance(obj, dict):
+        return {_spelled(k, text): _spelled(v, text) for k, v in obj.items()}
+    return obj
+
+
+@pytest.fixture(scope="module")
+def scanned(hostile_run) -> ScanReport:
+    """The run's poisoned checkpoint, scanned whole: tensor names and groups in every table of the scan's view."""
+    return scan_checkpoint(open_checkpoint(hostile_run["run"] / "checkpoints" / "step_00000010"), full=True)
+
+
+def _console() -> Console:
+    return Console(file=io.StringIO(), width=200, color_system=None, highlight=False, emoji=False)
+
+
+@settings(max_examples=20, deadline=None)
+@given(text=hostile)
+def test_every_string_of_a_report_leaves_escaped(hostile_run, scanned, text):
+    """The post-mortem's report (its replay and bisection inside) and a scan's, with ``text`` in every string
+    field, rendered by every view."""
+    report = _spelled(load_report(hostile_run["json_path"]), text)
+    console = _console()
+    render_terminal(report, console)
+    render_scan_terminal(_spelled(scanned, text), console)
+    assert_terminal_safe(console.file.getvalue())
+    assert_page_is_the_templates(render_html(report))
+    suite = ET.fromstring(render_junit(report).encode())
+    for element in suite.iter():
+        assert all(printable(v) for v in element.attrib.values())
+        assert printable(element.text or "", keep="\n\t")

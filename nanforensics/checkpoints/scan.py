@@ -25,7 +25,8 @@ from .. import finite
 from ..errors import BadInput
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo
 from ..formats.source import Release
-from .soundness import Checker, Soundness, Unsound
+from ..report import Unsound
+from .soundness import Checker, Soundness
 
 SCAN_SCHEMA = "nanforensics.scan/1"
 DEFAULT_MARGIN = 1000.0

@@ -39,7 +39,8 @@ import torch
 
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo, torch_file
 from ..formats.source import Release, lightning_parts
-from ..runs.checkpoint import EXTRAS_FILE, Checkpoint, state_from_json
+from ..report import Event, Unsound
+from ..runs.checkpoint import EXTRAS_FILE, Checkpoint, param_names, state_from_json
 from ..runs.files import TensorFile
 from ..words import count
 
@@ -63,20 +64,6 @@ _RANGES: dict[str, tuple[float, float, bool]] = {  # key: (low, high, high inclu
     "alpha": (0.0, math.inf, False), "rho": (0.0, 1.0, True), "beta2_decay": (-math.inf, 0.0, True),
     "d": (0.0, math.inf, False), "lr_decay": (0.0, math.inf, False), "lambd": (0.0, math.inf, False),
 }
-
-
-@dataclass
-class Unsound:
-    """One finding: which check, on which tensor (or hyperparameter) of which parameter and group, where, the values
-    there, and what it does at the next update."""
-
-    check: str
-    tensor: str  # the checkpoint's name of the tensor, or "param_groups[g].key" for a hyperparameter
-    param: str | None  # the parameter's name; "#i" (its position in the optimizer's order) where none is recorded
-    group: int | None  # its param group
-    index: list[int] | None  # the first coordinate that breaks the check
-    values: dict[str, Any]  # the values there (or the hyperparameter's)
-    message: str
 
 
 @dataclass
@@ -162,14 +149,14 @@ def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
-def _layout(source: CheckpointSource) -> _Layout | None:
+def _layout(source: CheckpointSource, order_names: list[str] | None) -> _Layout | None:
     """Param groups and parameter names as the checkpoint records them; None where it records none (a bare
     safetensors file, a torch.distributed.checkpoint folder of another tool)."""
     if (source.path / "meta.json").is_file() and source.format in ("nanforensics", "dcp"):
         return _ours(source)
     files = [f for f, group in source.files if group in (None, OPTIMIZER) and f.suffix != ".safetensors"
              and f.name != ".metadata"]
-    layouts = [_of_object(torch_file.load(f)[0]) for f in files]
+    layouts = [_of_object(torch_file.load(f)[0], order_names) for f in files]
     found = [lay for lay in layouts if lay is not None]
     return found[0] if len(found) == 1 else None
 
@@ -189,13 +176,15 @@ def _ours(source: CheckpointSource) -> _Layout:
     return _Layout(groups, params, True, scaler, exact_step=True)
 
 
-def _of_object(obj: Any) -> _Layout | None:
+def _of_object(obj: Any, order_names: list[str] | None) -> _Layout | None:
+    """The layout of the one optimizer state dict in a loaded checkpoint; a parameter the state does not name is
+    ``#i`` by its position in the optimizer's order, or ``order_names[i]`` where the caller matched them by order."""
     parts = lightning_parts(obj)
     found = list(_optimizer_dicts(parts[1] if parts else obj, ("optimizer_states",) if parts else ()))
     if len(found) != 1:
         return None
     prefix, sd = found[0]
-    groups, params, named = [], {}, True
+    groups, params, named, position = [], {}, True, 0
     for g, group in enumerate(sd["param_groups"]):
         if not isinstance(group, dict) or not isinstance(group.get("params"), list):
             return None
@@ -207,8 +196,10 @@ def _of_object(obj: Any) -> _Layout | None:
             state = sd["state"].get(pid, {})
             scalars = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)} if isinstance(state, dict) \
                 else {}
-            params[".".join(prefix + ("state", label))] = _Param(label if names is not None else f"#{pid}", g,
-                                                                 scalars=scalars)
+            own = label if names is not None else order_names[position] \
+                if order_names is not None and position < len(order_names) else f"#{position}"
+            params[".".join(prefix + ("state", label))] = _Param(own, g, scalars=scalars)
+            position += 1
     scaler = next((obj[k] for k in SCALER_KEYS if isinstance(obj, dict) and isinstance(obj.get(k), dict)), None)
     return _Layout(groups, params, named, scaler)
 
@@ -299,9 +290,9 @@ class Checker:
     """Fed the checkpoint's tensors as the scan streams them; holds a parameter's state tensors until all have come,
     then checks them together."""
 
-    def __init__(self, source: CheckpointSource, infos: list[TensorInfo]) -> None:
+    def __init__(self, source: CheckpointSource, infos: list[TensorInfo], order_names: list[str] | None = None) -> None:
         self.source = source
-        self.layout = _layout(source)
+        self.layout = _layout(source, order_names)
         self.expected: dict[str, int] = {}
         for info in infos:
             if info.group == OPTIMIZER:
@@ -568,11 +559,12 @@ class Found:
                                             message))
 
 
-def check(source: CheckpointSource) -> tuple[Soundness, list[Unsound]]:
+def check(source: CheckpointSource, order_names: list[str] | None = None) -> tuple[Soundness, list[Unsound]]:
     """The soundness checks alone, reading only the optimizer's tensors (the replay's start checkpoint, already
-    scanned for finiteness)."""
+    scanned for finiteness). ``order_names``: the parameters' names in the optimizer's order, which name the state of
+    a checkpoint that records none (as a replay matched it)."""
     stream = source.open()
-    checker = Checker(source, stream.infos)
+    checker = Checker(source, stream.infos, order_names)
     first = next((i for i, info in enumerate(stream.infos) if info.group == OPTIMIZER), len(stream.infos))
     for info, tensor, release in stream.tensors(first):
         checker.feed(info, tensor, release, True)
@@ -599,3 +591,64 @@ def unsound_coordinates(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, 
             if bool(mask.any()):
                 out[p] = mask
     return out
+
+
+# ---- a replay from a checkpoint: the start's soundness beside the origin ------------------------------------------
+
+
+def start_soundness(source: CheckpointSource, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                    ) -> list[Unsound]:
+    """The soundness findings of a replay's start checkpoint, the parameters named as the replay's model names them
+    (a checkpoint that records no names by the order the replay matched its state in)."""
+    return check(source, param_names(model, optimizer))[1]
+
+
+def _params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each parameter's name: its group and shape."""
+    names = iter(param_names(model, optimizer))
+    return {next(names): (g, tuple(p.shape)) for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+
+
+def _on(u: Unsound, origin: Event, params: Mapping[str, tuple[int, tuple[int, ...]]]) -> bool:
+    """Whether the origin lies on what ``u`` flags: its coordinate (or its parameter, for a whole-tensor finding;
+    either end of a group's differing step counters), its group (a hyperparameter), or anywhere (the loss scale)."""
+    if u.param is not None:
+        if origin.tensor not in {u.param, u.values.get("min_param")}:
+            return False
+        return u.index is None or list(u.index) == list(origin.index)
+    if u.group is not None:
+        return origin.tensor in params and params[origin.tensor][0] == u.group
+    return True
+
+
+def resume_findings(unsound: list[Unsound], origin: Event | None, start: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, matched_by_order: bool) -> tuple[list[str], bool]:
+    """What the start checkpoint's soundness says about the replay: the findings, and whether the origin lies on a
+    coordinate a reset could zero (so the what-if ``reset-state`` shows whether resetting would have saved the run)."""
+    params = _params(model, optimizer)
+    out = []
+    if unsound:
+        checks = sorted({f"{u.check} ({u.param or u.tensor})" for u in unsound})
+        out.append(f"The start checkpoint (step {start}) is finite but its optimizer state is unsound: "
+                   f"{count(len(unsound), 'finding')}, {', '.join(checks[:4])}{' ...' if len(checks) > 4 else ''} "
+                   "(each under unsound, with what it does at the next update).")
+    if origin is None:
+        return out, False
+    hits = [u for u in unsound if _on(u, origin, params)]
+    where = f"{origin.tensor}{origin.index}"
+    for u in hits[:3]:
+        out.append(f"The origin, {where} at step {origin.step}, lies on what the start checkpoint's {u.check} check "
+                   f"flagged: {u.message}.")
+    if matched_by_order and origin.tensor in params:
+        group, shape = params[origin.tensor]
+        twins = [n for n, (g, s) in params.items() if g == group and s == shape and n != origin.tensor]
+        if twins:
+            pair = any(u.check == BOUND for u in hits)
+            out.append(f"The optimizer state was matched to the parameters by order (the checkpoint names none), and "
+                       f"{origin.tensor} shares its shape {list(shape)} with {', '.join(twins[:3])}"
+                       f"{' (+more)' if len(twins) > 3 else ''}: had training listed them in another order, the moments "
+                       f"it was given would be one of those's, and nothing in the checkpoint tells" +
+                       ("; here they break Adam's bound against each other, so they may well belong to another "
+                        "parameter of the same shape" if pair else "") + ".")
+    resettable = any(u.check in ELEMENTWISE or (u.check == STEP and u.values.get("step") == 0) for u in hits)
+    return out, resettable

@@ -15,6 +15,7 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from ..checkpoints.scan import CLEAN, scan_checkpoint
+from ..checkpoints.soundness import resume_findings, start_soundness
 from ..distributed.findings import complete
 from ..distributed.findings import findings as rank_findings
 from ..errors import BadInput
@@ -101,8 +102,8 @@ def _precursor_start(run: StepSource, checkpoint: StartPoint, step: int) -> Star
 
 
 def _checkpoint_finite(c: StartPoint) -> bool:
-    """Streamed, one tensor at a time, stopping at the first non-finite one."""
-    return scan_checkpoint(open_checkpoint(c.path)).verdict == CLEAN
+    """Streamed, one tensor at a time, stopping at the first non-finite one (soundness is checked on the one chosen)."""
+    return scan_checkpoint(open_checkpoint(c.path), soundness=False).verdict == CLEAN
 
 
 def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
@@ -213,8 +214,18 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         # which samples (a batch with no valid target, typically).
         explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
         operation, samples = _explain(r, explained) if explained is not None and opts.explain else (None, None)
-        what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
-                                         opts.what_if_steps, events[0].rank) if events and opts.what_if else []
+        # the start checkpoint's optimizer state beyond finiteness: an origin on what it flags is explained by it, and
+        # whether resetting the flagged state would have saved the run is replayed too
+        unsound = start_soundness(getattr(checkpoint, "source", None) or open_checkpoint(checkpoint.path), r.model,
+                                  r.optimizer)
+        by_order = code.loaded is not None and code.loaded.optimizer_matched == "order"
+        resumed, resettable = resume_findings(unsound, events[0] if events else None, checkpoint.step, r.model,
+                                              r.optimizer, by_order)
+        changes = list(opts.what_if)
+        if resettable and not any(isinstance(c, whatif.ResetState) for c in changes):
+            changes.append(whatif.ResetState())
+        what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, changes,
+                                         opts.what_if_steps, events[0].rank) if events and changes else []
 
     report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol, amp.caught,
                      logged_nan=logged_nan, loss_only=loss_only, compared=[compared[s] for s in sorted(compared)],
@@ -224,8 +235,9 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         data_defects, precursors, operation, samples, code.loaded)
     if run.world is not None:
         complete(report, run, r, lambda logged, replayed: losses_match(logged, replayed, rtol, opts.loss_ulps))
-    report.findings = (findings(report) + rank_findings(report) + amp_findings(report.amp)
-                       + whatif.findings(report.what_if, requested=bool(opts.what_if)))
+    report.unsound = unsound
+    report.findings = (findings(report) + rank_findings(report) + amp_findings(report.amp) + resumed
+                       + whatif.findings(report.what_if, requested=bool(changes)))
     return report
 
 

@@ -293,17 +293,28 @@ def _named(unsound: list[Any], d: Defect) -> Any:
 
 
 @pytest.mark.parametrize("name", list(DEFECTS))
-def test_scan_names_the_defect_with_exit_code_5(damaged, name):
+def test_scan_names_the_defect(damaged, name):
+    d = DEFECTS[name]
+    report = scan_checkpoint(open_checkpoint(damaged[name] / "checkpoints" / f"step_{START:08d}"))
+    assert report.verdict == CLEAN  # finite: the verdict is finiteness's, the findings and exit code say unsound
+    hit = _named(report.unsound, d)
+    assert hit.index == d.index and d.says in hit.message
+    before = scan_checkpoint(open_checkpoint(damaged[name] / "checkpoints" / f"step_{START - 5:08d}"))
+    assert before.verdict == CLEAN and before.unsound == []  # the checkpoint before it, untouched
+
+
+@pytest.mark.parametrize("name", ["one negative exp_avg_sq", "loss scale inf"])
+def test_scan_exit_code_5_and_json(damaged, name):
     d = DEFECTS[name]
     result = run_cli("scan", damaged[name] / "checkpoints" / f"step_{START:08d}", "--json", "-")
     assert result.code == 5, (result.code, result.stderr)
     report = result.json()
-    assert report["verdict"] == "clean"  # finite: the verdict is finiteness's, the exit code says unsound
+    assert report["verdict"] == "clean" and report["soundness"]["optimizers"]
     hit = _named(report["unsound"], d)
-    assert hit["index"] == d.index and d.says in hit["message"]
     assert set(hit) == {"check", "tensor", "param", "group", "index", "values", "message"}
-    clean = run_cli("scan", damaged[name] / "checkpoints" / f"step_{START - 5:08d}", "--json", "-")
-    assert clean.code == 0 and clean.json()["unsound"] == []  # the checkpoint before it, untouched
+    assert hit["index"] == d.index and d.says in hit["message"]
+    text = run_cli("scan", damaged[name] / "checkpoints" / f"step_{START:08d}")
+    assert text.code == 5 and "UNSOUND OPTIMIZER STATE" in text.stdout and f"Unsound ({d.check})" in text.stdout
 
 
 @pytest.mark.parametrize("name", list(DEFECTS))

@@ -141,6 +141,9 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
 
     with pinned_threads(run.num_threads if device.type == "cpu" else None) as threads:
         r = open_session(run, code, checkpoint, device)
+        # the start checkpoint's optimizer state beyond finiteness: an origin on what it flags is explained by it
+        unsound = start_soundness(getattr(checkpoint, "source", None) or open_checkpoint(checkpoint.path), r.model,
+                                  r.optimizer)
         amp = AmpLog()
         params_total, state_total = totals(r.model, r.optimizer)
         buffers_all = buffers_total(r.model)
@@ -178,7 +181,9 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     # are read before anything later in the step changes them. The steps up to it are
                     # re-run with the precursor probe, which detection is too cheap to carry.
                     hooks.close()
-                    r = open_session(run, code, _precursor_start(run, checkpoint, step), device)
+                    # an older checkpoint does not lead to an unsound start's state (it was not made by the steps)
+                    r = open_session(run, code, checkpoint if unsound else _precursor_start(run, checkpoint, step),
+                                     device)
                     with PrecursorProbe(r.model, r.optimizer) as warmup:
                         while r.step < step:
                             r.run_step()
@@ -214,10 +219,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         # which samples (a batch with no valid target, typically).
         explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
         operation, samples = _explain(r, explained) if explained is not None and opts.explain else (None, None)
-        # the start checkpoint's optimizer state beyond finiteness: an origin on what it flags is explained by it, and
         # whether resetting the flagged state would have saved the run is replayed too
-        unsound = start_soundness(getattr(checkpoint, "source", None) or open_checkpoint(checkpoint.path), r.model,
-                                  r.optimizer)
         by_order = code.loaded is not None and code.loaded.optimizer_matched == "order"
         resumed, resettable = resume_findings(unsound, events[0] if events else None, checkpoint.step, r.model,
                                               r.optimizer, by_order)

@@ -44,7 +44,7 @@ from ..runs.checkpoint import EXTRAS_FILE, Checkpoint, param_names, state_from_j
 from ..runs.files import TensorFile
 from ..words import count
 
-CHUNK = 1 << 22  # elements per chunk of a pair check (16 MB of float32 per tensor)
+CHUNK = 1 << 21  # elements per chunk of a pair check (8 MB of float32 per tensor)
 
 # The checks, as named in findings
 NEGATIVE, AMSGRAD, BOUND, SHAPE, DTYPE, STEP, HYPERPARAMETER, LOSS_SCALE, EPS_ZERO = (
@@ -263,6 +263,25 @@ def flags(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> dict[s
     return out
 
 
+def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> bool:
+    """Whether ``flags`` could flag anything in this chunk, by reductions that allocate no masks: a handful of
+    passes where the masks take a dozen (they are built only for a chunk found suspect)."""
+    betas = _betas(hyper)
+    limit = adam_bound(*betas) if betas is not None and "exp_avg" in state and "exp_avg_sq" in state else None
+    for key in NONNEGATIVE:
+        if key in state and not (limit is not None and key == "exp_avg_sq") and bool(state[key].amin() < 0):
+            return True
+    if "max_exp_avg_sq" in state and "exp_avg_sq" in state and bool(torch.lt(state["max_exp_avg_sq"],
+                                                                             state["exp_avg_sq"]).any()):
+        return True
+    if limit is not None and betas is not None:
+        rtol, atol = _tolerance(hyper.get("_dtype", torch.float32), betas[1], limit)
+        # |m| - C(1+r) sqrt(v): NaN where v < 0 (sqrt), which the comparison below counts as suspect too
+        worst = torch.add(state["exp_avg"].abs(), state["exp_avg_sq"].sqrt(), alpha=-limit * (1 + rtol)).max()
+        return not bool(worst <= atol)
+    return False
+
+
 def _chunks(held: Mapping[str, _Held]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Matching chunks of a parameter's same-sized state tensors, as float32, each chunk's pages handed back once read."""
     flat = {k: h.tensor.reshape(-1) for k, h in held.items()}
@@ -350,10 +369,10 @@ class Checker:
         tensors = {k: h for k, h in held.items() if h.tensor.is_floating_point() and h.tensor.dim() > 0}
         same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
             if tensors else {}
-        nonzero = self._elementwise(found, same, hyper) if same else False
+        nonzero = self._elementwise(found, same, hyper, step) if same else False
         for k, h in tensors.items():
             if k not in same and k in NONNEGATIVE:  # a factored moment: checked on its own
-                self._elementwise(found, {k: h}, hyper)
+                self._elementwise(found, {k: h}, hyper, None)
         if step is not None and group is not None:
             self._step(found, step, nonzero, hyper)
             self.steps.setdefault(group, []).append((step, label))
@@ -391,20 +410,23 @@ class Checker:
         hits = [i for n, i in self.model.items() if n.endswith("." + label)]
         return hits[0] if len(hits) == 1 else None
 
-    def _elementwise(self, found: Found, held: dict[str, _Held], hyper: Mapping[str, Any]) -> bool:
-        """Flags, zeros at eps = 0, and whether any moment holds a value; returns the last."""
+    def _elementwise(self, found: Found, held: dict[str, _Held], hyper: Mapping[str, Any], step: float | None) -> bool:
+        """Flags, zeros at eps = 0, and (for a step of 0) whether any moment holds a value; returns the last."""
         v_dtype = held["exp_avg_sq"].tensor.dtype if "exp_avg_sq" in held else torch.float32
         tallies: dict[str, _Tally] = {}
         eps = _number(hyper.get("eps"))
         denominator = "max_exp_avg_sq" if hyper.get("amsgrad") and "max_exp_avg_sq" in held else "exp_avg_sq"
         zeros = _Tally()
         nonzero = False
+        typed = {**hyper, "_dtype": v_dtype}
         for start, chunk in _chunks(held):
-            for name, mask in flags(chunk, {**hyper, "_dtype": v_dtype}).items():
-                _tally(tallies.setdefault(name, _Tally()), mask, start, chunk)
+            if _suspect(chunk, typed):
+                for name, mask in flags(chunk, typed).items():
+                    _tally(tallies.setdefault(name, _Tally()), mask, start, chunk)
             if eps == 0 and denominator in chunk:
                 _tally(zeros, chunk[denominator] == 0, start, chunk)
-            nonzero = nonzero or any(bool(c.any()) for k, c in chunk.items() if k != "step")
+            if step == 0 and not nonzero:
+                nonzero = any(bool(c.any()) for c in chunk.values())
         shape = next(iter(held.values())).tensor.shape
         for name, t in tallies.items():
             if t.count:
@@ -583,7 +605,8 @@ def unsound_coordinates(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, 
                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape and v.dim() > 0}
             if not tensors:
                 continue
-            masks = list(flags(tensors, group).values())
+            v_dtype = state["exp_avg_sq"].dtype if isinstance(state.get("exp_avg_sq"), torch.Tensor) else torch.float32
+            masks = list(flags(tensors, {**group, "_dtype": v_dtype}).values())
             mask = torch.stack(masks).any(dim=0) if masks else torch.zeros(p.shape, dtype=torch.bool, device=p.device)
             step = _number(state.get("step"))
             if step == 0 and any(bool(t.any()) for t in tensors.values()):

@@ -113,15 +113,16 @@ def _betas(hyper: Mapping[str, Any]) -> tuple[float, float] | None:
 
 
 def optimizer_kind(hyper: Mapping[str, Any], keys: Iterable[str]) -> str:
+    """What a param group's state is checked as, by its state keys (its hyperparameters alone before any step)."""
     keys = set(keys)
     if "exp_avg_sq_row" in keys or "row_var" in keys or "beta2_decay" in hyper or "decay_rate" in hyper:
         return "Adafactor (factored second moments)"
-    if {"exp_avg", "exp_avg_sq"} <= keys and _betas(hyper) is not None:
-        return "Adam-family (Adam, AdamW, NAdam, RAdam)" + (" with amsgrad" if hyper.get("amsgrad") else "")
-    if "momentum_buffer" in keys or (_number(hyper.get("momentum")) or 0) > 0:
-        return "SGD with momentum"
     if "exp_inf" in keys:
         return "Adamax"
+    if _betas(hyper) is not None and ({"exp_avg", "exp_avg_sq"} <= keys or not keys - {"step"}):
+        return "Adam-family (Adam, AdamW, NAdam, RAdam)" + (" with amsgrad" if hyper.get("amsgrad") else "")
+    if "momentum_buffer" in keys or (not keys and (_number(hyper.get("momentum")) or 0) > 0):
+        return "SGD with momentum"
     return "other (checked: non-negative second moments, shapes, dtypes, step, hyperparameters)"
 
 
@@ -132,7 +133,6 @@ def optimizer_kind(hyper: Mapping[str, Any], keys: Iterable[str]) -> str:
 class _Param:
     label: str  # model name, or "#i"
     group: int
-    model_tensor: str | None = None  # the stream's name of the parameter, where the state names it
     scalars: dict[str, Any] = field(default_factory=dict)  # non-tensor state (an int step of older torch)
 
 
@@ -161,17 +161,21 @@ def _layout(source: CheckpointSource, order_names: list[str] | None) -> _Layout 
     return found[0] if len(found) == 1 else None
 
 
-def _ours(source: CheckpointSource) -> _Layout:
+def _ours(source: CheckpointSource) -> _Layout | None:
+    """From ``meta.json``; None when its groups are not lists of named parameters (the checks that need them are
+    then left out, and said so)."""
     ck = Checkpoint(source.path, -1)
     meta = ck.meta()
     prefix = "optim.state." if source.format == "dcp" else ""
     groups, params = [], {}
     scalars = meta["state_scalars"] if isinstance(meta["state_scalars"], dict) else {}
+    if not _groups_shaped(meta["param_groups"]):
+        return None
     for g, group in enumerate(meta["param_groups"]):
         groups.append(_hyper(group))
-        for name in group.get("params", []):
-            params[prefix + str(name)] = _Param(str(name), g, ("model." if prefix else "") + str(name),
-                                                dict(scalars.get(name, {})))
+        for name in group["params"]:
+            own = scalars.get(str(name))
+            params[prefix + str(name)] = _Param(str(name), g, dict(own) if isinstance(own, dict) else {})
     scaler = state_from_json(meta["scaler"], lambda: TensorFile(ck.path / EXTRAS_FILE)) if "scaler" in meta else None
     return _Layout(groups, params, True, scaler, exact_step=True)
 
@@ -185,15 +189,15 @@ def _of_object(obj: Any, order_names: list[str] | None) -> _Layout | None:
         return None
     prefix, sd = found[0]
     groups, params, named, position = [], {}, True, 0
+    if not _groups_shaped(sd["param_groups"]):
+        return None
     for g, group in enumerate(sd["param_groups"]):
-        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
-            return None
         groups.append(_hyper(group))
         names = group.get("param_names") if isinstance(group.get("param_names"), list) else None
         named = named and names is not None and len(names) == len(group["params"])
         for i, pid in enumerate(group["params"]):
             label = str(names[i]) if names is not None and i < len(names) else str(pid)
-            state = sd["state"].get(pid, {})
+            state = sd["state"].get(pid, {}) if isinstance(pid, (int, str)) else {}
             scalars = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)} if isinstance(state, dict) \
                 else {}
             own = label if names is not None else order_names[position] \
@@ -202,6 +206,10 @@ def _of_object(obj: Any, order_names: list[str] | None) -> _Layout | None:
             position += 1
     scaler = next((obj[k] for k in SCALER_KEYS if isinstance(obj, dict) and isinstance(obj.get(k), dict)), None)
     return _Layout(groups, params, named, scaler)
+
+
+def _groups_shaped(groups: Any) -> bool:
+    return isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
 
 
 def _optimizer_dicts(obj: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:

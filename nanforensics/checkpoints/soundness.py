@@ -391,12 +391,13 @@ class Checker:
             return
         for key, h in held.items():
             t = h.info
-            if key == "step" or not t.dtype.is_floating_point or not param.dtype.is_floating_point:
+            # only the state torch lays out like the parameter: other keys (an 8-bit optimizer's, say) are not known
+            if key not in PER_ELEMENT and key not in FACTORED or not t.dtype.is_floating_point \
+                    or not param.dtype.is_floating_point:
                 continue
             fits = t.shape == param.shape if key in PER_ELEMENT else (
-                key in FACTORED and len(t.shape) == len(param.shape)
-                and all(s in (1, p) for s, p in zip(t.shape, param.shape)))
-            if (key in PER_ELEMENT or key in FACTORED) and not fits:
+                len(t.shape) == len(param.shape) and all(s in (1, p) for s, p in zip(t.shape, param.shape)))
+            if not fits:
                 found.add(SHAPE, key, None, {"state_shape": list(t.shape), "param_shape": list(param.shape)},
                           f"{key} of {entry.label} is {list(t.shape)}, its parameter {list(param.shape)}: it belongs to "
                           "another parameter (or another model); torch's load_state_dict refuses it, or broadcasts it "

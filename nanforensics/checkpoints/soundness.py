@@ -374,7 +374,8 @@ class Checker:
         if entry is not None and self.layout is not None and self.layout.named:
             self._layout_checks(found, entry, held)
         step = _number(held["step"].tensor) if "step" in held else _number(entry.scalars.get("step")) if entry else None
-        tensors = {k: h for k, h in held.items() if h.tensor.is_floating_point() and h.tensor.dim() > 0}
+        tensors = {k: h for k, h in held.items()
+                   if h.tensor.is_floating_point() and h.tensor.dim() > 0 and h.tensor.layout == torch.strided}
         same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
             if tensors else {}
         nonzero = self._elementwise(found, same, hyper, step) if same else False
@@ -400,17 +401,18 @@ class Checker:
             if not fits:
                 found.add(SHAPE, key, None, {"state_shape": list(t.shape), "param_shape": list(param.shape)},
                           f"{key} of {entry.label} is {list(t.shape)}, its parameter {list(param.shape)}: it belongs to "
-                          "another parameter (or another model); torch's load_state_dict refuses it, or broadcasts it "
-                          "into a wrong update at the next step")
+                          "another parameter (or another model); torch's load_state_dict takes it unchecked, and the "
+                          "next update fails to broadcast it or broadcasts it into a wrong update")
             narrower = torch.finfo(t.dtype).eps > torch.finfo(param.dtype).eps or \
                 torch.finfo(t.dtype).max < torch.finfo(param.dtype).max
             if narrower:
                 dt, pt = str(t.dtype).removeprefix("torch."), str(param.dtype).removeprefix("torch.")
                 info = torch.finfo(t.dtype)
+                flushed = f", values below {info.tiny:.1g} flushed towards 0" if info.max < 1e38 else ""
                 found.add(DTYPE, key, None, {"state_dtype": dt, "param_dtype": pt},
                           f"{key} of {entry.label} is {dt}, its parameter {pt}: torch keeps state in the parameter's "
-                          f"dtype, so this was converted on saving and lost precision (relative rounding up to "
-                          f"{info.eps / 2:.1g}{f', values below {info.tiny:.1g} flushed towards 0' if info.max < 1e38 else ''}); "
+                          f"dtype, so this was converted on the way (on saving, or by a tool since) and lost precision "
+                          f"(relative rounding up to {info.eps / 2:.1g}{flushed}); "
                           f"load_state_dict casts it back, and the next update runs on the rounded moments")
 
     def _model_tensor(self, label: str) -> TensorInfo | None:

@@ -43,7 +43,7 @@ def _commands(
     """Forensics for training runs that died with NaN: name the batch responsible."""
 
 
-EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED, EXIT_LOSS_ONLY = 0, 1, 2, 3, 4
+EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED, EXIT_LOSS_ONLY, EXIT_UNSOUND = 0, 1, 2, 3, 4, 5
 
 
 def stdout_console() -> Console:
@@ -337,7 +337,8 @@ def scan(
 ) -> None:
     """Scan one checkpoint: every tensor's non-finite values and headroom, model and optimizer state apart.
 
-    Exit codes: 0 clean, 1 poisoned (parameters or optimizer state), 2 bad input.
+    Exit codes: 0 clean, 1 poisoned (parameters or optimizer state), 2 bad input, 5 finite but the optimizer state
+    unsound (moments Adam cannot produce, a step counter reset, lr or loss scale inf, ...).
     """
     from .checkpoints.scan import CLEAN, scan_checkpoint
     from .formats import open_checkpoint
@@ -351,7 +352,7 @@ def scan(
     emit_markdown(render_scan_markdown(report), markdown)
     if terminal_view(json_out, markdown):
         render_scan_terminal(report, stdout_console())
-    raise typer.Exit(EXIT_CLEAN if report.verdict == CLEAN else EXIT_FOUND)
+    raise typer.Exit(EXIT_FOUND if report.verdict != CLEAN else EXIT_UNSOUND if report.unsound else EXIT_CLEAN)
 
 
 @app.command(short_help="Find the first poisoned checkpoint.")
@@ -387,7 +388,8 @@ def bisect(
     """Find the first poisoned checkpoint in about log2(n) checkpoint reads; with --code, replay from the last
     clean one to name the step, batch and coordinate.
 
-    Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input; with --code, the
+    Exit codes: 0 none poisoned, 1 poisoned found (or history not monotonic), 2 bad input, 5 none poisoned but a
+    checkpoint read holds unsound optimizer state; with --code, the
     replay's: 0 clean, 1 found, 3 a poisoned checkpoint not reproduced from the supplied batches, 4 a non-finite
     loss only.
     """
@@ -437,7 +439,8 @@ def bisect(
                                   progress=step_bar)
         if terminal_view(json_out, markdown):
             render_terminal(replayed, stdout_console())
-    raise typer.Exit(EXIT_CLEAN if report.first_poisoned is None else EXIT_FOUND)
+    raise typer.Exit(EXIT_FOUND if report.first_poisoned is not None else
+                     EXIT_UNSOUND if any(rec.unsound for rec in report.history) else EXIT_CLEAN)
 
 
 _SUMMARY_HELP = ("Write the summary as Markdown to PATH; by default it is appended to $GITHUB_STEP_SUMMARY when "

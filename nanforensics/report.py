@@ -216,6 +216,21 @@ class AmpReport:
 
 
 @dataclass
+class Unsound:
+    """Optimizer state that is finite but unsound (checkpoints.soundness): which check, on which tensor (or
+    hyperparameter) of which parameter and group, the first coordinate that breaks it, the values there, and what it
+    does at the next update."""
+
+    check: str
+    tensor: str  # the checkpoint's name of the tensor, or "param_groups[g].key" for a hyperparameter
+    param: str | None  # the parameter's name; "#i" (its position in the optimizer's order) where none is recorded
+    group: int | None  # its param group
+    index: list[int] | None  # the first coordinate that breaks the check
+    values: dict[str, Any]  # the values there (or the hyperparameter's)
+    message: str
+
+
+@dataclass
 class WhatIfResult:
     """One replay from the start checkpoint with one change at the responsible step, checked for K steps after."""
 
@@ -329,6 +344,7 @@ class ReplayReport:
     headline: str = ""
     reproduction: str = ""  # whether the replay reproduced the logged losses, in one sentence
     spread_map: SpreadMap | None = None  # the whole model as one row, from the per-step totals in ``spread``
+    unsound: list[Unsound] = field(default_factory=list)  # the start checkpoint's finite but unsound optimizer state
 
 
 def to_jsonable(obj: Any) -> Any:

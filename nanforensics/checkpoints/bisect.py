@@ -44,6 +44,7 @@ class ScanRecord:
     seconds: float
     format: str = ""  # the layout recognised
     skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it that was not read
+    unsound: int = 0  # soundness findings in its optimizer state (checkpoints.soundness), when read whole
 
 
 @dataclass
@@ -100,7 +101,8 @@ class _Reader:
             report = scan_checkpoint(self.checkpoints[index], full=self.full, margin=self.margin, progress=self.progress)
             self.scans[index] = report
             self.history.append(ScanRecord(index, report.path, report.step, report.verdict, report.complete,
-                                           report.bytes_read, report.seconds, report.format, report.skipped))
+                                           report.bytes_read, report.seconds, report.format, report.skipped,
+                                           len(report.unsound)))
         return self.scans[index].verdict != CLEAN
 
     def complete(self, index: int) -> ScanReport:

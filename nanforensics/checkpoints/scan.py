@@ -25,6 +25,8 @@ from .. import finite
 from ..errors import BadInput
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo
 from ..formats.entries import Release
+from ..report import Unsound
+from .soundness import Checker, Soundness
 
 SCAN_SCHEMA = "nanforensics.scan/1"
 DEFAULT_MARGIN = 1000.0
@@ -89,6 +91,10 @@ class ScanReport:
     # and another model tensor may be either
     buffer_split: str = BY_NAME
     skipped: list[str] = field(default_factory=list)  # "file: why" for each file beside it that was not read
+    # finite but unsound optimizer state (checkpoints.soundness), and how it was checked (None: not checked, the scan
+    # stopped early at a non-finite tensor)
+    unsound: list[Unsound] = field(default_factory=list)
+    soundness: Soundness | None = None
 
     @property
     def poisoned(self) -> list[TensorScan]:
@@ -101,11 +107,13 @@ def check_margin(margin: float) -> None:
 
 
 def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: float = DEFAULT_MARGIN,
-                    progress: Progress | None = None, resume: ScanReport | None = None) -> ScanReport:
+                    progress: Progress | None = None, resume: ScanReport | None = None,
+                    soundness: bool = True) -> ScanReport:
     """Read the checkpoint's tensors one at a time; stop at the first non-finite one unless ``full``.
 
     ``resume`` continues a scan of the same checkpoint that stopped early, reading only the
-    tensors after the ones it already holds.
+    tensors after the ones it already holds. ``soundness`` checks the optimizer state beyond finiteness as it
+    streams by (checkpoints.soundness), when the scan reads all of it.
     """
     check_margin(margin)
     started = time.perf_counter()
@@ -115,8 +123,11 @@ def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: flo
     if progress:
         progress.start(source.path.name, stream.nbytes)
         progress.advance(bytes_read)
+    checker = Checker(source, stream.infos) if soundness and resume is None else None
     for info, tensor, release in stream.tensors(len(results)):
         result = _check(info, tensor, release, margin)
+        if checker is not None:
+            checker.feed(info, tensor, release, not result.nonfinite)
         if info.group == MODEL:
             result.buffer = source.is_buffer(info.name)
         del tensor  # unmaps it before the next one is mapped
@@ -127,11 +138,15 @@ def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: flo
         if not full and _settled(results):
             break
     seconds = time.perf_counter() - started + (resume.seconds if resume else 0.0)
+    complete = len(results) == len(stream.infos)
+    sound = checker.finish() if checker is not None and complete else resume.soundness if resume else None
+    unsound = checker.unsound if checker is not None and complete else resume.unsound if resume else []
     return ScanReport(path=str(source.path), format=source.format, step=source.step, step_source=source.step_source,
-                      verdict=_verdict(results), complete=len(results) == len(stream.infos), margin=margin,
+                      verdict=_verdict(results), complete=complete, margin=margin,
                       groups=_groups(stream.infos, results), tensors=results, bytes_read=bytes_read,
                       bytes_total=stream.nbytes, seconds=seconds, skipped=list(source.skipped),
-                      buffer_split=RECORDED if source.buffer_names is not None else BY_NAME)
+                      buffer_split=RECORDED if source.buffer_names is not None else BY_NAME, unsound=unsound,
+                      soundness=sound)
 
 
 def _widened(t: torch.Tensor) -> torch.Tensor:

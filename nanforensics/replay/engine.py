@@ -15,6 +15,7 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from ..checkpoints.scan import CLEAN, scan_checkpoint
+from ..checkpoints.soundness import resume_findings, start_soundness
 from ..distributed.findings import complete
 from ..distributed.findings import findings as rank_findings
 from ..errors import BadInput
@@ -102,8 +103,8 @@ def _precursor_start(run: StepSource, checkpoint: StartPoint, step: int) -> Star
 
 
 def _checkpoint_finite(c: StartPoint) -> bool:
-    """Streamed, one tensor at a time, stopping at the first non-finite one."""
-    return scan_checkpoint(open_checkpoint(c.path)).verdict == CLEAN
+    """Streamed, one tensor at a time, stopping at the first non-finite one (soundness is checked on the one chosen)."""
+    return scan_checkpoint(open_checkpoint(c.path), soundness=False).verdict == CLEAN
 
 
 def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
@@ -145,6 +146,9 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
 
     with pinned_threads(run.num_threads if device.type == "cpu" else None) as threads:
         r = open_session(run, code, checkpoint, device)
+        # the start checkpoint's optimizer state beyond finiteness: an origin on what it flags is explained by it
+        unsound = start_soundness(getattr(checkpoint, "source", None) or open_checkpoint(checkpoint.path), r.model,
+                                  r.optimizer)
         amp = AmpLog()
         params_total, state_total = totals(r.model, r.optimizer)
         buffers_all = buffers_total(r.model)
@@ -182,7 +186,9 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     # are read before anything later in the step changes them. The steps up to it are
                     # re-run with the precursor probe, which detection is too cheap to carry.
                     hooks.close()
-                    r = open_session(run, code, _precursor_start(run, checkpoint, step), device)
+                    # an older checkpoint does not lead to an unsound start's state (it was not made by the steps)
+                    r = open_session(run, code, checkpoint if unsound else _precursor_start(run, checkpoint, step),
+                                     device)
                     with PrecursorProbe(r.model, r.optimizer) as warmup:
                         while r.step < step:
                             r.run_step()
@@ -218,8 +224,15 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         # which samples (a batch with no valid target, typically).
         explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
         operation, samples = _explain(r, explained) if explained is not None and opts.explain else (None, None)
-        what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
-                                         opts.what_if_steps, events[0].rank) if events and opts.what_if else []
+        # whether resetting the flagged state would have saved the run is replayed too
+        by_order = code.loaded is not None and code.loaded.optimizer_matched == "order"
+        resumed, resettable = resume_findings(unsound, events[0] if events else None, checkpoint.step, r.model,
+                                              r.optimizer, by_order)
+        changes = list(opts.what_if)
+        if resettable and not any(isinstance(c, whatif.ResetState) for c in changes):
+            changes.append(whatif.ResetState())
+        what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, changes,
+                                         opts.what_if_steps, events[0].rank) if events and changes else []
 
     report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol, amp.caught,
                      logged_nan=logged_nan, loss_only=loss_only, compared=[compared[s] for s in sorted(compared)],
@@ -229,8 +242,9 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         data_defects, precursors, operation, samples, code.loaded)
     if run.world is not None:
         complete(report, run, r, lambda logged, replayed: losses_match(logged, replayed, rtol, opts.loss_ulps))
-    report.findings = (findings(report) + rank_findings(report) + amp_findings(report.amp)
-                       + whatif.findings(report.what_if, requested=bool(opts.what_if)))
+    report.unsound = unsound
+    report.findings = (findings(report) + rank_findings(report) + amp_findings(report.amp) + resumed
+                       + whatif.findings(report.what_if, requested=bool(changes)))
     return narrate(report)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import finite
+from ..checkpoints.soundness import unsound_coordinates
 from ..errors import BadInput
 from ..report import Event, WhatIfResult
 from ..rootcause.findings import describe
@@ -41,6 +42,10 @@ class Intervention:
 
     def batch(self, batch: Any) -> Any | None:
         return batch
+
+    def at_start(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """Acts on the state loaded from the checkpoint, before the first replayed step; says what it did."""
+        return None
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
         pass
@@ -123,8 +128,23 @@ class Undo(Intervention):
 class ResetState(Intervention):
     def __init__(self, spec: str = "reset-state") -> None:
         super().__init__(spec, "after optimizer.step(), every state tensor zeroed at the coordinates where one is "
-                               "non-finite, and non-finite parameter values put back as they were before the step")
+                               "non-finite, and non-finite parameter values put back as they were before the step; "
+                               "at the resume, the state zeroed where the checkpoint's is unsound (checkpoints.soundness)")
         self._params: list[torch.Tensor] = []
+
+    def at_start(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """The coordinates whose loaded state breaks an elementwise soundness check (all of a parameter's, when its
+        step counter was reset beside its moments) zeroed, every per-element state tensor of them together."""
+        flagged = unsound_coordinates(optimizer)
+        if not flagged:
+            return None
+        with torch.no_grad():
+            for p, mask in flagged.items():
+                for v in optimizer.state[p].values():
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape and v.is_floating_point():
+                        v.masked_fill_(mask, 0)
+        zeroed = sum(int(m.sum()) for m in flagged.values())
+        return f"at the resume, zeroed the unsound optimizer state of {count(zeroed, 'coordinate')}"
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
         self._params = [p.detach().clone() for p in optimizer_params(optimizer)]
@@ -286,8 +306,12 @@ def what_if_replays(run: StepSource, code: StepCode, checkpoint: StartPoint, dev
         for i, change in enumerate([None, *changes]):
             if i:
                 session.reset()  # each from the checkpoint files again: nothing mutable shared with the one before
+            started = change.at_start(session.optimizer) if change is not None else None
             session.advance_to(step)
-            results.append(replay_with(session, change, last))
+            result = replay_with(session, change, last)
+            if started:
+                result.detail = started + (f"; {result.detail}" if result.detail else "")
+            results.append(result)
     return results
 
 

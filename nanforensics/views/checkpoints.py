@@ -138,7 +138,33 @@ def _scan_notes(r: ScanReport) -> list[str]:
     if near:
         notes.append(f"{count(len(near), 'finite tensor')} within a factor {r.margin:g} of their dtype's largest value: "
                      "a precursor of overflow.")
-    return notes + _skipped_notes(r.skipped) + [f"Verdict: {_MEANING[r.verdict]}."]
+    return notes + _skipped_notes(r.skipped) + _soundness_notes(r) + [f"Verdict: {_meaning(r)}."]
+
+
+def _meaning(r: ScanReport) -> str:
+    if r.verdict == CLEAN and r.unsound:
+        return (f"every tensor read is finite, but the optimizer state is unsound ({count(len(r.unsound), 'finding')}): "
+                "a run resumed from it may go non-finite at its first updates")
+    return _MEANING[r.verdict]
+
+
+def _label(r: ScanReport) -> tuple[str, str]:
+    return ("bold black on yellow", "UNSOUND OPTIMIZER STATE") if r.verdict == CLEAN and r.unsound else \
+        _SCAN_VERDICT[r.verdict]
+
+
+def _soundness_notes(r: ScanReport) -> list[str]:
+    """What the optimizer state was checked as beyond finiteness, what could not be, and each finding."""
+    if r.soundness is None:
+        return ["Optimizer state not checked beyond finiteness: the scan stopped at a non-finite tensor."] \
+            if r.verdict != CLEAN else []
+    kinds = sorted(set(r.soundness.optimizers))
+    notes = [f"Optimizer state checked beyond finiteness as {'; '.join(kinds)}."] if kinds else []
+    notes += [f"Not checked: {n}." for n in r.soundness.notes]
+    notes += [f"Unsound ({u.check}): {u.message}." for u in r.unsound[:SHOWN]]
+    if len(r.unsound) > SHOWN:
+        notes.append(f"... and {len(r.unsound) - SHOWN} more unsound findings (every one in the JSON report).")
+    return notes
 
 
 def _skipped_notes(skipped: list[str]) -> list[str]:
@@ -164,6 +190,10 @@ def _bisect_notes(r: BisectReport) -> list[str]:
     if r.verdict == "clean" and r.mode == "bisect" and r.scans < r.checkpoints:
         notes.append("Only the first and last were read: absorption makes the ones between clean too, unless the run "
                      "was repaired in between (--linear reads them all).")
+    unsound = [rec for rec in r.history if rec.unsound]
+    if unsound:
+        notes.append("Finite but unsound optimizer state (`nanforensics scan` says what): " + ", ".join(
+            f"{_step(rec.step)} ({count(rec.unsound, 'finding')})" for rec in unsound) + ".")
     if r.replay_unavailable:
         notes.append(f"No replay: {r.replay_unavailable}.")
     notes += _skipped_notes(r.skipped)
@@ -172,7 +202,7 @@ def _bisect_notes(r: BisectReport) -> list[str]:
 
 
 def render_scan_terminal(r: ScanReport, console: Console) -> None:
-    style, label = _SCAN_VERDICT[r.verdict]
+    style, label = _label(r)
     print_whole(console, f"[{style}] {label} [/] {markup(r.path)}  [dim]{markup(_layout(r))}[/]")
     groups = Table(box=None, pad_edge=False)
     for h in _GROUP_HEADERS:
@@ -256,7 +286,7 @@ def _md_tensors(tensors: Sequence[TensorScan]) -> list[str]:
 
 
 def render_scan_markdown(r: ScanReport) -> str:
-    out = [f"### nanforensics scan: {_SCAN_VERDICT[r.verdict][1]}", "",
+    out = [f"### nanforensics scan: {_label(r)[1]}", "",
            f"`{r.path}` ({_layout(r)})", ""]
     out += _md_table(_GROUP_HEADERS, _group_rows(r))
     out += _md_tensors(r.tensors)

@@ -1,0 +1,688 @@
+"""Optimizer state that is finite but unsound: values the optimizer's own arithmetic cannot produce, and
+hyperparameters that make the next update non-finite.
+
+A run resumed from such a checkpoint reads finite weights and a finite first loss, then goes NaN at the first
+update (or a few later). What is checked, by optimizer (recognised by its state keys and group hyperparameters):
+
+- every second-moment-like tensor is >= 0 (Adam's ``exp_avg_sq`` and ``max_exp_avg_sq``, Adamax's ``exp_inf``,
+  RMSprop's ``square_avg``, Adagrad's ``sum``, Adadelta's ``acc_delta``, torch's Adafactor ``row_var``,
+  ``col_var`` and ``variance``, transformers' Adafactor ``exp_avg_sq_row`` and ``exp_avg_sq_col``);
+- amsgrad: ``max_exp_avg_sq >= exp_avg_sq`` (torch keeps the running maximum);
+- Adam's bound (Adam, AdamW, NAdam, RAdam: ``exp_avg`` and ``exp_avg_sq`` with the group's ``betas``). With
+  m_t = (1-b1) sum_k b1^(t-k) g_k and v_t = (1-b2) sum_k b2^(t-k) g_k^2, Cauchy-Schwarz on
+  sum_k (b1^(t-k) / b2^((t-k)/2)) * (b2^((t-k)/2) g_k) gives
+  |m_t| <= (1-b1) sqrt(sum_j (b1^2/b2)^j) sqrt(v_t/(1-b2)) <= (1-b1) / sqrt((1-b2)(1-b1^2/b2)) * sqrt(v_t),
+  whatever the gradients were (7.27 sqrt(v) at the defaults; it needs b1^2 < b2). Clipping, weight decay,
+  unscaling and fused or foreach kernels change the gradients, not the averages, so the bound holds for them;
+  a pair that breaks it did not come from the same gradients (one moment restored without the other, rescaled,
+  corrupted), or the run changed its betas;
+- each state tensor's shape and dtype against its parameter's, where the checkpoint names the parameters: torch
+  keeps state in the parameter's dtype, and state saved in a narrower one lost its precision on the way;
+- ``step``: a number >= 0, the same across a group, not past the checkpoint's own step, and not 0 beside moments
+  that hold values (a counter reset with the moments kept);
+- hyperparameters (lr, eps, weight_decay, betas, momentum, ...) finite and in range; a loss scale finite and > 0;
+- the latent hazard of ``eps = 0`` beside second moments that hold exact zeros: the first zero gradient there
+  makes the update 0/0.
+
+SGD's momentum buffer is bounded by nothing else the checkpoint holds: for SGD with momentum, shape, dtype and the
+hyperparameters are checked. Tensors are held only until their parameter's state is complete and are read in
+chunks whose pages are handed back, as the scan reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo, torch_file
+from ..formats.source import Release, lightning_parts
+from ..report import Event, Unsound
+from ..runs.checkpoint import EXTRAS_FILE, Checkpoint, param_names, state_from_json
+from ..runs.files import TensorFile
+from ..words import count
+
+CHUNK = 1 << 21  # elements per chunk of a pair check (8 MB of float32 per tensor)
+
+# The checks, as named in findings
+NEGATIVE, AMSGRAD, BOUND, SHAPE, DTYPE, STEP, HYPERPARAMETER, LOSS_SCALE, EPS_ZERO = (
+    "negative_second_moment", "amsgrad_max_below_second_moment", "adam_bound", "shape", "dtype", "step",
+    "hyperparameter", "loss_scale", "eps_zero")
+ELEMENTWISE = (NEGATIVE, AMSGRAD, BOUND)  # the checks whose flagged coordinates a reset can zero
+
+NONNEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "sum", "acc_delta", "row_var", "col_var",
+               "variance", "exp_avg_sq_row", "exp_avg_sq_col")
+PER_ELEMENT = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "exp_inf", "square_avg", "sum",
+               "acc_delta", "grad_avg", "ax", "eta", "prev")  # laid out like the parameter
+FACTORED = ("row_var", "col_var", "variance")  # torch's Adafactor: the parameter's shape with some dims 1
+SCALER_KEYS = ("scaler", "grad_scaler", "scaler_state_dict", "amp_scaler", "native_amp_scaling_state")
+_RANGES: dict[str, tuple[float, float, bool]] = {  # key: (low, high, high included)
+    "lr": (0.0, math.inf, False), "initial_lr": (0.0, math.inf, False), "eps": (0.0, math.inf, False),
+    "weight_decay": (0.0, math.inf, False), "momentum": (0.0, 1.0, True), "dampening": (-math.inf, math.inf, False),
+    "alpha": (0.0, math.inf, False), "rho": (0.0, 1.0, True), "beta2_decay": (-math.inf, 0.0, True),
+    "d": (0.0, math.inf, False), "lr_decay": (0.0, math.inf, False), "lambd": (0.0, math.inf, False),
+}
+
+
+@dataclass
+class Soundness:
+    """How one checkpoint's optimizer state was checked beyond finiteness (the findings are ``unsound`` beside it)."""
+
+    optimizers: list[str]  # recognised, per param group: "Adam-family ...", "SGD with momentum", "Adafactor ..."
+    notes: list[str] = field(default_factory=list)  # what was not checked, and why
+    matched_by_order: bool = False  # the state names no parameters: position in the optimizer's order only
+
+
+def order_position(param: str | None) -> int | None:
+    """The optimizer position of a parameter this module labels ``#i`` (the checkpoint records no names)."""
+    return int(param[1:]) if param and param.startswith("#") and param[1:].isdigit() else None
+
+
+def adam_bound(beta1: float, beta2: float) -> float | None:
+    """(1-b1)/sqrt((1-b2)(1-b1^2/b2)): |exp_avg| <= this * sqrt(exp_avg_sq) for any gradients; None where b1^2 >= b2
+    (no such bound) or the betas are out of range."""
+    if not (0 <= beta1 < 1 and 0 < beta2 < 1) or beta1 * beta1 >= beta2:
+        return None
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+
+
+def _tolerance(dtype: torch.dtype, beta2: float, bound: float) -> tuple[float, float]:
+    """Relative and absolute slack for rounding: a few units in the last place of the state's dtype, and the
+    moments of gradients so small that (1-b2) g^2 falls below the dtype's smallest normal number."""
+    info = torch.finfo(dtype)
+    return max(1e-3, 8 * info.eps), bound * math.sqrt(info.tiny / (1 - beta2))
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _betas(hyper: Mapping[str, Any]) -> tuple[float, float] | None:
+    betas = hyper.get("betas")
+    if isinstance(betas, (list, tuple)) and len(betas) == 2:
+        b1, b2 = _number(betas[0]), _number(betas[1])
+        if b1 is not None and b2 is not None:
+            return b1, b2
+    return None
+
+
+def optimizer_kind(hyper: Mapping[str, Any], keys: Iterable[str]) -> str:
+    """What a param group's state is checked as, by its state keys (its hyperparameters alone before any step)."""
+    keys = set(keys)
+    if "exp_avg_sq_row" in keys or "row_var" in keys or "beta2_decay" in hyper or "decay_rate" in hyper:
+        return "Adafactor (factored second moments)"
+    if "exp_inf" in keys:
+        return "Adamax"
+    if _betas(hyper) is not None and ({"exp_avg", "exp_avg_sq"} <= keys or not keys - {"step"}):
+        return "Adam-family (Adam, AdamW, NAdam, RAdam)" + (" with amsgrad" if hyper.get("amsgrad") else "")
+    if "momentum_buffer" in keys or (not keys and (_number(hyper.get("momentum")) or 0) > 0):
+        return "SGD with momentum"
+    return "other (checked: non-negative second moments, shapes, dtypes, step, hyperparameters)"
+
+
+# ---- the layout: param groups, parameter names and state scalars, from the checkpoint's own metadata ----------
+
+
+@dataclass
+class _Param:
+    label: str  # model name, or "#i"
+    group: int
+    scalars: dict[str, Any] = field(default_factory=dict)  # non-tensor state (an int step of older torch)
+
+
+@dataclass
+class _Layout:
+    groups: list[dict[str, Any]]  # hyperparameters, per group
+    params: dict[str, _Param]  # by the stream-name prefix of its state tensors
+    named: bool
+    scaler: Any = None
+    exact_step: bool = False  # the checkpoint's step counts the optimizer steps before it (our run format)
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _layout(source: CheckpointSource, order_names: list[str] | None) -> _Layout | None:
+    """Param groups and parameter names as the checkpoint records them; None where it records none (a bare
+    safetensors file, a torch.distributed.checkpoint folder of another tool)."""
+    if (source.path / "meta.json").is_file() and source.format in ("nanforensics", "dcp"):
+        return _ours(source)
+    files = [f for f, group in source.files if group in (None, OPTIMIZER) and f.suffix != ".safetensors"
+             and f.name != ".metadata"]
+    layouts = [_of_object(torch_file.load(f)[0], order_names) for f in files]
+    found = [lay for lay in layouts if lay is not None]
+    return found[0] if len(found) == 1 else None
+
+
+def _ours(source: CheckpointSource) -> _Layout | None:
+    """From ``meta.json``; None when its groups are not lists of named parameters (the checks that need them are
+    then left out, and said so)."""
+    ck = Checkpoint(source.path, -1)
+    meta = ck.meta()
+    prefix = "optim.state." if source.format == "dcp" else ""
+    groups, params = [], {}
+    scalars = meta["state_scalars"] if isinstance(meta["state_scalars"], dict) else {}
+    if not _groups_shaped(meta["param_groups"]):
+        return None
+    for g, group in enumerate(meta["param_groups"]):
+        groups.append(_hyper(group))
+        for name in group["params"]:
+            own = scalars.get(str(name))
+            params[prefix + str(name)] = _Param(str(name), g, dict(own) if isinstance(own, dict) else {})
+    scaler = state_from_json(meta["scaler"], lambda: TensorFile(ck.path / EXTRAS_FILE)) if "scaler" in meta else None
+    return _Layout(groups, params, True, scaler, exact_step=True)
+
+
+def _of_object(obj: Any, order_names: list[str] | None) -> _Layout | None:
+    """The layout of the one optimizer state dict in a loaded checkpoint; a parameter the state does not name is
+    ``#i`` by its position in the optimizer's order, or ``order_names[i]`` where the caller matched them by order."""
+    parts = lightning_parts(obj)
+    found = list(_optimizer_dicts(parts[1] if parts else obj, ("optimizer_states",) if parts else ()))
+    if len(found) != 1:
+        return None
+    prefix, sd = found[0]
+    groups, params, named, position = [], {}, True, 0
+    if not _groups_shaped(sd["param_groups"]):
+        return None
+    for g, group in enumerate(sd["param_groups"]):
+        groups.append(_hyper(group))
+        names = group.get("param_names") if isinstance(group.get("param_names"), list) else None
+        named = named and names is not None and len(names) == len(group["params"])
+        for i, pid in enumerate(group["params"]):
+            label = str(names[i]) if names is not None and i < len(names) else str(pid)
+            state = sd["state"].get(pid, {}) if isinstance(pid, (int, str)) else {}
+            scalars = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)} if isinstance(state, dict) \
+                else {}
+            own = label if names is not None else order_names[position] \
+                if order_names is not None and position < len(order_names) else f"#{position}"
+            params[".".join(prefix + ("state", label))] = _Param(own, g, scalars=scalars)
+            position += 1
+    scaler = next((obj[k] for k in SCALER_KEYS if isinstance(obj, dict) and isinstance(obj.get(k), dict)), None)
+    return _Layout(groups, params, named, scaler)
+
+
+def _groups_shaped(groups: Any) -> bool:
+    return isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+
+
+def _optimizer_dicts(obj: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
+    """Every dict shaped like ``optimizer.state_dict()`` with the path ``formats.source.tree_tensors`` names its
+    tensors by."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list):
+            yield prefix, obj
+            return
+        for key, value in obj.items():
+            yield from _optimizer_dicts(value, prefix + (str(key),))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _optimizer_dicts(value, prefix + (str(i),))
+
+
+def _split(name: str) -> tuple[str, str]:
+    """A state tensor's name as (its parameter's prefix, its state key): ``fc1.weight/exp_avg``,
+    ``optimizer.state.0.exp_avg``."""
+    head, sep, key = name.rpartition("/")
+    return (head, key) if sep else name.rpartition(".")[::2]
+
+
+# ---- the checks -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    info: TensorInfo
+    tensor: torch.Tensor
+    release: Release
+
+
+@dataclass
+class _Tally:
+    """A check's count over a tensor, and its first flagged coordinate with the values there."""
+
+    count: int = 0
+    first: int | None = None
+    values: dict[str, float] = field(default_factory=dict)
+
+
+def flags(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The elementwise checks on one parameter's state (whole tensors or matching chunks, float32): a mask per
+    ``check:key`` of the coordinates that break it."""
+    out = {}
+    for key in NONNEGATIVE:
+        if key in state:
+            out[f"{NEGATIVE}:{key}"] = state[key] < 0
+    if "max_exp_avg_sq" in state and "exp_avg_sq" in state:
+        out[f"{AMSGRAD}:max_exp_avg_sq"] = state["max_exp_avg_sq"] < state["exp_avg_sq"]
+    betas = _betas(hyper)
+    limit = adam_bound(*betas) if betas is not None and "exp_avg" in state and "exp_avg_sq" in state else None
+    if limit is not None:
+        rtol, atol = _tolerance(hyper.get("_dtype", torch.float32), betas[1], limit)
+        v = state["exp_avg_sq"]
+        # a negative v is its own finding
+        out[f"{BOUND}:exp_avg"] = (state["exp_avg"].abs() > limit * v.clamp(min=0).sqrt() * (1 + rtol) + atol) & (v >= 0)
+    return out
+
+
+def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> bool:
+    """Whether ``flags`` could flag anything in this chunk, by reductions that allocate no masks: a handful of
+    passes where the masks take a dozen (they are built only for a chunk found suspect)."""
+    betas = _betas(hyper)
+    limit = adam_bound(*betas) if betas is not None and "exp_avg" in state and "exp_avg_sq" in state else None
+    for key in NONNEGATIVE:
+        if key in state and not (limit is not None and key == "exp_avg_sq") and bool(state[key].amin() < 0):
+            return True
+    if "max_exp_avg_sq" in state and "exp_avg_sq" in state and bool(torch.lt(state["max_exp_avg_sq"],
+                                                                             state["exp_avg_sq"]).any()):
+        return True
+    if limit is not None and betas is not None:
+        rtol, atol = _tolerance(hyper.get("_dtype", torch.float32), betas[1], limit)
+        # |m| - C(1+r) sqrt(v): NaN where v < 0 (sqrt), which the comparison below counts as suspect too
+        worst = torch.add(state["exp_avg"].abs(), state["exp_avg_sq"].sqrt(), alpha=-limit * (1 + rtol)).max()
+        return not bool(worst <= atol)
+    return False
+
+
+def _chunks(held: Mapping[str, _Held]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Matching chunks of a parameter's same-sized state tensors, as float32, each chunk's pages handed back once read."""
+    flat = {k: h.tensor.reshape(-1) for k, h in held.items()}
+    n = next(iter(flat.values())).numel()
+    # tensors saved in different dtypes are compared at the coarsest one's precision: rounding is monotone, so an
+    # order that held before the cast holds after it
+    coarsest = max((h.tensor.dtype for h in held.values()), key=lambda d: torch.finfo(d).eps)
+    for start in range(0, n, CHUNK):
+        views = {k: f[start:start + CHUNK] for k, f in flat.items()}
+        yield start, {k: v.to(coarsest).float() for k, v in views.items()}
+        for k, v in views.items():
+            if held[k].tensor.is_contiguous():
+                held[k].release(v)
+
+
+def _unravel(i: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for size in reversed(shape):
+        out.append(i % size if size else 0)
+        i //= size or 1
+    return out[::-1]
+
+
+class Checker:
+    """Fed the checkpoint's tensors as the scan streams them; holds a parameter's state tensors until all have come,
+    then checks them together."""
+
+    def __init__(self, source: CheckpointSource, infos: list[TensorInfo], order_names: list[str] | None = None) -> None:
+        self.source = source
+        self.layout = _layout(source, order_names)
+        self.expected: dict[str, int] = {}
+        for info in infos:
+            if info.group == OPTIMIZER:
+                prefix = _split(info.name)[0]
+                self.expected[prefix] = self.expected.get(prefix, 0) + 1
+        self.model = {i.name: i for i in infos if i.group == MODEL}
+        self.held: dict[str, dict[str, _Held]] = {}
+        self.broken: set[str] = set()  # parameters with a non-finite state tensor: the scan reports those
+        self.unsound: list[Unsound] = []
+        self.steps: dict[int, list[tuple[float, str]]] = {}  # group: (step, param)
+        self.kinds: dict[int, str] = {}
+        self.notes: list[str] = []
+        if self.layout is None:
+            self.notes.append("the checkpoint records no parameter groups: Adam's bound, the step and the "
+                              "hyperparameters are not checked, only non-negative second moments and amsgrad's maximum")
+        elif not self.layout.named:
+            self.notes.append("the optimizer state names no parameters (matched to them by order): shapes and dtypes "
+                              "are not checked against the parameters, and a parameter is named by its position (#i)")
+
+    def feed(self, info: TensorInfo, tensor: torch.Tensor, release: Release, finite: bool) -> None:
+        if info.group != OPTIMIZER:
+            return
+        prefix, key = _split(info.name)
+        if not finite:
+            self.broken.add(prefix)
+        self.held.setdefault(prefix, {})[key] = _Held(info, tensor, release)
+        if len(self.held[prefix]) == self.expected.get(prefix, 0):
+            self._param(prefix, self.held.pop(prefix))
+
+    def finish(self) -> Soundness:
+        """The group checks once every tensor has come (parameters left incomplete by a scan that stopped early are
+        not checked)."""
+        if self.layout is not None:
+            self._groups()
+            self._scaler()
+        kinds = [self.kinds.get(g, optimizer_kind(h, ())) for g, h in enumerate(self.layout.groups)] \
+            if self.layout else []
+        return Soundness(kinds, self.notes, matched_by_order=self.layout is not None and not self.layout.named)
+
+    # -- per parameter --
+
+    def _param(self, prefix: str, held: dict[str, _Held]) -> None:
+        if prefix in self.broken:
+            return
+        entry = self.layout.params.get(prefix) if self.layout else None
+        group = entry.group if entry else None
+        hyper = self.layout.groups[group] if self.layout and group is not None else {}
+        label = entry.label if entry else prefix
+        if group is not None:
+            self.kinds.setdefault(group, optimizer_kind(hyper, held))
+        found = Found(self, label, group, {k: h.info.name for k, h in held.items()})
+        if entry is not None and self.layout is not None and self.layout.named:
+            self._layout_checks(found, entry, held)
+        step = _number(held["step"].tensor) if "step" in held else _number(entry.scalars.get("step")) if entry else None
+        tensors = {k: h for k, h in held.items()
+                   if h.tensor.is_floating_point() and h.tensor.dim() > 0 and h.tensor.layout == torch.strided}
+        same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
+            if tensors else {}
+        nonzero = self._elementwise(found, same, hyper, step) if same else False
+        for k, h in tensors.items():
+            if k not in same and k in NONNEGATIVE:  # a factored moment: checked on its own
+                self._elementwise(found, {k: h}, hyper, None)
+        if step is not None and group is not None:
+            self._step(found, step, nonzero, hyper)
+            self.steps.setdefault(group, []).append((step, label))
+
+    def _layout_checks(self, found: Found, entry: _Param, held: dict[str, _Held]) -> None:
+        param = self._model_tensor(entry.label)
+        if param is None:
+            return
+        for key, h in held.items():
+            t = h.info
+            # only the state torch lays out like the parameter: other keys (an 8-bit optimizer's, say) are not known
+            if key not in PER_ELEMENT and key not in FACTORED or not t.dtype.is_floating_point \
+                    or not param.dtype.is_floating_point:
+                continue
+            fits = t.shape == param.shape if key in PER_ELEMENT else (
+                len(t.shape) == len(param.shape) and all(s in (1, p) for s, p in zip(t.shape, param.shape)))
+            if not fits:
+                found.add(SHAPE, key, None, {"state_shape": list(t.shape), "param_shape": list(param.shape)},
+                          f"{key} of {entry.label} is {list(t.shape)}, its parameter {list(param.shape)}: it belongs to "
+                          "another parameter (or another model); torch's load_state_dict takes it unchecked, and the "
+                          "next update fails to broadcast it or broadcasts it into a wrong update")
+            narrower = torch.finfo(t.dtype).eps > torch.finfo(param.dtype).eps or \
+                torch.finfo(t.dtype).max < torch.finfo(param.dtype).max
+            if narrower:
+                dt, pt = str(t.dtype).removeprefix("torch."), str(param.dtype).removeprefix("torch.")
+                info = torch.finfo(t.dtype)
+                flushed = f", values below {info.tiny:.1g} flushed towards 0" if info.max < 1e38 else ""
+                found.add(DTYPE, key, None, {"state_dtype": dt, "param_dtype": pt},
+                          f"{key} of {entry.label} is {dt}, its parameter {pt}: torch keeps state in the parameter's "
+                          f"dtype, so this was converted on the way (on saving, or by a tool since) and lost precision "
+                          f"(relative rounding up to {info.eps / 2:.1g}{flushed}); "
+                          f"load_state_dict casts it back, and the next update runs on the rounded moments")
+
+    def _model_tensor(self, label: str) -> TensorInfo | None:
+        if label in self.model:
+            return self.model[label]
+        hits = [i for n, i in self.model.items() if n.endswith("." + label)]
+        return hits[0] if len(hits) == 1 else None
+
+    def _elementwise(self, found: Found, held: dict[str, _Held], hyper: Mapping[str, Any], step: float | None) -> bool:
+        """Flags, zeros at eps = 0, and (for a step of 0) whether any moment holds a value; returns the last."""
+        v_dtype = held["exp_avg_sq"].tensor.dtype if "exp_avg_sq" in held else torch.float32
+        tallies: dict[str, _Tally] = {}
+        eps = _number(hyper.get("eps"))
+        denominator = "max_exp_avg_sq" if hyper.get("amsgrad") and "max_exp_avg_sq" in held else "exp_avg_sq"
+        zeros = _Tally()
+        nonzero = False
+        typed = {**hyper, "_dtype": v_dtype}
+        for start, chunk in _chunks(held):
+            if _suspect(chunk, typed):
+                for name, mask in flags(chunk, typed).items():
+                    _tally(tallies.setdefault(name, _Tally()), mask, start, chunk)
+            if eps == 0 and denominator in chunk:
+                _tally(zeros, chunk[denominator] == 0, start, chunk)
+            if step == 0 and not nonzero:
+                nonzero = any(bool(c.any()) for c in chunk.values())
+        shape = next(iter(held.values())).tensor.shape
+        for name, t in tallies.items():
+            if t.count:
+                check, key = name.split(":")
+                found.add(check, key, _unravel(t.first, tuple(shape)), t.values, _message(
+                    check, key, found.label, _unravel(t.first, tuple(shape)), t, hyper))
+        if zeros.count:
+            where = _unravel(zeros.first, tuple(shape))
+            both = zeros.values.get("exp_avg") == 0
+            found.add(EPS_ZERO, denominator, where, zeros.values,
+                      f"{denominator} of {found.label} holds {count(zeros.count, 'exact zero')} (first at {where}) and "
+                      f"the group's eps is 0: the update divides by sqrt(v)+eps = 0 there, so the first zero gradient "
+                      f"at such a coordinate makes it {'0/0 = NaN' if both else 'inf (and 0/0 = NaN where exp_avg is 0)'}")
+        return nonzero
+
+    def _step(self, found: Found, step: float, nonzero: bool, hyper: Mapping[str, Any]) -> None:
+        ck_step = self.source.meta_step
+        if not math.isfinite(step) or step < 0 or step != int(step):
+            found.add(STEP, "step", None, {"step": step},
+                      f"step of {found.label} is {step}: not a count of updates; the next update's bias correction "
+                      "1 - beta^step is then meaningless (NaN or a negative divisor)")
+        elif step == 0 and nonzero:
+            betas = _betas(hyper)
+            scale = f" (the update scaled by sqrt(1-b2)/(1-b1) = {math.sqrt(1 - betas[1]) / (1 - betas[0]):.2g} of " \
+                    "what the moments' age gives)" if betas and betas[0] < 1 else ""
+            found.add(STEP, "step", None, {"step": step, "checkpoint_step": ck_step},
+                      f"step of {found.label} is 0 while its moments hold values: the counter was reset with the "
+                      f"moments kept; the next update's bias correction divides them as if they held one gradient"
+                      f"{scale}")
+        elif ck_step is not None and step > ck_step + (0 if self.layout and self.layout.exact_step else 1):
+            found.add(STEP, "step", None, {"step": step, "checkpoint_step": ck_step},
+                      f"step of {found.label} is {step:g}, past the checkpoint's own step {ck_step}: the optimizer "
+                      "state comes from a later point of training (or another run) than the weights beside it")
+
+    # -- per group and checkpoint --
+
+    def _groups(self) -> None:
+        assert self.layout is not None
+        for g, hyper in enumerate(self.layout.groups):
+            for key, value in hyper.items():
+                self._hyperparameter(g, key, value)
+            betas = _betas(hyper)
+            if betas is not None and self.kinds.get(g, "").startswith("Adam-family") and adam_bound(*betas) is None:
+                self.notes.append(f"group {g}: betas {betas[0]:g}, {betas[1]:g} give no bound on |exp_avg| "
+                                  "(it needs 0 <= b1 < 1, 0 < b2 < 1 and b1^2 < b2): Adam's bound not checked")
+            steps = self.steps.get(g, [])
+            if steps and min(s for s, _ in steps) != max(s for s, _ in steps):
+                lo, hi = min(steps), max(steps)
+                self.unsound.append(Unsound(
+                    STEP, f"param_groups[{g}].step", hi[1], g, None, {"min": lo[0], "max": hi[0], "min_param": lo[1]},
+                    f"group {g}'s step counters differ: {lo[1]} at {lo[0]:g}, {hi[1]} at {hi[0]:g}: unless some "
+                    "parameters had no gradient at some steps (torch skips them), the state was put together from "
+                    "different points of training, and the next update corrects each bias by its own count"))
+
+    def _hyperparameter(self, g: int, key: str, value: Any) -> None:
+        values = value if key in ("betas", "eps") and isinstance(value, (list, tuple)) else [value]
+        for i, item in enumerate(values):
+            x = _number(item)
+            name = f"{key}[{i}]" if len(values) > 1 or key == "betas" else key
+            if x is None:
+                continue
+            if key != "betas" and key not in _RANGES:
+                continue
+            lo, hi, closed = (0.0, 1.0, False) if key == "betas" else _RANGES[key]
+            inside = math.isfinite(x) and lo <= x and (x <= hi if closed else x < hi)
+            if not inside:
+                self.unsound.append(Unsound(HYPERPARAMETER, f"param_groups[{g}].{name}", None, g, None, {name: x},
+                                            f"group {g}'s {name} is {x:g}{_range(lo, hi, closed)}: "
+                                            f"{_hyper_effect(key, x)}"))
+
+    def _scaler(self) -> None:
+        state = self.layout.scaler if self.layout else None
+        scale = _number(state.get("scale")) if isinstance(state, dict) else None
+        if scale is None or (math.isfinite(scale) and scale > 0):
+            return
+        effect = ("every scaled gradient is inf or NaN, so the scaler skips every step and backs off to inf times its "
+                  "backoff factor, still inf: training stops making progress, silently"
+                  if math.isinf(scale) or math.isnan(scale) else
+                  "every scaled loss is 0 and unscaling divides by it: the gradients are NaN, every step is skipped and "
+                  "the scale never grows back from 0")
+        self.unsound.append(Unsound(LOSS_SCALE, "scaler.scale", None, None, None, {"scale": scale},
+                                    f"the loss scale is {scale:g}, not finite and positive: {effect}"))
+
+
+def _range(lo: float, hi: float, closed: bool) -> str:
+    if math.isinf(lo) and math.isinf(hi):
+        return ", not finite"
+    high = "" if math.isinf(hi) else f", {hi:g}{']' if closed else ')'}"
+    return f", outside [{lo:g}{high or ', inf)'}" if not math.isinf(lo) else f", outside (-inf, {hi:g}]"
+
+
+def _hyper_effect(key: str, x: float) -> str:
+    if math.isnan(x):
+        return "every update of the group computes with NaN: its parameters turn NaN at the next step"
+    if key in ("lr", "initial_lr"):
+        return ("the next update moves every parameter of the group by inf times its step direction: inf, and "
+                "NaN (inf * 0) where the direction is 0" if math.isinf(x) else
+                "a negative learning rate climbs the loss")
+    if key == "eps":
+        return "the update m/(sqrt(v)+eps) is 0: the group stops learning" if math.isinf(x) else \
+            "a negative eps can make the denominator sqrt(v)+eps 0 or negative: inf or a step uphill"
+    if key == "weight_decay":
+        return "decoupled decay multiplies the parameters by 1 - lr*wd = -inf: they turn inf or NaN at the next step" \
+            if math.isinf(x) else "negative weight decay grows the weights every step (torch's constructor refuses it)"
+    return "the optimizer's averages no longer average (torch's constructor refuses it); the next update is not " \
+           "the optimizer's"
+
+
+def _tally(t: _Tally, mask: torch.Tensor, start: int, chunk: Mapping[str, torch.Tensor]) -> None:
+    n = int(mask.sum())
+    if n and t.first is None:
+        i = int(mask.nonzero()[0, 0])
+        t.first = start + i
+        t.values = {k: float(c[i]) for k, c in chunk.items()}
+    t.count += n
+
+
+def _message(check: str, key: str, label: str, where: list[int], t: _Tally, hyper: Mapping[str, Any]) -> str:
+    more = f" ({count(t.count, 'coordinate')} in all)" if t.count > 1 else ""
+    v = t.values
+    if check == NEGATIVE:
+        return (f"{key} of {label} is {v[key]:.4g} at {where}{more}: a second moment is an average of squares and "
+                "cannot be negative; the next update takes its square root there: NaN, unless that step's gradient "
+                "outweighs it")
+    if check == AMSGRAD:
+        return (f"max_exp_avg_sq of {label} is {v['max_exp_avg_sq']:.4g} at {where}{more}, below exp_avg_sq "
+                f"{v['exp_avg_sq']:.4g}: amsgrad keeps the running maximum, so these were not saved together; the next "
+                "update takes the larger and goes on, from a state training did not produce")
+    betas = _betas(hyper)
+    assert betas is not None
+    limit = adam_bound(*betas)
+    assert limit is not None
+    lr, eps = _number(hyper.get("lr")), _number(hyper.get("eps")) or 0.0
+    m, s = v["exp_avg"], v["exp_avg_sq"]
+    ratio = abs(m) / max(eps, math.sqrt(max(s, 0.0)), 1e-45)
+    size = f" (about {lr * ratio:.3g} from this pair alone; a sound pair moves it at most about {lr * limit:.3g})" \
+        if lr is not None and math.isfinite(lr) else ""
+    return (f"exp_avg of {label} breaks Adam's bound at {where}{more}: |m| = {abs(m):.4g} > {limit:.3g} * sqrt(v) = "
+            f"{limit * math.sqrt(max(s, 0.0)):.4g} (v = {s:.4g}, betas {betas[0]:g}, {betas[1]:g}): these moments did "
+            f"not come from the same gradients (one restored without the other, rescaled or corrupted), unless the "
+            f"run changed its betas; the next update there is m/(sqrt(v)+eps) = {ratio:.3g} times lr{size}")
+
+
+class Found:
+    """Findings about one parameter's state, named alike."""
+
+    def __init__(self, checker: Checker, label: str, group: int | None, names: Mapping[str, str]) -> None:
+        self.checker, self.label, self.group, self.names = checker, label, group, names
+
+    def add(self, check: str, key: str, index: list[int] | None, values: dict[str, Any], message: str) -> None:
+        self.checker.unsound.append(Unsound(check, self.names.get(key, key), self.label, self.group, index, values,
+                                            message))
+
+
+def check(source: CheckpointSource, order_names: list[str] | None = None) -> tuple[Soundness, list[Unsound]]:
+    """The soundness checks alone, reading only the optimizer's tensors (the replay's start checkpoint, already
+    scanned for finiteness). ``order_names``: the parameters' names in the optimizer's order, which name the state of
+    a checkpoint that records none (as a replay matched it)."""
+    stream = source.open()
+    checker = Checker(source, stream.infos, order_names)
+    first = next((i for i, info in enumerate(stream.infos) if info.group == OPTIMIZER), len(stream.infos))
+    for info, tensor, release in stream.tensors(first):
+        checker.feed(info, tensor, release, True)
+        del tensor
+    return checker.finish(), checker.unsound
+
+
+def unsound_coordinates(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+    """A live optimizer's parameters whose state breaks an elementwise check (or whose step is 0 beside moments that
+    hold values), each with the mask of its coordinates to reset."""
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            tensors = {k: v.detach().float() for k, v in state.items()
+                       if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape and v.dim() > 0}
+            if not tensors:
+                continue
+            v_dtype = state["exp_avg_sq"].dtype if isinstance(state.get("exp_avg_sq"), torch.Tensor) else torch.float32
+            masks = list(flags(tensors, {**group, "_dtype": v_dtype}).values())
+            mask = torch.stack(masks).any(dim=0) if masks else torch.zeros(p.shape, dtype=torch.bool, device=p.device)
+            step = _number(state.get("step"))
+            if step == 0 and any(bool(t.any()) for t in tensors.values()):
+                mask = torch.ones_like(mask)
+            if bool(mask.any()):
+                out[p] = mask
+    return out
+
+
+# ---- a replay from a checkpoint: the start's soundness beside the origin ------------------------------------------
+
+
+def start_soundness(source: CheckpointSource, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                    ) -> list[Unsound]:
+    """The soundness findings of a replay's start checkpoint, the parameters named as the replay's model names them
+    (a checkpoint that records no names by the order the replay matched its state in)."""
+    return check(source, param_names(model, optimizer))[1]
+
+
+def _params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each parameter's name: its group and shape."""
+    names = iter(param_names(model, optimizer))
+    return {next(names): (g, tuple(p.shape)) for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+
+
+def _on(u: Unsound, origin: Event, params: Mapping[str, tuple[int, tuple[int, ...]]]) -> bool:
+    """Whether the origin lies on what ``u`` flags: its coordinate (or its parameter, for a whole-tensor finding;
+    either end of a group's differing step counters), its group (a hyperparameter), or anywhere (the loss scale)."""
+    if u.param is not None:
+        if origin.tensor not in {u.param, u.values.get("min_param")}:
+            return False
+        return u.index is None or list(u.index) == list(origin.index)
+    if u.group is not None:
+        return origin.tensor in params and params[origin.tensor][0] == u.group
+    return True
+
+
+def resume_findings(unsound: list[Unsound], origin: Event | None, start: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, matched_by_order: bool) -> tuple[list[str], bool]:
+    """What the start checkpoint's soundness says about the replay: the findings, and whether the origin lies on a
+    coordinate a reset could zero (so the what-if ``reset-state`` shows whether resetting would have saved the run)."""
+    params = _params(model, optimizer)
+    out = []
+    if unsound:
+        checks = sorted({f"{u.check} ({u.param or u.tensor})" for u in unsound})
+        out.append(f"The start checkpoint (step {start}) is finite but its optimizer state is unsound: "
+                   f"{count(len(unsound), 'finding')}, {', '.join(checks[:4])}{' ...' if len(checks) > 4 else ''} "
+                   "(each under unsound, with what it does at the next update).")
+    if origin is None:
+        return out, False
+    hits = [u for u in unsound if _on(u, origin, params)]
+    where = f"{origin.tensor}{origin.index}"
+    for u in hits[:3]:
+        out.append(f"The origin, {where} at step {origin.step}, lies on what the start checkpoint's {u.check} check "
+                   f"flagged: {u.message}.")
+    if matched_by_order and origin.tensor in params:
+        group, shape = params[origin.tensor]
+        twins = [n for n, (g, s) in params.items() if g == group and s == shape and n != origin.tensor]
+        if twins:
+            pair = any(u.check == BOUND for u in hits)
+            out.append(f"The optimizer state was matched to the parameters by order (the checkpoint names none), and "
+                       f"{origin.tensor} shares its shape {list(shape)} with {', '.join(twins[:3])}"
+                       f"{' (+more)' if len(twins) > 3 else ''}: had training listed them in another order, the moments "
+                       f"it was given would be one of those's, and nothing in the checkpoint tells" +
+                       ("; here they break Adam's bound against each other, so they may well belong to another "
+                        "parameter of the same shape" if pair else "") + ".")
+    resettable = any(u.check in ELEMENTWISE or (u.check == STEP and u.values.get("step") == 0) for u in hits)
+    return out, resettable

@@ -119,7 +119,8 @@ class OpSite:
     """Where an aten operation ran: phase, module path, the user's source line."""
 
     op: str                       # e.g. "aten::div.Tensor"
-    phase: str                    # "forward" | "backward" | "optimizer"
+    phase: str                    # "forward" | "backward" | "optimizer" | "before_update" | "after_update": the
+                                  # step function's own code before (not building the graph) or after optimizer.step()
     module: str | None            # module path the op ran under ("<root>" for the model, None outside it)
     source: str | None            # "file.py:line in function" of the user's code
     input_dtypes: list[str]

@@ -228,7 +228,7 @@ def attribute_samples(session: Session) -> SampleAttribution:
         if not tester.fails(list(range(size))):
             return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
                                      "forward and backward on the whole batch stay finite: the failure needs the "
-                                     "optimizer update, not a sample")
+                                     "update (optimizer.step() or the step function's code after it), not a sample")
         found = split_batch(size, tester.fails)
     finally:
         session.restore(tester.snapshot)

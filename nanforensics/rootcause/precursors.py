@@ -23,10 +23,11 @@ def _max_abs(extremes: torch.Tensor) -> torch.Tensor:
 
 def _norm(grads: list[torch.Tensor], largest: torch.Tensor) -> torch.Tensor:
     """The total 2-norm of ``grads``, never non-finite where every gradient is finite: summed in the gradients'
-    own dtype (one pass), and again in float64 when that overflowed while the largest |gradient| did not (float32
-    squares overflow past 1.8e19; float64 holds the norm of any finite float32 gradients)."""
+    own dtype (one pass), and again in float64 when that came out below the largest |gradient| it must bound, an
+    overflow (float32 squares overflow past 1.8e19) or underflow of the squares; float64 holds the norm of any
+    finite float32 gradients."""
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
-    if bool(torch.isinf(norm)) and bool(torch.isfinite(largest)):
+    if bool(torch.isfinite(largest)) and not (bool(torch.isfinite(norm)) and bool(norm >= largest)):
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
     return norm
 

@@ -5,20 +5,26 @@ on a small real model recorded with the project's recorder, each sentence checke
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nanforensics import Recorder
 from nanforensics.replay.engine import ReplayOptions, replay_run
 from nanforensics.report import ReplayReport, to_json
 from nanforensics.rootcause.precursors import PrecursorProbe
+from nanforensics.runs.run import Run
 
 import truth_models as tm
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 LATE = 13  # the step whose batch first looks up the embedding row AdamW(eps=0) made NaN at step 0
 PAD_FROM = 7  # the first step whose batch holds the padding token the renormalisation divides by a zero norm
@@ -209,3 +215,56 @@ def test_a_loss_only_step_with_healthy_steps_after_it_could_continue(reports):
                                "buffer value was: the non-finite loss never reached the model, so training could "
                                f"continue (the replayed steps after it stayed finite through step {LONG_AT + 2}).")
     assert "first sign" not in sentence and "no valid target" in sentence
+
+
+# -- 5. gradient accumulation in a plain loop ------------------------------------------------------------------
+
+ACCUM_DEFECT = 5  # the step whose micro-batch 1, sample 2 holds a corrupt target
+
+
+@pytest.fixture(scope="module")
+def accum_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The README's gradient-accumulation script, as a user would save it."""
+    block = (ROOT / "README.md").read_text().split("```python\n# train_accum.py")[1].split("```")[0]
+    folder = tmp_path_factory.mktemp("accum")
+    (folder / "train_accum.py").write_text("# train_accum.py" + block)
+    return folder
+
+
+def test_the_readme_accumulation_script_records_and_replays(accum_script):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    subprocess.run([sys.executable, "train_accum.py"], cwd=accum_script, env=env, check=True, timeout=300)
+    run = accum_script / "runs" / "accum"
+    recorded = Run(run).batch(3)
+    assert [sorted(m) for m in recorded["micro_batches"]] == [["ids", "x", "y"]] * 2
+    result = run_cli("replay", run, "--json", "-", cwd=accum_script)
+    assert result.code == 0, result.stderr
+    assert result.json()["verdict"] == "clean"
+
+
+def test_the_responsible_batch_of_an_accumulated_step_is_the_optimizer_step(accum_script, tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("train_accum", accum_script / "train_accum.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_accum", script)  # importable by name, as the recorder stores it
+    spec.loader.exec_module(script)
+    torch.manual_seed(0)
+    model = script.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = tmp_path / "run"
+    with Recorder(run, model, optimizer, model_factory=script.build_model, step_fn=script.train_step,
+                  checkpoint_every=10) as rec:
+        for step in range(ACCUM_DEFECT + 2):
+            batch = {"micro_batches": [script.make_micro_batch(step, k) for k in range(2)]}
+            if step == ACCUM_DEFECT:
+                batch["micro_batches"][1]["y"][2] = 1e30  # a corrupt target: its squared error overflows
+            rec.log(step, batch, script.train_step(model, optimizer, batch))
+    out = tmp_path / "r.json"
+    result = run_cli("replay", run, "--json", out, "--code-path", accum_script)
+    assert result.code == 1, result.stderr
+    r = json.loads(out.read_text())
+    assert r["responsible_step"] == r["responsible_batch"]["step"] == ACCUM_DEFECT
+    assert r["responsible_batch"]["file"].endswith(f"step_{ACCUM_DEFECT:08d}.safetensors")
+    s = r["samples"]
+    assert (s["status"], s["batch_size"], s["samples"], s["micro_batch_samples"]) == ("attributed", 8, [6], [[1, 2]])
+    assert s["sample_leaves"] == {"batch['micro_batches'][1]['ids']": [f"s{ACCUM_DEFECT}-m1-2"]}
+    assert "(micro-batch 1, sample 2) of 8" in result.stdout

@@ -268,3 +268,21 @@ def test_the_responsible_batch_of_an_accumulated_step_is_the_optimizer_step(accu
     assert (s["status"], s["batch_size"], s["samples"], s["micro_batch_samples"]) == ("attributed", 8, [6], [[1, 2]])
     assert s["sample_leaves"] == {"batch['micro_batches'][1]['ids']": [f"s{ACCUM_DEFECT}-m1-2"]}
     assert "(micro-batch 1, sample 2) of 8" in result.stdout
+
+
+# -- clipping is claimed only where one gradient coordinate went from inf to NaN -------------------------------
+
+def test_backward_nans_in_another_tensor_are_not_called_clipping(tmp_path, monkeypatch):
+    """A diffusion loss weighted by 1/sigma_t^2 meets t = 0 (examples/failures): backward itself makes most
+    gradients NaN, the first in backward order is inf, the first in the optimizer's order another tensor's NaN. No
+    clipping ran, and the report must not say that the step function turned the inf into NaN."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "failures"))
+    import diffusion_snr as d
+
+    d.record(str(tmp_path / "run"), steps=d.DEFECT_STEP + 2)
+    r = replay_run(tmp_path / "run", ReplayOptions(device="cpu", explain=False))
+    at = {e.stage: e for e in r.events if e.step == d.DEFECT_STEP}
+    assert (r.responsible_step, r.origin.stage, at["grad"].value, at["optimizer_grad"].value) == (
+        d.DEFECT_STEP, "loss", "inf", "nan")
+    assert at["grad"].tensor != at["optimizer_grad"].tensor
+    assert not any("turned the inf gradient into NaN" in f for f in r.findings), r.findings

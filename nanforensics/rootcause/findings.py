@@ -546,7 +546,10 @@ def _clipping(r: ReplayReport) -> list[str]:
     opt_grad = next((e for e in step_events if e.stage == "optimizer_grad"), None)
     if grad is None:
         return []
-    if grad.value in ("inf", "-inf") and opt_grad is not None and opt_grad.value == "nan":
+    # the same coordinate, inf after backward and NaN at optimizer.step(): the step function changed it in between (the
+    # first non-finite gradient of backward and of the optimizer's order can be different tensors, made NaN by backward)
+    same = opt_grad is not None and (opt_grad.tensor, opt_grad.index) == (grad.tensor, grad.index)
+    if grad.value in ("inf", "-inf") and same and opt_grad is not None and opt_grad.value == "nan":
         return [f"The step function turned the {grad.value} gradient into NaN before optimizer.step(): that is what "
                 f"gradient clipping does to an infinity (total norm inf, clip factor max_norm/inf = 0, and "
                 f"{_times_zero(grad.value)} = NaN), so clipping cannot rescue it."]

@@ -175,6 +175,10 @@ class SampleAttribution:
     message: str
     micro_batch_samples: list[list[int]] = field(default_factory=list)  # [micro-batch, position in it] of each
                                   # sample, when the optimizer step was several micro-batches (gradient accumulation)
+    # batch_wide: the step whose batch was run from the responsible step's state too, and whether it failed there
+    # (failing: the state is the cause; passing: what this batch's samples share, a length, a padding, is)
+    compared_step: int | None = None
+    compared_fails: bool | None = None
 
 
 @dataclass

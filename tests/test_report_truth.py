@@ -286,3 +286,32 @@ def test_backward_nans_in_another_tensor_are_not_called_clipping(tmp_path, monke
         d.DEFECT_STEP, "loss", "inf", "nan")
     assert at["grad"].tensor != at["optimizer_grad"].tensor
     assert not any("turned the inf gradient into NaN" in f for f in r.findings), r.findings
+
+
+# -- "the step, not its data": tested with another batch from the same state -----------------------------------
+
+def test_a_batch_wide_failure_another_batch_survives_is_blamed_on_what_the_batch_shares(tmp_path, monkeypatch):
+    """A Mamba-style scan in log space (examples/failures): one long document pads the whole batch to 400 tokens, so
+    every sample fails alone; the batch before, run from the same state, does not. Not "the state the run reached"."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "failures"))
+    import selective_scan as m
+
+    m.record(str(tmp_path / "run"), steps=m.DEFECT_STEP + 2)
+    r = replay_run(tmp_path / "run", ReplayOptions(device="cpu"))
+    s = json.loads(to_json(r))["samples"]
+    assert (r.responsible_step, s["status"], s["compared_step"], s["compared_fails"]) == (
+        m.DEFECT_STEP, "batch_wide", m.DEFECT_STEP - 1, False)
+    assert _one(r.findings, "fails sample by sample") == (
+        f"Most of step {m.DEFECT_STEP}'s batch fails sample by sample, yet the batch of step {m.DEFECT_STEP - 1}, run "
+        "from the same state, stays finite: the cause is what this batch's samples share (a sequence length or "
+        "padding, a setting the batch carries), not particular samples and not the state the run had reached.")
+    assert not any("not its data, is responsible" in f for f in r.findings)
+
+
+def test_a_batch_wide_failure_another_batch_shares_is_blamed_on_the_state(reports):
+    r = reports["rnn_long"]
+    assert (r.samples.status, r.samples.compared_step, r.samples.compared_fails) == ("batch_wide", LONG_AT, True)
+    assert _one(r.findings, "not its data, is responsible").startswith(
+        f"Step {LONG_AT + 1}, not its data, is responsible: most of its batch fails sample by sample, so the cause is "
+        "the state the run had reached (its learning rate, its loss scale, or weights grown over many steps), and the "
+        f"batch of step {LONG_AT}, run from the same state, fails too.")

@@ -425,7 +425,7 @@ def _nothing_reached(r: ReplayReport) -> str:
 def step_not_data(r: ReplayReport) -> bool:
     """Most of the responsible batch fails sample by sample, and that batch holds no data defect: the step (its
     learning rate, loss scale, or weights grown over many steps), not its data, is responsible."""
-    return (r.samples is not None and r.samples.status == "batch_wide"
+    return (r.samples is not None and r.samples.status == "batch_wide" and r.samples.compared_fails is not False
             and not any(d.step == r.responsible_step for d in r.data_defects))
 
 
@@ -495,12 +495,19 @@ def _batch_wide(r: ReplayReport) -> list[str]:
     o = r.origin
     if o is None or r.samples is None or r.samples.status != "batch_wide":
         return []
-    if not step_not_data(r):
+    c = r.samples.compared_step
+    if any(d.step == o.step for d in r.data_defects):
         return [f"Most of step {o.step}'s batch fails sample by sample, and that batch holds data defects (see Data): "
                 "the batch as a whole is bad data, not particular samples of it."]
+    if not step_not_data(r):  # another batch passed from the same state
+        return [f"Most of step {o.step}'s batch fails sample by sample, yet the batch of step {c}, run from the same "
+                "state, stays finite: the cause is what this batch's samples share (a sequence length or padding, a "
+                "setting the batch carries), not particular samples and not the state the run had reached."]
+    other = (f"the batch of step {c}, run from the same state, fails too" if r.samples.compared_fails else
+             "another batch would most likely fail the same way")
     head = (f"Step {o.step}, not its data, is responsible: most of its batch fails sample by sample, so the cause is "
-            "the state the run had reached (its learning rate, its loss scale, or weights grown over many steps), and "
-            "another batch would most likely fail the same way")
+            f"the state the run had reached (its learning rate, its loss scale, or weights grown over many steps), and "
+            f"{other}")
     before = [p for p in r.precursors if p.step < o.step]
     if len(before) < 2:
         return [f"{head}; the replay holds no earlier steps to show a drift."]

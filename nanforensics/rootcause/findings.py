@@ -500,9 +500,13 @@ def _batch_wide(r: ReplayReport) -> list[str]:
         return [f"Most of step {o.step}'s batch fails sample by sample, and that batch holds data defects (see Data): "
                 "the batch as a whole is bad data, not particular samples of it."]
     if not step_not_data(r):  # another batch passed from the same state
+        before = [p for p in r.precursors if p.step < o.step]
+        rose = rising(before) if len(before) >= 2 else []
+        drift = f" Over steps {before[0].step}-{before[-1].step} before it {_rose(rose)}." if rose else ""
         return [f"Most of step {o.step}'s batch fails sample by sample, yet the batch of step {c}, run from the same "
-                "state, stays finite: the cause is what this batch's samples share (a sequence length or padding, a "
-                "setting the batch carries), not particular samples and not the state the run had reached."]
+                "state, stays finite: the state the run had reached does not fail on any batch, so what this batch's "
+                "samples share (a sequence length or padding, a setting the batch carries) is part of the cause, not "
+                f"particular samples.{drift}"]
     other = (f"the batch of step {c}, run from the same state, fails too" if r.samples.compared_fails else
              "another batch would most likely fail the same way")
     head = (f"Step {o.step}, not its data, is responsible: most of its batch fails sample by sample, so the cause is "

@@ -301,7 +301,7 @@ def test_a_batch_wide_failure_another_batch_survives_is_blamed_on_what_the_batch
         m.DEFECT_STEP, "batch_wide", m.DEFECT_STEP - 1, False)
     assert _one(r.findings, "fails sample by sample") == (
         f"Most of step {m.DEFECT_STEP}'s batch fails sample by sample, yet the batch of step {m.DEFECT_STEP - 1}, run "
-        "from the same state, stays finite: the state the run had reached does not fail on any batch, so what this "
+        "from the same state, stays finite: the state the run had reached does not make every batch fail, so what this "
         "batch's samples share (a sequence length or padding, a setting the batch carries) is part of the cause, not "
         "particular samples.")
     assert not any("not its data, is responsible" in f for f in r.findings)

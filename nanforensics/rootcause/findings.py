@@ -504,7 +504,7 @@ def _batch_wide(r: ReplayReport) -> list[str]:
         rose = rising(before) if len(before) >= 2 else []
         drift = f" Over steps {before[0].step}-{before[-1].step} before it {_rose(rose)}." if rose else ""
         return [f"Most of step {o.step}'s batch fails sample by sample, yet the batch of step {c}, run from the same "
-                "state, stays finite: the state the run had reached does not fail on any batch, so what this batch's "
+                "state, stays finite: the state the run had reached does not make every batch fail, so what this batch's "
                 "samples share (a sequence length or padding, a setting the batch carries) is part of the cause, not "
                 f"particular samples.{drift}"]
     other = (f"the batch of step {c}, run from the same state, fails too" if r.samples.compared_fails else

@@ -117,7 +117,8 @@ class OpSite:
     """Where an aten operation ran: phase, module path, the user's source line."""
 
     op: str                       # e.g. "aten::div.Tensor"
-    phase: str                    # "forward" | "backward" | "optimizer"
+    phase: str                    # "forward" | "backward" | "optimizer" | "before_update" | "after_update": the
+                                  # step function's own code before (not building the graph) or after optimizer.step()
     module: str | None            # module path the op ran under ("<root>" for the model, None outside it)
     source: str | None            # "file.py:line in function" of the user's code
     input_dtypes: list[str]
@@ -172,6 +173,10 @@ class SampleAttribution:
     message: str
     micro_batch_samples: list[list[int]] = field(default_factory=list)  # [micro-batch, position in it] of each
                                   # sample, when the optimizer step was several micro-batches (gradient accumulation)
+    # batch_wide: the step whose batch was run from the responsible step's state too, and whether it failed there
+    # (failing: the state is the cause; passing: what this batch's samples share, a length, a padding, is)
+    compared_step: int | None = None
+    compared_fails: bool | None = None
 
 
 @dataclass

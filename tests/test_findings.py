@@ -113,7 +113,9 @@ def test_exactly_half_the_batch_bad_is_named_not_batch_wide(tmp_path):
 def test_a_wholly_corrupt_batch_is_batch_wide_but_blamed_on_its_data(tmp_path):
     run = record_mlp(tmp_path / "corrupt", all_bad)
     r, terminal, _ = replay(run, tmp_path)
-    assert r["samples"]["status"] == "batch_wide" and r["samples"]["passes"] == 1 + PROBES
+    # the whole batch, PROBES single samples, and the step before's batch from the same state (it stays finite)
+    assert r["samples"]["status"] == "batch_wide" and r["samples"]["passes"] == 1 + PROBES + 1
+    assert (r["samples"]["compared_step"], r["samples"]["compared_fails"]) == (DEFECT_STEP - 1, False)
     [d] = [d for d in r["data_defects"] if d["step"] == DEFECT_STEP]
     assert (d["kind"], d["count"]) == ("subnormal", scenarios.BATCH)
     one(r["findings"], f"Most of step {DEFECT_STEP}'s batch fails sample by sample, and that batch holds data defects")

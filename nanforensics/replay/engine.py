@@ -211,7 +211,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                 spread.append(StepRecord(step, logged_loss, loss, p_bad, params_total, s_bad, state_total, b_bad,
                                          buffers_all, float32_ulps(logged_loss, loss) if logged_loss is not None
                                          else None))
-                if located_from is not None and step >= _horizon(events, spread) + opts.after:
+                if located_from is not None and step >= _horizon(events, spread, logged_nan) + opts.after:
                     break
                 pending = next((s for s in logged_nan if s not in loss_only and s not in amp.caught), None)
                 if located_from is None and pending is not None and step >= pending + opts.after:
@@ -262,13 +262,17 @@ def _explain(session: Session, origin: Event) -> tuple[OperationCulprit | None, 
     return operation, samples
 
 
-def _horizon(events: list[Event], spread: list[StepRecord]) -> int:
-    """The step the chain is complete at: the whole model non-finite, else a step past the NaN loss."""
+def _horizon(events: list[Event], spread: list[StepRecord], logged_nan: Sequence[int]) -> int:
+    """The step the chain is complete at: the whole model non-finite, else a step past the NaN loss; never before
+    the run's own first non-finite logged loss from the origin on, so that every field (the replayed NaN loss, the
+    optimizer state, the reproduction) is judged over the window the user is looking at, however many steps a
+    NaN parameter waits unread before a loss shows it."""
+    origin = events[0].step
     full = next((s.step for s in spread if s.params_nonfinite == s.params_total), None)
-    if full is not None:
-        return full
-    nan_loss = next((s.step for s in spread if not math.isfinite(s.replayed_loss)), events[0].step)
-    return max(nan_loss, events[0].step) + 1
+    if full is None:
+        nan_loss = next((s.step for s in spread if not math.isfinite(s.replayed_loss)), origin)
+        full = max(nan_loss, origin) + 1
+    return max(full, next((s for s in logged_nan if s >= origin), full))
 
 
 def _report(run: StepSource, checkpoint: StartPoint, device: torch.device, threads: int, code: StepCode,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..finite import value_name
 from ..replay.reproduction import LOSS_ULPS
@@ -44,12 +45,22 @@ def _inputs(site: OpSite) -> str:
     return f"inputs holding {' and '.join(held)} ({_ranges(site.input_ranges)})"
 
 
+# The step function's own code, outside forward, backward and the optimizer, in words (OpSite.phase)
+_STEP_CODE = {"before_update": "the step function's own code before optimizer.step(),",
+              "after_update": "the step function's own code after optimizer.step(),"}
+
+
+def phase_site(site: OpSite) -> str:
+    """``forward aten::log in module `f` (...)``, or the step function's own code around the update, said so."""
+    return f"{_STEP_CODE.get(site.phase, site.phase)} {describe_site(site)}"
+
+
 def operation_sentence(op: OperationCulprit) -> str:
     """Where the origin's value was made, each clause read off the culprit's facts."""
     if op.site.phase == "backward" and op.forward is not None:
         subject = f"{op.site.op} in the backward of {describe_site(op.forward)}, autograd node {op.autograd_node},"
     else:
-        subject = f"{op.site.phase} {describe_site(op.site)}"
+        subject = phase_site(op.site)
     text = (f"Operation: {subject} produced {op.output_value} at [{', '.join(map(str, op.output_index))}] "
             f"from {_inputs(op.site)}")
     if any(r is not None for r in op.inputs_at_index):
@@ -66,7 +77,7 @@ def operation_sentence(op: OperationCulprit) -> str:
         infs = " and ".join(v for v in ("-inf", "inf") if any(v in r for r in op.site.input_ranges)) or "±inf"
         if src.site is not None:
             held = f", and {src.tensor} held it before the step" if src.tensor else ""
-            text += (f" The {infs} in its inputs was not computed: {src.site.phase} {describe_site(src.site)} wrote "
+            text += (f" The {infs} in its inputs was not computed: {phase_site(src.site)} wrote "
                      f"it as a constant (a mask){held}, so this operation, where it became NaN, is the cause.")
         else:
             text += (f" The {infs} in its inputs was not computed in this step: "
@@ -76,7 +87,7 @@ def operation_sentence(op: OperationCulprit) -> str:
         where = "in the backward pass" if op.nan_site.phase == "backward" and op.site.phase != "backward" \
             else "downstream of it"
         node = f", autograd node {op.nan_node}," if op.nan_node else ""
-        text += (f" NaN arose {where}, at {op.nan_site.phase} {describe_site(op.nan_site)}{node} from "
+        text += (f" NaN arose {where}, at {phase_site(op.nan_site)}{node} from "
                  f"{_inputs(op.nan_site)}.")
     if op.traced_from and op.path:
         text += f" Traced back from {op.traced_from}: {' <- '.join(reversed(op.path))}."
@@ -107,7 +118,8 @@ _CAUSE = {
                       "optimizer.step()",
     "optimizer_state": "the gradients were finite, but the optimizer state overflowed (a squared gradient past the "
                        "dtype's largest value, for instance)",
-    "param": "gradients and optimizer state were finite; the parameter update itself produced it",
+    "param": "gradients and optimizer state were finite; the parameter was non-finite once the step returned: "
+             "optimizer.step() or the step function's own code after it produced it",
     "buffer": "gradients, optimizer state and parameters were finite, but a registered buffer was not: buffers are "
               "updated outside the optimizer{how}",
 }
@@ -118,7 +130,14 @@ def _is_running_stat(name: str) -> bool:
     return name.rpartition(".")[2] in _RUNNING_STATS
 
 
-def _cause(o: Event) -> str:
+def _cause(o: Event, op: OperationCulprit | None) -> str:
+    """Why the origin's stage is where it is; for a parameter, which code wrote it, where the operation trace says."""
+    if o.stage == "param" and op is not None and op.site.phase == "optimizer":
+        return "gradients and optimizer state were finite; the parameter update itself (optimizer.step()) produced it"
+    if o.stage == "param" and op is not None and op.site.phase == "after_update":
+        line = f" at {op.site.source}" if op.site.source else ""
+        return (f"gradients and optimizer state were finite; the step function's own code produced it after the "
+                f"update: {op.site.op}{line}, which ran after optimizer.step() returned")
     how = (" (BatchNorm updates its running statistics in the training forward, from each batch's own statistics)"
            if _is_running_stat(o.tensor) else "")
     return _CAUSE[o.stage].format(t=o.tensor, how=how)
@@ -134,7 +153,7 @@ def findings(r: ReplayReport) -> list[str]:
         elif not r.loss_only_steps:  # those have their own sentence
             out.append(_nothing_reached(r))
     else:
-        out.append(f"Origin: step {o.step}, {describe(o)} ({o.dtype}): {_cause(o)}.")
+        out.append(f"Origin: step {o.step}, {describe(o)} ({o.dtype}): {_cause(o, r.operation)}.")
         shown = first_shown(r)
         if shown is not None and shown < o.step:
             caught = r.amp is not None and any(c.step == shown for c in r.amp.caught)
@@ -158,8 +177,9 @@ def findings(r: ReplayReport) -> list[str]:
             out.append(f"The loss at step {o.step} was finite in the replay{loss_text}: it is computed before the "
                        f"update. It first shows NaN at step {shown}, {count(shown - o.step, 'step')} later, where a "
                        f"training log shows it too; {inspect}.")
+        out += _unread(r) + _window(r)
         out += _root_cause(r)
-        out += _batch_wide(r) + _coupled_drift(r)
+        out += _batch_wide(r) + _coupled_drift(r) + _spikes(r)
         out += _clipping(r)
     out += _state(r)
     out += _buffers(r) + _loss_only(r)
@@ -204,6 +224,35 @@ def _loaded(c: CheckpointLoad) -> list[str]:
     return out
 
 
+def _unread(r: ReplayReport) -> list[str]:
+    """An origin the forward did not carry at once (a NaN row of an embedding that no batch looks up for a while):
+    from when the non-finite values sat in the model unread by any module output or loss, to the step whose
+    forward first carries them."""
+    o = r.origin
+    assert o is not None
+    carried = next((e for e in r.events if e.step > o.step and e.stage in ("forward", "loss")), None)
+    if o.stage not in ("param", "optimizer_state", "buffer") or carried is None or carried.step <= o.step + 1:
+        return []
+    shown = first_shown(r)
+    loss = ("; the logged loss first shows NaN there too" if shown == carried.step else
+            f"; the logged loss first shows NaN at step {shown}" if shown is not None else "")
+    what = describe(replace(o, value=""))
+    went = "NaN" if o.value == "nan" else o.value
+    return [f"{what[0].upper()}{what[1:]} went {went} at step {o.step}, but no module output and no loss held a non-finite value "
+            f"at steps {o.step + 1}-{carried.step - 1}: the forward first carries it at step {carried.step}, the first "
+            f"step whose forward reads a non-finite value ({describe(carried)}){loss}."]
+
+
+def _window(r: ReplayReport) -> list[str]:
+    """A replay that ended (at --max-steps) before the run's own NaN loss judges every field over a shorter window."""
+    shown = first_shown(r)
+    if shown is None or shown <= r.setup.last_step:
+        return []
+    return [f"The replay ended at step {r.setup.last_step}, before the logged loss first shows NaN (step {shown}): "
+            f"the replayed loss, the optimizer state and the reproduction are judged over steps {r.setup.first_step}-"
+            f"{r.setup.last_step} only."]
+
+
 def first_shown(r: ReplayReport) -> int | None:
     """The first logged non-finite loss that is not a loss-only step: where the failure shows."""
     first = r.logged_first_nonfinite_loss_step
@@ -240,17 +289,58 @@ def _buffers(r: ReplayReport) -> list[str]:
 
 
 def _loss_only(r: ReplayReport) -> list[str]:
-    """Steps whose loss was non-finite while nothing the model keeps was."""
+    """Steps whose loss was non-finite while nothing the model keeps was: harmless only where the replayed steps after
+    them are healthy; the first sign of the failure where the origin follows with no healthy step between."""
     steps = r.loss_only_steps
     if not steps:
         return []
-    values = {_loss(s.replayed_loss) for s in r.spread if s.step in steps and not math.isfinite(s.replayed_loss)}
-    value = " or ".join(sorted(values)) or "non-finite"
-    before = " before the origin" if r.origin is not None else ""
-    return [f"The loss was {value} at {numbered('step', steps)}{before}, but no gradient, parameter, optimizer-state or buffer "
-            "value was: the non-finite loss never reached the model, so training could continue. Such a loss "
-            "typically comes from a batch with no valid target: a mean over zero elements is 0/0 = NaN while its "
-            "gradient is zero (cross_entropy when every label is ignore_index, -100)."]
+    o = r.origin
+    by_step = {s.step: s for s in r.spread}
+    healthy = {s.step for s in r.spread if math.isfinite(s.replayed_loss) and s.step not in steps
+               and not any(e.step == s.step for e in r.events)}
+    signs = [s for s in steps if o is not None and s < o.step and not any(s < h < o.step for h in healthy)]
+    last = r.setup.last_step
+    unseen = [s for s in steps if s not in signs and not any(h > s for h in healthy)]
+    harmless = [s for s in steps if s not in signs and s not in unseen]
+    out = []
+    for group, verdict in ((harmless, "continue"), (unseen, "unseen"), (signs, "sign")):
+        if not group:
+            continue
+        values = sorted({_loss(by_step[s].replayed_loss) for s in group if s in by_step
+                         and not math.isfinite(by_step[s].replayed_loss)})
+        value = " or ".join(values) or "non-finite"
+        before = " before the origin" if o is not None and group[0] < o.step else ""
+        head = (f"The loss was {value} at {numbered('step', group)}{before}, but no gradient, parameter, "
+                "optimizer-state or buffer value was")
+        if verdict == "continue":
+            upto = group[-1]
+            for step in sorted(x for x in by_step if x > group[-1]):
+                if step not in healthy and step not in steps:
+                    break
+                upto = step
+            text = (f"{head}: the non-finite loss never reached the model, so training could continue (the replayed "
+                    f"steps after it stayed finite through step {upto}).")
+        elif verdict == "unseen":
+            text = (f"{head}; the replay holds no healthy step after it (it ended at step {last}), so it does not show "
+                    "whether training could continue.")
+        else:
+            text = (f"{head}, yet the replay does not show training continuing: the origin follows at step {o.step} "
+                    f"with no healthy step between, so the non-finite loss was the first sign of that failure.")
+        out.append(text + _loss_reason(r, group, values))
+    return out
+
+
+def _loss_reason(r: ReplayReport, steps: list[int], values: list[str]) -> str:
+    """Why a loss could be non-finite with every gradient finite, from the value it had."""
+    if values and all(v in ("inf", "-inf") for v in values):
+        act = [p.activation_max_abs for p in r.precursors if p.step in steps and p.activation_max_abs is not None]
+        largest = (f" (the largest activation at {numbered('step', steps)} was {max(act):.3g})" if act and
+                   all(math.isfinite(a) for a in act) else "")
+        return (f" An infinite loss with finite gradients is an overflow of large finite values{largest}: the loss "
+                "reduced them past its dtype's largest value, while each gradient, its share of the reduction, stayed "
+                "finite.")
+    return (" Such a loss typically comes from a batch with no valid target: a mean over zero elements is 0/0 = NaN "
+            "while its gradient is zero (cross_entropy when every label is ignore_index, -100).")
 
 
 def _mismatch_text(c: CheckpointComparison) -> str:
@@ -374,7 +464,7 @@ def narrate(r: ReplayReport) -> ReplayReport:
 def step_not_data(r: ReplayReport) -> bool:
     """Most of the responsible batch fails sample by sample, and that batch holds no data defect: the step (its
     learning rate, loss scale, or weights grown over many steps), not its data, is responsible."""
-    return (r.samples is not None and r.samples.status == "batch_wide"
+    return (r.samples is not None and r.samples.status == "batch_wide" and r.samples.compared_fails is not False
             and not any(d.step == r.responsible_step for d in r.data_defects))
 
 
@@ -398,18 +488,69 @@ def rising(before: list[Precursor]) -> list[str]:
     return out
 
 
+# The precursors a single step can set far apart from its neighbours: an LR schedule's one bad value, a loss scale
+# grown by mistake, one enormous gradient, the update it made.
+_SPIKING = (("the learning rate", lambda p: p.learning_rate),
+            ("the gradient norm", lambda p: p.grad_norm),
+            ("the largest parameter update", lambda p: p.update_max_abs))
+JUMP = 100.0  # a precursor this many times both neighbouring steps' values is cited as a one-step spike
+
+
+def spikes(r: ReplayReport) -> dict[int, list[str]]:
+    """Per step before the origin, the precursors (and the loss scale) that were at least ``JUMP`` times their value
+    at both neighbouring steps: a jump that came and went, which a rise from the window's first to its last step
+    cannot show."""
+    o = r.origin
+    if o is None:
+        return {}
+    series = [(label, {p.step: value(p) for p in r.precursors}) for label, value in _SPIKING]
+    if r.amp is not None and r.amp.scaler:
+        series.append(("the loss scale", {a.step: a.scale for a in r.amp.steps}))
+    out: dict[int, list[str]] = {}
+    for label, at in series:
+        for step, v in sorted(at.items()):
+            sides = [at.get(step - 1), at.get(step + 1)]
+            if step >= o.step or v is None or not math.isfinite(v) or any(
+                    n is None or not math.isfinite(n) or n <= 0 for n in sides):
+                continue
+            near = max(sides)  # type: ignore[type-var]
+            if v >= JUMP * near:
+                out.setdefault(step, []).append(f"{label} jumped to {v:.3g}, {v / near:.3g} times its value at the "
+                                                f"steps either side (at most {near:.3g})")
+    return out
+
+
+def _spikes(r: ReplayReport) -> list[str]:
+    o = r.origin
+    assert o is not None
+    return [f"At step {s}, {count(o.step - s, 'step')} before the origin, {' and '.join(items)}, and fell back at step "
+            f"{s + 1}: a one-step spike, which a comparison of the window's first and last steps does not show."
+            for s, items in sorted(spikes(r).items())]
+
+
 def _batch_wide(r: ReplayReport) -> list[str]:
     """A batch-wide failure: the whole batch is bad data, or, with clean data, the step is responsible, with the
     precursors that show its drift."""
     o = r.origin
     if o is None or r.samples is None or r.samples.status != "batch_wide":
         return []
-    if not step_not_data(r):
+    c = r.samples.compared_step
+    if any(d.step == o.step for d in r.data_defects):
         return [f"Most of step {o.step}'s batch fails sample by sample, and that batch holds data defects (see Data): "
                 "the batch as a whole is bad data, not particular samples of it."]
+    if not step_not_data(r):  # another batch passed from the same state
+        before = [p for p in r.precursors if p.step < o.step]
+        rose = rising(before) if len(before) >= 2 else []
+        drift = f" Over steps {before[0].step}-{before[-1].step} before it {_rose(rose)}." if rose else ""
+        return [f"Most of step {o.step}'s batch fails sample by sample, yet the batch of step {c}, run from the same "
+                "state, stays finite: the state the run had reached does not make every batch fail, so what this batch's "
+                "samples share (a sequence length or padding, a setting the batch carries) is part of the cause, not "
+                f"particular samples.{drift}"]
+    other = (f"the batch of step {c}, run from the same state, fails too" if r.samples.compared_fails else
+             "another batch would most likely fail the same way")
     head = (f"Step {o.step}, not its data, is responsible: most of its batch fails sample by sample, so the cause is "
-            "the state the run had reached (its learning rate, its loss scale, or weights grown over many steps), and "
-            "another batch would most likely fail the same way")
+            f"the state the run had reached (its learning rate, its loss scale, or weights grown over many steps), and "
+            f"{other}")
     before = [p for p in r.precursors if p.step < o.step]
     if len(before) < 2:
         return [f"{head}; the replay holds no earlier steps to show a drift."]
@@ -455,7 +596,10 @@ def _clipping(r: ReplayReport) -> list[str]:
     opt_grad = next((e for e in step_events if e.stage == "optimizer_grad"), None)
     if grad is None:
         return []
-    if grad.value in ("inf", "-inf") and opt_grad is not None and opt_grad.value == "nan":
+    # the same coordinate, inf after backward and NaN at optimizer.step(): the step function changed it in between (the
+    # first non-finite gradient of backward and of the optimizer's order can be different tensors, made NaN by backward)
+    same = opt_grad is not None and (opt_grad.tensor, opt_grad.index) == (grad.tensor, grad.index)
+    if grad.value in ("inf", "-inf") and same and opt_grad is not None and opt_grad.value == "nan":
         return [f"The step function turned the {grad.value} gradient into NaN before optimizer.step(): that is what "
                 f"gradient clipping does to an infinity (total norm inf, clip factor max_norm/inf = 0, and "
                 f"{_times_zero(grad.value)} = NaN), so clipping cannot rescue it."]
@@ -512,6 +656,10 @@ def _state(r: ReplayReport) -> list[str]:
                f"the parameters stayed finite through step {r.setup.last_step}")
     head = f"From step {first} the optimizer state holds {holds}"
     nan = [k for k, v in kinds.items() if v == "NaN"]
+    if param is not None and param < first:
+        via = " through that step's gradients" if any(e.step == first and e.stage == "grad" for e in r.events) else ""
+        return [f"{head}; the parameters were non-finite from step {param}, before it: the state took the non-finite "
+                f"values from them{via}, a consequence rather than the origin."]
     if nan:
         out = [f"{head}; {follows}. NaN in the state is absorbing: beta*NaN stays NaN, and no later gradient repairs "
                "it."]

@@ -375,6 +375,7 @@ class _Provenance(TorchDispatchMode):
         self.forwards: dict[Any, _Forward] = {}  # autograd node -> the forward op that created it
         self.infos: dict[Any, _OpInfo] = {}
         self.in_optimizer = False
+        self.updated = False  # optimizer.step() has returned in this step: what follows is the step's own code
         self.seq = 0
         self.failed: str | None = None  # what ended the trace early, if anything did
 
@@ -513,11 +514,25 @@ class _Provenance(TorchDispatchMode):
                 if v.storage is not None and (id(t) in written or v.storage not in aliased):
                     self.storages[v.storage] = (self.seq, v)
 
+    def _phase(self, inputs: list[torch.Tensor]) -> str:
+        """Outside autograd's backward: the optimizer's step, a module's forward, the step function's own code after
+        optimizer.step() (renormalising rows, clamping, an EMA under no_grad), the forward's computation outside
+        any module (a loss: it builds the graph), or the step function's own code before the update."""
+        if self.in_optimizer:
+            return "optimizer"
+        if self.modules.current() is not None:
+            return "forward"
+        if self.updated:
+            return "after_update"
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            return "forward"
+        return "before_update"
+
     def _record(self, info: _OpInfo, func: Any, args: tuple, kwargs: dict, bound: list[Any],
                 inputs: list[torch.Tensor], ins: list[_Value], tensors: list[torch.Tensor],
                 outs: list[_Value]) -> _Record:
         node = torch._C._current_autograd_node()
-        phase = "backward" if node is not None else ("optimizer" if self.in_optimizer else "forward")
+        phase = "backward" if node is not None else self._phase(inputs)
         constant = not ins or any(isinstance(a, float) and not math.isfinite(a) for a in tree_leaves((args, kwargs)))
         record = _Record(self.seq, info.name, phase, self.modules.current() if node is None else None,
                          node.name() if node is not None else None,
@@ -742,7 +757,7 @@ def trace_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_ste
         provenance.in_optimizer = True
 
     def leave(*_: Any) -> None:
-        provenance.in_optimizer = False
+        provenance.in_optimizer, provenance.updated = False, True
 
     hooks = [optimizer.register_step_pre_hook(enter), optimizer.register_step_post_hook(leave)]
     try:

@@ -21,6 +21,17 @@ def _max_abs(extremes: torch.Tensor) -> torch.Tensor:
     return extremes.abs().max()
 
 
+def _norm(grads: list[torch.Tensor], largest: torch.Tensor) -> torch.Tensor:
+    """The total 2-norm of ``grads``, never non-finite where every gradient is finite: summed in the gradients'
+    own dtype (one pass), and again in float64 when that came out below the largest |gradient| it must bound, an
+    overflow (float32 squares overflow past 1.8e19) or underflow of the squares; float64 holds the norm of any
+    finite float32 gradients."""
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+    if bool(torch.isfinite(largest)) and not (bool(torch.isfinite(norm)) and bool(norm >= largest)):
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
+    return norm
+
+
 class PrecursorProbe:
     """Forward and optimizer hooks; ``take(step)`` returns that step's figures and starts the next."""
 
@@ -59,8 +70,8 @@ class PrecursorProbe:
         # sharded tensors (FSDP2 at world size) are measured whole
         grads = [whole(p.grad).detach() for p in optimizer_params(self.optimizer) if p.grad is not None]
         if grads:
-            self._grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
             self._grad_max = torch.stack([_max_abs(finite.extremes(g)) for g in grads]).max()
+            self._grad_norm = _norm(grads, self._grad_max)
         self._before = [whole(p).detach().clone() for p in optimizer_params(self.optimizer)]
         lrs = [float(g["lr"]) for g in optimizer.param_groups if "lr" in g]
         self._lr = max(lrs) if lrs else None
@@ -68,8 +79,10 @@ class PrecursorProbe:
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         params = [whole(p) for p in optimizer_params(self.optimizer)]
         if self._before:
-            self._update_max = torch.stack([(p.detach() - b).abs().max() for p, b in zip(params, self._before)
-                                            if p.numel()]).max()
+            pairs = [(p.detach(), b) for p, b in zip(params, self._before) if p.numel()]
+            self._update_max = torch.stack([(p - b).abs().max() for p, b in pairs]).max()
+            if bool(torch.isinf(self._update_max)):  # two finite values can lie further apart than the dtype holds
+                self._update_max = torch.stack([(p.double() - b.double()).abs().max() for p, b in pairs]).max()
         self._before = []
         for p in optimizer_params(self.optimizer):
             for key, value in optimizer.state.get(p, {}).items():

@@ -120,10 +120,13 @@ class _Tester:
 
     def fails(self, indices: list[int]) -> bool:
         """One forward/backward pass on the subset; True when a non-finite value appears before the optimizer."""
+        return self.fails_on(select(self.batch, indices, self.size))
+
+    def fails_on(self, subset: Any) -> bool:
+        """One forward/backward pass on ``subset`` (any batch) from the step's state."""
         self.passes += 1
         s = self.session
         s.restore(self.snapshot)
-        subset = select(self.batch, indices, self.size)
         with StepMonitor(s.model, s.optimizer) as monitor, _no_optimizer_step(s.optimizer):
             monitor.begin(s.step, subset, locate=False)
             try:
@@ -228,14 +231,19 @@ def attribute_samples(session: Session) -> SampleAttribution:
         if not tester.fails(list(range(size))):
             return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
                                      "forward and backward on the whole batch stay finite: the failure needs the "
-                                     "optimizer update, not a sample")
+                                     "update (optimizer.step() or the step function's code after it), not a sample")
         found = split_batch(size, tester.fails)
+        # "the step, not its data": tested, with the step before's batch run from this step's state
+        before = session.step - 1
+        compared = before if found.status == "batch_wide" and session.run.batch_origin(before) is not None else None
+        compared_fails = tester.fails_on(session.batch(before)) if compared is not None else None
     finally:
         session.restore(tester.snapshot)
     passes = f"{tester.passes} forward/backward passes"
     if found.status == "batch_wide":
         return SampleAttribution("batch_wide", size, [], {}, tester.passes, [],
-                                 f"{batch_wide_message(found, size)} ({passes})")
+                                 f"{batch_wide_message(found, size)} ({passes})", compared_step=compared,
+                                 compared_fails=compared_fails)
     samples = found.samples
     per_sample_leaves, located = _per_sample(logged, samples, size)
     alone = (f"{'samples' if len(samples) > 1 else 'sample'} {sample_positions(samples, located)} of {size} "

@@ -7,10 +7,11 @@ neither torch nor rich (docs/performance.md has the import times).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Iterator, Mapping, Optional
 
 import typer
 from typer.core import TyperArgument, TyperGroup
@@ -21,6 +22,8 @@ from .rootcause import DEFAULT_MAX_ABS
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from .views.progress import Tracker
 
 # Plain click help (no boxes, no <str> tags), rewrapped to the terminal or $COLUMNS as pytest's and ruff's is.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -38,13 +41,14 @@ def _print_version(asked: bool) -> None:
 
 @app.callback()
 def _commands(
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
     """Forensics for training runs that died with NaN: name the batch responsible."""
 
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED, EXIT_LOSS_ONLY = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report a process SIGINT ended (128 + 2)
 
 
 def stdout_console() -> Console:
@@ -59,24 +63,55 @@ def stderr_console() -> Console:
     return Console(stderr=True, highlight=False)
 
 
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr (phases, bars, progress "
+                                                                  "lines).")]
+
+_ACTIVITY: dict[str, object] = {}  # what the command is doing, for the message of an interrupt (Ctrl-C)
+
+
 @contextmanager
-def step_progress(what: str, shown: bool = True) -> Iterator[Optional[Callable[[int, int, int], None]]]:
-    """A transient progress bar on stderr when it is a terminal; nothing in logs and pipes (nor on a rank other
-    than 0 under torchrun: ``shown`` False)."""
-    console = stderr_console()
-    if not console.is_terminal or not shown:
-        yield None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def progress(command: str, quiet: bool = False, shown: bool = True) -> Iterator[Tracker]:
+    """The library's progress drawn on stderr (views/progress.py): a bar on a terminal, plain lines in a log or a
+    pipe; nothing with ``--quiet`` (nor on a rank other than 0 under torchrun: ``shown`` False). Either way it
+    tracks the phase, which an interrupt names."""
+    from .views.progress import progress_view
 
-    with Progress(TextColumn(f"{what} step {{task.fields[step]}}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task(what, total=None, step="")
+    with progress_view(stderr_console(), shown=shown and not quiet) as view:
+        _ACTIVITY.update(command=command, tracker=view)
+        yield view
 
-        def update(step: int, first: int, last: int) -> None:
-            bar.update(task, completed=step - first + 1, total=last - first + 1, step=step)
 
-        yield update
+def checked_outputs(inputs: list[Path], outputs: Mapping[str, Optional[str | Path]], **options: object) -> None:
+    """``check_outputs``, and the outputs' state now, so an interrupt can tell whether any was written since."""
+    check_outputs(inputs, outputs, **options)  # type: ignore[arg-type]
+    _ACTIVITY["outputs"] = {str(p): _signature(str(p)) for p in outputs.values() if p is not None and str(p) != "-"}
+
+
+def _signature(path: str) -> Optional[tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT), raised instead of KeyboardInterrupt, which typer turns into a silent exit 130."""
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise Interrupted()
+
+
+def interrupt_message() -> str:
+    """What an interrupt stopped and what it left: the outputs written, which is none until the work is done."""
+    tracker = _ACTIVITY.get("tracker")
+    where = tracker.where() if tracker is not None else ""  # type: ignore[attr-defined]
+    what = f"{_ACTIVITY['command']} interrupted" if "command" in _ACTIVITY else "interrupted"
+    outputs = _ACTIVITY.get("outputs", {})
+    written = [p for p, sig in outputs.items() if _signature(p) != sig]  # type: ignore[union-attr]
+    left = f"already written: {', '.join(written)}" if written else "nothing was written"
+    return f"nanforensics: {what}" + (f" while {where}" if where else "") + f"; {left}"
 
 
 def announce_code(named: list[tuple[str, str]]) -> None:
@@ -215,6 +250,7 @@ def replay(
                                                               "drop-samples=I,J, drop-batch.")] = None,
     what_if_steps: Annotated[int, typer.Option(metavar="K", min=0, help="Steps after the responsible one a what-if must stay "
                                                            "finite for.")] = 5,
+    quiet: QuietOption = False,
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
 
@@ -242,10 +278,10 @@ def replay(
     from .views.replay import render_markdown, render_terminal
 
     if checkpoint is not None and code is not None:
-        check_outputs([checkpoint, *code_inputs(code)], {"--json": json_out, "--markdown": markdown})
+        checked_outputs([checkpoint, *code_inputs(code)], {"--json": json_out, "--markdown": markdown})
         announce_code(code_specs(code, names))
     else:
-        check_outputs([run_dir], {"--json": json_out, "--markdown": markdown})
+        checked_outputs([run_dir], {"--json": json_out, "--markdown": markdown})
         announce_code(run_code(run_dir))
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
@@ -253,11 +289,11 @@ def replay(
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
                             what_if_steps=what_if_steps)
     with joined(run_dir, resolve_device(device)) as world:
-        with step_progress("replaying", shown=world.writes) as progress:
+        with progress("replay", quiet, shown=world.writes) as view:
             if checkpoint is not None and code is not None:
-                report = replay_checkpoint(checkpoint, code, names, options, progress=progress)
+                report = replay_checkpoint(checkpoint, code, names, options, progress=view)
             else:
-                report = replay_run(run_dir, options, progress=progress)
+                report = replay_run(run_dir, options, progress=view)
         if world.writes:  # under torchrun, rank 0 alone
             emit_json(report, json_out)
             emit_markdown(render_markdown(report), markdown)
@@ -289,6 +325,7 @@ def repair(
     trust_run_dir: Annotated[bool, typer.Option(help="Allow importing code that lies inside the run "
                                                      "directory.")] = False,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Write a checkpoint that resumes cleanly: the responsible batch (or its bad samples) left out, verified.
 
@@ -298,12 +335,12 @@ def repair(
     from .runs.run import run_code
     from .views.repair import render_repair_terminal
 
-    check_outputs([run_dir], {"--out": str(out), "--json": json_out}, folders=("--out",))
+    checked_outputs([run_dir], {"--out": str(out), "--json": json_out}, folders=("--out",))
     announce_code(run_code(run_dir))
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code)
-    with step_progress("replaying") as progress:
-        report = repair_run(run_dir, out, options, progress=progress)
+    with progress("repair", quiet) as view:
+        report = repair_run(run_dir, out, options, progress=view)
     emit_json(report, json_out)
     if terminal_view(json_out):
         render_repair_terminal(report, stdout_console())
@@ -325,6 +362,7 @@ def scan(
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
+    quiet: QuietOption = False,
 ) -> None:
     """Scan one checkpoint: every tensor's non-finite values and headroom, model and optimizer state apart.
 
@@ -332,12 +370,13 @@ def scan(
     """
     from .checkpoints.scan import CLEAN, scan_checkpoint
     from .formats import open_checkpoint
-    from .views.checkpoints import bytes_progress, render_scan_markdown, render_scan_terminal
+    from .progress import BytesRead
+    from .views.checkpoints import render_scan_markdown, render_scan_terminal
 
-    check_outputs([checkpoint], {"--json": json_out, "--markdown": markdown})
+    checked_outputs([checkpoint], {"--json": json_out, "--markdown": markdown})
     source = open_checkpoint(checkpoint)
-    with bytes_progress(stderr_console()) as progress:
-        report = scan_checkpoint(source, full=full, margin=margin, progress=progress)
+    with progress("scan", quiet) as view:
+        report = scan_checkpoint(source, full=full, margin=margin, progress=BytesRead(view))
     emit_json(report, json_out)
     emit_markdown(render_scan_markdown(report), markdown)
     if terminal_view(json_out, markdown):
@@ -372,6 +411,7 @@ def bisect(
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay or --code.")] = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Find the first poisoned checkpoint in about log2(n) checkpoint reads; with --code, replay from the last
     clean one to name the step, batch and coordinate.
@@ -385,30 +425,30 @@ def bisect(
         raise BadInput("--code", "replays checkpoints written without the recorder; --replay is for runs of "
                                  "nanforensics: give one of the two")
     from .checkpoints.bisect import bisect as bisect_checkpoints
-    from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
+    from .progress import BytesRead
+    from .views.checkpoints import render_bisect_markdown, render_bisect_terminal
 
-    check_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []),
+    checked_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []),
                   {"--json": json_out, "--markdown": markdown})
     if code is not None:
         from .runs.unrecorded import code_specs
 
         announce_code(code_specs(code, names))
-    with bytes_progress(stderr_console()) as progress:
+    with progress("bisect", quiet) as view:
         if code is None:
-            report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
+            report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=BytesRead(view))
         else:
             from .replay.engine import ReplayOptions
             from .replay.unrecorded import bisect_and_replay
 
-            with step_progress("replaying") as step_bar:
-                report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
-                    device=device, max_steps=max_steps, code_paths=code_path or [], trust_run_dir=trust_run_dir,
-                    trust_code=trust_code), linear=linear, full=full, margin=margin, scan_progress=progress,
-                    progress=step_bar)
+            report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
+                device=device, max_steps=max_steps, code_paths=code_path or [], trust_run_dir=trust_run_dir,
+                trust_code=trust_code), linear=linear, full=full, margin=margin, scan_progress=BytesRead(view),
+                progress=view)
     emit_json(report, json_out)
     emit_markdown(render_bisect_markdown(report), markdown)
     if terminal_view(json_out, markdown):
-        render_bisect_terminal(report, stdout_console())
+        render_bisect_terminal(report, stdout_console(), offer_replay=not run_replay)
     if report.replayed is not None:
         raise typer.Exit(_REPLAY_EXIT[report.replayed.verdict])
     if run_replay and report.replay is None:
@@ -420,9 +460,9 @@ def bisect(
         from .views.replay import render_terminal
 
         announce_code(run_code(Path(report.replay.run)))
-        with step_progress("replaying") as step_bar:
+        with progress("bisect --replay", quiet) as view:
             replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step,
-                                                                   trust_code=trust_code), progress=step_bar)
+                                                                   trust_code=trust_code), progress=view)
         if terminal_view(json_out, markdown):
             render_terminal(replayed, stdout_console())
     raise typer.Exit(EXIT_CLEAN if report.first_poisoned is None else EXIT_FOUND)
@@ -454,6 +494,10 @@ def postmortem(
                                                       "case.")] = None,
     html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write a self-contained HTML report to PATH.")] = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
+    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="Folder to import the run's model and step "
+                                                                 "function from, where they are not importable as "
+                                                                 "they are (repeatable).")] = None,
+    quiet: QuietOption = False,
 ) -> None:
     """Everything the directory allows: step log, checkpoint bisection, replay, spread per tensor.
 
@@ -464,14 +508,14 @@ def postmortem(
     from .postmortem import postmortem as examine
     from .runs.run import run_code
     from .views.html import render_html
-    from .views.postmortem import render_junit, render_markdown, render_terminal, status_line
+    from .views.postmortem import render_junit, render_markdown, render_terminal
 
     summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
-    check_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
+    checked_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
                                 "$GITHUB_STEP_SUMMARY": summary_file})
     announce_code(run_code(directory))
-    with step_progress("replaying") as progress:
-        report = examine(directory, progress, note=status_line(stderr_console()), trust_code=trust_code)
+    with progress("postmortem", quiet) as view:
+        report = examine(directory, view, trust_code=trust_code, code_paths=code_path or [])
     emit_json(report, json_out)
     emit_text(render_junit(report), junit, "JUnit")
     emit_text(render_html(report), html, "HTML")
@@ -497,7 +541,7 @@ def report_command(
     from .views.html import render_html
     from .views.report import render_markdown, render_terminal
 
-    check_outputs([saved], {"--markdown": markdown, "--html": html})
+    checked_outputs([saved], {"--markdown": markdown, "--html": html})
     loaded = load_report(saved)
     emit_markdown(render_markdown(loaded), markdown)
     emit_text(render_html(loaded), html, "HTML")
@@ -537,8 +581,13 @@ def main() -> None:
     # Under torchrun, until the ranks agree on the replay's exit code a rank ends early only over an error (exit 2),
     # and torchrun then stops the others: they end with 2 as well.
     exit_on_stop(EXIT_BAD_INPUT)
+    signal.signal(signal.SIGINT, _interrupted)
     try:
         _plain_arguments(typer.main.get_command(app))()
+    except Interrupted:
+        if reporting():
+            stderr_console().print(interrupt_message(), markup=False, soft_wrap=True)
+        leave(EXIT_INTERRUPTED)
     except BadInput as e:
         # Under torchrun rank 0 speaks for the job about the input every rank read alike; a rank that met a problem
         # while replaying its own part names itself.

@@ -18,11 +18,12 @@ from typing import Sequence
 
 from ..errors import BadInput
 from ..outputs import check_outputs
+from ..progress import SILENT, Progress
 from ..report import ReplayReport, WhatIfResult, write_json
 from ..runs.checkpoint import Checkpoint, save_checkpoint
 from ..runs.files import make_build_dir, publish_dir_atomic, write_json_atomic
 from ..runs.run import MANIFEST, Run, UserCode
-from .engine import ProgressFn, ReplayOptions, replay_run
+from .engine import ReplayOptions, replay_run
 from .session import open_session, pinned_threads, resolve_device
 from .whatif import DropBatch, DropSamples, Intervention, ResetState, nonfinite_in, replay_with
 
@@ -75,7 +76,7 @@ def _change(diagnosis: ReplayReport, reset_state: bool) -> Intervention:
 
 
 def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | None = None,
-               progress: ProgressFn | None = None) -> RepairReport:
+               progress: Progress = SILENT) -> RepairReport:
     """Diagnose, re-run with the responsible step changed, verify from the written files, publish."""
     opts = options or RepairOptions()
     run, out = Run(run_dir), Path(out)
@@ -97,12 +98,15 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
         with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None):
             with open_session(run, code, checkpoint, device).focused(diagnosis.origin.rank) as session:
                 assert session is not None  # one process: it explains, and repairs
+                progress.phase(f"repairing: steps {checkpoint.step}-{t - 1} re-run, step {t} with {change.spec}",
+                               None)
                 session.advance_to(t)
                 changed = replay_with(session, change, t)
                 write_json_atomic(build / MANIFEST, run.manifest.raw)
                 written = save_checkpoint(build / "checkpoints", t + 1, session.model, session.optimizer,
                                           scaler=session.scaler, scheduler=session.scheduler,
                                           rank_rng=getattr(session, "rank_rng", None))
+            progress.phase(f"verifying: the written checkpoint loaded afresh, steps {t + 1}-{last} replayed", None)
             resumed = open_session(run, code, Checkpoint(written, t + 1), device)  # through the format, from disk
             loaded_bad = nonfinite_in(resumed, None)
             verification = dataclasses.replace(

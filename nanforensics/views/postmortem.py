@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import io
 import xml.etree.ElementTree as ET
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console, Group
-from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -129,10 +128,3 @@ def render_junit(r: PostmortemReport) -> str:
     root.append(suite)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
-
-
-def status_line(console: Console) -> Callable[[str], None] | None:
-    """What the post-mortem is doing, when ``console`` is a terminal (CI logs get the report only)."""
-    if not console.is_terminal:
-        return None
-    return lambda what: console.print(f"[dim]post-mortem: {escape(what)}...[/]")

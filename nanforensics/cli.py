@@ -329,9 +329,11 @@ def repair(
 ) -> None:
     """Write a checkpoint that resumes cleanly: the responsible batch (or its bad samples) left out, verified.
 
-    Exit codes: 0 written and verified, 1 the repaired run did not stay finite (nothing written), 2 bad input.
+    Exit codes: 0 written and verified, 1 the repaired run did not stay finite (nothing written), 2 bad input;
+    nothing to repair (nothing written): the replay's own, 0 clean, 3 logged NaN not reproduced, 4 a non-finite loss
+    only.
     """
-    from .replay.repair import RepairOptions, repair_run
+    from .replay.repair import NothingToRepair, RepairOptions, repair_run
     from .runs.run import run_code
     from .views.repair import render_repair_terminal
 
@@ -339,8 +341,15 @@ def repair(
     announce_code(run_code(run_dir))
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code)
-    with progress("repair", quiet) as view:
-        report = repair_run(run_dir, out, options, progress=view)
+    try:
+        with progress("repair", quiet) as view:
+            report = repair_run(run_dir, out, options, progress=view)
+    except NothingToRepair as e:
+        from .views.replay import headline
+
+        stdout_console().print(f"nanforensics: nothing to repair: {headline(e.diagnosis)}; nothing written to {out}",
+                               markup=False, soft_wrap=True)
+        raise typer.Exit(_REPLAY_EXIT[e.diagnosis.verdict]) from None
     emit_json(report, json_out)
     if terminal_view(json_out):
         render_repair_terminal(report, stdout_console())

@@ -24,8 +24,8 @@ def load_report(path: Path) -> SavedReport:
         newer = next((s for s in SCHEMAS if s.rpartition("/")[0] == family), None)
         if newer is not None:
             raise BadInput(path, f"schema {schema!r} is not {newer!r}, the version this nanforensics reads; upgrade it")
-        raise BadInput(path, f"not a report nanforensics re-renders (schema {schema!r}; it reads "
-                             f"{', '.join(SCHEMAS)})")
+        what = f"schema {schema!r}" if schema is not None else 'no "schema" field'
+        raise BadInput(path, f"not a report nanforensics re-renders ({what}; it reads {', '.join(SCHEMAS)})")
     try:
         return from_jsonable(SCHEMAS[schema], data)
     except ValueError as e:

@@ -98,7 +98,7 @@ def check_attribution(report: dict[str, Any], wrapping: str, ranks_replayed: str
     record = next(s for s in report["spread"] if s["step"] == job.DEFECT_STEP)
     assert record["rank_logged_losses"] == record["rank_replayed_losses"] or not exact
     assert all(isinstance(x, float) for x in record["rank_logged_losses"])  # rank 1's loss is finite at the origin
-    collective = "all-reduce spread it to all 2 ranks" if wrapping == "ddp" else "reduce-scatter averaged it into rank 0's"
+    collective = "all-reduce spread it to both ranks" if wrapping == "ddp" else "reduce-scatter averaged it into rank 0's"
     chain = next(f for f in report["findings"] if f.startswith("Rank 1's shard"))
     assert chain.startswith(f"Rank 1's shard (sample {job.DEFECT_SAMPLE}: batch['id'] = ['{DEFECT_ID}']) made grad "
                             f"features.gain[3] = inf at step {job.DEFECT_STEP}; the {collective}"), chain

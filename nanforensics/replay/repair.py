@@ -60,6 +60,16 @@ class RepairReport:
     schema: str = REPAIR_SCHEMA
 
 
+class NothingToRepair(Exception):
+    """The replay names no responsible step (a clean run, a NaN not reproduced, a non-finite loss only): not bad
+    input, so the command exits with the replay's own code, and writes nothing."""
+
+    def __init__(self, diagnosis: ReplayReport) -> None:
+        self.diagnosis = diagnosis
+        super().__init__(f"the replay found no non-finite value in the model's state (verdict {diagnosis.verdict}): "
+                         "nothing to repair")
+
+
 def _check_out(run_dir: Path, out: Path, force: bool) -> None:
     check_outputs([run_dir], {"--out": out}, folders={"--out"})
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -86,8 +96,7 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
                            progress=progress)
     t = diagnosis.responsible_step
     if t is None:
-        raise BadInput(run.path, f"the replay found no non-finite value (verdict {diagnosis.verdict}): "
-                                 "nothing to repair")
+        raise NothingToRepair(diagnosis)
     change = _change(diagnosis, opts.reset_state)
     checkpoint = next(c for c in run.checkpoints() if c.step == diagnosis.setup.from_checkpoint)
     device = resolve_device(opts.device)
@@ -128,9 +137,13 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
 
 
 def findings(r: RepairReport) -> list[str]:
+    before = (f"steps {r.from_checkpoint}-{r.responsible_step - 1} re-run as recorded from checkpoint "
+              f"{r.from_checkpoint}" if r.from_checkpoint < r.responsible_step - 1 else
+              f"step {r.from_checkpoint} re-run as recorded from checkpoint {r.from_checkpoint}"
+              if r.from_checkpoint == r.responsible_step - 1 else
+              f"no step re-run before it: the checkpoint at step {r.from_checkpoint} holds the state before it")
     out = [f"Step {r.responsible_step} changed: {r.description}" + (f" ({r.detail})" if r.detail else "") +
-           f"; steps {r.from_checkpoint}-{r.responsible_step - 1} re-run as recorded from checkpoint "
-           f"{r.from_checkpoint}."]
+           f"; {before}."]
     v = r.verification
     if not r.changed_step.finite:
         out.append(f"Not written: after the change, step {r.responsible_step} still leaves "

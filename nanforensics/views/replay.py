@@ -216,9 +216,9 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     facts.add_column()
     if r.loaded is None:
         facts.add_row("run", f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-{s.last_step}, "
-                             f"{s.device}, {s.num_threads} threads{world_text(r)})")
+                             f"{s.device}, {count(s.num_threads, 'thread')}{world_text(r)})")
     else:
-        facts.add_row("replayed", f"steps {s.first_step}-{s.last_step}, {s.device}, {s.num_threads} threads")
+        facts.add_row("replayed", f"steps {s.first_step}-{s.last_step}, {s.device}, {count(s.num_threads, 'thread')}")
     for label, text in loaded_rows(r):
         facts.add_row(label, text)
     if r.responsible_batch:

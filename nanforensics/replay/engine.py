@@ -123,6 +123,8 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     ``opts.from_step``), through the run's last step or ``opts.max_steps``."""
     logged = {s.step: s.loss for s in run.steps}
     logged_first = first_nonfinite(run.steps)
+    if opts.from_step is not None and run.last_step is not None and opts.from_step > run.last_step:
+        raise BadInput("--from-step", f"step {opts.from_step} lies past the run's last logged step, {run.last_step}")
     device = resolve_device(opts.device)
     checkpoint = _start_checkpoint(run, opts.from_step if opts.from_step is not None else
                                    (logged_first if logged_first is not None else run.last_step), progress)

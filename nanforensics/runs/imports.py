@@ -317,7 +317,8 @@ def _load_file(target: str, where: Path, search_paths: Sequence[Path], forbidden
         if os.path.lexists(candidate):  # a FIFO or a folder in its place is refused on reading, not passed over
             break
     else:
-        raise BadInput(where, f"script {target} does not exist here; pass --code-path DIR with its folder")
+        raise BadInput(where, f"script {target} does not exist here; pass --code-path DIR, "
+                              f"DIR the folder that holds {path.name} itself")
     if _inside(candidate, forbidden):
         raise BadInput(where, f"script {candidate} lies inside the run directory; "
                               "pass --trust-run-dir to allow code shipped with the run")

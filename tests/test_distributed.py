@@ -231,7 +231,12 @@ def test_outputs_at_world_size_are_checked_first(runs):
 
 
 def test_shipped_sample_matches_its_generator(runs):
-    assert_same_run(SAMPLE, runs["ddp"])  # sample_runs/generate_distributed.py: the same command, renamed
+    """sample_runs/generate_distributed.py: the same command, renamed, its code named as shipped beside the samples."""
+    manifest = Path("manifest.json")
+    assert_same_run(SAMPLE, runs["ddp"], lambda rel: rel == manifest)
+    shipped, made = (json.loads((run / manifest).read_text()) for run in (SAMPLE, runs["ddp"]))
+    renamed = {k: made[k].replace("tests/scenarios.py", "sample_runs/code/regressor.py") for k in ("model_factory", "step_fn")}
+    assert shipped == {**made, **renamed}
 
 
 def test_readme_emulated_replay_of_the_sample():

@@ -49,6 +49,8 @@ class Tracker:
         self.done = done
         if total is not None:
             self.total = total
+        if self.total is not None and done >= self.total:
+            self.at_most = False  # a bound reached is the total
 
     def where(self) -> str:
         """``replaying steps 0-1902 (523 of 1,903 steps)``; empty before the first phase."""

@@ -40,7 +40,11 @@ def screenshot(html: Path, png: Path, width: int = 1100, height: int = 2600, tim
     return png
 
 
-def main() -> None:
+def main() -> str | None:
+    """The PNG's path printed; or, where no browser is installed or it fails, one line saying so (exit status 1)."""
+    if browser() is None:  # before the post-mortem, which takes a while
+        return (f"html_screenshot: no headless browser found (looked for {', '.join(BROWSERS)} on PATH); "
+                "install one, e.g. apt-get install -y chromium")
     from nanforensics.postmortem import postmortem
     from nanforensics.saved import load_report
     from nanforensics.views.html import render_html
@@ -55,7 +59,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         page = Path(folder) / "report.html"
         page.write_text(render_html(report), encoding="utf-8")
-        print(screenshot(page, args.out, height=args.height))
+        try:
+            print(screenshot(page, args.out, height=args.height))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            return f"html_screenshot: the browser failed: {e}"
+    return None
 
 
 if __name__ == "__main__":

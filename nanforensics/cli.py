@@ -7,9 +7,10 @@ neither torch nor rich (docs/performance.md has the import times).
 from __future__ import annotations
 
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Iterator, Mapping, Optional
 
 import typer
 from typer.core import TyperArgument, TyperGroup
@@ -20,6 +21,8 @@ from .rootcause import DEFAULT_MAX_ABS
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from .views.progress import Tracker
 
 # Plain click help (no boxes, no <str> tags), rewrapped to the terminal or $COLUMNS as pytest's and ruff's is.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -37,13 +40,14 @@ def _print_version(asked: bool) -> None:
 
 @app.callback()
 def _commands(
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
     """Forensics for training runs that died with NaN: name the batch responsible."""
 
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_NOT_REPRODUCED, EXIT_LOSS_ONLY, EXIT_UNSOUND = 0, 1, 2, 3, 4, 5
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report a process SIGINT ended (128 + 2)
 
 
 def stdout_console() -> Console:
@@ -66,24 +70,55 @@ def say(line: str) -> None:
     stderr_console().print(visible(line), markup=False, soft_wrap=True)
 
 
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr (phases, bars, progress "
+                                                                  "lines).")]
+
+_ACTIVITY: dict[str, object] = {}  # what the command is doing, for the message of an interrupt (Ctrl-C)
+
+
 @contextmanager
-def step_progress(what: str, shown: bool = True) -> Iterator[Optional[Callable[[int, int, int], None]]]:
-    """A transient progress bar on stderr when it is a terminal; nothing in logs and pipes (nor on a rank other
-    than 0 under torchrun: ``shown`` False)."""
-    console = stderr_console()
-    if not console.is_terminal or not shown:
-        yield None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def progress(command: str, quiet: bool = False, shown: bool = True) -> Iterator[Tracker]:
+    """The library's progress drawn on stderr (views/progress.py): a bar on a terminal, plain lines in a log or a
+    pipe; nothing with ``--quiet`` (nor on a rank other than 0 under torchrun: ``shown`` False). Either way it
+    tracks the phase, which an interrupt names."""
+    from .views.progress import progress_view
 
-    with Progress(TextColumn(f"{what} step {{task.fields[step]}}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task(what, total=None, step="")
+    with progress_view(stderr_console(), shown=shown and not quiet) as view:
+        _ACTIVITY.update(command=command, tracker=view)
+        yield view
 
-        def update(step: int, first: int, last: int) -> None:
-            bar.update(task, completed=step - first + 1, total=last - first + 1, step=step)
 
-        yield update
+def checked_outputs(inputs: list[Path], outputs: Mapping[str, Optional[str | Path]], **options: object) -> None:
+    """``check_outputs``, and the outputs' state now, so an interrupt can tell whether any was written since."""
+    check_outputs(inputs, outputs, **options)  # type: ignore[arg-type]
+    _ACTIVITY["outputs"] = {str(p): _signature(str(p)) for p in outputs.values() if p is not None and str(p) != "-"}
+
+
+def _signature(path: str) -> Optional[tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT), raised instead of KeyboardInterrupt, which typer turns into a silent exit 130."""
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise Interrupted()
+
+
+def interrupt_message() -> str:
+    """What an interrupt stopped and what it left: the outputs written, which is none until the work is done."""
+    tracker = _ACTIVITY.get("tracker")
+    where = tracker.where() if tracker is not None else ""  # type: ignore[attr-defined]
+    what = f"{_ACTIVITY['command']} interrupted" if "command" in _ACTIVITY else "interrupted"
+    outputs = _ACTIVITY.get("outputs", {})
+    written = [p for p, sig in outputs.items() if _signature(p) != sig]  # type: ignore[union-attr]
+    left = f"already written: {', '.join(written)}" if written else "nothing was written"
+    return f"nanforensics: {what}" + (f" while {where}" if where else "") + f"; {left}"
 
 
 def announce_code(named: list[tuple[str, str]]) -> None:
@@ -218,6 +253,7 @@ def replay(
     what_if_steps: Annotated[int, typer.Option(metavar="K", min=0, help="Steps after the responsible one a what-if must stay "
                                                            "finite for.")] = 5,
     create_dirs: CreateDirsOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Replay a run's steps with per-step checks; name the batch and coordinate where NaN began.
 
@@ -245,11 +281,11 @@ def replay(
     from .views.replay import render_markdown, render_terminal
 
     if checkpoint is not None and code is not None:
-        check_outputs([checkpoint, *code_inputs(code), *(code_path or [])], {"--json": json_out, "--markdown": markdown},
-                      create_dirs=create_dirs)
+        checked_outputs([checkpoint, *code_inputs(code), *(code_path or [])], {"--json": json_out, "--markdown": markdown},
+                        create_dirs=create_dirs)
         announce_code(code_specs(code, names))
     else:
-        check_outputs([run_dir, *(code_path or [])], {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
+        checked_outputs([run_dir, *(code_path or [])], {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
         announce_code(run_code(run_dir))
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
@@ -257,11 +293,11 @@ def replay(
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
                             what_if_steps=what_if_steps)
     with joined(run_dir, resolve_device(device)) as world:
-        with step_progress("replaying", shown=world.writes) as progress:
+        with progress("replay", quiet, shown=world.writes) as view:
             if checkpoint is not None and code is not None:
-                report = replay_checkpoint(checkpoint, code, names, options, progress=progress)
+                report = replay_checkpoint(checkpoint, code, names, options, progress=view)
             else:
-                report = replay_run(run_dir, options, progress=progress)
+                report = replay_run(run_dir, options, progress=view)
         if world.writes:  # under torchrun, rank 0 alone
             emit_json(report, json_out)
             emit_markdown(render_markdown(report), markdown)
@@ -295,23 +331,33 @@ def repair(
     trust_package: TrustPackageOption = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
     create_dirs: CreateDirsOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Write a checkpoint that resumes cleanly: the responsible batch (or its bad samples) left out, verified.
 
-    Exit codes: 0 written and verified, 1 the repaired run did not stay finite (nothing written), 2 bad input.
+    Exit codes: 0 written and verified, 1 the repaired run did not stay finite (nothing written), 2 bad input;
+    nothing to repair (nothing written): the replay's own, 0 clean, 3 logged NaN not reproduced, 4 a non-finite loss
+    only.
     """
-    from .replay.repair import RepairOptions, repair_run
+    from .replay.repair import NothingToRepair, RepairOptions, repair_run
     from .runs.run import run_code
     from .views.repair import render_repair_terminal
 
-    check_outputs([run_dir, *(code_path or [])], {"--out": str(out), "--json": json_out}, folders=("--out",),
-                  create_dirs=create_dirs)
+    checked_outputs([run_dir, *(code_path or [])], {"--out": str(out), "--json": json_out}, folders=("--out",),
+                    create_dirs=create_dirs)
     announce_code(run_code(run_dir))
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
                             trust_packages=trust_package or [])
-    with step_progress("replaying") as progress:
-        report = repair_run(run_dir, out, options, progress=progress)
+    try:
+        with progress("repair", quiet) as view:
+            report = repair_run(run_dir, out, options, progress=view)
+    except NothingToRepair as e:
+        from .views.escaping import visible
+
+        stdout_console().print(visible(f"nanforensics: nothing to repair: {e.diagnosis.headline}; nothing written to "
+                                       f"{out}"), markup=False, soft_wrap=True)
+        raise typer.Exit(_REPLAY_EXIT[e.diagnosis.verdict]) from None
     emit_json(report, json_out)
     if terminal_view(json_out):
         render_repair_terminal(report, stdout_console())
@@ -334,6 +380,7 @@ def scan(
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
     create_dirs: CreateDirsOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Scan one checkpoint: every tensor's non-finite values and headroom, model and optimizer state apart.
 
@@ -342,12 +389,13 @@ def scan(
     """
     from .checkpoints.scan import CLEAN, scan_checkpoint
     from .formats import open_checkpoint
-    from .views.checkpoints import bytes_progress, render_scan_markdown, render_scan_terminal
+    from .progress import BytesRead
+    from .views.checkpoints import render_scan_markdown, render_scan_terminal
 
-    check_outputs([checkpoint], {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
+    checked_outputs([checkpoint], {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
     source = open_checkpoint(checkpoint)
-    with bytes_progress(stderr_console()) as progress:
-        report = scan_checkpoint(source, full=full, margin=margin, progress=progress)
+    with progress("scan", quiet) as view:
+        report = scan_checkpoint(source, full=full, margin=margin, progress=BytesRead(view))
     emit_json(report, json_out)
     emit_markdown(render_scan_markdown(report), markdown)
     if terminal_view(json_out, markdown):
@@ -384,6 +432,7 @@ def bisect(
     trust_package: TrustPackageOption = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP + " With --replay or --code.")] = False,
     create_dirs: CreateDirsOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Find the first poisoned checkpoint in about log2(n) checkpoint reads; with --code, replay from the last
     clean one to name the step, batch and coordinate.
@@ -398,30 +447,30 @@ def bisect(
         raise BadInput("--code", "replays checkpoints written without the recorder; --replay is for runs of "
                                  "nanforensics: give one of the two")
     from .checkpoints.bisect import bisect as bisect_checkpoints
-    from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
+    from .progress import BytesRead
+    from .views.checkpoints import render_bisect_markdown, render_bisect_terminal
 
-    check_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []) + list(code_path or []),
-                  {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
+    checked_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []) + list(code_path or []),
+                    {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
     if code is not None:
         from .runs.unrecorded import code_specs
 
         announce_code(code_specs(code, names))
-    with bytes_progress(stderr_console()) as progress:
+    with progress("bisect", quiet) as view:
         if code is None:
-            report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=progress)
+            report = bisect_checkpoints(checkpoints, linear=linear, full=full, margin=margin, progress=BytesRead(view))
         else:
             from .replay.engine import ReplayOptions
             from .replay.unrecorded import bisect_and_replay
 
-            with step_progress("replaying") as step_bar:
-                report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
-                    device=device, max_steps=max_steps, code_paths=code_path or [], trust_run_dir=trust_run_dir,
-                    trust_code=trust_code, trust_packages=trust_package or []), linear=linear, full=full,
-                    margin=margin, scan_progress=progress, progress=step_bar)
+            report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
+                device=device, max_steps=max_steps, code_paths=code_path or [], trust_run_dir=trust_run_dir,
+                trust_code=trust_code, trust_packages=trust_package or []), linear=linear, full=full, margin=margin,
+                scan_progress=BytesRead(view), progress=view)
     emit_json(report, json_out)
     emit_markdown(render_bisect_markdown(report), markdown)
     if terminal_view(json_out, markdown):
-        render_bisect_terminal(report, stdout_console())
+        render_bisect_terminal(report, stdout_console(), offer_replay=not run_replay)
     if report.replayed is not None:
         raise typer.Exit(_REPLAY_EXIT[report.replayed.verdict])
     if run_replay and report.replay is None:
@@ -432,11 +481,11 @@ def bisect(
         from .views.replay import render_terminal
 
         announce_code(run_code(Path(report.replay.run)))
-        with step_progress("replaying") as step_bar:
+        with progress("bisect --replay", quiet) as view:
             replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step,
                                                                    trust_code=trust_code,
                                                                    trust_packages=trust_package or []),
-                                  progress=step_bar)
+                                  progress=view)
         if terminal_view(json_out, markdown):
             render_terminal(replayed, stdout_console())
     raise typer.Exit(EXIT_FOUND if report.first_poisoned is not None else
@@ -467,7 +516,11 @@ def postmortem(
                                                       "case.")] = None,
     html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write a self-contained HTML report to PATH.")] = None,
     trust_code: Annotated[bool, typer.Option(help=_TRUST_CODE_HELP)] = False,
+    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="Folder to import the run's model and step "
+                                                                 "function from, where they are not importable as "
+                                                                 "they are (repeatable).")] = None,
     create_dirs: CreateDirsOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Everything the directory allows: step log, checkpoint bisection, replay, spread per tensor.
 
@@ -478,14 +531,14 @@ def postmortem(
     from .postmortem import postmortem as examine
     from .runs.run import run_code
     from .views.html import render_html
-    from .views.postmortem import render_junit, render_markdown, render_terminal, status_line
+    from .views.postmortem import render_junit, render_markdown, render_terminal
 
     summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
-    check_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
-                                "$GITHUB_STEP_SUMMARY": summary_file}, create_dirs=create_dirs)
+    checked_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
+                                  "$GITHUB_STEP_SUMMARY": summary_file}, create_dirs=create_dirs)
     announce_code(run_code(directory))
-    with step_progress("replaying") as progress:
-        report = examine(directory, progress, note=status_line(stderr_console()), trust_code=trust_code)
+    with progress("postmortem", quiet) as view:
+        report = examine(directory, view, trust_code=trust_code, code_paths=code_path or [])
     emit_json(report, json_out)
     emit_text(render_junit(report), junit, "--junit")
     emit_text(render_html(report), html, "--html")
@@ -512,7 +565,7 @@ def report_command(
     from .views.html import render_html
     from .views.report import render_markdown, render_terminal
 
-    check_outputs([saved], {"--markdown": markdown, "--html": html}, create_dirs=create_dirs)
+    checked_outputs([saved], {"--markdown": markdown, "--html": html}, create_dirs=create_dirs)
     loaded = load_report(saved)
     emit_markdown(render_markdown(loaded), markdown)
     emit_text(render_html(loaded), html, "--html")
@@ -552,8 +605,13 @@ def main() -> None:
     # Under torchrun, until the ranks agree on the replay's exit code a rank ends early only over an error (exit 2),
     # and torchrun then stops the others: they end with 2 as well.
     exit_on_stop(EXIT_BAD_INPUT)
+    signal.signal(signal.SIGINT, _interrupted)
     try:
         _plain_arguments(typer.main.get_command(app))()
+    except Interrupted:
+        if reporting():
+            stderr_console().print(interrupt_message(), markup=False, soft_wrap=True)
+        leave(EXIT_INTERRUPTED)
     except BadInput as e:
         # Under torchrun rank 0 speaks for the job about the input every rank read alike; a rank that met a problem
         # while replaying its own part names itself.

@@ -15,13 +15,14 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from . import __version__
 from .checkpoints.bisect import BisectReport, bisect
 from .errors import BadInput
+from .progress import SILENT, BytesRead, Progress
 from .replay import spread
-from .replay.engine import ProgressFn, ReplayOptions, replay_run
+from .replay.engine import ReplayOptions, replay_run
 from .replay.spread import SpreadMap
 from .report import ReplayReport
 from .rootcause.findings import describe
@@ -87,9 +88,10 @@ class PostmortemReport:
         return next(a for a in self.analyses if a.name == name)
 
 
-def postmortem(directory: str | Path, progress: ProgressFn | None = None,
-               note: Callable[[str], None] | None = None, trust_code: bool = False) -> PostmortemReport:
-    """Analyse ``directory`` as far as it allows; ``note`` hears which analysis starts (for a status line).
+def postmortem(directory: str | Path, progress: Progress = SILENT, trust_code: bool = False,
+               code_paths: Sequence[Path] = ()) -> PostmortemReport:
+    """Analyse ``directory`` as far as it allows; ``progress`` hears each analysis as a phase. The run's code is
+    imported from ``code_paths`` where it is not importable as it is (``--code-path``).
 
     The run's code is called only within the trust policy (``imports.check_callable``) unless ``trust_code``; a
     callable it refuses leaves a checkpoint-only analysis that says why.
@@ -99,14 +101,13 @@ def postmortem(directory: str | Path, progress: ProgressFn | None = None,
         raise BadInput(path, "no such directory")
     if not path.is_dir():
         raise BadInput(path, "not a directory: the post-mortem takes a run directory or a folder of checkpoints")
-    say = note or (lambda _: None)
     started = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     run, not_run = _open_run(path)
     analyses: list[Analysis] = []
 
     def timed(what: str, analysis: Callable[..., _T], *args: Any) -> _T:
         """Run one analysis, which appends its Analysis, and record how long it took."""
-        say(what)
+        progress.phase(what, None)
         began = time.perf_counter()
         result = analysis(*args)
         analyses[-1].seconds = round(time.perf_counter() - began, 3)
@@ -115,9 +116,11 @@ def postmortem(directory: str | Path, progress: ProgressFn | None = None,
     steps = timed("reading the step log", _step_log, run, not_run, analyses)
     # A run whose manifest is unreadable still has its checkpoint folders, which bisect reads without it.
     checkpoints = timed("bisecting the checkpoints", _checkpoints,
-                        path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run, analyses)
-    replay, advice = timed("replaying", _replay, run, not_run, steps, analyses, progress, trust_code)
-    tensor_spread = timed("mapping the spread per tensor", _tensor_spread, run, replay, analyses, trust_code)
+                        path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run, analyses,
+                        progress)
+    replay, advice = timed("replaying", _replay, run, not_run, steps, analyses, progress, trust_code, code_paths)
+    tensor_spread = timed("mapping the spread per tensor", _tensor_spread, run, replay, analyses, trust_code,
+                          code_paths, progress)
     if not any(a.status == DONE for a in analyses):
         raise BadInput(path, "nothing could be analysed: " + "; ".join(f"{a.name}: {a.detail}" for a in analyses))
 
@@ -158,12 +161,12 @@ def _step_log(run: Run | None, not_run: Analysis, analyses: list[Analysis]) -> l
     return steps
 
 
-def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis]) -> BisectReport | None:
+def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis], progress: Progress) -> BisectReport | None:
     if run is not None and not run.checkpoints():
         analyses.append(Analysis(CHECKPOINTS, SKIPPED, "the run kept no checkpoints"))
         return None
     try:
-        report = bisect([path])
+        report = bisect([path], progress=BytesRead(progress))
     except BadInput as e:
         analyses.append(Analysis(CHECKPOINTS, FAILED, str(e)))
         return None
@@ -182,7 +185,7 @@ def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis]) -> Bisec
 
 
 def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, analyses: list[Analysis],
-            progress: ProgressFn | None, trust_code: bool) -> tuple[ReplayReport | None, list[str]]:
+            progress: Progress, trust_code: bool, code_paths: Sequence[Path]) -> tuple[ReplayReport | None, list[str]]:
     """The replay, or None; and what would make it possible when it is the user's code that is missing here."""
     if run is None:
         analyses.append(Analysis(REPLAY, SKIPPED, not_run.detail + CHECKPOINT_ONLY))
@@ -190,13 +193,14 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     if steps is None:
         analyses.append(Analysis(REPLAY, SKIPPED, "the step log is unusable, so there is nothing to replay against"))
         return None, []
-    missing = _unimportable(run, trust_code)
+    missing = _unimportable(run, trust_code, code_paths)
     if missing:
         analyses.append(Analysis(REPLAY, SKIPPED, missing + CHECKPOINT_ONLY))
         return None, [f"To pin the step, run the post-mortem where the training code is importable (the training "
-                      f"repository's root), or `nanforensics replay {run.path} --code-path DIR`."]
+                      f"repository's root), or give its folder: `nanforensics postmortem {shlex.quote(str(run.path))} "
+                      "--code-path DIR`."]
     try:
-        report = replay_run(run.path, ReplayOptions(trust_code=trust_code), progress)
+        report = replay_run(run.path, ReplayOptions(trust_code=trust_code, code_paths=code_paths), progress)
     except BadInput as e:
         analyses.append(Analysis(REPLAY, FAILED, str(e)))
         return None, []
@@ -211,12 +215,13 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     return report, []
 
 
-def _unimportable(run: Run, trust_code: bool) -> str | None:
+def _unimportable(run: Run, trust_code: bool, code_paths: Sequence[Path]) -> str | None:
     """Which of the run's callables cannot be imported here, or is refused by the trust policy, and why; None when
     all of them can be."""
     for role, spec in run.manifest.callables():
         try:
-            imports.load_callable(role, spec, where=run.path / MANIFEST, forbidden=run.path, trust_code=trust_code)
+            imports.load_callable(role, spec, where=run.path / MANIFEST, search_paths=code_paths, forbidden=run.path,
+                                  trust_code=trust_code)
         except BadInput as e:  # the problem usually starts with the spec itself: say it once
             problem = e.problem.removeprefix(f"{role} ").removeprefix(f"{spec!r} ")
             return f"{role} `{spec}` {problem}" if problem != e.problem else f"{role} `{spec}`: {problem}"
@@ -224,7 +229,7 @@ def _unimportable(run: Run, trust_code: bool) -> str | None:
 
 
 def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis],
-                   trust_code: bool) -> SpreadMap | None:
+                   trust_code: bool, code_paths: Sequence[Path], progress: Progress) -> SpreadMap | None:
     if run is None or replay is None:
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "needs a replay"))
         return None
@@ -232,7 +237,7 @@ def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value in the model's state to map"))
         return None
     try:
-        m = spread.trace(run, UserCode.load(run, trust_code=trust_code), replay)
+        m = spread.trace(run, UserCode.load(run, code_paths, trust_code=trust_code), replay, progress)
     except BadInput as e:
         analyses.append(Analysis(TENSOR_SPREAD, FAILED, str(e)))
         return None

@@ -27,8 +27,8 @@ def load_report(path: Path) -> SavedReport:
         newer = next((s for s in SCHEMAS if s.rpartition("/")[0] == family), None)
         if newer is not None:
             raise BadInput(path, f"schema {shown(schema)} is not {newer!r}, the version this nanforensics reads; upgrade it")
-        raise BadInput(path, f"not a report nanforensics re-renders (schema {shown(schema)}; it reads "
-                             f"{', '.join(SCHEMAS)})")
+        what = f"schema {shown(schema)}" if schema is not None else 'no "schema" field'
+        raise BadInput(path, f"not a report nanforensics re-renders ({what}; it reads {', '.join(SCHEMAS)})")
     report = load(SCHEMAS[schema], data, path, "report")
     replay = report if isinstance(report, ReplayReport) else report.replay if isinstance(report, PostmortemReport) \
         else report.replayed

@@ -10,6 +10,12 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
+def every(n: int, noun: str, plural: str | None = None) -> str:
+    """``every(2, "rank")`` is "both ranks", ``every(4, "rank")`` "all 4 ranks", ``every(1, "rank")`` "the one rank"."""
+    many = plural or noun + "s"
+    return f"the one {noun}" if n == 1 else f"both {many}" if n == 2 else f"all {n:,} {many}"
+
+
 def numbered(noun: str, numbers: Sequence[int], plural: str | None = None) -> str:
     """``numbered("step", [12])`` is "step 12", ``numbered("step", [12, 14])`` "steps 12, 14"."""
     return f"{noun if len(numbers) == 1 else plural or noun + 's'} {', '.join(map(str, numbers))}"

@@ -1,6 +1,7 @@
 """Regenerate the shipped sample runs: python sample_runs/generate.py [--out DIR]
 
-Each run is a real training run of tests/scenarios.py under the project's own recorder,
+Each run is a real training run of tests/scenarios.py under the project's own recorder (its model and step function
+are sample_runs/code/regressor.py's, which the manifests name, so the runs replay without the tests),
 deterministic on CPU (fixed seeds, thread count and timestamp: every tensor and JSON value
 comes out the same; safetensors may order its metadata keys differently), stopped a step
 after the first NaN loss as a job that aborts on NaN would be. ``unrecorded/ckpts`` is what
@@ -26,6 +27,7 @@ except ImportError:  # torch runs without it; the shipped runs were recorded wit
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import scenarios  # noqa: E402 - the test scenarios, outside the installed package
 
+CODE = "sample_runs/code/regressor.py"  # shipped beside the runs: the code their manifests name
 SAMPLES = {
     # name: (scenario, steps, defect step)
     "seed_adam": ("adam_near_zero", 40, 27),
@@ -46,7 +48,7 @@ def main() -> None:
     for name, (scenario, steps, defect_step) in SAMPLES.items():
         losses = scenarios.record(args.out / name, scenario, steps=steps, defect_step=defect_step,
                                   checkpoint_every=10, stop_on_nan=True, overwrite=True,
-                                  code="tests/scenarios.py")  # replayed from the checkout's root
+                                  code=CODE)  # replayed from the checkout's root, or with --code-path sample_runs/code
         print(f"{name}: {len(losses)} steps, last logged loss {losses[-1]:.4g}")
     script = Path(__file__).resolve().parent / "unrecorded" / "train.py"
     spec = importlib.util.spec_from_file_location("unrecorded_train", script)

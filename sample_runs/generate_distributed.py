@@ -17,6 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from generate import CODE  # noqa: E402 - the samples' shipped code, which the manifest names
+
 import distributed_job  # noqa: E402 - the test job, outside the installed package
 
 SAMPLES = {"ddp_two_ranks": "ddp"}  # shipped name: the job's run
@@ -27,7 +29,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(distributed_job.command(Path(tmp), list(SAMPLES.values())), cwd=ROOT, check=True)
+        subprocess.run(distributed_job.command(Path(tmp), list(SAMPLES.values()), "--code", CODE), cwd=ROOT,
+                       check=True)
         for name, run in SAMPLES.items():
             shutil.rmtree(args.out / name, ignore_errors=True)
             shutil.move(str(Path(tmp) / run), str(args.out / name))

@@ -98,7 +98,7 @@ def check_attribution(report: dict[str, Any], wrapping: str, ranks_replayed: str
     record = next(s for s in report["spread"] if s["step"] == job.DEFECT_STEP)
     assert record["rank_logged_losses"] == record["rank_replayed_losses"] or not exact
     assert all(isinstance(x, float) for x in record["rank_logged_losses"])  # rank 1's loss is finite at the origin
-    collective = "all-reduce spread it to all 2 ranks" if wrapping == "ddp" else "reduce-scatter averaged it into rank 0's"
+    collective = "all-reduce spread it to both ranks" if wrapping == "ddp" else "reduce-scatter averaged it into rank 0's"
     chain = next(f for f in report["findings"] if f.startswith("Rank 1's shard"))
     assert chain.startswith(f"Rank 1's shard (sample {job.DEFECT_SAMPLE}: batch['id'] = ['{DEFECT_ID}']) made grad "
                             f"features.gain[3] = inf at step {job.DEFECT_STEP}; the {collective}"), chain
@@ -231,7 +231,12 @@ def test_outputs_at_world_size_are_checked_first(runs):
 
 
 def test_shipped_sample_matches_its_generator(runs):
-    assert_same_run(SAMPLE, runs["ddp"])  # sample_runs/generate_distributed.py: the same command, renamed
+    """sample_runs/generate_distributed.py: the same command, renamed, its code named as shipped beside the samples."""
+    manifest = Path("manifest.json")
+    assert_same_run(SAMPLE, runs["ddp"], lambda rel: rel == manifest)
+    shipped, made = (json.loads((run / manifest).read_text()) for run in (SAMPLE, runs["ddp"]))
+    renamed = {k: made[k].replace("tests/scenarios.py", "sample_runs/code/regressor.py") for k in ("model_factory", "step_fn")}
+    assert shipped == {**made, **renamed}
 
 
 def test_readme_emulated_replay_of_the_sample():

@@ -42,8 +42,8 @@ def test_the_example_workflow_command_on_a_sample_run(tmp_path, monkeypatch):
     assert command[0] == "nanforensics"
     run = tmp_path / "artifact" / "run"
     shutil.copytree(ROOT / "sample_runs" / "seed_adam", run)
-    (tmp_path / "tests").mkdir()  # the checkout: the sample run's code is tests/scenarios.py
-    shutil.copy(ROOT / "tests" / "scenarios.py", tmp_path / "tests")
+    (tmp_path / "sample_runs" / "code").mkdir(parents=True)  # the checkout: the sample's code is shipped beside it
+    shutil.copy(ROOT / "sample_runs" / "code" / "regressor.py", tmp_path / "sample_runs" / "code")
     summary = tmp_path / "step_summary.md"
     summary.write_text("earlier step's summary\n")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))

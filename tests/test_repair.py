@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from nanforensics import BadInput, Recorder
-from nanforensics.replay.repair import RepairOptions, repair_run
+from nanforensics.replay.repair import NothingToRepair, RepairOptions, repair_run
 from nanforensics.replay.session import pinned_threads
 from nanforensics.runs.checkpoint import Checkpoint, restore_rng
 from nanforensics.runs.run import Run
@@ -108,8 +108,14 @@ def test_never_into_the_run_and_nothing_to_repair(runs, tmp_path):
         repair_run(runs["adam_near_zero"], runs["adam_near_zero"] / "repaired")
     with pytest.raises(BadInput, match="holds .*: replacing it would delete it"):
         repair_run(runs["adam_near_zero"], runs["adam_near_zero"].parent, RepairOptions(force=True))
-    with pytest.raises(BadInput, match="nothing to repair"):
+    with pytest.raises(NothingToRepair, match="nothing to repair") as raised:
         repair_run(runs["clean"], tmp_path / "r", RepairOptions(device="cpu"))
+    assert raised.value.diagnosis.verdict == "clean"
+    assert not (tmp_path / "r").exists()
+    # not bad input: the replay's own exit code (0, clean), one line on stdout, nothing written
+    result = run_cli("repair", runs["clean"], "--out", tmp_path / "r")
+    assert result.code == 0 and "Traceback" not in result.stderr, result
+    assert result.stdout.startswith("nanforensics: nothing to repair: steps ") and result.stdout.count("\n") == 1
     assert not (tmp_path / "r").exists()
 
 

@@ -394,3 +394,20 @@ def test_a_script_that_is_not_a_regular_file_is_refused_unread(plain, tmp_path):
     os.mkfifo(fifo)  # a read would wait for a writer that never comes
     with pytest.raises(BadInput, match=r"train\.py: not a regular file \(a FIFO\)"):
         replay_checkpoint(plain / "step_000010.pt", str(fifo), None, QUICK)
+
+
+@pytest.mark.parametrize("value", [False, True])
+def test_hyperparameters_a_newer_torch_added(tmp_path, value):
+    """A checkpoint a newer torch saved holds keys this torch's class lacks: left out where they keep the older
+    behaviour, named (with the torch version) where they ask for more; SGD has no decoupled_weight_decay in any torch."""
+    model = torch.nn.Linear(2, 1)
+    saved = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()
+    saved["param_groups"] = [{**g, "decoupled_weight_decay": value} for g in saved["param_groups"]]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if value:
+        with pytest.raises(BadInput, match=r"holds decoupled_weight_decay=True, which SGD of torch \S+ cannot do: a "
+                                           "newer torch saved it"):
+            load_optimizer(model, optimizer, saved, tmp_path / "ckpt.pt", "make_sgd")
+    else:
+        load_optimizer(model, optimizer, saved, tmp_path / "ckpt.pt", "make_sgd")
+        assert "decoupled_weight_decay" not in optimizer.param_groups[0]

@@ -14,6 +14,7 @@ from ..rootcause.samples import batch_size
 from ..runs.batches import data_leaves
 from ..runs.run import Run
 from ..runs.steplog import first_nonfinite
+from ..words import every
 from .events import rows
 from .layout import DDP, FSDP2, SHARED_STAGES, World
 
@@ -95,7 +96,7 @@ def findings(r: ReplayReport) -> list[str]:
             holder = f"rank {o.rank}'s shard of" if o.rank is not None else "every rank's copy of"
             out.append(f"No rank's own values (batch, activations, loss, local gradients) were non-finite at step "
                        f"{o.step}: the first non-finite value arose after the {collective}, in {holder} "
-                       f"{_plain(o)}, from the gradients averaged over all {size} ranks' shards.")
+                       f"{_plain(o)}, from the gradients averaged over {every(size, 'rank')}' shards.")
         else:
             samples = r.samples if r.samples is not None and r.samples.status == "attributed" else None
             who = f"Rank {o.rank}'s shard"
@@ -109,7 +110,7 @@ def findings(r: ReplayReport) -> list[str]:
                 parts.append(f"{_ranks(local)} each made non-finite values of their own at that step")
             spread = next((e for e in at if e.stage == "optimizer_grad"), None)
             if spread is not None and kind == DDP:
-                parts.append(f"the all-reduce spread it to all {size} ranks (optimizer.step() saw {_plain(spread)})")
+                parts.append(f"the all-reduce spread it to {every(size, 'rank')} (optimizer.step() saw {_plain(spread)})")
             elif spread is not None:
                 into = f"rank {spread.rank}'s gradient shard" if spread.rank is not None else "the gradient shards"
                 parts.append(f"the reduce-scatter averaged it into {into} (optimizer.step() saw {_plain(spread)})")
@@ -121,7 +122,7 @@ def findings(r: ReplayReport) -> list[str]:
                 parts.append(f"the update made {describe(param)}")
             after = {e.rank for e in r.events if e.step == o.step + 1 and e.stage not in SHARED_STAGES}
             if kind == FSDP2 and param is not None and after >= set(range(size)):
-                parts.append(f"the next forward's all-gather handed it to all {size} ranks")
+                parts.append(f"the next forward's all-gather handed it to {every(size, 'rank')}")
             out.append("; ".join(parts) + ".")
         shown = {c.rank: c.logged_first_nonfinite_loss_step for c in r.ranks}
         if shown and len(set(shown.values())) == 1 and None not in shown.values():
@@ -184,7 +185,7 @@ def _loss_only(r: ReplayReport, size: int) -> list[str]:
         if bad and len(bad) < size:
             own = "its own shard" if len(bad) == 1 else "their own shards"
             out.append(f"Only {_ranks(bad)} computed a non-finite loss at step {s.step}, from {own}; the other ranks' "
-                       f"stayed finite, and the run's loss, the mean over all {size} ranks, is non-finite because of it.")
+                       f"stayed finite, and the run's loss, the mean over {every(size, 'rank')}, is non-finite because of it.")
         elif bad:
             out.append(f"Every rank computed a non-finite loss at step {s.step}, each from its own shard.")
     return out

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..words import every
 from .layout import DDP, DTYPES, FSDP2, World
 
 
@@ -63,7 +64,7 @@ def _fsdp_options(name: str, module: nn.Module, world_size: int) -> dict[str, An
         mesh = group.mesh_info.mesh
         if mesh.ndim != 1 or mesh.size() != world_size:
             raise ValueError(f"module {name or '<root>'!r} is sharded over a {tuple(mesh.shape)} mesh; nanforensics "
-                             f"replays FSDP2 over one dimension of all {world_size} ranks (no HSDP, no 2-D parallelism)")
+                             f"replays FSDP2 over one dimension of {every(world_size, 'rank')} (no HSDP, no 2-D parallelism)")
     mp = state._mp_policy
     odd = [d for d in (mp.param_dtype, mp.reduce_dtype, mp.output_dtype) if d is not None and _dtype_name(d) not in DTYPES]
     if odd:

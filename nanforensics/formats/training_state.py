@@ -53,6 +53,10 @@ SCHEDULER_FILES = ("scheduler.pt", "scheduler.bin")
 RNG_FILES = ("rng_state.pth", "rng_state_0.pth", "random_states_0.pkl")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel's and torch.compile's
 SCHEDULER_GROUP_KEYS = {"initial_lr"}  # what an LR scheduler adds to the groups
+# Hyperparameters a newer torch added to an optimizer class, each with the value that keeps the older behaviour: a
+# checkpoint the newer torch saved holds them; at that value they mean nothing to the older class and are left out,
+# at another it asks for what the older class cannot do. (Adam's decoupled_weight_decay came with torch 2.6.)
+NEWER_TORCH_KEYS: dict[str, Any] = {"decoupled_weight_decay": False}
 NAME, ORDER = "name", "order"
 RNG_SEED = 0  # what replays start from when the checkpoint holds no RNG state
 
@@ -339,9 +343,19 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd:
     # Another optimizer class loads without complaint (torch replaces the hyperparameters wholesale) and then
     # ignores state it does not know: its groups' keys tell it apart (newer torch versions only add keys).
     foreign = sorted({k for g in groups for k in g} - {k for g in optimizer.param_groups for k in g} - SCHEDULER_GROUP_KEYS)
+    newer = [k for k in foreign if k in NEWER_TORCH_KEYS]
+    neutral = {k for k in newer if all(g.get(k, NEWER_TORCH_KEYS[k]) == NEWER_TORCH_KEYS[k] for g in groups)}
+    groups = [{k: v for k, v in g.items() if k not in neutral} for g in groups]
+    cls = type(optimizer).__name__
+    if set(newer) - neutral:
+        asked = ", ".join(f"{k}={next(g[k] for g in groups if k in g)!r}" for k in newer if k not in neutral)
+        raise BadInput(where, f"optimizer state holds {asked}, which {cls} of torch {torch.__version__} cannot do: a "
+                              "newer torch saved it; replay with the torch the run was trained with")
+    foreign = [k for k in foreign if k not in newer]
     if foreign:
-        raise BadInput(where, f"optimizer state holds hyperparameters {', '.join(foreign)}, which the "
-                              f"{type(optimizer).__name__} {factory} builds has not: another optimizer class saved it")
+        raise BadInput(where, f"optimizer state holds hyperparameters {', '.join(foreign)}, which the {cls} {factory} "
+                              f"builds has not: another optimizer class saved it, or a torch newer than this one "
+                              f"({torch.__version__})")
     labels = _labels(model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     bad = [f"{key} of {labels.get(id(params[i]), f'param {i}')} is {list(v.shape)}, the parameter "

@@ -10,7 +10,7 @@ import math
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Collection, Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from ..distributed.findings import findings as rank_findings
 from ..errors import BadInput
 from ..finite import value_name
 from ..formats.discover import open_checkpoint
+from ..progress import SILENT, Progress
 from ..report import (
     LOSS_ONLY_STAGES,
     BatchRef,
@@ -50,7 +51,6 @@ from .monitor import StepMonitor, buffers_total, totals
 from .reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge, losses_match
 from .session import Session, open_session, pinned_threads, resolve_device
 
-ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
 PRECURSOR_STEPS = 16  # steps before the event the precursor curves cover at least, where an older checkpoint allows
 
 
@@ -72,7 +72,7 @@ class ReplayOptions:
     what_if_steps: int = 5  # steps after the responsible one a what-if must stay finite for
 
 
-def _start_checkpoint(run: StepSource, target: int | None) -> StartPoint:
+def _start_checkpoint(run: StepSource, target: int | None, progress: Progress = SILENT) -> StartPoint:
     """The newest checkpoint at or before ``target`` whose parameters and state are all finite."""
     checkpoints = run.checkpoints()
     where = run.checkpoint_folder
@@ -82,6 +82,7 @@ def _start_checkpoint(run: StepSource, target: int | None) -> StartPoint:
     if not candidates:
         raise BadInput(where, f"no checkpoint at or before step {target} (oldest is step {checkpoints[0].step})")
     for c in reversed(candidates):
+        progress.phase(f"checking that the checkpoint at step {c.step} is finite", None)
         if _checkpoint_finite(c):
             return c
     raise BadInput(where, f"every checkpoint up to step {candidates[-1].step} already holds non-finite values: the "
@@ -108,7 +109,7 @@ def _checkpoint_finite(c: StartPoint) -> bool:
 
 
 def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
-               progress: ProgressFn | None = None) -> ReplayReport:
+               progress: Progress = SILENT) -> ReplayReport:
     """Replay a recorded run from the last clean checkpoint before the first non-finite logged loss (or
     ``from_step``)."""
     opts = options or ReplayOptions()
@@ -120,14 +121,16 @@ def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,
                                      opts.trust_packages), opts, progress)
 
 
-def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: ProgressFn | None = None) -> ReplayReport:
+def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progress = SILENT) -> ReplayReport:
     """Replay ``run`` with ``code`` from the last clean checkpoint before the first non-finite logged loss (or
     ``opts.from_step``), through the run's last step or ``opts.max_steps``."""
     logged = {s.step: s.loss for s in run.steps}
     logged_first = first_nonfinite(run.steps)
+    if opts.from_step is not None and run.last_step is not None and opts.from_step > run.last_step:
+        raise BadInput("--from-step", f"step {opts.from_step} lies past the run's last logged step, {run.last_step}")
     device = resolve_device(opts.device)
     checkpoint = _start_checkpoint(run, opts.from_step if opts.from_step is not None else
-                                   (logged_first if logged_first is not None else run.last_step))
+                                   (logged_first if logged_first is not None else run.last_step), progress)
     bound = checkpoint.step + opts.max_steps - 1 if opts.max_steps is not None else None
     last = min((s for s in (run.last_step, bound) if s is not None), default=None)
     if last is None:
@@ -141,8 +144,11 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
 
     # Logged batches are checked over the whole window before replaying; batches a function computes (no logged
     # end, a --max-steps bound) where the replay ran them, not up to a bound the failure may lie far before.
+    if run.last_step is not None:
+        progress.phase(f"checking the batches of steps {checkpoint.step}-{last}", None)
     data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs) \
         if run.last_step is not None else []
+    stop = _expected_stop(logged_nan, last, opts.after)
 
     with pinned_threads(run.num_threads if device.type == "cpu" else None) as threads:
         r = open_session(run, code, checkpoint, device)
@@ -164,6 +170,8 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         hooks = ExitStack()
         monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
         probe: PrecursorProbe | None = None
+        progress.phase(f"replaying steps {checkpoint.step}-{stop}", stop - checkpoint.step + 1)
+        first = checkpoint.step  # of the phase under way, for its count
         try:
             while r.step <= last:
                 step = r.step
@@ -189,17 +197,27 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     # an older checkpoint does not lead to an unsound start's state (it was not made by the steps)
                     r = open_session(run, code, checkpoint if unsound else _precursor_start(run, checkpoint, step),
                                      device)
+                    if r.step < step:
+                        progress.phase(f"locating: re-running steps {r.step}-{step - 1} with precursor probes",
+                                       step - r.step)
                     with PrecursorProbe(r.model, r.optimizer) as warmup:
+                        first = r.step
                         while r.step < step:
                             r.run_step()
                             precursors.append(warmup.take(r.step - 1))
+                            progress.update(r.step - first)
+                    stop = stop if stop >= step else last
+                    progress.phase(f"locating: steps {step}-{stop}, reading each first non-finite value",
+                                   stop - step + 1, at_most=True)
+                    first = step
                     hooks = ExitStack()
                     monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
                     probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
                     located_from = step
                     continue
-                if progress:
-                    progress(step, checkpoint.step, last)
+                if step > stop:  # the log did not tell where the replay ends: up to the window's end
+                    stop = last
+                progress.update(step - first + 1, stop - first + 1)
                 events += step_events
                 p_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "param")
                 s_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "optimizer_state")
@@ -212,9 +230,11 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                                          buffers_all, float32_ulps(logged_loss, loss) if logged_loss is not None
                                          else None))
                 if located_from is not None and step >= _horizon(events, spread, logged_nan) + opts.after:
+                    progress.update(step - first + 1, step - first + 1)  # done: the total was a bound
                     break
                 pending = next((s for s in logged_nan if s not in loss_only and s not in amp.caught), None)
                 if located_from is None and pending is not None and step >= pending + opts.after:
+                    progress.update(step - first + 1, step - first + 1)
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
@@ -223,7 +243,8 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         # Without an origin, a loss-only step is still worth explaining: which op made the loss non-finite, from
         # which samples (a batch with no valid target, typically).
         explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
-        operation, samples = _explain(r, explained) if explained is not None and opts.explain else (None, None)
+        operation, samples = _explain(r, explained, progress) if explained is not None and opts.explain \
+            else (None, None)
         # whether resetting the flagged state would have saved the run is replayed too
         by_order = code.loaded is not None and code.loaded.optimizer_matched == "order"
         resumed, resettable = resume_findings(unsound, events[0] if events else None, checkpoint.step, r.model,
@@ -232,7 +253,8 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         if resettable and not any(isinstance(c, whatif.ResetState) for c in changes):
             changes.append(whatif.ResetState())
         what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, changes,
-                                         opts.what_if_steps, events[0].rank) if events and changes else []
+                                         opts.what_if_steps, events[0].rank, progress) \
+            if events and changes else []
 
     report = _report(run, checkpoint, device, threads, code, events, spread, logged_first, rtol, amp.caught,
                      logged_nan=logged_nan, loss_only=loss_only, compared=[compared[s] for s in sorted(compared)],
@@ -248,7 +270,8 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     return narrate(report)
 
 
-def _explain(session: Session, origin: Event) -> tuple[OperationCulprit | None, SampleAttribution | None]:
+def _explain(session: Session, origin: Event,
+             progress: Progress = SILENT) -> tuple[OperationCulprit | None, SampleAttribution | None]:
     """Root cause inside the responsible step: which samples (group testing), then which operation made the
     origin's value; in a distributed run, inside the shard of the origin's rank (None on a rank that leaves the
     explaining to another)."""
@@ -256,10 +279,20 @@ def _explain(session: Session, origin: Event) -> tuple[OperationCulprit | None, 
         if focused is None:
             return None, None
         focused.reset()
+        if focused.step < origin.step:
+            progress.phase(f"re-running steps {focused.step}-{origin.step - 1} to the responsible one", None)
         focused.advance_to(origin.step)
-        samples = attribute_samples(focused)
+        samples = attribute_samples(focused, progress)
+        progress.phase(f"tracing the operation behind {origin.stage} at step {origin.step}", None)
         operation = trace_step(focused.model, focused.optimizer, lambda: focused.traced_pass(origin), origin)
     return operation, samples
+
+
+def _expected_stop(logged_nan: Sequence[int], last: int, after: int) -> int:
+    """Where the replay stops at the latest, as far as the log tells: ``after`` steps past the step after the first
+    logged NaN loss (the chain is complete there at the latest, or the NaN did not reproduce); else the window's
+    end. A guess the progress total revises when the replay runs past it."""
+    return min(last, logged_nan[0] + 1 + after) if logged_nan else last
 
 
 def _horizon(events: list[Event], spread: list[StepRecord], logged_nan: Sequence[int]) -> int:

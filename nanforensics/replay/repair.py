@@ -18,11 +18,12 @@ from typing import Sequence
 
 from ..errors import BadInput
 from ..outputs import check_outputs
+from ..progress import SILENT, Progress
 from ..report import ReplayReport, WhatIfResult, write_json
 from ..runs.checkpoint import Checkpoint, save_checkpoint
 from ..runs.files import make_build_dir, publish_dir_atomic, write_json_atomic
 from ..runs.run import MANIFEST, Run, UserCode
-from .engine import ProgressFn, ReplayOptions, replay_run
+from .engine import ReplayOptions, replay_run
 from .session import open_session, pinned_threads, resolve_device
 from .whatif import DropBatch, DropSamples, Intervention, ResetState, nonfinite_in, replay_with
 
@@ -60,6 +61,16 @@ class RepairReport:
     schema: str = REPAIR_SCHEMA
 
 
+class NothingToRepair(Exception):
+    """The replay names no responsible step (a clean run, a NaN not reproduced, a non-finite loss only): not bad
+    input, so the command exits with the replay's own code, and writes nothing."""
+
+    def __init__(self, diagnosis: ReplayReport) -> None:
+        self.diagnosis = diagnosis
+        super().__init__(f"the replay found no non-finite value in the model's state (verdict {diagnosis.verdict}): "
+                         "nothing to repair")
+
+
 def _check_out(run_dir: Path, out: Path, opts: RepairOptions) -> None:
     check_outputs([run_dir, *opts.code_paths], {"--out": out}, folders={"--out"})
     if out.is_dir() and any(out.iterdir()) and not opts.force:
@@ -76,7 +87,7 @@ def _change(diagnosis: ReplayReport, reset_state: bool) -> Intervention:
 
 
 def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | None = None,
-               progress: ProgressFn | None = None) -> RepairReport:
+               progress: Progress = SILENT) -> RepairReport:
     """Diagnose, re-run with the responsible step changed, verify from the written files, publish."""
     opts = options or RepairOptions()
     run, out = Run(run_dir), Path(out)
@@ -87,8 +98,7 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
                            progress=progress)
     t = diagnosis.responsible_step
     if t is None:
-        raise BadInput(run.path, f"the replay found no non-finite value (verdict {diagnosis.verdict}): "
-                                 "nothing to repair")
+        raise NothingToRepair(diagnosis)
     change = _change(diagnosis, opts.reset_state)
     checkpoint = next(c for c in run.checkpoints() if c.step == diagnosis.setup.from_checkpoint)
     device = resolve_device(opts.device)
@@ -99,12 +109,15 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
         with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None):
             with open_session(run, code, checkpoint, device).focused(diagnosis.origin.rank) as session:
                 assert session is not None  # one process: it explains, and repairs
+                progress.phase(f"repairing: steps {checkpoint.step}-{t - 1} re-run, step {t} with {change.spec}",
+                               None)
                 session.advance_to(t)
                 changed = replay_with(session, change, t)
                 write_json_atomic(build / MANIFEST, run.manifest.raw)
                 written = save_checkpoint(build / "checkpoints", t + 1, session.model, session.optimizer,
                                           scaler=session.scaler, scheduler=session.scheduler,
                                           rank_rng=getattr(session, "rank_rng", None))
+            progress.phase(f"verifying: the written checkpoint loaded afresh, steps {t + 1}-{last} replayed", None)
             resumed = open_session(run, code, Checkpoint(written, t + 1), device)  # through the format, from disk
             loaded_bad = nonfinite_in(resumed, None)
             verification = dataclasses.replace(
@@ -126,9 +139,13 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
 
 
 def findings(r: RepairReport) -> list[str]:
+    before = (f"steps {r.from_checkpoint}-{r.responsible_step - 1} re-run as recorded from checkpoint "
+              f"{r.from_checkpoint}" if r.from_checkpoint < r.responsible_step - 1 else
+              f"step {r.from_checkpoint} re-run as recorded from checkpoint {r.from_checkpoint}"
+              if r.from_checkpoint == r.responsible_step - 1 else
+              f"no step re-run before it: the checkpoint at step {r.from_checkpoint} holds the state before it")
     out = [f"Step {r.responsible_step} changed: {r.description}" + (f" ({r.detail})" if r.detail else "") +
-           f"; steps {r.from_checkpoint}-{r.responsible_step - 1} re-run as recorded from checkpoint "
-           f"{r.from_checkpoint}."]
+           f"; {before}."]
     v = r.verification
     if not r.changed_step.finite:
         out.append(f"Not written: after the change, step {r.responsible_step} still leaves "

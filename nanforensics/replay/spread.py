@@ -15,6 +15,7 @@ import torch
 
 from .. import finite
 from ..errors import BadInput
+from ..progress import SILENT, Progress
 from ..report import ReplayReport, SpreadMap, TensorSpread
 from ..runs.checkpoint import optimizer_params, param_names
 from ..runs.run import Run, UserCode
@@ -34,7 +35,7 @@ def from_replay(r: ReplayReport) -> SpreadMap | None:
     return SpreadMap([s.step for s in records], [row], r.responsible_step, "totals")
 
 
-def trace(run: Run, code: UserCode, replay: ReplayReport) -> SpreadMap:
+def trace(run: Run, code: UserCode, replay: ReplayReport, progress: Progress = SILENT) -> SpreadMap:
     """Per-tensor counts after each step from just before the origin to the end of the replay."""
     if replay.responsible_step is None:
         raise ValueError("trace needs a replay that found the origin")
@@ -47,12 +48,16 @@ def trace(run: Run, code: UserCode, replay: ReplayReport) -> SpreadMap:
     steps = list(range(first, s.last_step + 1))
     with pinned_threads(s.num_threads if device.type == "cpu" else None):
         session = open_session(run, code, checkpoint, device)
+        if session.step < first:
+            progress.phase(f"re-running steps {session.step}-{first - 1} from the checkpoint", None)
         session.advance_to(first)
         params = optimizer_params(session.optimizer)
         names = param_names(session.model, session.optimizer)
         counts: list[tuple[list[int], list[int]]] = [([], []) for _ in params]
-        for _ in steps:
+        progress.phase(f"counting non-finite values per tensor, steps {first}-{s.last_step}", len(steps))
+        for done, _ in enumerate(steps, 1):
             session.run_step()
+            progress.update(done)
             for p, (bad_params, bad_state) in zip(params, counts):
                 bad_params.append(finite.count_nonfinite(p))
                 bad_state.append(sum(finite.count_nonfinite(v) for v in session.optimizer.state.get(p, {}).values()

@@ -8,19 +8,21 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..checkpoints.bisect import BisectReport, bisect
-from ..checkpoints.scan import DEFAULT_MARGIN, Progress
+from ..checkpoints.scan import DEFAULT_MARGIN
+from ..checkpoints.scan import Progress as BytesProgress
 from ..errors import BadInput
+from ..progress import SILENT, Progress
 from ..report import ReplayReport
 from ..rootcause.findings import narrate
 from ..runs.unrecorded import open_unrecorded, user_checkpoint
-from .engine import ProgressFn, ReplayOptions, replay
+from .engine import ReplayOptions, replay
 from .session import resolve_device
 
 DEFAULT_MAX_STEPS = 100  # nothing logged says where an unrecorded run ends
 
 
 def replay_checkpoint(checkpoint: str | Path, code: str, names: Mapping[str, str | None] | None = None,
-                      options: ReplayOptions | None = None, progress: ProgressFn | None = None, *,
+                      options: ReplayOptions | None = None, progress: Progress = SILENT, *,
                       step_from: str = "--from-step") -> ReplayReport:
     """Replay from ``checkpoint`` with the callables of ``code`` (see ``runs.unrecorded.open_unrecorded``).
 
@@ -39,8 +41,8 @@ def replay_checkpoint(checkpoint: str | Path, code: str, names: Mapping[str, str
 
 def bisect_and_replay(targets: Sequence[str | Path], code: str, names: Mapping[str, str | None] | None = None,
                       options: ReplayOptions | None = None, *, linear: bool = False, full: bool = False,
-                      margin: float = DEFAULT_MARGIN, scan_progress: Progress | None = None,
-                      progress: ProgressFn | None = None) -> BisectReport:
+                      margin: float = DEFAULT_MARGIN, scan_progress: BytesProgress | None = None,
+                      progress: Progress = SILENT) -> BisectReport:
     """Bisect the checkpoints, then replay from the last clean one: up to a step past the first poisoned one,
     or ``options.max_steps`` when none is poisoned. ``report.replayed`` holds the replay, or
     ``report.replay_unavailable`` says why there is none."""

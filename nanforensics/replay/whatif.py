@@ -18,6 +18,7 @@ import torch
 from .. import finite
 from ..checkpoints.soundness import unsound_coordinates
 from ..errors import BadInput
+from ..progress import SILENT, Progress
 from ..report import Event, WhatIfResult
 from ..rootcause.findings import describe
 from ..rootcause.samples import batch_size, select
@@ -295,7 +296,8 @@ def replay_with(session: Session, change: Intervention | None, last: int) -> Wha
 
 
 def what_if_replays(run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device, step: int,
-                    changes: Sequence[Intervention], steps_after: int, rank: int | None = None) -> list[WhatIfResult]:
+                    changes: Sequence[Intervention], steps_after: int, rank: int | None = None,
+                    progress: Progress = SILENT) -> list[WhatIfResult]:
     """The replay as recorded, then one replay per change, each from the model rebuilt afresh at ``checkpoint``; in a
     distributed run a change to the batch changes ``rank``'s shard (none on a rank that leaves them to another)."""
     last = step + steps_after if run.last_step is None else min(step + steps_after, run.last_step)
@@ -304,6 +306,8 @@ def what_if_replays(run: StepSource, code: StepCode, checkpoint: StartPoint, dev
         if session is None:
             return []
         for i, change in enumerate([None, *changes]):
+            progress.phase(f"what-if {i + 1} of {len(changes) + 1}: {change.spec if change else 'as recorded'}, "
+                           f"steps {checkpoint.step}-{last}", None)
             if i:
                 session.reset()  # each from the checkpoint files again: nothing mutable shared with the one before
             started = change.at_start(session.optimizer) if change is not None else None

@@ -414,9 +414,12 @@ def _nothing_reached(r: ReplayReport) -> str:
     """A run with no origin: clean, or clean apart from overflows the loss scaler caught."""
     span = f"steps {r.setup.first_step}-{r.setup.last_step}"
     caught = sorted({e.step for e in r.amp.caught}) if r.amp is not None else []
+    # a recorded run replays from its last clean checkpoint: the steps before it were not checked
+    before = (f"; steps before {r.setup.first_step} were not replayed (`--from-step 0` replays from the start)"
+              if r.loaded is None and r.setup.first_step > 0 else "")
     if not caught:
         return (f"No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter or buffer "
-                f"over {span}.")
+                f"over {span}{before}.")
     logged = r.logged_first_nonfinite_loss_step
     among = f" (the non-finite loss logged at step {logged} among them)" if logged in caught else ""
     return (f"No non-finite value reached the optimizer state or the parameters over {span}: the non-finite values "

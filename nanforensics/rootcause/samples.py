@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInput
+from ..progress import SILENT, Progress
 from ..replay.monitor import StepMonitor
 from ..replay.session import Session
 from ..report import SampleAttribution
@@ -112,8 +113,8 @@ def _no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 class _Tester:
-    def __init__(self, session: Session, batch: Any, size: int) -> None:
-        self.session, self.batch, self.size = session, batch, size
+    def __init__(self, session: Session, batch: Any, size: int, progress: Progress = SILENT) -> None:
+        self.session, self.batch, self.size, self.progress = session, batch, size, progress
         self.snapshot = session.snapshot()
         self.passes = 0
         self.errors: list[str] = []
@@ -125,6 +126,7 @@ class _Tester:
     def fails_on(self, subset: Any) -> bool:
         """One forward/backward pass on ``subset`` (any batch) from the step's state."""
         self.passes += 1
+        self.progress.update(self.passes)
         s = self.session
         s.restore(self.snapshot)
         with StepMonitor(s.model, s.optimizer) as monitor, _no_optimizer_step(s.optimizer):
@@ -214,7 +216,12 @@ def batch_wide_message(split: Split, size: int) -> str:
     return f"{found}: the failure is not in particular samples"
 
 
-def attribute_samples(session: Session) -> SampleAttribution:
+def max_passes(size: int, probes: int = PROBES) -> int:
+    """The most passes attribution can take: the whole batch, the probes, two per halving of the batch."""
+    return 1 + len(probe_order(size, probes)) + 2 * (size - 1)
+
+
+def attribute_samples(session: Session, progress: Progress = SILENT) -> SampleAttribution:
     """Group-test the batch of ``session.step``; the session's state is restored afterwards."""
     step_fn = session.code.step_fn
     batch = session.batch(session.step)
@@ -226,7 +233,9 @@ def attribute_samples(session: Session) -> SampleAttribution:
     if size is None or size < 2:
         return SampleAttribution("unsplittable", size, [], {}, 0, [],
                                  "the batch's tensors share no first dimension to split along")
-    tester = _Tester(session, batch, size)
+    progress.phase(f"attributing samples of step {session.step}: forward/backward passes", max_passes(size),
+                   unit="pass", at_most=True)
+    tester = _Tester(session, batch, size, progress)
     try:
         if not tester.fails(list(range(size))):
             return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],

@@ -549,7 +549,8 @@ def _load_file(target: str, role: str, spec: str, where: Path | str, places: Pla
     # a FIFO or a folder in its place is refused on reading, not passed over
     existing = [c for c in candidates if os.path.lexists(c)]
     if not existing:
-        raise BadInput(where, f"script {target} does not exist here; pass --code-path DIR with its folder")
+        raise BadInput(where, f"script {target} does not exist here; pass --code-path DIR, "
+                              f"DIR the folder that holds {path.name} itself")
     refusals = [places.refusal(c, f"script {target}") for c in existing]
     candidate = next((c for c, problem in zip(existing, refusals) if problem is None), None)
     if candidate is None:

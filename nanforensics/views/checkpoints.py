@@ -1,13 +1,10 @@
-"""Views of ScanReport and BisectReport: rich for the terminal, Markdown for CI summaries and issues,
-and the bytes/s progress bar scans draw on stderr."""
+"""Views of ScanReport and BisectReport: rich for the terminal, Markdown for CI summaries and issues."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from ..checkpoints.bisect import BisectReport, CheckpointRef, ScanRecord
@@ -50,41 +47,6 @@ _MEANING = {
 _TENSOR_HEADERS = ["tensor", "group", "dtype", "shape", "non-finite", "first at", "max |x| / limit"]
 _READ_HEADERS = ["#", "step", "checkpoint", "layout", "verdict", "bytes"]
 _GROUP_HEADERS = ["group", "tensors", "read", "bytes", "non-finite tensors", "non-finite values", "near limit"]
-
-
-class ProgressBar:
-    """Bytes read and bytes/s per checkpoint, on stderr; one bar per scan, cleared when done."""
-
-    def __init__(self, console: Console) -> None:
-        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                  TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True)
-        self._task: int | None = None
-
-    def __enter__(self) -> ProgressBar:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
-
-    def start(self, label: str, total_bytes: int) -> None:
-        if self._task is not None:
-            self._progress.remove_task(self._task)
-        self._task = self._progress.add_task(markup(label), total=total_bytes)
-
-    def advance(self, nbytes: int) -> None:
-        if self._task is not None:
-            self._progress.advance(self._task, nbytes)
-
-
-@contextmanager
-def bytes_progress(console: Console) -> Iterator[ProgressBar | None]:
-    """A bar when the console is a terminal; nothing in logs and pipes."""
-    if not console.is_terminal:
-        yield None
-        return
-    with ProgressBar(console) as bar:
-        yield bar
 
 
 def _step(step: int | None, source: str | None = None) -> str:
@@ -229,7 +191,8 @@ def _terminal_tensors(tensors: Sequence[TensorScan], console: Console) -> None:
             console.print(f"[dim]... and {len(rows) - SHOWN} more (every one in --json)[/]")
 
 
-def render_bisect_terminal(r: BisectReport, console: Console) -> None:
+def render_bisect_terminal(r: BisectReport, console: Console, offer_replay: bool = False) -> None:
+    """``offer_replay``: the bisect command without --replay, which that option would make replay the window."""
     style, label = _BISECT_VERDICT[r.verdict]
     print_whole(console, f"[{style}] {label} [/] first poisoned: {markup(_ref(r.first_poisoned))}")
     print_whole(console, f"{' ' * (len(label) + 2)} last clean:    {markup(_ref(r.last_clean))}")
@@ -246,7 +209,8 @@ def render_bisect_terminal(r: BisectReport, console: Console) -> None:
     for note in _bisect_notes(r):
         console.print(markup(note), soft_wrap=True)
     if r.replay:
-        console.print(f"Replay the window: [bold]{markup(r.replay.command)}[/]  (or add --replay)", soft_wrap=True)
+        console.print(f"Replay the window: [bold]{markup(r.replay.command)}[/]"
+                      + ("  (or add --replay)" if offer_replay else ""), soft_wrap=True)
     if r.replayed is not None:
         replay.render_terminal(r.replayed, console)
 

@@ -26,32 +26,51 @@ def level(bad: int, total: int) -> int:
     return 1 if 100 * bad <= total else 2 if 2 * bad < total else 3
 
 
-def lines(m: SpreadMap) -> list[list[tuple[str, str]]]:
-    """The heatmap as lines of (text, rich style) segments."""
+def columns(n: int, room: int) -> list[int | None]:
+    """The step indices shown in ``room`` columns: all of them, or the first and the last with None for the middle."""
+    if n <= room:
+        return list(range(n))
+    head = max(1, (room - 1) // 2)
+    tail = max(1, room - 1 - head)
+    return list(range(head)) + [None] + list(range(n - tail, n))
+
+
+def lines(m: SpreadMap, width: int | None = None) -> list[list[tuple[str, str]]]:
+    """The heatmap as lines of (text, rich style) segments, at most ``width`` characters wide where the names allow:
+    the steps in the middle of a long map are left out, marked ``…``."""
     g = grouped(m, MAX_ROWS)
     with_state = any(r.state_total for r in g.rows)
-    width = max(2 * len(g.steps), len("parameters"))
     names = [visible(r.name) for r in g.rows]
     label = max(map(len, names))  # whole names: a line runs past the width rather than cut one
     gap = "   "
+    blocks = 2 if with_state else 1
+    room = len(g.steps) if width is None else max(3, (width - label - len(gap) * blocks) // (2 * blocks))
+    shown = columns(len(g.steps), room)
+    cells = 2 * len(shown)
+    block = max(cells, len("parameters"))
     out: list[list[tuple[str, str]]] = []
-    head = [(" " * label + gap, ""), ("parameters".ljust(width), "bold")]
+    head = [(" " * label + gap, ""), ("parameters".ljust(block), "bold")]
     out.append(head + ([(gap + "optimizer state", "bold")] if with_state else []))
-    if g.responsible_step in g.steps:
-        at = g.steps.index(g.responsible_step)
-        mark = (" " * (2 * at) + "▼").ljust(width)
+    at = g.steps.index(g.responsible_step) if g.responsible_step in g.steps else None
+    if at is not None and at in shown:
+        mark = (" " * (2 * shown.index(at)) + "▼").ljust(block)
         out.append([(" " * label + gap, ""), (mark, "bold red")] + ([(gap + mark, "bold red")] if with_state else []))
+
+    def cells_of(counts: list[int], total: int, present: bool = True) -> list[tuple[str, str]]:
+        return [("… ", "dim") if i is None else (SHADES[level(counts[i], total)], STYLES[level(counts[i], total)])
+                if present else ("  ", "") for i in shown]
+
     for r, name in zip(g.rows, names):
-        line = [(name.ljust(label) + gap, "")]
-        line += [(SHADES[lv], STYLES[lv]) for lv in (level(b, r.params_total) for b in r.params_nonfinite)]
-        line.append((" " * (width - 2 * len(g.steps)), ""))
+        line = [(name.ljust(label) + gap, "")] + cells_of(r.params_nonfinite, r.params_total)
+        line.append((" " * (block - cells), ""))
         if with_state:
-            line.append((gap, ""))
-            line += [(SHADES[lv], STYLES[lv]) if r.state_total else ("  ", "")
-                     for lv in (level(b, r.state_total) for b in r.state_nonfinite)]
+            line += [(gap, "")] + cells_of(r.state_nonfinite, r.state_total, bool(r.state_total))
         out.append(line)
-    marked = f", ▼ the responsible step {g.responsible_step}" if g.responsible_step in g.steps else ""
+    marked = f", ▼ the responsible step {g.responsible_step}" if at is not None and at in shown else ""
     out.append([(f"non-finite values after each of steps {g.steps[0]}-{g.steps[-1]}{marked}", "dim")])
+    if None in shown:
+        out.append([(f"… {count(len(g.steps) - len(shown) + 1, 'step')} in the middle left out (every one in the "
+                     "JSON report)", "dim")])
     out.append([("  ".join(f"{s} {n}" for s, n in zip(SHADES, LEVEL_NAMES)), "dim")])
     if len(g.rows) < len(m.rows):
         out.append([(f"{count(len(m.rows), 'tensor')} shown as {count(len(g.rows), 'layer')}", "dim")])
@@ -62,10 +81,13 @@ def render_terminal(m: SpreadMap, console: Console) -> None:
     whole = " (whole model; per tensor in a post-mortem)" if m.basis == "totals" else ""
     title = "spread of non-finite values" + whole
     console.print(Text(title, style="bold"))
-    for line in lines(m):
+    for line in lines(m, console.width):
         console.print(Text.assemble(*line), no_wrap=True, crop=False)
+
+
+TEXT_WIDTH = 120  # a Markdown code block's, which no console sizes
 
 
 def render_text(m: SpreadMap) -> str:
     """Plain characters, for a Markdown code block."""
-    return "\n".join("".join(text for text, _ in line).rstrip() for line in lines(m))
+    return "\n".join("".join(text for text, _ in line).rstrip() for line in lines(m, TEXT_WIDTH))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import xml.etree.ElementTree as ET
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -16,7 +16,7 @@ from ..postmortem import DONE, FAILED, SKIPPED, PostmortemReport
 from ..report import SpreadMap
 from ..rootcause.findings import step_not_data
 from . import checkpoints, heatmap, replay
-from .escaping import markup, visible, xml_document
+from .escaping import visible, xml_document
 from .layout import print_whole
 
 VERDICT = {
@@ -129,10 +129,3 @@ def render_junit(r: PostmortemReport) -> str:
                       errors=str(errors), skipped=str(skipped), time=f"{total:.3f}")
     root.append(suite)
     return xml_document(root)
-
-
-def status_line(console: Console) -> Callable[[str], None] | None:
-    """What the post-mortem is doing, when ``console`` is a terminal (CI logs get the report only)."""
-    if not console.is_terminal:
-        return None
-    return lambda what: console.print(f"[dim]post-mortem: {markup(what)}...[/]")

@@ -38,10 +38,29 @@ def _leaf_text(value: Any) -> str:
 
 
 _BARS = "▁▂▃▄▅▆▇█"
+TREND_WIDTH = 60  # characters of a sparkline where no console says the width (Markdown)
+CHAIN_STEPS = (3, 2)  # steps of the propagation chain shown before and after the elided middle of a long one
+SPREAD_ROWS = (6, 5)  # rows of the spread table shown before and after the elided middle of a long one
 
 
-def sparkline(values: list[float | None]) -> str:
-    """Log-scale sparkline; a non-finite value is '!', a missing one a space."""
+def _worst(values: list[float | None]) -> float | None:
+    """The value a character of a resampled sparkline stands for: a non-finite one where there is one (that is what
+    the line is for), else the largest in magnitude; None when all are missing."""
+    present = [v for v in values if v is not None]
+    return next((v for v in present if not math.isfinite(v)), max(present, key=abs, default=None))
+
+
+def resample(values: list[float | None], width: int) -> list[float | None]:
+    """At most ``width`` values: consecutive ones merged by ``_worst``, each character standing for as many steps."""
+    if len(values) <= width:
+        return values
+    per = math.ceil(len(values) / max(1, width))
+    return [_worst(values[i:i + per]) for i in range(0, len(values), per)]
+
+
+def sparkline(values: list[float | None], width: int = TREND_WIDTH) -> str:
+    """Log-scale sparkline of at most ``width`` characters; a non-finite value is '!', a missing one a space."""
+    values = resample(values, width)
     finite = [abs(v) for v in values if v is not None and math.isfinite(v) and v != 0]
     lo, hi = (math.log10(min(finite)), math.log10(max(finite))) if finite else (0.0, 0.0)
     out = []
@@ -76,11 +95,23 @@ def _last_finite(values: list[float | None]) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-def _spread_rows(r: ReplayReport) -> list[StepRecord]:
-    """From the step before the origin: the clean steps before it are all zeros."""
+def _spread_rows(r: ReplayReport) -> tuple[list[StepRecord], int, list[StepRecord]]:
+    """From the step before the origin (the clean steps before it are all zeros): the first rows, how many are
+    elided in the middle of a long table, the last rows."""
     start = (r.responsible_step - 1) if r.responsible_step is not None else r.loss_only_steps[0] - 1 \
         if r.loss_only_steps else r.spread[-1].step - 2 if r.spread else 0
-    return [s for s in r.spread if s.step >= start]
+    return elided([s for s in r.spread if s.step >= start], *SPREAD_ROWS)
+
+
+def elided(items: list[Any], head: int, tail: int) -> tuple[list[Any], int, list[Any]]:
+    """(the first ``head`` items, how many are left out, the last ``tail``), or (all, 0, []) when they fit."""
+    if len(items) <= head + tail + 1:
+        return items, 0, []
+    return items[:head], len(items) - head - tail, items[-tail:]
+
+
+def left_out(n: int, noun: str) -> str:
+    return f"... {count(n, noun)} more (every one in the JSON report)"
 
 
 def counts(e: Event) -> str:
@@ -190,10 +221,11 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     facts.add_column()
     if r.loaded is None:
         facts.add_row("run", Text(visible(f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-"
-                                          f"{s.last_step}, {s.device}, {s.num_threads} threads{world_text(r)})")))
+                                          f"{s.last_step}, {s.device}, {count(s.num_threads, 'thread')}"
+                                          f"{world_text(r)})")))
     else:
-        facts.add_row("replayed", Text(visible(f"steps {s.first_step}-{s.last_step}, {s.device}, {s.num_threads} "
-                                               "threads")))
+        facts.add_row("replayed", Text(visible(f"steps {s.first_step}-{s.last_step}, {s.device}, "
+                                               f"{count(s.num_threads, 'thread')}")))
     for label, text in loaded_rows(r):
         facts.add_row(label, Text(visible(text)))
     if r.responsible_batch:
@@ -227,18 +259,23 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     parts: list[Any] = [facts]
     if r.events:
         chain = Tree("[bold]propagation chain")
-        for step in sorted({e.step for e in r.events}):
+        first, more, last = elided(sorted({e.step for e in r.events}), *CHAIN_STEPS)
+        for i, step in enumerate(first + last):
+            if more and i == len(first):
+                chain.add(Text(left_out(more, "step"), style="dim"))
             node = chain.add(f"[bold]step {step}")
             for e in (e for e in r.events if e.step == step):
                 node.add(Text(visible(e.text + _counts(e))))
         parts += [Text(), chain]
-    rows = _spread_rows(r)
-    if rows:
+    first, more, last = _spread_rows(r)
+    if first:
         table = Table(title="spread of non-finite values", title_justify="left", show_edge=False)
-        buffers = any(x.buffers_total for x in rows)
+        buffers = any(x.buffers_total for x in first + last)
         for col in ("step", "logged loss", "replayed loss", "parameters", "optimizer state") + ("buffers",) * buffers:
             table.add_column(col, justify="right")
-        for x in rows:
+        for i, x in enumerate(first + last):
+            if more and i == len(first):
+                table.add_row("...", Text(left_out(more, "step"), style="dim", justify="left"))
             mark = "bold red" if x.params_nonfinite or x.state_nonfinite or x.buffers_nonfinite else ""
             table.add_row(str(x.step), _loss(x.logged_loss), _loss(x.replayed_loss),
                           f"{x.params_nonfinite:,}/{x.params_total:,}", f"{x.state_nonfinite:,}/{x.state_total:,}",
@@ -246,12 +283,15 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         parts += [Text(), table]
     if r.precursors:
         steps = f"{r.precursors[0].step}-{r.precursors[-1].step}"
-        table = Table(title=f"precursors, steps {steps} (log scale, ! = non-finite)", title_justify="left",
+        rows = [(name, values, _last_finite(values)) for name, values in precursor_rows(r)]
+        per = math.ceil(len(r.precursors) / _trend_width(console, rows))
+        scale = f", a character per {per} steps" if per > 1 else ""
+        table = Table(title=f"precursors, steps {steps} (log scale, ! = non-finite{scale})", title_justify="left",
                       show_edge=False)
         for col, justify in (("metric", "left"), ("trend", "left"), ("last finite", "right")):
             table.add_column(col, justify=justify)  # type: ignore[arg-type]
-        for name, values in precursor_rows(r):
-            table.add_row(markup(name), sparkline(values), _last_finite(values))
+        for name, values, last_value in rows:
+            table.add_row(markup(name), sparkline(values, _trend_width(console, rows)), last_value)
         parts += [Text(), table]
     if r.ranks:
         table = Table(title="ranks: logged losses against the replay's", title_justify="left", show_edge=False)
@@ -265,6 +305,14 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     if r.findings:
         parts += [Text(), Text("\n".join(f"- {visible(f)}" for f in r.findings))]
     print_whole(console, Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
+
+
+def _trend_width(console: Console, rows: list[tuple[str, list[float | None], str]]) -> int:
+    """The characters a precursor sparkline gets: the console's width less the panel's borders, the other two
+    columns and the table's padding and rules."""
+    label = max(len(name) for name, _, _ in rows)
+    last = max([len(x) for _, _, x in rows] + [len("last finite")])
+    return max(10, console.width - 4 - label - last - 8)
 
 
 def render_markdown(r: ReplayReport) -> str:
@@ -284,15 +332,23 @@ def render_markdown(r: ReplayReport) -> str:
     out.append(f"- **Reproduction:** {r.reproduction}")
     if r.events:
         out += ["", "### Propagation chain", ""]
-        out += [f"{i}. step {e.step}: `{e.text}`{_counts(e)}" for i, e in enumerate(r.events, 1)]
-    rows = _spread_rows(r)
-    if rows:
-        buffers = any(x.buffers_total for x in rows)
+        first, more, last = elided(sorted({e.step for e in r.events}), *CHAIN_STEPS)
+        shown = [(i, e) for i, e in enumerate(r.events, 1) if e.step in first]
+        out += [f"{i}. step {e.step}: `{e.text}`{_counts(e)}" for i, e in shown]
+        if more:
+            out.append(f"- {left_out(more, 'step')}")
+            out += [f"{i}. step {e.step}: `{e.text}`{_counts(e)}" for i, e in enumerate(r.events, 1)
+                    if e.step in last]
+    first, more, last = _spread_rows(r)
+    if first:
+        buffers = any(x.buffers_total for x in first + last)
         out += ["", "### Spread", "", "| step | logged loss | replayed loss | parameters | optimizer state |"
                 + " buffers |" * buffers, "|---:|---:|---:|---:|---:|" + "---:|" * buffers]
-        out += [f"| {x.step} | {_loss(x.logged_loss)} | {_loss(x.replayed_loss)} | "
-                f"{x.params_nonfinite}/{x.params_total} | {x.state_nonfinite}/{x.state_total} |"
-                + f" {x.buffers_nonfinite}/{x.buffers_total} |" * buffers for x in rows]
+        row = [f"| {x.step} | {_loss(x.logged_loss)} | {_loss(x.replayed_loss)} | "
+               f"{x.params_nonfinite}/{x.params_total} | {x.state_nonfinite}/{x.state_total} |"
+               + f" {x.buffers_nonfinite}/{x.buffers_total} |" * buffers for x in first + last]
+        out += row[:len(first)] + ([f"| ... | {left_out(more, 'step')} | | | |" + " |" * buffers] if more else []) \
+            + row[len(first):]
     if r.precursors:
         out += ["", f"### Precursors, steps {r.precursors[0].step}-{r.precursors[-1].step}", "",
                 "| metric | trend (log scale, ! = non-finite) | last finite |", "|---|---|---:|"]

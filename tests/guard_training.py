@@ -101,4 +101,22 @@ def zero_grad_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: di
 
 
 def build_adam_eps0(model: nn.Module) -> torch.optim.Optimizer:
-    return make_optimizer(model, eps=0.0)
+    """Adam with eps=0 for the head's bias alone (attention's key bias has an exactly zero gradient at every step)."""
+    rest = [p for n, p in model.named_parameters() if n != "head.bias"]
+    return torch.optim.Adam([{"params": rest}, {"params": [model.head.bias], "eps": 0.0}], lr=1e-3)
+
+
+THAW = 23  # the step whose update makes the NaN in train_update_nan
+
+
+def train_update_nan(run_dir: Path, steps: int, guard: Any = True, **options: Any) -> nn.Module:
+    """Adam with eps=0; the head's bias first gets a gradient, exactly zero, at step THAW: no gradient is non-finite,
+    the update is (0/0)."""
+    model = build_model()
+    optimizer = build_adam_eps0(model)
+    with nanforensics.Recorder(run_dir, model, optimizer, model_factory=build_model, step_fn=zero_grad_step,
+                               optimizer_factory=build_adam_eps0, guard=guard, **options) as rec:
+        for step in range(steps):
+            batch = {**make_batch(step, {}), "thaw": step == THAW}
+            rec.log(step, batch, zero_grad_step(model, optimizer, batch))
+    return model

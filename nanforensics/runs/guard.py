@@ -161,7 +161,10 @@ class Guard:
         self._copy: dict[str, Any] | None = None
         self._last: _Pending | None = None
         self._closed = False
-        self._takes_found_inf = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        # Fused Adam and AdamW take the verdict on the device. Not fused SGD: on its first step it fills the momentum
+        # buffers with torch.empty_like and a found_inf skip leaves them so, uninitialised, for the next step.
+        self._takes_found_inf = isinstance(self.optimizer, torch.optim.Adam) and bool(
+            getattr(self.optimizer, "_step_supports_amp_scaling", False))
         # Installed as a method of the optimizer, so that wrappers which rebind ``step.__func__`` to the optimizer (an
         # LR scheduler made after the recorder) still call the guard.
         self._had_own_step = "step" in vars(self.optimizer)
@@ -277,7 +280,9 @@ class Guard:
         self.ring.append(_Entry(step, snap, line, nbytes))
         self.steps += 1
         due = self._checkpoint_due(step, 0)
-        if skipped:
+        if skipped and self._agree(not self._state_finite()):
+            self._state_went_bad(step)  # the gradients are non-finite because the state already is: no skip helps
+        elif skipped:
             self._skip(step, batch)
         elif state_bad:
             self._state_went_bad(step)

@@ -174,6 +174,8 @@ class Guard:
         def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             return guard._guarded_step(*args, **kwargs)
 
+        if hasattr(self._original, "_wrapped_by_lr_sched"):  # a scheduler's counting wrapper is still called under it
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         self._installed = types.MethodType(step, self.optimizer)
         self.optimizer.step = self._installed  # type: ignore[method-assign]
         if self.writes:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from nanforensics import Recorder
 from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, GuardStop
 
 import guard_training as gt
-from conftest import run_cli
+from conftest import ROOT, TESTS, run_cli
 
 STEPS = 500
 
@@ -226,3 +229,30 @@ def test_any_nonfinite_gradient_skips_bit_for_bit_and_only_then(tmp_path_factory
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     assert events(rec.path)[-1]["skipped_steps"] == ([steps_before] if poison is not None else [])
+
+
+def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
+    """torchrun, 2 gloo ranks, the bad batch on rank 1 only: both ranks skip the step (one collective on a flag),
+    finish with weights bit-identical to the loop that did not step there, and the incident replays to rank 1."""
+    import distributed_job as job
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(TESTS / "guard_job.py"), str(tmp_path), "ddp", "fsdp2"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for how in ("ddp", "fsdp2"):
+        results = [json.loads(line.split(": ", 1)[1]) for line in p.stdout.splitlines() if line.startswith(f"{how}: ")]
+        assert sorted(r["rank"] for r in results) == [0, 1] and all(r["finite"] and r["equal"] for r in results), how
+        skip = events(tmp_path / how)[0]
+        assert (skip["event"], skip["step"]) == ("skip", job.DEFECT_STEP)
+        assert job.BAD_RANK in skip["ranks_nonfinite_grad"] or how == "fsdp2"  # FSDP2: the shard that holds row 3
+        assert f"sample-{job.defect_index():05d}" in skip["per_rank"][job.BAD_RANK]["samples"]["batch['id']"]
+        out = tmp_path / f"{how}.json"
+        result = run_cli("replay", tmp_path / how / INCIDENTS / f"step_{job.DEFECT_STEP:08d}", "--json", out, cwd=ROOT)
+        assert result.code == 1, result.stderr
+        report = json.loads(out.read_text())
+        origin = report["origin"]
+        assert (origin["step"], origin["stage"], origin["tensor"], origin["rank"]) == (
+            job.DEFECT_STEP, "grad", "features.gain", job.BAD_RANK)
+        assert report["samples"]["sample_leaves"] == {"batch['id']": [f"sample-{job.defect_index():05d}"]}

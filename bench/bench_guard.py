@@ -65,7 +65,7 @@ class Case:
     def plain(self, device: torch.device, **opt: Any) -> Callable[[], None]:
         model = self.build(**self.kwargs).to(device)
         optimizer = self.optimizer(model.parameters(), **opt)
-        return lambda: float(self.step_fn(model, optimizer, self.batch))  # a loop reads its loss: so does each variant
+        return lambda: self.step_fn(model, optimizer, self.batch).item()  # a loop reads its loss: so does each variant
 
     def guarded(self, device: torch.device, folder: Path, policy: GuardPolicy, **opt: Any) -> tuple[Callable[[], None],
                                                                                                       Recorder]:

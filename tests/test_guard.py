@@ -256,3 +256,31 @@ def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
         assert (origin["step"], origin["stage"], origin["tensor"], origin["rank"]) == (
             job.DEFECT_STEP, "grad", "features.gain", job.BAD_RANK)
         assert report["samples"]["sample_leaves"] == {"batch['id']": [f"sample-{job.defect_index():05d}"]}
+
+
+def test_disk_mode_keeps_every_batch_and_still_writes_the_incident(tmp_path):
+    defects = {6: "inf_input"}
+    gt.train(tmp_path / "run", 10, defects=defects, checkpoint_every=4, batches="disk")
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "batches").iterdir()) == [f"step_{s:08d}.safetensors" for s in range(10)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000000", "step_00000004",
+                                                                       "step_00000007", "step_00000008"]
+    incident = run / INCIDENTS / "step_00000006"
+    assert sorted(p.name for p in (incident / "batches").iterdir()) == ["step_00000004.safetensors",
+                                                                        "step_00000005.safetensors",
+                                                                        "step_00000006.safetensors"]
+    assert (incident / "batches" / "step_00000005.safetensors").read_bytes() == \
+        (run / "batches" / "step_00000005.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("options, message", [({"batches": "memory"}, "pass guard=True"),
+                                              ({"guard": True, "batches": "tape"}, "'disk' or 'memory'"),
+                                              ({"guard": GuardPolicy(), "batches": None, "checkpoint_every": 0},
+                                               "checkpoint_every")])
+def test_settings_are_checked(tmp_path, options, message):
+    model = gt.build_model()
+    with pytest.raises(ValueError, match=message):
+        Recorder(tmp_path / "run", model, gt.make_optimizer(model), model_factory=gt.build_model,
+                 step_fn=gt.train_step, **options)
+    with pytest.raises(ValueError, match="at least 1"):
+        GuardPolicy(max_consecutive=0)

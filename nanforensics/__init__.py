@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "BadInput": "errors",
     "Recorder": "runs.recorder",
+    "GuardPolicy": "runs.guard",
+    "GuardStop": "runs.guard",
     "ReplayOptions": "replay.engine",
     "replay_run": "replay.engine",
     "replay_checkpoint": "replay.unrecorded",
@@ -26,7 +28,8 @@ _EXPORTS = {
     "scan_checkpoint": "checkpoints.scan",
     "bisect": "checkpoints.bisect",
 }
-__all__ = ["BadInput", "Recorder", "ReplayOptions", "ReplayReport", "bisect", "bisect_and_replay", "open_checkpoint",
+__all__ = ["BadInput", "GuardPolicy", "GuardStop", "Recorder",
+           "ReplayOptions", "ReplayReport", "bisect", "bisect_and_replay", "open_checkpoint",
            "repair_run", "replay_checkpoint", "replay_run", "scan_checkpoint"]
 
 if TYPE_CHECKING:
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
     from .replay.repair import repair_run
     from .replay.unrecorded import bisect_and_replay, replay_checkpoint
     from .report import ReplayReport
+    from .runs.guard import GuardPolicy, GuardStop
     from .runs.recorder import Recorder
 
 

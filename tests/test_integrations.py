@@ -341,3 +341,69 @@ def test_a_file_that_is_no_checkpoint_says_so(tmp_path):
     report.write_text('{"schema": "nanforensics.scan/1"}\n')
     with pytest.raises(BadInput, match=r"report\.json: is not a checkpoint \(a JSON document\)"):
         open_checkpoint(report)
+
+
+def guard_events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "incidents" / "guard.jsonl").read_text().splitlines()]
+
+
+def guarded_batches(bad: tuple[int, ...], batch_size: int = scenarios.BATCH) -> list[dict]:
+    """The near-zero reading (an infinite gradient, a finite loss) at each step of ``bad``."""
+    return [scenarios.make_batch(s, defect="near_zero" if s in bad else None, batch_size=batch_size)
+            for s in range(STEPS)]
+
+
+def test_lightning_guard_trains_through_a_bad_batch_and_fails_at_k_in_a_row(tmp_path):
+    trainer = lightning_trainer([], gradient_clip_val=1.0)
+    from nanforensics.integrations import NonFiniteLoss
+    from nanforensics.integrations.lightning import NanForensicsCallback
+    from nanforensics.runs.guard import GuardPolicy
+
+    callback = NanForensicsCallback(tmp_path / "one", checkpoint_every=4, guard=GuardPolicy(max_consecutive=3))
+    trainer.callbacks.append(callback)
+    module = models.RegressorModule()
+    trainer.fit(module, loader(guarded_batches((models.DEFECT_STEP,))))
+    assert trainer.global_step == STEPS and all(torch.isfinite(p).all() for p in module.parameters())
+    assert [e["step"] for e in guard_events(tmp_path / "one") if e["event"] == "skip"] == [models.DEFECT_STEP]
+    assert (tmp_path / "one" / "incidents" / f"step_{models.DEFECT_STEP:08d}" / "manifest.json").is_file()
+    assert callback.report is None  # nothing stopped: no post-mortem
+
+    callback = NanForensicsCallback(tmp_path / "three", checkpoint_every=4, guard=GuardPolicy(max_consecutive=3))
+    with pytest.raises(NonFiniteLoss, match="3 consecutive steps skipped.*non-finite values began at step 6"):
+        lightning_trainer([callback], gradient_clip_val=1.0).fit(models.RegressorModule(),
+                                                                 loader(guarded_batches((4, 5, 6))))
+    assert callback.report is not None and callback.report.replay.responsible_step == 6
+    assert (tmp_path / "three.postmortem" / "postmortem.json").is_file()
+
+
+class GuardedSamples(torch.utils.data.IterableDataset):
+    def __init__(self, bad: tuple[int, ...]) -> None:
+        self.bad = bad
+
+    def __iter__(self):
+        for batch in guarded_batches(self.bad, batch_size=16):
+            for x, y in zip(batch["x"], batch["y"]):
+                yield {"x": x, "y": y}
+
+
+def test_trainer_guard_trains_through_a_bad_batch_and_fails_at_k_in_a_row(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed (nanforensics[hf])")
+    from nanforensics.integrations import NonFiniteLoss
+    from nanforensics.integrations.hf import NanForensicsTrainerCallback
+    from nanforensics.runs.guard import GuardPolicy
+
+    callback = NanForensicsTrainerCallback(tmp_path / "one", model_factory=models.build_trainer_regressor,
+                                           checkpoint_every=4, guard=GuardPolicy(max_consecutive=3))
+    model = models.build_trainer_regressor()
+    trainer = hf_trainer(tmp_path, callback, model, GuardedSamples((models.DEFECT_STEP,)))
+    trainer.train()
+    assert trainer.state.global_step == STEPS and all(torch.isfinite(p).all() for p in model.parameters())
+    assert [e["step"] for e in guard_events(tmp_path / "one") if e["event"] == "skip"] == [models.DEFECT_STEP]
+    assert not callback._hooks
+
+    callback = NanForensicsTrainerCallback(tmp_path / "three", model_factory=models.build_trainer_regressor,
+                                           checkpoint_every=4, guard=GuardPolicy(max_consecutive=3))
+    trainer = hf_trainer(tmp_path, callback, models.build_trainer_regressor(), GuardedSamples((4, 5, 6)))
+    with pytest.raises(NonFiniteLoss, match="3 consecutive steps skipped.*non-finite values began at step 6"):
+        trainer.train()
+    assert callback.report is not None and (tmp_path / "three.postmortem" / "postmortem.json").is_file()

@@ -15,6 +15,7 @@ from ..outputs import check_outputs, write_output
 from ..postmortem import PostmortemReport, postmortem
 from ..report import to_json
 from ..runs.checkpoint import optimizer_params
+from ..runs.guard import GuardPolicy, GuardStop
 from ..runs.recorder import Recorder
 from ..views.escaping import visible
 
@@ -96,6 +97,11 @@ class Watcher:
     ``"continue"`` keeps training. ``on_loss_only`` (default ``"continue"``) takes its place when the post-mortem's
     verdict is ``loss_only``: the loss was non-finite but no gradient, parameter, optimizer-state or buffer value
     was (a batch with no valid target), so the model is intact and training can go on.
+
+    ``guard`` and ``batches`` are the recorder's (``Recorder(guard=True, batches="memory")``): a step with a
+    non-finite gradient is skipped and leaves an incident under ``run_dir/incidents``, training goes on, and a
+    non-finite loss is the guard's to judge. When the guard stops the run, the post-mortem examines its incident,
+    and ``on_nan`` says what follows (``"continue"`` ends training too: the recorder has stopped).
     """
 
     default_step_fn: Callable[..., Any]
@@ -104,7 +110,7 @@ class Watcher:
                  model_kwargs: dict[str, Any] | None = None, step_fn: Callable[..., Any] | None = None,
                  checkpoint_every: int = 50, keep_checkpoints: int | None = None, postmortem_on_nan: bool = True,
                  on_nan: str = "fail", on_loss_only: str = "continue", report_dir: str | Path | None = None,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, guard: bool | GuardPolicy = False, batches: str | None = None) -> None:
         for name, value in (("on_nan", on_nan), ("on_loss_only", on_loss_only)):
             if value not in ON_NAN:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, ON_NAN))}, not {value!r}")
@@ -116,6 +122,7 @@ class Watcher:
         self.step_fn = step_fn or type(self).default_step_fn
         self.checkpoint_every, self.keep_checkpoints, self.overwrite = checkpoint_every, keep_checkpoints, overwrite
         self.postmortem_on_nan, self.on_nan, self.on_loss_only = postmortem_on_nan, on_nan, on_loss_only
+        self.guard, self.batches = guard, batches
         self.recorder: Recorder | None = None
         self.report: PostmortemReport | None = None
         self.steps_recorded = 0
@@ -126,15 +133,20 @@ class Watcher:
         self.recorder = Recorder(self.run_dir, model, unwrapped(optimizer), model_factory=model_factory,
                                  model_kwargs=model_kwargs, step_fn=self.step_fn,
                                  checkpoint_every=self.checkpoint_every, keep_checkpoints=self.keep_checkpoints,
-                                 overwrite=self.overwrite)
+                                 overwrite=self.overwrite, guard=self.guard, batches=self.batches)
 
     def record_step(self, batch: Any, loss: torch.Tensor | float) -> bool:
         """Record one optimizer step; True when its loss is non-finite and the loop should stop. With
         ``on_nan="fail"`` it raises ``NonFiniteLoss`` instead, once the reports are written."""
         if self.recorder is None:
             return False
-        self.recorder.log(self.steps_recorded, batch, loss)
+        try:
+            self.recorder.log(self.steps_recorded, batch, loss)
+        except GuardStop as stop:
+            return self._guard_stopped(stop)
         self.steps_recorded += 1
+        if self.recorder.guard is not None:
+            return False  # a skipped step's loss is its incident's; the guard watches the state
         value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
         if math.isfinite(value) or self._diagnosed:
             return False
@@ -156,18 +168,30 @@ class Watcher:
             raise NonFiniteLoss(f"the loss is {value} at step {step}: {found}", self.report, self.report_dir)
         return action == "stop"
 
+    def _guard_stopped(self, stop: GuardStop) -> bool:
+        """The guard stopped the run (its policy, or a state the update made non-finite): the post-mortem of its
+        incident, then ``on_nan``."""
+        self._diagnosed = True
+        log.warning("%s", stop)
+        if self.postmortem_on_nan and stop.incident is not None:
+            self.run_postmortem(stop.incident)
+        if self.on_nan == "fail":
+            found = f"{self.report.headline} (reports in {self.report_dir})" if self.report else "no post-mortem run"
+            raise NonFiniteLoss(f"{stop}: {found}", self.report, self.report_dir) from stop
+        return True
+
     def close_recording(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
 
-    def run_postmortem(self) -> PostmortemReport:
-        """Examine the recording so far (it goes on); the reports land in ``report_dir``."""
+    def run_postmortem(self, directory: Path | None = None) -> PostmortemReport:
+        """Examine the recording so far (it goes on), or a guard's incident; the reports land in ``report_dir``."""
         from ..views.html import render_html
         from ..views.postmortem import render_markdown
 
         if self.recorder is not None:
             self.recorder.flush()
-        self.report = postmortem(self.run_dir)
+        self.report = postmortem(directory or self.run_dir)
         for name, text in (("postmortem.json", to_json(self.report)), ("postmortem.md", render_markdown(self.report)),
                            ("postmortem.html", render_html(self.report))):
             write_output(self.report_dir / name, text, "report_dir", create_dirs=True)  # its own folder, made here

@@ -19,6 +19,7 @@ from ..distributed.record import recording_world
 from .batches import encoded_bytes, snapshot
 from .checkpoint import checkpoint_name, save_checkpoint
 from .files import write_bytes_atomic, write_json_atomic
+from .guard import Guard, GuardPolicy, ring_nbytes
 from .imports import import_string_of
 from .run import MANIFEST, RUN_FORMAT, STEPS, batch_path
 from .steplog import step_line
@@ -34,7 +35,7 @@ class _StepWriter:
     def __init__(self, run_dir: Path, depth: int = 8) -> None:
         self.run_dir = run_dir
         self._steps = open(run_dir / STEPS, "a", encoding="utf-8")
-        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor], dict[str, Any], str] | None] = \
+        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor] | None, dict[str, Any] | None, str] | None] = \
             queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._failed: Path | None = None  # the file a write error struck
@@ -48,8 +49,10 @@ class _StepWriter:
                 if self._error is None:
                     step, tensors, tree, line = item
                     # The batch is on disk before the line that announces it: a reader never meets a step without one.
-                    self._failed = batch_path(self.run_dir, step)
-                    write_bytes_atomic(self._failed, encoded_bytes(step, tensors, tree), durable=False)
+                    # (None: a guard keeps the batches in memory, for its incidents.)
+                    if tensors is not None:
+                        self._failed = batch_path(self.run_dir, step)
+                        write_bytes_atomic(self._failed, encoded_bytes(step, tensors, tree), durable=False)
                     self._failed = self.run_dir / STEPS
                     self._steps.write(line)
                     self._steps.flush()
@@ -63,7 +66,7 @@ class _StepWriter:
         if self._error is not None:
             raise _write_error(self._failed or self.run_dir, self._error) from self._error
 
-    def put(self, step: int, batch: tuple[dict[str, torch.Tensor], dict[str, Any]], line: str) -> None:
+    def put(self, step: int, batch: tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None], line: str) -> None:
         if self._steps.closed:
             raise RuntimeError("Recorder.log called after close()")
         self._raise()
@@ -115,6 +118,11 @@ class Recorder:
     ``DistributedDataParallel`` or ``fully_shard``): each rank records its batch shard and loss, rank 0 the manifest and
     the shared state (nanforensics.distributed).
 
+    ``guard=True`` (or a ``GuardPolicy``) skips a step whose gradients are non-finite before the optimizer writes
+    anything, and writes an incident directory per skip (nanforensics.runs.guard). ``batches`` says where the batches
+    go: ``"disk"`` (every batch, the default without a guard) or ``"memory"`` (the steps since the newest checkpoint,
+    the default with one; only the newest checkpoint is kept).
+
     Each callable may be given as its import string instead (``"pkg.models:build_model"``,
     ``"train.py:train_step"``), when replay should reach it under another name than this process does.
     """
@@ -136,7 +144,16 @@ class Recorder:
         scaler: torch.amp.GradScaler | None = None,
         scheduler: Any = None,
         scheduler_factory: Callable[[torch.optim.Optimizer], Any] | str | None = None,
+        guard: bool | GuardPolicy = False,
+        batches: str | None = None,
     ) -> None:
+        batches = batches or ("memory" if guard else "disk")
+        if batches not in ("disk", "memory"):
+            raise ValueError(f"batches must be 'disk' or 'memory', not {batches!r}")
+        if batches == "memory":
+            if not guard:
+                raise ValueError("batches='memory' keeps the recent batches for a guard's incidents; pass guard=True")
+            keep_checkpoints = 1  # the newest checkpoint and the steps since it are all an incident needs
         if (scheduler is None) != (scheduler_factory is None):
             raise ValueError("pass scheduler= and scheduler_factory= together: replay rebuilds the scheduler with "
                              "scheduler_factory(optimizer), then loads its recorded state")
@@ -189,16 +206,31 @@ class Recorder:
         self._data.mkdir(parents=True, exist_ok=True)
         if self.world is None or self.world.leads:
             write_json_atomic(self.path / MANIFEST, manifest)
+        self.manifest = manifest
+        self.batches = batches
         self._writer = _StepWriter(self._data)
-        self._checkpoint(start_step)
+        self.guard = Guard(self, guard if isinstance(guard, GuardPolicy) else GuardPolicy()) if guard else None
+        if self.guard is not None:
+            self.guard.checkpoint(start_step)
+        else:
+            self._checkpoint(start_step)
 
     def log(self, step: int, batch: Any, loss: float | torch.Tensor) -> None:
         """Call once per step, after the user's step function, with the batch it was given."""
         if step != self._next_step:
             raise ValueError(f"Recorder.log got step {step}, expected {self._next_step}: log every step, in order")
-        value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
-        self._writer.put(step, snapshot(batch), step_line(step, value))  # serialised and written in the background
+        snap = snapshot(batch)
+        if self.guard is not None:  # the loss and the guard's verdicts, read with one host synchronisation
+            value, skipped, state_bad = self.guard.read(step, loss, ring_nbytes(snap))
+        else:
+            value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
+        line = step_line(step, value)
+        on_disk = self.batches == "disk"
+        self._writer.put(step, snap if on_disk else (None, None), line)  # serialised and written in the background
         self._next_step = step + 1
+        if self.guard is not None:
+            self.guard.settle(step, batch, None if on_disk else snap, line, ring_nbytes(snap), skipped, state_bad)
+            return
         if (self._next_step - self.start_step) % self.checkpoint_every == 0:
             self._checkpoint(self._next_step)
 
@@ -229,7 +261,10 @@ class Recorder:
             self._writer.drain()
 
     def close(self) -> None:
-        """Wait for every logged step to reach the disk; re-raises a write error from the background."""
+        """Wait for every logged step to reach the disk; re-raises a write error from the background. A guard says
+        what it skipped (a summary line, and in ``incidents/guard.jsonl``)."""
+        if self.guard is not None:
+            self.guard.close()
         self._writer.close()
 
     def __enter__(self) -> "Recorder":

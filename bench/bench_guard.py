@@ -1,0 +1,170 @@
+"""The cost of ``Recorder(guard=True, batches="memory")`` (issue 24), side by side with a plain step in one run.
+
+    python bench/bench_guard.py [--batch 8] [--rounds 5] [--device cpu|cuda] [--clock wall|cpu] [--threads 2]
+
+Printed, each against a plain training step interleaved round by round (benchlib.py):
+1. the 14M decoder of bench_transformer.py (AdamW) and a 4 x Linear(1024) MLP (Adam): the guarded step (the guard's
+   wrapped ``optimizer.step`` and ``Recorder.log``: the loss read, the batch copied into the ring, its step line
+   written; checkpoints excluded, ``state_check_every=10``), the same with the state checked after every step, and,
+   for the decoder, fused AdamW guarded against fused AdamW plain (the verdict handed to the optimizer on the device);
+2. what a skipped step costs: the guarded step of a bad batch (a fully padded document) with its incident and the
+   checkpoint after it, against the plain step;
+3. the ring's memory against the batch size: bytes per step, and for a ring of ``checkpoint_every`` = 50 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from benchlib import interleaved, paired_ratio, synced, verdict
+from nanforensics import Recorder
+from nanforensics.runs.batches import map_tensors, snapshot
+from nanforensics.runs.guard import GuardPolicy, ring_nbytes
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import scenarios  # noqa: E402 - the test scenarios, outside the installed package
+
+DECODER = {"vocab": 8192, "seq_len": 128, "d_model": 384, "n_head": 6, "n_layer": 6}
+
+
+def token_batch(step: int, size: int, device: torch.device, defect: str | None = None) -> dict[str, Any]:
+    b = scenarios.make_token_batch(step, 0, defect, batch_size=size, seq_len=DECODER["seq_len"], vocab=DECODER["vocab"])
+    return map_tensors(b, lambda t: t.to(device))
+
+
+def build_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.ReLU())])
+
+
+def mlp_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = (model(batch["x"]) - batch["y"]).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+class Case:
+    """A model, its step function and batch, built again for each variant (each variant trains its own copy)."""
+
+    def __init__(self, name: str, build: Callable[[], nn.Module], kwargs: dict[str, Any], step_fn: Callable[..., Any],
+                 step_name: str, batch: dict[str, Any], optimizer: Callable[..., torch.optim.Optimizer]) -> None:
+        self.name, self.build, self.kwargs, self.step_fn, self.step_name = name, build, kwargs, step_fn, step_name
+        self.batch, self.optimizer = batch, optimizer
+
+    def plain(self, device: torch.device, **opt: Any) -> Callable[[], None]:
+        model = self.build(**self.kwargs).to(device)
+        optimizer = self.optimizer(model.parameters(), **opt)
+        return lambda: self.step_fn(model, optimizer, self.batch).item()  # a loop reads its loss: so does each variant
+
+    def guarded(self, device: torch.device, folder: Path, policy: GuardPolicy, **opt: Any) -> tuple[Callable[[], None],
+                                                                                                      Recorder]:
+        model = self.build(**self.kwargs).to(device)
+        optimizer = self.optimizer(model.parameters(), **opt)
+        rec = Recorder(Path(tempfile.mkdtemp(dir=folder)) / "run", model, optimizer,
+                       model_factory=f"bench/bench_guard.py:{self.build.__name__}" if self.name == "mlp" else
+                       "scenarios:build_decoder", model_kwargs=self.kwargs, step_fn=self.step_name,
+                       checkpoint_every=10**9, guard=policy)
+        step = [0]
+
+        def run() -> None:
+            rec.log(step[0], self.batch, self.step_fn(model, optimizer, self.batch))
+            step[0] += 1
+            rec._writer._queue.join()  # the step line's write is the recorder's cost: none left to the next variant
+        return run, rec
+
+
+def overhead(case: Case, device: torch.device, rounds: int, clock: str, folder: Path, fused: bool) -> None:
+    recs = []
+    variants: dict[str, Callable[[], None]] = {"plain": synced(device, case.plain(device))}
+    for label, policy in (("guarded", GuardPolicy()), ("guarded, state every step", GuardPolicy(state_check_every=1))):
+        run, rec = case.guarded(device, folder, policy)
+        variants[label], recs = synced(device, run), recs + [rec]
+    if fused:
+        variants["plain fused"] = synced(device, case.plain(device, fused=True))
+        run, rec = case.guarded(device, folder, GuardPolicy(), fused=True)
+        variants["guarded fused"], recs = synced(device, run), recs + [rec]
+    interleaved(variants, 1)  # warm-up: the optimizer's state, the allocator
+    times = interleaved(variants, rounds, clock=clock)
+    for rec in recs:
+        rec.close()
+    params = sum(p.numel() for p in case.build(**case.kwargs).parameters())
+    print(f"\n{case.name}: {params / 1e6:.1f}M parameters, {device}, {torch.get_num_threads()} threads, "
+          f"{rounds} rounds interleaved, {clock} clock")
+    for name, t in times.items():
+        base = "plain fused" if name == "guarded fused" else "plain"
+        r, q1, q3 = paired_ratio(times, name, base)
+        line = f"  {name:<28}{statistics.median(t):8.4f} s {r:7.3f}x  ({q1:.3f}-{q3:.3f}) vs {base}"
+        if case.name == "decoder" and name in ("guarded", "guarded fused"):
+            line += f"  target <= 1.02: {verdict(r <= 1.02)}"
+        print(line)
+
+
+def skipped_step(device: torch.device, size: int, folder: Path) -> None:
+    """One guarded step whose batch makes the gradients NaN: the skip, its incident and the checkpoint after it."""
+    model = scenarios.build_decoder(**DECODER).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = Recorder(Path(tempfile.mkdtemp(dir=folder)) / "run", model, optimizer, model_factory="scenarios:build_decoder",
+                   model_kwargs=DECODER, step_fn="scenarios:train_step_lm", checkpoint_every=50, guard=True)
+    good, bad = token_batch(0, size, device), token_batch(1, size, device, "fully_padded")
+    rec.log(0, good, scenarios.train_step_lm(model, optimizer, good))
+    start = time.perf_counter()
+    rec.log(1, good, scenarios.train_step_lm(model, optimizer, good))
+    plain = time.perf_counter() - start
+    start = time.perf_counter()
+    rec.log(2, bad, scenarios.train_step_lm(model, optimizer, bad))
+    skipped = time.perf_counter() - start
+    rec.close()
+    assert rec.guard is not None and rec.guard.skipped == [2], rec.guard.skipped if rec.guard else None
+    print(f"\n2. a skipped step on the decoder (batch {size}): {skipped:.3f} s with its incident and checkpoint, "
+          f"{skipped / plain:.2f}x a guarded step that was not skipped ({plain:.3f} s)")
+
+
+def ring_memory(sizes: list[int]) -> None:
+    print("\n3. the ring (host memory): bytes per step, and for checkpoint_every = 50 steps")
+    for size in sizes:
+        per_step = ring_nbytes(snapshot(token_batch(0, size, torch.device("cpu"))))
+        print(f"  decoder batch {size:>4} x {DECODER['seq_len']} tokens: {per_step / 2**10:9.1f} KiB/step, "
+              f"{per_step * 50 / 2**20:8.2f} MiB for 50 steps")
+    for size in (64, 256):
+        per_step = ring_nbytes(snapshot({"x": torch.zeros(size, 1024), "y": torch.zeros(size, 1024)}))
+        print(f"  mlp batch {size:>4} x 1024 floats (x and y): {per_step / 2**10:9.1f} KiB/step, "
+              f"{per_step * 50 / 2**20:8.2f} MiB for 50 steps")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(0)
+    mlp_batch = {"x": torch.randn(64, 1024, generator=g).to(device), "y": torch.randn(64, 1024, generator=g).to(device)}
+    cases = [Case("decoder", scenarios.build_decoder, DECODER, scenarios.train_step_lm, "scenarios:train_step_lm",
+                  token_batch(0, args.batch, device), lambda ps, **o: torch.optim.AdamW(ps, lr=1e-3, **o)),
+             Case("mlp", build_mlp, {}, mlp_step, "bench/bench_guard.py:mlp_step", mlp_batch,
+                  lambda ps, **o: torch.optim.Adam(ps, lr=1e-3, **o))]
+    with tempfile.TemporaryDirectory(prefix="nf-bench-guard-") as tmp:
+        print("1. one training step, guarded against plain")
+        for case in cases:
+            overhead(case, device, args.rounds, args.clock, Path(tmp), fused=case.name == "decoder")
+        skipped_step(device, args.batch, Path(tmp))
+    ring_memory([8, 32, 128, 512])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The guard under torchrun: the known-answer data of ``distributed_job`` (rank 1's shard holds the near-zero reading at
+step DEFECT_STEP: an infinite local gradient on rank 1 only), trained guarded, then again without a recorder and with
+``optimizer.step()`` not called at that step; each rank prints whether its parameters (its shards, under FSDP2) are
+finite and bit-identical in both.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/guard_job.py OUT ddp fsdp2
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from nanforensics import Recorder
+from nanforensics.distributed.tensors import is_dtensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+import distributed_job as job
+import scenarios
+
+
+def train(how: str, run: Path | None) -> list[torch.Tensor]:
+    data = job.Readings(job.STEPS * job.SHARD * job.WORLD, job.defect_index())
+    loader = DataLoader(data, batch_size=job.SHARD, sampler=DistributedSampler(data, shuffle=False))
+    model = job.wrap(scenarios.build_model(), how)
+    optimizer = torch.optim.AdamW(model.parameters())
+    rec = None if run is None else Recorder(run, model, optimizer, model_factory="tests/scenarios.py:build_model",
+                                            step_fn="tests/scenarios.py:train_step", checkpoint_every=job.EVERY,
+                                            overwrite=True, guard=True)
+    real = optimizer.step
+    for step, batch in enumerate(loader):
+        if rec is None and step == job.DEFECT_STEP:
+            optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
+        loss = scenarios.train_step(model, optimizer, batch)
+        optimizer.step = real  # type: ignore[method-assign]
+        if rec is not None:
+            rec.log(step, batch, loss)
+    if rec is not None:
+        rec.close()
+    return [(p.to_local() if is_dtensor(p) else p).detach().clone() for p in model.parameters()]
+
+
+def main() -> None:
+    out, names = Path(sys.argv[1]), sys.argv[2:]
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")
+    dist.init_process_group("gloo")
+    for how in names:
+        guarded = train(how, out / how)
+        plain = train(how, None)
+        result = {"rank": dist.get_rank(), "finite": all(bool(torch.isfinite(p).all()) for p in guarded),
+                  "equal": all(torch.equal(a, b) for a, b in zip(guarded, plain))}
+        print(f"{how}: {json.dumps(result)}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

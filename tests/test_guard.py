@@ -1,0 +1,286 @@
+"""Recorder(guard=True): a step with a non-finite gradient is skipped before the optimizer writes anything, the run goes
+on, and each skip or stop leaves an incident that replays like a fully recorded run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nanforensics import Recorder
+from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, GuardStop
+
+import guard_training as gt
+from conftest import ROOT, TESTS, run_cli
+
+STEPS = 500
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / INCIDENTS / GUARD_LOG).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: a second thread only adds contention on a shared machine (replay pins what was used)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    run = tmp_path_factory.mktemp("guard") / "run"
+    return run, gt.train(run, STEPS, checkpoint_every=50)
+
+
+def test_guarded_run_equals_the_loop_that_did_not_step_at_the_bad_batches(guarded):
+    _, model = guarded
+    reference = gt.train(None, STEPS, skip=tuple(gt.DEFECTS))
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.isfinite(got).all(), name
+        assert torch.equal(got, want), name
+
+
+def test_the_log_lists_exactly_the_skipped_steps_with_their_samples(guarded):
+    run, _ = guarded
+    log = events(run)
+    skips = [e for e in log if e["event"] == "skip"]
+    assert [e["step"] for e in skips] == sorted(gt.DEFECTS)
+    for e in skips:
+        assert e["samples"]["batch['ids']"] == [f"s{e['step']:04d}-{i}" for i in range(gt.BATCH)]
+        assert e["grad"]["value"] in ("nan", "inf", "-inf") and e["grad"]["tensor"]
+        assert e["incident"] == f"incidents/step_{e['step']:08d}"
+    inf_step = next(s for s, d in gt.DEFECTS.items() if d == "inf_input")
+    assert next(e for e in skips if e["step"] == inf_step)["nonfinite_inputs"] == {"batch['x']": [gt.BAD_SAMPLE]}
+    summary = log[-1]
+    assert summary["event"] == "summary" and summary["steps"] == STEPS
+    assert summary["skipped_steps"] == sorted(gt.DEFECTS)
+    # memory mode: no batch on disk, only the newest checkpoint
+    assert not (run / "batches").exists()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{STEPS:08d}"]
+
+
+@pytest.mark.parametrize("step", sorted(gt.DEFECTS))
+def test_each_incident_replays_to_its_step_tensor_and_sample(guarded, tmp_path, step):
+    run, _ = guarded
+    incident = run / INCIDENTS / f"step_{step:08d}"
+    meta = json.loads((incident / "incident.json").read_text())
+    assert meta["kind"] == "skip" and meta["step"] == step and meta["from_checkpoint"] < step  # the ring held the rest
+    out = tmp_path / "report.json"
+    result = run_cli("replay", incident, "--json", out)
+    assert result.code == 1, result.stderr
+    report = json.loads(out.read_text())
+    assert report["responsible_step"] == step
+    origin = {"inf_input": ("batch", "batch['x']", [gt.BAD_SAMPLE, 2, 1]), "overflowing_label": ("loss", "loss", []),
+              "huge_value": ("forward", "block.self_attn", [gt.BAD_SAMPLE, 3, 0])}[gt.DEFECTS[step]]
+    assert (report["origin"]["stage"], report["origin"]["tensor"], report["origin"]["index"]) == origin
+    assert report["samples"]["sample_leaves"] == {"batch['ids']": [f"s{step:04d}-{gt.BAD_SAMPLE}"]}
+
+
+def test_the_update_that_makes_the_nan_stops_the_run_with_an_incident(tmp_path):
+    with pytest.raises(GuardStop) as stop:
+        gt.train_update_nan(tmp_path / "run", 40, checkpoint_every=10, guard=GuardPolicy(state_check_every=5))
+    incident = stop.value.incident
+    assert incident == tmp_path / "run" / INCIDENTS / "step_00000024"  # found at the first check after THAW
+    found = events(tmp_path / "run")[0]
+    assert found["event"] == "state_nonfinite" and found["found"][0]["tensor"] == "head.bias"
+    out = tmp_path / "report.json"
+    assert run_cli("replay", incident, "--json", out).code == 1
+    report = json.loads(out.read_text())
+    assert report["responsible_step"] == gt.THAW
+    assert (report["origin"]["stage"], report["origin"]["tensor"]) == ("param", "head.bias")
+    assert report["operation"]["site"]["phase"] == "optimizer"
+    assert report["operation"]["site"]["op"].startswith("aten::addcdiv")
+
+
+def test_rollback_restores_the_newest_checkpoint_and_training_goes_on(tmp_path):
+    model = gt.train_update_nan(tmp_path / "run", 40, checkpoint_every=10,
+                                guard=GuardPolicy(state_check_every=5, rollback=True))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    log = events(tmp_path / "run")
+    assert [(e["event"], e.get("rolled_back_to")) for e in log] == [("rollback", 20), ("summary", None)]
+    assert log[-1]["rollbacks"] == [24]
+
+
+def test_k_bad_batches_in_a_row_stop_and_a_repeated_sample_is_named(tmp_path):
+    defects = {5: "inf_input", 9: "inf_input", 10: "inf_input", 11: "inf_input"}
+    repeated = gt.make_batch(5, defects)
+
+    def batch(step: int) -> dict:
+        return repeated if step == 9 else gt.make_batch(step, defects)  # step 9 feeds step 5's samples again
+
+    model = gt.build_model()
+    optimizer = gt.make_optimizer(model)
+    rec = Recorder(tmp_path / "run", model, optimizer, model_factory=gt.build_model, step_fn=gt.train_step,
+                   checkpoint_every=4, guard=GuardPolicy(max_consecutive=3))
+    with pytest.raises(GuardStop, match="3 consecutive steps skipped"):
+        for step in range(20):
+            rec.log(step, batch(step), gt.train_step(model, optimizer, batch(step)))
+    assert step == 11
+    log = events(tmp_path / "run")
+    assert [e["step"] for e in log if e["event"] == "skip"] == [5, 9, 10, 11]
+    assert next(e for e in log if e["step"] == 9)["repeats"][0]["step"] == 5
+    assert [e["event"] for e in log[-2:]] == ["stop", "summary"]
+    assert sorted(p.name for p in (tmp_path / "run" / INCIDENTS).iterdir() if p.is_dir()) == \
+        [f"step_{s:08d}" for s in (5, 9, 10, 11)]
+
+
+def test_fraction_of_skipped_steps_stops(tmp_path):
+    defects = {s: "inf_input" for s in (2, 6, 9)}
+    model = gt.build_model()
+    optimizer = gt.make_optimizer(model)
+    rec = Recorder(tmp_path / "run", model, optimizer, model_factory=gt.build_model, step_fn=gt.train_step,
+                   guard=GuardPolicy(max_skip_fraction=0.2, fraction_after=8))
+    with pytest.raises(GuardStop, match="3 of 10 steps skipped, more than max_skip_fraction=0.2"):
+        for step in range(20):
+            b = gt.make_batch(step, defects)
+            rec.log(step, b, gt.train_step(model, optimizer, b))
+    assert step == 9  # judged at each skip from step fraction_after on: 2 of 7 at step 6 is not judged yet
+
+
+def test_fused_adam_skips_on_the_device_and_keeps_its_step_count(tmp_path):
+    defects = {7: "inf_input", 12: "overflowing_label"}
+    model = gt.train(tmp_path / "run", 20, fused=True, defects=defects, checkpoint_every=5)
+    reference = gt.train(None, 20, fused=True, defects=defects, skip=(7, 12))
+    for got, want in zip(model.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(got, want)
+    assert [e["step"] for e in events(tmp_path / "run") if e["event"] == "skip"] == [7, 12]
+
+
+def test_grad_scaler_skips_stay_the_scalers(tmp_path):
+    model = gt.build_model()
+    optimizer = gt.make_optimizer(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    rec = Recorder(tmp_path / "run", model, optimizer, model_factory=gt.build_model, step_fn=gt.train_step,
+                   scaler=scaler, guard=True)
+    for step in range(8):
+        b = gt.make_batch(step, {3: "inf_input"})  # the scaler finds it, skips the step and backs off
+        optimizer.zero_grad(set_to_none=True)
+        loss = (model(b["x"]) - b["y"]).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        rec.log(step, b, loss)
+    rec.close()
+    summary = events(tmp_path / "run")[-1]
+    assert summary["skipped"] == 0 and summary["scaler_skips"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+_POISON = st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.integers(0, 100), poison=st.none() | _POISON, huge=st.booleans(),
+       kind=st.sampled_from(["adamw", "adamw_fused", "sgd", "sgd_fused"]), steps_before=st.integers(0, 2))
+def test_any_nonfinite_gradient_skips_bit_for_bit_and_only_then(tmp_path_factory, which, poison, huge, kind,
+                                                                 steps_before):
+    """The class: a NaN or an infinity anywhere in any gradient leaves every parameter and optimizer-state tensor (the
+    step count included) bit-identical; finite gradients, even ones whose sums overflow (SGD's momentum near float32's
+    largest value: the state check's screen, settled exactly), step as without the guard."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3))
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3))
+    twin.load_state_dict(model.state_dict())
+    fused = kind.endswith("fused") or None
+    opt, twin_opt = ((torch.optim.AdamW(m.parameters(), fused=fused) if kind.startswith("adamw") else
+                      torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9, fused=fused)) for m in (model, twin))
+    scale = 1e38 if huge and kind.startswith("sgd") else 1.0  # Adam's square of such a gradient overflows its state
+    rec = Recorder(tmp_path_factory.mktemp("h") / "run", model, opt, model_factory=gt.build_model,
+                   step_fn=gt.train_step, guard=GuardPolicy(max_consecutive=10, state_check_every=1))
+
+    def grads(m: torch.nn.Module, step: int, last: bool) -> None:
+        g = torch.Generator().manual_seed(step)
+        for p in m.parameters():
+            p.grad = (torch.rand(p.shape, generator=g) * 2 - 1) * scale
+        if last and poison is not None:
+            flat = [p.grad.view(-1) for p in m.parameters()]
+            sizes = [f.numel() for f in flat]
+            i = which % sum(sizes)
+            k = next(j for j in range(len(sizes)) if i < sum(sizes[:j + 1]))
+            flat[k][i - sum(sizes[:k])] = poison
+
+    for step in range(steps_before + 1):
+        last = step == steps_before
+        grads(model, step, last)
+        grads(twin, step, last)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        state_before = {(id(p), k): v.clone() for p, s in opt.state.items() for k, v in s.items()}
+        opt.step()
+        if not (last and poison is not None):
+            twin_opt.step()
+        rec.log(step, {"x": torch.zeros(1)}, 0.0)
+        if last and poison is not None:
+            assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+            after = {(id(p), k): v for p, s in opt.state.items() for k, v in s.items()}
+            assert after.keys() >= state_before.keys()
+            assert all(torch.equal(v, state_before[key]) if key in state_before else not v.any()
+                       for key, v in after.items())  # a fused step's first call creates zero state, as under a scaler
+    rec.close()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    assert events(rec.path)[-1]["skipped_steps"] == ([steps_before] if poison is not None else [])
+
+
+def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
+    """torchrun, 2 gloo ranks, the bad batch on rank 1 only: both ranks skip the step (one collective on a flag),
+    finish with weights bit-identical to the loop that did not step there, and the incident replays to rank 1."""
+    import distributed_job as job
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(TESTS / "guard_job.py"), str(tmp_path), "ddp", "fsdp2"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for how in ("ddp", "fsdp2"):
+        results = [json.loads(line.split(": ", 1)[1]) for line in p.stdout.splitlines() if line.startswith(f"{how}: ")]
+        assert sorted(r["rank"] for r in results) == [0, 1] and all(r["finite"] and r["equal"] for r in results), how
+        skip = events(tmp_path / how)[0]
+        assert (skip["event"], skip["step"]) == ("skip", job.DEFECT_STEP)
+        assert job.BAD_RANK in skip["ranks_nonfinite_grad"] or how == "fsdp2"  # FSDP2: the shard that holds row 3
+        assert f"sample-{job.defect_index():05d}" in skip["per_rank"][job.BAD_RANK]["samples"]["batch['id']"]
+        out = tmp_path / f"{how}.json"
+        result = run_cli("replay", tmp_path / how / INCIDENTS / f"step_{job.DEFECT_STEP:08d}", "--json", out, cwd=ROOT)
+        assert result.code == 1, result.stderr
+        report = json.loads(out.read_text())
+        origin = report["origin"]
+        assert (origin["step"], origin["stage"], origin["tensor"], origin["rank"]) == (
+            job.DEFECT_STEP, "grad", "features.gain", job.BAD_RANK)
+        assert report["samples"]["sample_leaves"] == {"batch['id']": [f"sample-{job.defect_index():05d}"]}
+
+
+def test_disk_mode_keeps_every_batch_and_still_writes_the_incident(tmp_path):
+    defects = {6: "inf_input"}
+    gt.train(tmp_path / "run", 10, defects=defects, checkpoint_every=4, batches="disk")
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "batches").iterdir()) == [f"step_{s:08d}.safetensors" for s in range(10)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000000", "step_00000004",
+                                                                       "step_00000007", "step_00000008"]
+    incident = run / INCIDENTS / "step_00000006"
+    assert sorted(p.name for p in (incident / "batches").iterdir()) == ["step_00000004.safetensors",
+                                                                        "step_00000005.safetensors",
+                                                                        "step_00000006.safetensors"]
+    assert (incident / "batches" / "step_00000005.safetensors").read_bytes() == \
+        (run / "batches" / "step_00000005.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("options, message", [({"batches": "memory"}, "pass guard=True"),
+                                              ({"guard": True, "batches": "tape"}, "'disk' or 'memory'"),
+                                              ({"guard": GuardPolicy(), "batches": None, "checkpoint_every": 0},
+                                               "checkpoint_every")])
+def test_settings_are_checked(tmp_path, options, message):
+    model = gt.build_model()
+    with pytest.raises(ValueError, match=message):
+        Recorder(tmp_path / "run", model, gt.make_optimizer(model), model_factory=gt.build_model,
+                 step_fn=gt.train_step, **options)
+    with pytest.raises(ValueError, match="at least 1"):
+        GuardPolicy(max_consecutive=0)

@@ -17,6 +17,7 @@ import torch
 from ..checkpoints.scan import CLEAN, scan_checkpoint
 from ..distributed.findings import complete
 from ..distributed.findings import findings as rank_findings
+from ..distributed.sessions import open_session
 from ..errors import BadInput
 from ..finite import value_name
 from ..formats.discover import open_checkpoint
@@ -47,7 +48,7 @@ from .amp import AmpLog
 from .amp import findings as amp_findings
 from .monitor import StepMonitor, buffers_total, totals
 from .reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge, losses_match
-from .session import Session, open_session, pinned_threads, resolve_device
+from .session import Session, pinned_threads, resolve_device
 
 ProgressFn = Callable[[int, int, int], None]  # (step, first step, last step)
 PRECURSOR_STEPS = 16  # steps before the event the precursor curves cover at least, where an older checkpoint allows

@@ -51,13 +51,21 @@ def loss_value(loss: Any, where: Path) -> float:
     raise BadInput(where, f"the step function returned {type(loss).__name__}, not a scalar loss")
 
 
-def open_session(run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device) -> "Session":
-    """A session for the run: a distributed run's world emulated on this process, or one rank of it under torchrun."""
-    if run.world is not None:
-        from ..distributed.sessions import distributed_session
+@contextmanager
+def no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing.
 
-        return distributed_session(run, code, checkpoint, device)
-    return Session(run, code, checkpoint, device)
+    An LR scheduler may already have put its own wrapper there; it is put back as it was.
+    """
+    own = vars(optimizer).get("step")
+    optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own  # type: ignore[method-assign]
 
 
 class Session:

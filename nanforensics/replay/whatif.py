@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import finite
+from ..distributed.sessions import open_session
 from ..errors import BadInput
 from ..report import Event, WhatIfResult
 from ..rootcause.findings import describe
@@ -24,7 +25,7 @@ from ..runs.checkpoint import optimizer_params
 from ..runs.source import StartPoint, StepCode, StepSource
 from ..words import count, numbered
 from .monitor import StepMonitor
-from .session import Session, open_session
+from .session import Session
 
 USAGE = "clip=MAX_NORM, skip, skip-after-moments, reset-state, lr=VALUE, drop-samples=I,J or drop-batch"
 

@@ -24,15 +24,14 @@ given as (micro-batch, position in it).
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from ..errors import BadInput
 from ..replay.monitor import StepMonitor
-from ..replay.session import Session
+from ..replay.session import Session, no_optimizer_step
 from ..report import SampleAttribution
 from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
 from ..words import sample_positions
@@ -94,23 +93,6 @@ def _select(batch: Any, indices: list[int], size: int) -> Any:
     return batch
 
 
-@contextmanager
-def _no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing.
-
-    An LR scheduler may already have put its own wrapper there; it is put back as it was.
-    """
-    own = vars(optimizer).get("step")
-    optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if own is None:
-            del optimizer.step
-        else:
-            optimizer.step = own  # type: ignore[method-assign]
-
-
 class _Tester:
     def __init__(self, session: Session, batch: Any, size: int) -> None:
         self.session, self.batch, self.size = session, batch, size
@@ -124,7 +106,7 @@ class _Tester:
         s = self.session
         s.restore(self.snapshot)
         subset = select(self.batch, indices, self.size)
-        with StepMonitor(s.model, s.optimizer) as monitor, _no_optimizer_step(s.optimizer):
+        with StepMonitor(s.model, s.optimizer) as monitor, no_optimizer_step(s.optimizer):
             monitor.begin(s.step, subset, locate=False)
             try:
                 loss = s.call_step(subset)

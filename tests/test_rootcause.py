@@ -16,6 +16,7 @@ from nanforensics.replay.session import Session, pinned_threads
 from nanforensics.report import Event, OperationCulprit, ReplayReport
 from nanforensics.rootcause.findings import operation_sentence
 from nanforensics.rootcause.operations import trace_step
+from nanforensics.rootcause.samples import attribute_samples
 from nanforensics.runs.run import Run, UserCode
 
 import scenarios
@@ -379,3 +380,23 @@ def test_gpt2_exp_overflow_is_the_root_of_the_nan_downstream(gpt2_reports):
     assert "from finite inputs" in sentence.split("NaN arose")[0]
     assert "NaN arose downstream of it, at forward aten::div.Tensor outside any module" in sentence
     assert "from inputs holding inf (" in sentence.split("NaN arose")[1] and "as a constant" not in sentence
+
+
+@pytest.mark.parametrize("name", ["adam_near_zero", "masked_log_zero", "fp16_activation_overflow", "nan_in_data",
+                                  "batchnorm_near_zero", "decoder_fully_padded"])
+def test_samples_read_off_the_coordinates_are_those_halving_names(reports, runs, name):
+    """The replay starts group testing from the sample the origin's (or its operation's) coordinates point at: the
+    same samples as probing and halving alone, in three passes where one sample fails alone."""
+    r = reports[name]
+    run = Run(runs[name])
+    with pinned_threads(run.num_threads):
+        session = Session(run, UserCode.load(run), [c for c in run.checkpoints() if c.step <= r.origin.step][-1],
+                          torch.device("cpu"))
+        session.advance_to(r.origin.step)
+        plain = attribute_samples(session)
+    assert (r.samples.status, r.samples.samples, r.samples.coupled_groups) == (
+        plain.status, plain.samples, plain.coupled_groups)
+    if r.samples.status == "attributed" and len(r.samples.samples) == 1:
+        assert r.samples.passes == 3 < plain.passes
+    else:
+        assert r.samples.passes <= plain.passes + 2

@@ -38,7 +38,7 @@ from ..rootcause.data import check_batches
 from ..rootcause.findings import findings
 from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe
-from ..rootcause.samples import attribute_samples, batch_size
+from ..rootcause.samples import attribute_samples, batch_size, sample_hint
 from ..runs.batches import data_leaves
 from ..runs.run import Run, UserCode
 from ..runs.source import StartPoint, StepCode, StepSource
@@ -231,16 +231,19 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
 
 
 def _explain(session: Session, origin: Event) -> tuple[OperationCulprit | None, SampleAttribution | None]:
-    """Root cause inside the responsible step: which samples (group testing), then which operation made the
-    origin's value; in a distributed run, inside the shard of the origin's rank (None on a rank that leaves the
-    explaining to another)."""
+    """Root cause inside the responsible step: which operation made the origin's value, then which samples (group
+    testing, starting from the sample the origin's or that operation's coordinates point at); in a distributed run,
+    inside the shard of the origin's rank (None on a rank that leaves the explaining to another)."""
     with session.focused(origin.rank) as focused:
         if focused is None:
             return None, None
         focused.reset()
         focused.advance_to(origin.step)
-        samples = attribute_samples(focused)
+        before = focused.snapshot()  # the traced pass steps the optimizer
         operation = trace_step(focused.model, focused.optimizer, lambda: focused.traced_pass(origin), origin)
+        focused.restore(before)
+        # the operation's output may say which sample it is: then group testing starts from it
+        samples = attribute_samples(focused, sample_hint(focused.batch(origin.step), origin, operation))
     return operation, samples
 
 

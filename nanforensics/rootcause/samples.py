@@ -15,6 +15,10 @@ and for larger ones wrong with a chance below 2**-PROBES when at most half fail.
 names the samples, and a batch whose named samples are more than half of it is batch-wide as well;
 exactly half is not.
 
+Before any of that, the sample the failure's own coordinates point at (the origin's first coordinate, or that of
+the operation the trace found, when the tensor's first dimension is the batch's) is tried alone and the rest of
+the batch without it: when only it fails, three passes in all (the whole batch, the sample, the rest) name it.
+
 A step function can opt out (its batch is not split along dimension 0) by setting
 ``train_step.nanforensics_splittable = False``. In an optimizer step recorded as several micro-batches
 (gradient accumulation), positions count across the micro-batches in order, and each sample found is also
@@ -32,7 +36,7 @@ import torch
 from ..errors import BadInput
 from ..replay.monitor import StepMonitor
 from ..replay.session import Session, no_optimizer_step
-from ..report import SampleAttribution
+from ..report import Event, OperationCulprit, SampleAttribution
 from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
 from ..words import sample_positions
 
@@ -96,7 +100,7 @@ def _select(batch: Any, indices: list[int], size: int) -> Any:
 class _Tester:
     def __init__(self, session: Session, batch: Any, size: int) -> None:
         self.session, self.batch, self.size = session, batch, size
-        self.snapshot = session.snapshot()
+        self.snapshot = session.snapshot(stepping=False)  # every pass runs under no_optimizer_step
         self.passes = 0
         self.errors: list[str] = []
 
@@ -153,8 +157,12 @@ class Split:
     named: bool                # every failing sample was named by halving (not only probed)
 
 
-def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PROBES) -> Split:
-    """Probe single samples, then halve: see the module's docstring. ``fails`` is asked each subset once."""
+def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PROBES, hint: int | None = None) -> Split:
+    """Probe single samples, then halve: see the module's docstring. ``fails`` is asked each subset once.
+
+    ``hint``: the sample the failure's own coordinates point at. When it fails alone and the rest of the batch does
+    not fail, it is the only sample that fails alone (a set holding one that does fails too): two passes, not
+    probing and halving; otherwise those go on as without it."""
     known: dict[tuple[int, ...], bool] = {}
 
     def once(indices: list[int]) -> bool:
@@ -163,6 +171,8 @@ def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PRO
             known[key] = fails(indices)
         return known[key]
 
+    if hint is not None and 0 <= hint < size and once([hint]) and not once([i for i in range(size) if i != hint]):
+        return Split("attributed", [hint], [], [hint], named=True)
     tried = probe_order(size, probes)
     failing: list[int] = []
     for i in tried:
@@ -175,6 +185,23 @@ def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PRO
     if 2 * len(bad) > size:
         return Split("batch_wide", bad, [], tried, named=True)
     return Split("coupled" if coupled else "attributed", bad, coupled, tried, named=True)
+
+
+def sample_hint(batch: Any, origin: Event, culprit: OperationCulprit | None) -> int | None:
+    """The batch position the failure's coordinates point at: the first coordinate of the origin when it is a batch
+    tensor or an activation, else of the culprit operation's non-finite output in the forward or backward pass, when
+    it is below the batch size. A guess that the first dimension is the batch's: ``split_batch`` confirms it. None
+    for a step of several micro-batches, whose positions the coordinate does not say."""
+    size = batch_size(batch)
+    if size is None or micro_batches(batch) is not None:
+        return None
+    if origin.stage in ("batch", "forward") and origin.index:
+        index = origin.index
+    elif culprit is not None and culprit.site.phase in ("forward", "backward") and culprit.output_index:
+        index = culprit.output_index
+    else:
+        return None
+    return index[0] if index[0] < size else None
 
 
 def _listed(samples: list[int]) -> str:
@@ -193,8 +220,9 @@ def batch_wide_message(split: Split, size: int) -> str:
     return f"{found}: the failure is not in particular samples"
 
 
-def attribute_samples(session: Session) -> SampleAttribution:
-    """Group-test the batch of ``session.step``; the session's state is restored afterwards."""
+def attribute_samples(session: Session, hint: int | None = None) -> SampleAttribution:
+    """Group-test the batch of ``session.step`` (``hint``: see ``split_batch``); the session's state is restored
+    afterwards."""
     step_fn = session.code.step_fn
     batch = session.batch(session.step)
     logged = session.logged_batch(session.step)
@@ -211,7 +239,7 @@ def attribute_samples(session: Session) -> SampleAttribution:
             return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
                                      "forward and backward on the whole batch stay finite: the failure needs the "
                                      "optimizer update, not a sample")
-        found = split_batch(size, tester.fails)
+        found = split_batch(size, tester.fails, hint=hint)
     finally:
         session.restore(tester.snapshot)
     passes = f"{tester.passes} forward/backward passes"

@@ -400,3 +400,14 @@ def test_samples_read_off_the_coordinates_are_those_halving_names(reports, runs,
         assert r.samples.passes == 3 < plain.passes
     else:
         assert r.samples.passes <= plain.passes + 2
+
+
+def test_rewinding_from_memory_finds_what_rewinding_from_a_checkpoint_finds(reports, runs):
+    """From checkpoint 0 the flagged step re-runs from the state kept before it, the precursors taken on the way;
+    from checkpoint 10 (seven steps before it, too few for the curves) the replay rewinds to checkpoint 0. Same
+    origin, operation, samples and curves."""
+    old = reports["adam_near_zero"]
+    new = replay_run(runs["adam_near_zero"], ReplayOptions(device="cpu", from_step=0))
+    assert (new.setup.first_step, old.setup.first_step) == (0, 10)
+    assert (new.origin, new.operation, new.samples) == (old.origin, old.operation, old.samples)
+    assert repr(new.precursors) == repr(old.precursors)  # NaN != NaN: compared as written

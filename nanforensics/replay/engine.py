@@ -153,12 +153,19 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         spread: list[StepRecord] = []
         precursors: list[Precursor] = []
         located_from: int | None = None
+        # The state before the step about to run, and before the first loss-only step, kept in memory: a flagged
+        # step re-runs from there in locate mode, and root cause starts from there, instead of replaying from the
+        # checkpoint again. The precursor probe rides along from the start for the same reason.
+        kept: dict[int, dict] = {}
         hooks = ExitStack()
         monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
-        probe: PrecursorProbe | None = None
+        probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
         try:
             while r.step <= last:
                 step = r.step
+                if located_from is None:
+                    kept = {s: v for s, v in kept.items() if s in loss_only[:1]}
+                    kept[step] = r.snapshot()
                 # a step whose overflow the scaler caught returns no events: they are kept aside in amp
                 loss, step_events = amp.run_step(r, monitor, located_from is not None)
                 # a recorded checkpoint passed: the state bit for bit, until one differs (the later ones would too)
@@ -171,21 +178,27 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     loss_events.setdefault(step, replace(
                         next(e for e in step_events if e.stage == "loss"), value=value_name(loss)))
                     step_events = []
-                if probe is not None:
-                    precursors.append(probe.take(step))
+                precursors.append(probe.take(step))
                 if step_events and located_from is None:
                     # Detect mode flagged this step: rewind and re-run it in locate mode, so the values
-                    # are read before anything later in the step changes them. The steps up to it are
-                    # re-run with the precursor probe, which detection is too cheap to carry.
-                    hooks.close()
-                    r = open_session(run, code, _precursor_start(run, checkpoint, step), device)
-                    with PrecursorProbe(r.model, r.optimizer) as warmup:
-                        while r.step < step:
-                            r.run_step()
-                            precursors.append(warmup.take(r.step - 1))
-                    hooks = ExitStack()
-                    monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
-                    probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
+                    # are read before anything later in the step changes them: from the state kept before it,
+                    # or, where the precursors should start at an older checkpoint, from there with the probe.
+                    precursors.pop()  # taken again in locate mode
+                    start = _precursor_start(run, checkpoint, step)
+                    if start.step == checkpoint.step:
+                        r.restore(kept[step])
+                    else:
+                        hooks.close()
+                        kept.clear()
+                        precursors.clear()
+                        r = open_session(run, code, start, device)
+                        with PrecursorProbe(r.model, r.optimizer) as warmup:
+                            while r.step < step:
+                                r.run_step()
+                                precursors.append(warmup.take(r.step - 1))
+                        hooks = ExitStack()
+                        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
+                        probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
                     located_from = step
                     continue
                 if progress:
@@ -208,12 +221,15 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
+        if located_from is None:
+            precursors = []  # no origin: nothing the curves lead up to
         if run.last_step is None:
             data_defects = check_batches(run, [s.step for s in spread], opts.data_max_abs)
         # Without an origin, a loss-only step is still worth explaining: which op made the loss non-finite, from
         # which samples (a batch with no valid target, typically).
         explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
-        operation, samples = _explain(r, explained) if explained is not None and opts.explain else (None, None)
+        operation, samples = _explain(r, explained, kept.get(explained.step)) if explained is not None and opts.explain \
+            else (None, None)
         what_if = whatif.what_if_replays(run, code, checkpoint, device, events[0].step, opts.what_if,
                                          opts.what_if_steps, events[0].rank) if events and opts.what_if else []
 
@@ -230,18 +246,23 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     return report
 
 
-def _explain(session: Session, origin: Event) -> tuple[OperationCulprit | None, SampleAttribution | None]:
+def _explain(session: Session, origin: Event, before: dict | None = None) -> tuple[OperationCulprit | None,
+                                                                                  SampleAttribution | None]:
     """Root cause inside the responsible step: which operation made the origin's value, then which samples (group
     testing, starting from the sample the origin's or that operation's coordinates point at); in a distributed run,
-    inside the shard of the origin's rank (None on a rank that leaves the explaining to another)."""
+    inside the shard of the origin's rank (None on a rank that leaves the explaining to another). ``before``: the
+    session's state before the origin's step, where the replay kept it."""
     with session.focused(origin.rank) as focused:
         if focused is None:
             return None, None
-        focused.reset()
-        focused.advance_to(origin.step)
-        before = focused.snapshot()  # the traced pass steps the optimizer
+        if before is not None and focused is session:
+            focused.restore(before)
+        else:
+            focused.reset()
+            focused.advance_to(origin.step)
+            before = focused.snapshot()
         operation = trace_step(focused.model, focused.optimizer, lambda: focused.traced_pass(origin), origin)
-        focused.restore(before)
+        focused.restore(before)  # the traced pass stepped the optimizer
         # the operation's output may say which sample it is: then group testing starts from it
         samples = attribute_samples(focused, sample_hint(focused.batch(origin.step), origin, operation))
     return operation, samples

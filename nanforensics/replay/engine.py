@@ -69,6 +69,7 @@ class ReplayOptions:
     data_max_abs: float = DEFAULT_MAX_ABS  # batch values beyond this magnitude are reported as data defects
     what_if: Sequence[whatif.Intervention] = ()  # each a replay from the checkpoint changing the responsible step
     what_if_steps: int = 5  # steps after the responsible one a what-if must stay finite for
+    state_proof: bool = True  # detect mode skips optimizer state proven finite (replay/proof.py); False reads it all
 
 
 def _start_checkpoint(run: StepSource, target: int | None) -> StartPoint:
@@ -158,7 +159,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         # checkpoint again. The precursor probe rides along from the start for the same reason.
         kept: dict[int, dict] = {}
         hooks = ExitStack()
-        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
+        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.state_proof))
         probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
         try:
             while r.step <= last:
@@ -197,7 +198,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                                 r.run_step()
                                 precursors.append(warmup.take(r.step - 1))
                         hooks = ExitStack()
-                        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
+                        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.state_proof))
                         probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
                     located_from = step
                     continue

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from nanforensics import Recorder
 from nanforensics.rootcause.samples import PROBES, select, split_batch
 
@@ -146,6 +148,28 @@ def test_batch_wide_exactly_when_more_than_half_fail_alone(size):
             assert len(asked) == len({tuple(a) for a in asked})  # no subset asked twice
             if k == size:
                 assert len(asked) == size // 2 + 1  # all fail: decided on one more than half, not every sample
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 64).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1), min_size=1),
+                                                      st.integers(0, n - 1), st.booleans())))
+def test_a_hint_changes_the_passes_never_the_answer(case):
+    """Whatever the hint, right or wrong, halving's answer stands; a right hint for the one failing sample costs two
+    passes. ``coupled``: the samples fail only all together (BatchNorm), not each alone."""
+    size, bad, hint, coupled = case
+
+    def fails(indices: list[int]) -> bool:
+        asked.append(indices)
+        return bad <= set(indices) if coupled else any(i in bad for i in indices)
+
+    asked: list[list[int]] = []
+    plain = split_batch(size, fails)
+    asked = []
+    hinted = split_batch(size, fails, hint=hint)
+    assert (hinted.status, hinted.samples, hinted.coupled) == (plain.status, plain.samples, plain.coupled)
+    assert len(asked) == len({tuple(a) for a in asked})  # no subset asked twice
+    if bad == {hint}:
+        assert len(asked) == 2
 
 
 # ---- 4. sample ids anywhere in the batch -------------------------------------------------------------------

@@ -16,6 +16,7 @@ from nanforensics.replay.session import Session, pinned_threads
 from nanforensics.report import Event, OperationCulprit, ReplayReport
 from nanforensics.rootcause.findings import operation_sentence
 from nanforensics.rootcause.operations import trace_step
+from nanforensics.rootcause.samples import attribute_samples
 from nanforensics.runs.run import Run, UserCode
 
 import scenarios
@@ -379,3 +380,34 @@ def test_gpt2_exp_overflow_is_the_root_of_the_nan_downstream(gpt2_reports):
     assert "from finite inputs" in sentence.split("NaN arose")[0]
     assert "NaN arose downstream of it, at forward aten::div.Tensor outside any module" in sentence
     assert "from inputs holding inf (" in sentence.split("NaN arose")[1] and "as a constant" not in sentence
+
+
+@pytest.mark.parametrize("name", ["adam_near_zero", "masked_log_zero", "fp16_activation_overflow", "nan_in_data",
+                                  "batchnorm_near_zero", "decoder_fully_padded"])
+def test_samples_read_off_the_coordinates_are_those_halving_names(reports, runs, name):
+    """The replay starts group testing from the sample the origin's (or its operation's) coordinates point at: the
+    same samples as probing and halving alone, in three passes where one sample fails alone."""
+    r = reports[name]
+    run = Run(runs[name])
+    with pinned_threads(run.num_threads):
+        session = Session(run, UserCode.load(run), [c for c in run.checkpoints() if c.step <= r.origin.step][-1],
+                          torch.device("cpu"))
+        session.advance_to(r.origin.step)
+        plain = attribute_samples(session)
+    assert (r.samples.status, r.samples.samples, r.samples.coupled_groups) == (
+        plain.status, plain.samples, plain.coupled_groups)
+    if r.samples.status == "attributed" and len(r.samples.samples) == 1:
+        assert r.samples.passes == 3 < plain.passes
+    else:
+        assert r.samples.passes <= plain.passes + 2
+
+
+def test_rewinding_from_memory_finds_what_rewinding_from_a_checkpoint_finds(reports, runs):
+    """From checkpoint 0 the flagged step re-runs from the state kept before it, the precursors taken on the way;
+    from checkpoint 10 (seven steps before it, too few for the curves) the replay rewinds to checkpoint 0. Same
+    origin, operation, samples and curves."""
+    old = reports["adam_near_zero"]
+    new = replay_run(runs["adam_near_zero"], ReplayOptions(device="cpu", from_step=0))
+    assert (new.setup.first_step, old.setup.first_step) == (0, 10)
+    assert (new.origin, new.operation, new.samples) == (old.origin, old.operation, old.samples)
+    assert repr(new.precursors) == repr(old.precursors)  # NaN != NaN: compared as written

@@ -39,9 +39,9 @@ import torch
 
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo, torch_file
 from ..formats.source import Release, lightning_parts
+from ..inputs import TensorFile
 from ..report import Event, Unsound
 from ..runs.checkpoint import EXTRAS_FILE, Checkpoint, param_names, state_from_json
-from ..runs.files import TensorFile
 from ..words import count
 
 CHUNK = 1 << 21  # elements per chunk of a pair check (8 MB of float32 per tensor)

@@ -8,8 +8,8 @@ state) before the rename. Either way ``meta.json`` carries every rank's RNG stat
 and a job killed mid-write leaves the previous checkpoint as it was.
 
 Reading never goes through ``torch.distributed.checkpoint``'s own loader, which unpickles ``.metadata``: the shards are
-assembled whole by ``formats.dcp`` (a restricted unpickler, weights-only chunks), and each rank of a replay at world size
-takes its own part of them (``tensors.shard_like``).
+assembled whole by ``formats.dcp`` (a restricted unpickler, weights-only chunks) where ``runs.checkpoint`` reads a
+checkpoint, and each rank of a replay at world size takes its own part of them (``tensors.shard_like``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from __future__ import annotations
 import base64
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from ..errors import BadInput
-from ..formats.dcp import Layout, assemble
 from ..runs.checkpoint import TensorWriter, optimizer_state, restore_rng, rng_state
 
 
@@ -80,18 +79,3 @@ def shard_writer(step: int, group: Any, announce: Any) -> TensorWriter:
         announce(build)
         save_shards(build, model_sd, tensors, step, group)
     return write
-
-
-_PARTS = {"model": 2, "optim": 4}  # path length of a model tensor ("model", fqn) and a state tensor ("optim", ...)
-
-
-def read_sharded(metadata: Path, part: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's state dict (``part`` "model") or the optimizer's state tensors keyed ``"<name>/<key>"``
-    ("optim"), each tensor whole, one at a time."""
-    layout = Layout(metadata)
-    for t in layout.tensors:
-        path = tuple(map(str, t.path))
-        if not ((len(path) == 2 and path[0] == "model") or (len(path) == 4 and path[:2] == ("optim", "state"))):
-            raise BadInput(metadata, f"entry {t.fqn!r} is neither model nor optimizer state of a nanforensics checkpoint")
-        if path[0] == part and len(path) == _PARTS[part]:
-            yield (path[1] if part == "model" else f"{path[2]}/{path[3]}"), assemble(t)

@@ -26,17 +26,25 @@ import torch.distributed as dist
 
 from ..errors import BadInput
 from ..replay.monitor import StepMonitor
-from ..replay.session import Session, loss_value
+from ..replay.session import Session, loss_value, no_optimizer_step
 from ..report import Event
-from ..rootcause.samples import _no_optimizer_step
 from ..runs.batches import map_tensors
 from ..runs.checkpoint import Checkpoint, optimizer_params, rng_state
 from ..runs.run import Rebuilt, Run, UserCode
+from ..runs.source import StartPoint, StepCode, StepSource
 from .checkpoint import restore_rank_rng
 from .events import merge, rows, tag
 from .layout import DDP, SHARED_STAGES, World, mean_loss
 from .world import mismatch, object_group
 from .wrapping import emulated, mixed_precision, shard_fsdp2, wrap_ddp
+
+
+def open_session(run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device) -> Session:
+    """A session for the run: a plain one, or for a distributed run its world emulated on this process or one rank of it
+    under torchrun. Every replay opens its sessions here, the one place that knows each kind."""
+    if run.world is not None:
+        return distributed_session(run, code, checkpoint, device)
+    return Session(run, code, checkpoint, device)
 
 
 def distributed_session(run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> Session:
@@ -97,8 +105,8 @@ class EmulatedSession(Session):
         finally:
             self.focus = before
 
-    def snapshot(self) -> dict[str, Any]:
-        return {**super().snapshot(), "rank_rng": list(self.rank_rng)}
+    def snapshot(self, stepping: bool = True) -> dict[str, Any]:
+        return {**super().snapshot(stepping), "rank_rng": list(self.rank_rng)}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         super().restore(snapshot)
@@ -130,7 +138,7 @@ class EmulatedSession(Session):
             shard = batch if batch is not None and rank == self.focus else self.shard_of(step, rank)
             if monitor:
                 monitor.begin(step, shard, locate)
-            with _Averaging(self, rank, local, last), (nullcontext() if last else _no_optimizer_step(self.optimizer)):
+            with _Averaging(self, rank, local, last), (nullcontext() if last else no_optimizer_step(self.optimizer)):
                 loss = self.call_step(shard)
             losses[rank] = loss_value(loss, self.run.code_file)
             self.rank_rng[rank] = rng_state()

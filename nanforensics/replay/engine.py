@@ -18,6 +18,7 @@ from ..checkpoints.scan import CLEAN, scan_checkpoint
 from ..checkpoints.soundness import resume_findings, start_soundness
 from ..distributed.findings import complete
 from ..distributed.findings import findings as rank_findings
+from ..distributed.sessions import open_session
 from ..errors import BadInput
 from ..finite import value_name
 from ..formats.discover import open_checkpoint
@@ -39,7 +40,7 @@ from ..rootcause.data import check_batches
 from ..rootcause.findings import findings, narrate
 from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe
-from ..rootcause.samples import attribute_samples, batch_size
+from ..rootcause.samples import attribute_samples, batch_size, sample_hint
 from ..runs.batches import data_leaves
 from ..runs.run import Run, UserCode
 from ..runs.source import StartPoint, StepCode, StepSource
@@ -49,7 +50,7 @@ from .amp import AmpLog
 from .amp import findings as amp_findings
 from .monitor import StepMonitor, buffers_total, totals
 from .reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge, losses_match
-from .session import Session, open_session, pinned_threads, resolve_device
+from .session import Session, pinned_threads, resolve_device
 
 PRECURSOR_STEPS = 16  # steps before the event the precursor curves cover at least, where an older checkpoint allows
 
@@ -70,6 +71,7 @@ class ReplayOptions:
     data_max_abs: float = DEFAULT_MAX_ABS  # batch values beyond this magnitude are reported as data defects
     what_if: Sequence[whatif.Intervention] = ()  # each a replay from the checkpoint changing the responsible step
     what_if_steps: int = 5  # steps after the responsible one a what-if must stay finite for
+    state_proof: bool = True  # detect mode skips optimizer state proven finite (replay/proof.py); False reads it all
 
 
 def _start_checkpoint(run: StepSource, target: int | None, progress: Progress = SILENT) -> StartPoint:
@@ -167,14 +169,21 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         spread: list[StepRecord] = []
         precursors: list[Precursor] = []
         located_from: int | None = None
+        # The state before the step about to run, and before the first loss-only step, kept in memory: a flagged
+        # step re-runs from there in locate mode, and root cause starts from there, instead of replaying from the
+        # checkpoint again. The precursor probe rides along from the start for the same reason.
+        kept: dict[int, dict] = {}
         hooks = ExitStack()
-        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
-        probe: PrecursorProbe | None = None
+        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.state_proof))
+        probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
         progress.phase(f"replaying steps {checkpoint.step}-{stop}", stop - checkpoint.step + 1)
         first = checkpoint.step  # of the phase under way, for its count
         try:
             while r.step <= last:
                 step = r.step
+                if located_from is None:
+                    kept = {s: v for s, v in kept.items() if s in loss_only[:1]}
+                    kept[step] = r.snapshot()
                 # a step whose overflow the scaler caught returns no events: they are kept aside in amp
                 loss, step_events = amp.run_step(r, monitor, located_from is not None)
                 # a recorded checkpoint passed: the state bit for bit, until one differs (the later ones would too)
@@ -187,32 +196,36 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     loss_events.setdefault(step, replace(
                         next(e for e in step_events if e.stage == "loss"), value=value_name(loss)))
                     step_events = []
-                if probe is not None:
-                    precursors.append(probe.take(step))
+                precursors.append(probe.take(step))
                 if step_events and located_from is None:
                     # Detect mode flagged this step: rewind and re-run it in locate mode, so the values
-                    # are read before anything later in the step changes them. The steps up to it are
-                    # re-run with the precursor probe, which detection is too cheap to carry.
-                    hooks.close()
-                    # an older checkpoint does not lead to an unsound start's state (it was not made by the steps)
-                    r = open_session(run, code, checkpoint if unsound else _precursor_start(run, checkpoint, step),
-                                     device)
-                    if r.step < step:
+                    # are read before anything later in the step changes them: from the state kept before it,
+                    # or, where the precursors should start at an older checkpoint, from there with the probe (an
+                    # older checkpoint does not lead to an unsound start's state: it was not made by the steps).
+                    precursors.pop()  # taken again in locate mode
+                    start = checkpoint if unsound else _precursor_start(run, checkpoint, step)
+                    if start.step == checkpoint.step:
+                        r.restore(kept[step])
+                    else:
+                        hooks.close()
+                        kept.clear()
+                        precursors.clear()
+                        r = open_session(run, code, start, device)
                         progress.phase(f"locating: re-running steps {r.step}-{step - 1} with precursor probes",
                                        step - r.step)
-                    with PrecursorProbe(r.model, r.optimizer) as warmup:
-                        first = r.step
-                        while r.step < step:
-                            r.run_step()
-                            precursors.append(warmup.take(r.step - 1))
-                            progress.update(r.step - first)
+                        with PrecursorProbe(r.model, r.optimizer) as warmup:
+                            first = r.step
+                            while r.step < step:
+                                r.run_step()
+                                precursors.append(warmup.take(r.step - 1))
+                                progress.update(r.step - first)
+                        hooks = ExitStack()
+                        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.state_proof))
+                        probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
                     stop = stop if stop >= step else last
                     progress.phase(f"locating: steps {step}-{stop}, reading each first non-finite value",
                                    stop - step + 1, at_most=True)
                     first = step
-                    hooks = ExitStack()
-                    monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer))
-                    probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
                     located_from = step
                     continue
                 if step > stop:  # the log did not tell where the replay ends: up to the window's end
@@ -238,13 +251,15 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     break  # the logged NaN did not reproduce; no point replaying the rest
         finally:
             hooks.close()
+        if located_from is None:
+            precursors = []  # no origin: nothing the curves lead up to
         if run.last_step is None:
             data_defects = check_batches(run, [s.step for s in spread], opts.data_max_abs)
         # Without an origin, a loss-only step is still worth explaining: which op made the loss non-finite, from
         # which samples (a batch with no valid target, typically).
         explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
-        operation, samples = _explain(r, explained, progress) if explained is not None and opts.explain \
-            else (None, None)
+        operation, samples = _explain(r, explained, kept.get(explained.step), progress) \
+            if explained is not None and opts.explain else (None, None)
         # whether resetting the flagged state would have saved the run is replayed too
         by_order = code.loaded is not None and code.loaded.optimizer_matched == "order"
         resumed, resettable = resume_findings(unsound, events[0] if events else None, checkpoint.step, r.model,
@@ -270,21 +285,28 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     return narrate(report)
 
 
-def _explain(session: Session, origin: Event,
+def _explain(session: Session, origin: Event, before: dict | None = None,
              progress: Progress = SILENT) -> tuple[OperationCulprit | None, SampleAttribution | None]:
-    """Root cause inside the responsible step: which samples (group testing), then which operation made the
-    origin's value; in a distributed run, inside the shard of the origin's rank (None on a rank that leaves the
-    explaining to another)."""
+    """Root cause inside the responsible step: which operation made the origin's value, then which samples (group
+    testing, starting from the sample the origin's or that operation's coordinates point at); in a distributed run,
+    inside the shard of the origin's rank (None on a rank that leaves the explaining to another). ``before``: the
+    session's state before the origin's step, where the replay kept it."""
     with session.focused(origin.rank) as focused:
         if focused is None:
             return None, None
-        focused.reset()
-        if focused.step < origin.step:
-            progress.phase(f"re-running steps {focused.step}-{origin.step - 1} to the responsible one", None)
-        focused.advance_to(origin.step)
-        samples = attribute_samples(focused, progress)
+        if before is not None and focused is session:
+            focused.restore(before)
+        else:
+            focused.reset()
+            if focused.step < origin.step:
+                progress.phase(f"re-running steps {focused.step}-{origin.step - 1} to the responsible one", None)
+            focused.advance_to(origin.step)
+            before = focused.snapshot()
         progress.phase(f"tracing the operation behind {origin.stage} at step {origin.step}", None)
         operation = trace_step(focused.model, focused.optimizer, lambda: focused.traced_pass(origin), origin)
+        focused.restore(before)  # the traced pass stepped the optimizer
+        # the operation's output may say which sample it is: then group testing starts from it
+        samples = attribute_samples(focused, sample_hint(focused.batch(origin.step), origin, operation), progress)
     return operation, samples
 
 

@@ -14,6 +14,8 @@ mask or an index that drops it), in the loss, in a gradient as accumulated, in a
 between backward and ``optimizer.step()`` (clipping, unscaling), in the optimizer state or in the
 parameters after the step. Values inside one module's forward that never reach its output are the
 operation trace's business (rootcause/operations.py). docs/performance.md has the cost of each part.
+In detect mode on CPU the optimizer state of Adam, AdamW and SGD is read only on the steps where its finiteness does
+not follow from the gradients' magnitudes read anyway (proof.py, and the assumption it states).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..distributed.wrapping import unsharded_params
 from ..report import STAGES, Event
 from ..runs.batches import leaves
 from ..runs.checkpoint import optimizer_params
+from .proof import StateProof, provable
 
 _RANK = {s: i for i, s in enumerate(STAGES)}
 
@@ -37,11 +40,17 @@ _RANK = {s: i for i, s in enumerate(STAGES)}
 class StepMonitor:
     """Hooks on one model and its optimizer; ``begin`` and ``end`` bracket each step."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, defer: bool | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, defer: bool | None = None,
+                 prove: bool = True) -> None:
         """``defer``: keep detect-mode verdicts on the device until ``end`` (the default off the CPU); True on a
-        CPU model exercises that path where there is no accelerator."""
+        CPU model exercises that path where there is no accelerator. ``prove``: in detect mode on CPU, skip reading
+        optimizer state proven finite (proof.py); False reads it every step."""
         self.model, self.optimizer = model, optimizer
         self.defer = defer
+        on_cpu = all(p.device.type == "cpu" for p in optimizer_params(optimizer))
+        self.proof = StateProof(optimizer) if prove and on_cpu and not defer and provable(optimizer) else None
+        self._grad_max: dict[torch.Tensor, float] = {}  # param -> its gradient's largest magnitude, while proving
+        self.state_proven = 0  # state tensors of the step not read: proven finite
         self.param_names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         self._handles: list[Any] = []
         self.step = -1
@@ -64,6 +73,8 @@ class StepMonitor:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
         self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre_hook))
+        if self.proof is not None:
+            self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -80,8 +91,14 @@ class StepMonitor:
     def _grad_hook(self, name: str) -> Any:
         def hook(p: torch.Tensor) -> None:
             self._grad_seen[p] = (p.grad, p.grad._version)
-            self.check("grad", name, p.grad)
+            if self._proving():
+                self._grad_max[p] = self._max_abs("grad", name, p.grad)
+            else:
+                self.check("grad", name, p.grad)
         return hook
+
+    def _proving(self) -> bool:
+        return self.proof is not None and not self.locate
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for p in optimizer_params(self.optimizer):
@@ -92,7 +109,16 @@ class StepMonitor:
             seen = self._grad_seen.get(p)
             if not self.locate and seen is not None and seen[0] is p.grad and seen[1] == p.grad._version:
                 continue
-            self.check("optimizer_grad", self._name(p), p.grad)
+            if self._proving():
+                self._grad_max[p] = self._max_abs("optimizer_grad", self._name(p), p.grad)
+            else:
+                self.check("optimizer_grad", self._name(p), p.grad)
+        if self.proof is not None and self._proving():
+            self.proof.before_step(self._grad_max)
+
+    def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.proof is not None and self._proving():
+            self.proof.after_step()
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -103,6 +129,10 @@ class StepMonitor:
         self.step, self.locate = step, locate
         self._pending.clear()
         self._grad_seen.clear()
+        self._grad_max.clear()
+        self.state_proven = 0
+        if self.proof is not None and locate:
+            self.proof.forget()  # locate mode reads everything and keeps no bound
         self._events = {}
         for path, leaf in leaves(batch):
             self.check("batch", path, leaf)
@@ -118,7 +148,14 @@ class StepMonitor:
             self._add("loss", "loss", None, torch.tensor(float(loss)))
         for p in optimizer_params(self.optimizer):
             for key, value in self.optimizer.state.get(p, {}).items():
-                self.check("optimizer_state", self._name(p), value, state_key=key)
+                if self.proof is None or not self._proving() or not finite.checkable(value):
+                    self.check("optimizer_state", self._name(p), value, state_key=key)
+                elif self.proof.proven(p, key, value):
+                    self.state_proven += 1
+                else:
+                    bound = self._max_abs("optimizer_state", self._name(p), value, key)
+                    if math.isfinite(bound):
+                        self.proof.learn(p, key, value, bound)
         for p in optimizer_params(self.optimizer):
             self.check("param", self._name(p), p)
         for name, b in self.model.named_buffers():  # looked up each step: a module may assign a new tensor
@@ -143,6 +180,17 @@ class StepMonitor:
                 self._add(stage, name, state_key, t)
             else:
                 self._note(stage, name, state_key, index=[], value="", elements=0, dtype=None)
+
+    def _max_abs(self, stage: str, name: str, t: Any, state_key: str | None = None) -> float:
+        """Detect mode on CPU, keeping a proof: ``check`` by ``aminmax``, which also gives the largest magnitude
+        the proof needs; inf when ``t`` holds a non-finite value."""
+        if not finite.checkable(t):
+            return math.inf
+        lo, hi = (float(x) for x in finite.min_max(t))
+        if math.isfinite(lo) and math.isfinite(hi):
+            return max(-lo, hi)
+        self._note(stage, name, state_key, index=[], value="", elements=0, dtype=None)
+        return math.inf
 
     def _add(self, stage: str, name: str, key: str | None, t: torch.Tensor) -> None:
         where = finite.locate(t)

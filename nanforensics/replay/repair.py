@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from ..distributed.sessions import open_session
 from ..errors import BadInput
 from ..outputs import check_outputs
 from ..progress import SILENT, Progress
@@ -24,7 +25,7 @@ from ..runs.checkpoint import Checkpoint, save_checkpoint
 from ..runs.files import make_build_dir, publish_dir_atomic, write_json_atomic
 from ..runs.run import MANIFEST, Run, UserCode
 from .engine import ReplayOptions, replay_run
-from .session import open_session, pinned_threads, resolve_device
+from .session import pinned_threads, resolve_device
 from .whatif import DropBatch, DropSamples, Intervention, ResetState, nonfinite_in, replay_with
 
 REPAIR_SCHEMA = "nanforensics.repair/1"

@@ -14,12 +14,13 @@ import math
 import torch
 
 from .. import finite
+from ..distributed.sessions import open_session
 from ..errors import BadInput
 from ..progress import SILENT, Progress
 from ..report import ReplayReport, SpreadMap, TensorSpread
 from ..runs.checkpoint import optimizer_params, param_names
 from ..runs.run import Run, UserCode
-from .session import open_session, pinned_threads
+from .session import pinned_threads
 
 CONTEXT_STEPS = 2  # clean steps shown before the responsible one
 

@@ -17,6 +17,7 @@ import torch
 
 from .. import finite
 from ..checkpoints.soundness import unsound_coordinates
+from ..distributed.sessions import open_session
 from ..errors import BadInput
 from ..progress import SILENT, Progress
 from ..report import Event, WhatIfResult
@@ -26,7 +27,7 @@ from ..runs.checkpoint import optimizer_params
 from ..runs.source import StartPoint, StepCode, StepSource
 from ..words import count, numbered
 from .monitor import StepMonitor
-from .session import Session, open_session
+from .session import Session
 
 USAGE = "clip=MAX_NORM, skip, skip-after-moments, reset-state, lr=VALUE, drop-samples=I,J or drop-batch"
 

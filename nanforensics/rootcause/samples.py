@@ -15,6 +15,10 @@ and for larger ones wrong with a chance below 2**-PROBES when at most half fail.
 names the samples, and a batch whose named samples are more than half of it is batch-wide as well;
 exactly half is not.
 
+Before any of that, the sample the failure's own coordinates point at (the origin's first coordinate, or that of
+the operation the trace found, when the tensor's first dimension is the batch's) is tried alone and the rest of
+the batch without it: when only it fails, three passes in all (the whole batch, the sample, the rest) name it.
+
 A step function can opt out (its batch is not split along dimension 0) by setting
 ``train_step.nanforensics_splittable = False``. In an optimizer step recorded as several micro-batches
 (gradient accumulation), positions count across the micro-batches in order, and each sample found is also
@@ -24,17 +28,16 @@ given as (micro-batch, position in it).
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from ..errors import BadInput
 from ..progress import SILENT, Progress
 from ..replay.monitor import StepMonitor
-from ..replay.session import Session
-from ..report import SampleAttribution
+from ..replay.session import Session, no_optimizer_step
+from ..report import Event, OperationCulprit, SampleAttribution
 from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
 from ..words import sample_positions
 
@@ -95,27 +98,10 @@ def _select(batch: Any, indices: list[int], size: int) -> Any:
     return batch
 
 
-@contextmanager
-def _no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing.
-
-    An LR scheduler may already have put its own wrapper there; it is put back as it was.
-    """
-    own = vars(optimizer).get("step")
-    optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if own is None:
-            del optimizer.step
-        else:
-            optimizer.step = own  # type: ignore[method-assign]
-
-
 class _Tester:
     def __init__(self, session: Session, batch: Any, size: int, progress: Progress = SILENT) -> None:
         self.session, self.batch, self.size, self.progress = session, batch, size, progress
-        self.snapshot = session.snapshot()
+        self.snapshot = session.snapshot(stepping=False)  # every pass runs under no_optimizer_step
         self.passes = 0
         self.errors: list[str] = []
 
@@ -129,7 +115,7 @@ class _Tester:
         self.progress.update(self.passes)
         s = self.session
         s.restore(self.snapshot)
-        with StepMonitor(s.model, s.optimizer) as monitor, _no_optimizer_step(s.optimizer):
+        with StepMonitor(s.model, s.optimizer) as monitor, no_optimizer_step(s.optimizer):
             monitor.begin(s.step, subset, locate=False)
             try:
                 loss = s.call_step(subset)
@@ -176,8 +162,12 @@ class Split:
     named: bool                # every failing sample was named by halving (not only probed)
 
 
-def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PROBES) -> Split:
-    """Probe single samples, then halve: see the module's docstring. ``fails`` is asked each subset once."""
+def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PROBES, hint: int | None = None) -> Split:
+    """Probe single samples, then halve: see the module's docstring. ``fails`` is asked each subset once.
+
+    ``hint``: the sample the failure's own coordinates point at. When it fails alone and the rest of the batch does
+    not fail, it is the only sample that fails alone (a set holding one that does fails too): two passes, not
+    probing and halving; otherwise those go on as without it."""
     known: dict[tuple[int, ...], bool] = {}
 
     def once(indices: list[int]) -> bool:
@@ -186,6 +176,8 @@ def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PRO
             known[key] = fails(indices)
         return known[key]
 
+    if hint is not None and 0 <= hint < size and once([hint]) and not once([i for i in range(size) if i != hint]):
+        return Split("attributed", [hint], [], [hint], named=True)
     tried = probe_order(size, probes)
     failing: list[int] = []
     for i in tried:
@@ -198,6 +190,23 @@ def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PRO
     if 2 * len(bad) > size:
         return Split("batch_wide", bad, [], tried, named=True)
     return Split("coupled" if coupled else "attributed", bad, coupled, tried, named=True)
+
+
+def sample_hint(batch: Any, origin: Event, culprit: OperationCulprit | None) -> int | None:
+    """The batch position the failure's coordinates point at: the first coordinate of the origin when it is a batch
+    tensor or an activation, else of the culprit operation's non-finite output in the forward or backward pass, when
+    it is below the batch size. A guess that the first dimension is the batch's: ``split_batch`` confirms it. None
+    for a step of several micro-batches, whose positions the coordinate does not say."""
+    size = batch_size(batch)
+    if size is None or micro_batches(batch) is not None:
+        return None
+    if origin.stage in ("batch", "forward") and origin.index:
+        index = origin.index
+    elif culprit is not None and culprit.site.phase in ("forward", "backward") and culprit.output_index:
+        index = culprit.output_index
+    else:
+        return None
+    return index[0] if index[0] < size else None
 
 
 def _listed(samples: list[int]) -> str:
@@ -221,8 +230,9 @@ def max_passes(size: int, probes: int = PROBES) -> int:
     return 1 + len(probe_order(size, probes)) + 2 * (size - 1)
 
 
-def attribute_samples(session: Session, progress: Progress = SILENT) -> SampleAttribution:
-    """Group-test the batch of ``session.step``; the session's state is restored afterwards."""
+def attribute_samples(session: Session, hint: int | None = None, progress: Progress = SILENT) -> SampleAttribution:
+    """Group-test the batch of ``session.step`` (``hint``: see ``split_batch``); the session's state is restored
+    afterwards."""
     step_fn = session.code.step_fn
     batch = session.batch(session.step)
     logged = session.logged_batch(session.step)
@@ -241,7 +251,7 @@ def attribute_samples(session: Session, progress: Progress = SILENT) -> SampleAt
             return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
                                      "forward and backward on the whole batch stay finite: the failure needs the "
                                      "update (optimizer.step() or the step function's code after it), not a sample")
-        found = split_batch(size, tester.fails)
+        found = split_batch(size, tester.fails, hint=hint)
         # "the step, not its data": tested, with the step before's batch run from this step's state
         before = session.step - 1
         compared = before if found.status == "batch_wide" and session.run.batch_origin(before) is not None else None

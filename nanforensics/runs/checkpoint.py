@@ -9,7 +9,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -215,6 +215,23 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     return final
 
 
+_PARTS = {"model": 2, "optim": 4}  # path length of a model tensor ("model", fqn) and a state tensor ("optim", ...)
+
+
+def _read_sharded(metadata: Path, part: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict (``part`` "model") or the optimizer's state tensors keyed ``"<name>/<key>"``
+    ("optim"), each tensor whole, one at a time."""
+    from ..formats.dcp import Layout, assemble  # formats reads runs: imported when used
+
+    layout = Layout(metadata)
+    for t in layout.tensors:
+        path = tuple(map(str, t.path))
+        if not ((len(path) == 2 and path[0] == "model") or (len(path) == 4 and path[:2] == ("optim", "state"))):
+            raise BadInput(metadata, f"entry {t.fqn!r} is neither model nor optimizer state of a nanforensics checkpoint")
+        if path[0] == part and len(path) == _PARTS[part]:
+            yield (path[1] if part == "model" else f"{path[2]}/{path[3]}"), assemble(t)
+
+
 @dataclass
 class Checkpoint:
     """A checkpoint on disk; tensors are read only when asked for."""
@@ -246,17 +263,13 @@ class Checkpoint:
     def model_tensors(self) -> dict[str, torch.Tensor]:
         """The model's state dict, each tensor whole."""
         if self.sharded:
-            from ..distributed.checkpoint import read_sharded
-
-            return dict(read_sharded(self.layout_file, "model"))
+            return dict(_read_sharded(self.layout_file, "model"))
         return TensorFile(self.model_file).load_all()
 
     def optimizer_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The optimizer's state tensors keyed ``"<name>/<key>"``, each whole, one at a time."""
         if self.sharded:
-            from ..distributed.checkpoint import read_sharded
-
-            return read_sharded(self.layout_file, "optim")
+            return _read_sharded(self.layout_file, "optim")
         return TensorFile(self.optimizer_file).items()
 
     def meta(self) -> dict[str, Any]:

@@ -219,6 +219,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                                 r.run_step()
                                 precursors.append(warmup.take(r.step - 1))
                                 progress.update(r.step - first)
+                        kept = {step: r.snapshot()}  # root cause starts here too
                         hooks = ExitStack()
                         monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.state_proof))
                         probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))

@@ -433,3 +433,27 @@ def test_factored_and_momentum_state(tmp_path):
     found = scan_checkpoint(open_checkpoint(tmp_path / "sgd.pt")).unsound
     assert [(u.check, u.param) for u in found] == [(soundness.DTYPE, "weight")]
     assert "values below 6e-05 flushed towards 0" in found[0].message
+
+
+def test_the_other_checks_and_betas_that_give_no_bound(recorded, tmp_path):
+    """Shape, a step past the checkpoint's own, differing steps in a group, weight decay inf; and betas with
+    b1^2 >= b2, which give no bound: said in the notes, never an alarm."""
+    run = tmp_path / "run"
+    shutil.copytree(recorded["adam"], run)
+    ck = run / "checkpoints" / f"step_{START:08d}"
+
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t["fc1.bias/exp_avg"] = torch.zeros(16)
+        t["fc2.bias/step"] = torch.tensor(12.0)
+        t["head.bias/step"] = torch.tensor(3.0)
+
+    _tensors(ck, edit)
+    _meta(ck, lambda meta: meta["param_groups"][0].update(betas=[0.99, 0.9], weight_decay=math.inf))
+    report = scan_checkpoint(open_checkpoint(ck))
+    found = {(u.check, u.tensor) for u in report.unsound}
+    assert found == {(soundness.SHAPE, "fc1.bias/exp_avg"), (soundness.STEP, "fc2.bias/step"),
+                     (soundness.STEP, "param_groups[0].step"), (soundness.HYPERPARAMETER, "param_groups[0].weight_decay")}
+    messages = {u.tensor: u.message for u in report.unsound}
+    assert "past the checkpoint's own step 10" in messages["fc2.bias/step"]
+    assert "head.bias at 3, fc2.bias at 12" in messages["param_groups[0].step"]
+    assert any("give no bound on |exp_avg|" in n for n in report.soundness.notes)

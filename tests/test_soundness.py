@@ -303,18 +303,21 @@ def test_scan_names_the_defect(damaged, name):
     assert before.verdict == CLEAN and before.unsound == []  # the checkpoint before it, untouched
 
 
-@pytest.mark.parametrize("name", ["one negative exp_avg_sq", "loss scale inf"])
-def test_scan_exit_code_5_and_json(damaged, name):
-    d = DEFECTS[name]
-    result = run_cli("scan", damaged[name] / "checkpoints" / f"step_{START:08d}", "--json", "-")
+def test_scan_exit_code_5_json_and_terminal(damaged):
+    d = DEFECTS["one negative exp_avg_sq"]
+    result = run_cli("scan", damaged["one negative exp_avg_sq"] / "checkpoints" / f"step_{START:08d}", "--json", "-")
     assert result.code == 5, (result.code, result.stderr)
     report = result.json()
-    assert report["verdict"] == "clean" and report["soundness"]["optimizers"]
+    assert report["verdict"] == "clean" and report["soundness"]["optimizers"] == [
+        "Adam-family (Adam, AdamW, NAdam, RAdam)"]
     hit = _named(report["unsound"], d)
     assert set(hit) == {"check", "tensor", "param", "group", "index", "values", "message"}
-    assert hit["index"] == d.index and d.says in hit["message"]
-    text = run_cli("scan", damaged[name] / "checkpoints" / f"step_{START:08d}")
+    assert (hit["param"], hit["group"], hit["index"]) == ("fc2.weight", 0, [1, 2]) and d.says in hit["message"]
+    assert hit["values"]["exp_avg_sq"] == -1.0
+    d = DEFECTS["loss scale inf"]
+    text = run_cli("scan", damaged["loss scale inf"] / "checkpoints" / f"step_{START:08d}")
     assert text.code == 5 and "UNSOUND OPTIMIZER STATE" in text.stdout and f"Unsound ({d.check})" in text.stdout
+    assert "the optimizer state is unsound (1 finding)" in text.stdout
 
 
 @pytest.mark.parametrize("name", list(DEFECTS))
@@ -430,3 +433,27 @@ def test_factored_and_momentum_state(tmp_path):
     found = scan_checkpoint(open_checkpoint(tmp_path / "sgd.pt")).unsound
     assert [(u.check, u.param) for u in found] == [(soundness.DTYPE, "weight")]
     assert "values below 6e-05 flushed towards 0" in found[0].message
+
+
+def test_the_other_checks_and_betas_that_give_no_bound(recorded, tmp_path):
+    """Shape, a step past the checkpoint's own, differing steps in a group, weight decay inf; and betas with
+    b1^2 >= b2, which give no bound: said in the notes, never an alarm."""
+    run = tmp_path / "run"
+    shutil.copytree(recorded["adam"], run)
+    ck = run / "checkpoints" / f"step_{START:08d}"
+
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t["fc1.bias/exp_avg"] = torch.zeros(16)
+        t["fc2.bias/step"] = torch.tensor(12.0)
+        t["head.bias/step"] = torch.tensor(3.0)
+
+    _tensors(ck, edit)
+    _meta(ck, lambda meta: meta["param_groups"][0].update(betas=[0.99, 0.9], weight_decay=math.inf))
+    report = scan_checkpoint(open_checkpoint(ck))
+    found = {(u.check, u.tensor) for u in report.unsound}
+    assert found == {(soundness.SHAPE, "fc1.bias/exp_avg"), (soundness.STEP, "fc2.bias/step"),
+                     (soundness.STEP, "param_groups[0].step"), (soundness.HYPERPARAMETER, "param_groups[0].weight_decay")}
+    messages = {u.tensor: u.message for u in report.unsound}
+    assert "past the checkpoint's own step 10" in messages["fc2.bias/step"]
+    assert "head.bias at 3, fc2.bias at 12" in messages["param_groups[0].step"]
+    assert any("give no bound on |exp_avg|" in n for n in report.soundness.notes)

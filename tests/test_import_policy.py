@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import _imp
 import functools
+import importlib.machinery
 import importlib.metadata
 import json
 import os
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from nanforensics.errors import BadInput
 from nanforensics.runs.imports import ROLES, TOOL_MODULES, load_callable
@@ -164,6 +165,35 @@ def test_odd_spellings_are_refused_before_import(empty, role, module, before, in
 def test_what_the_old_deny_list_let_through_or_held_is_refused(spec, tmp_path):
     assert_refused_before_import("model_factory", spec, tmp_path, "standard library", "installed packages",
                                  "the program running")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(package=st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), module=st.sampled_from(["", "sub", "a.b"]),
+       role=st.sampled_from(["model_factory", "step_fn", "--step", "--batches"]))
+def test_the_users_own_code_is_admitted_and_leaves_sys_path_as_it_was(tmp_path_factory, package, module, role):
+    """The other side: any module of the project (the working directory), however nested, is imported and its
+    function admitted, and sys.path is as it was after. A name the import system finds elsewhere first (an
+    installed or built-in module) is not the project's."""
+    found = importlib.machinery.BuiltinImporter.find_spec(package) or importlib.machinery.FrozenImporter.find_spec(
+        package) or importlib.machinery.PathFinder.find_spec(package)
+    assume(found is None and package not in sys.modules)
+    project = tmp_path_factory.mktemp("project")
+    name = ".".join(filter(None, [package, module]))
+    *packages, last = name.split(".")
+    folder = project
+    for part in packages:
+        folder = folder / part
+        folder.mkdir()
+        (folder / "__init__.py").touch()
+    (folder / f"{last}.py").write_text("def step(*args, **kwargs):\n    return 0\n")
+    path = list(sys.path)
+    with nowhere_chosen(project):
+        try:
+            assert load_callable(role, f"{name}:step", where=project / "manifest.json")() == 0
+        finally:
+            for loaded in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+                del sys.modules[loaded]
+    assert sys.path == path
 
 
 def _project(tmp: Path) -> tuple[Path, Path]:

@@ -377,8 +377,8 @@ def check_callable(role: str, spec: str, obj: Any = NOT_IMPORTED, *, where: Path
     """The trust policy, the one gate for every callable a run names; a ``BadInput`` naming the file, the field and
     the reason when ``obj`` may not stand in ``role`` (a key of ``ROLES``).
 
-    Called with the import string alone before anything is imported, then (``resolve``) with each module the
-    string's modules locate to before it is imported, and last with the imported object before anything calls it.
+    Called with the import string alone before anything is imported and with the imported object before anything
+    calls it; in between, ``resolve`` admits each module on the way through ``Places`` before it runs.
     The policy: a module only from a place the user chose (``Places``), decided on the file it resolves to;
     the object defined in such a place too (its own module's file, so a re-export such as ``mymodule:system`` after
     ``from os import system`` is caught); only a Python function or class defined in a module; a function only where

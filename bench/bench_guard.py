@@ -3,7 +3,8 @@
     python bench/bench_guard.py [--batch 8] [--rounds 5] [--device cpu|cuda] [--clock wall|cpu] [--threads 2]
 
 Printed, each against a plain training step interleaved round by round (benchlib.py):
-1. the 14M decoder of bench_transformer.py (AdamW) and a 4 x Linear(1024) MLP (Adam): the guarded step (the guard's
+1. the 14M decoder of bench_transformer.py (AdamW) and a 4 x Linear(1024) MLP (Adam): the recorder without a guard
+   (every batch to disk, as a reference for what the recorder itself costs), the guarded step (the guard's
    wrapped ``optimizer.step`` and ``Recorder.log``: the loss read, the batch copied into the ring, its step line
    written; checkpoints excluded, ``state_check_every=10``), the same with the state checked after every step, and,
    for the decoder, fused AdamW guarded against fused AdamW plain (the verdict handed to the optimizer on the device);
@@ -18,12 +19,11 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from benchlib import interleaved, paired_ratio, synced, verdict
+from benchlib import CLOCKS, interleaved, paired_ratio, synced, verdict
 from nanforensics import Recorder
 from nanforensics.runs.batches import map_tensors, snapshot
 from nanforensics.runs.guard import GuardPolicy, ring_nbytes
@@ -67,8 +67,8 @@ class Case:
         optimizer = self.optimizer(model.parameters(), **opt)
         return lambda: self.step_fn(model, optimizer, self.batch).item()  # a loop reads its loss: so does each variant
 
-    def guarded(self, device: torch.device, folder: Path, policy: GuardPolicy, **opt: Any) -> tuple[Callable[[], None],
-                                                                                                      Recorder]:
+    def guarded(self, device: torch.device, folder: Path, policy: GuardPolicy | bool, **opt: Any
+                ) -> tuple[Callable[[], None], Recorder]:
         model = self.build(**self.kwargs).to(device)
         optimizer = self.optimizer(model.parameters(), **opt)
         rec = Recorder(Path(tempfile.mkdtemp(dir=folder)) / "run", model, optimizer,
@@ -87,7 +87,8 @@ class Case:
 def overhead(case: Case, device: torch.device, rounds: int, clock: str, folder: Path, fused: bool) -> None:
     recs = []
     variants: dict[str, Callable[[], None]] = {"plain": synced(device, case.plain(device))}
-    for label, policy in (("guarded", GuardPolicy()), ("guarded, state every step", GuardPolicy(state_check_every=1))):
+    for label, policy in (("recorder, disk, no guard", False), ("guarded", GuardPolicy()),
+                          ("guarded, state every step", GuardPolicy(state_check_every=1))):
         run, rec = case.guarded(device, folder, policy)
         variants[label], recs = synced(device, run), recs + [rec]
     if fused:
@@ -110,7 +111,7 @@ def overhead(case: Case, device: torch.device, rounds: int, clock: str, folder: 
         print(line)
 
 
-def skipped_step(device: torch.device, size: int, folder: Path) -> None:
+def skipped_step(device: torch.device, size: int, folder: Path, clock: str) -> None:
     """One guarded step whose batch makes the gradients NaN: the skip, its incident and the checkpoint after it."""
     model = scenarios.build_decoder(**DECODER).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -118,16 +119,17 @@ def skipped_step(device: torch.device, size: int, folder: Path) -> None:
                    model_kwargs=DECODER, step_fn="scenarios:train_step_lm", checkpoint_every=50, guard=True)
     good, bad = token_batch(0, size, device), token_batch(1, size, device, "fully_padded")
     rec.log(0, good, scenarios.train_step_lm(model, optimizer, good))
-    start = time.perf_counter()
+    now = CLOCKS[clock]
+    start = now()
     rec.log(1, good, scenarios.train_step_lm(model, optimizer, good))
-    plain = time.perf_counter() - start
-    start = time.perf_counter()
+    plain = now() - start
+    start = now()
     rec.log(2, bad, scenarios.train_step_lm(model, optimizer, bad))
-    skipped = time.perf_counter() - start
+    skipped = now() - start
     rec.close()
     assert rec.guard is not None and rec.guard.skipped == [2], rec.guard.skipped if rec.guard else None
     print(f"\n2. a skipped step on the decoder (batch {size}): {skipped:.3f} s with its incident and checkpoint, "
-          f"{skipped / plain:.2f}x a guarded step that was not skipped ({plain:.3f} s)")
+          f"{skipped / plain:.2f}x a guarded step that was not skipped ({plain:.3f} s), {clock} clock, one sample")
 
 
 def ring_memory(sizes: list[int]) -> None:
@@ -162,7 +164,7 @@ def main() -> None:
         print("1. one training step, guarded against plain")
         for case in cases:
             overhead(case, device, args.rounds, args.clock, Path(tmp), fused=case.name == "decoder")
-        skipped_step(device, args.batch, Path(tmp))
+        skipped_step(device, args.batch, Path(tmp), args.clock)
     ring_memory([8, 32, 128, 512])
 
 

@@ -1,7 +1,7 @@
 """The guard under torchrun: the known-answer data of ``distributed_job`` (rank 1's shard holds the near-zero reading at
 step DEFECT_STEP: an infinite local gradient on rank 1 only), trained guarded, then again without a recorder and with
 ``optimizer.step()`` not called at that step; each rank prints whether its parameters (its shards, under FSDP2) are
-finite and bit-identical in both.
+finite and bit-identical in both (OUT/NAME.rankN.json).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/guard_job.py OUT ddp fsdp2
 """
@@ -53,7 +53,7 @@ def main() -> None:
         plain = train(how, None)
         result = {"rank": dist.get_rank(), "finite": all(bool(torch.isfinite(p).all()) for p in guarded),
                   "equal": all(torch.equal(a, b) for a, b in zip(guarded, plain))}
-        print(f"{how}: {json.dumps(result)}", flush=True)
+        (out / f"{how}.rank{dist.get_rank()}.json").write_text(json.dumps(result))  # not stdout: ranks' lines interleave
     dist.destroy_process_group()
 
 

@@ -128,7 +128,8 @@ def nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.T
 def _sum_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Read-only screen of the state after a step: non-finite where any sum is (NaN and infinities propagate); a sum
     that overflowed finite values is settled exactly on the host, only then."""
-    sums = [t.detach().float().sum().to(device, non_blocking=True) for t in tensors if t.is_floating_point() and t.numel()]
+    sums = [t.detach().sum(dtype=torch.float32).to(device, non_blocking=True) for t in tensors
+            if t.is_floating_point() and t.numel()]
     if not sums:
         return torch.zeros((), device=device)
     return (~torch.isfinite(torch.stack(sums))).any().float()
@@ -146,6 +147,8 @@ class Guard:
         self.device = self.params[0].device if self.params else torch.device("cpu")
         world = rec.world
         self.rank, self.size = (world.rank, world.size) if world is not None else (0, 1)
+        if self.size > 1 and policy.ring_bytes is not None:  # each rank's batches differ: their rings would disagree
+            raise ValueError("ring_bytes bounds one process's ring; under torchrun bound it in steps (checkpoint_every)")
         self.writes = world is None or world.leads
         self.folder = rec.path / INCIDENTS
         self.ring: list[_Entry] = []

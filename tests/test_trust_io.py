@@ -265,11 +265,13 @@ def _attempt(case: Case, tmp: Path) -> Result:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Result]]:
-    """Every case at once (most of each call is the import of torch)."""
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Result]]:
+    """Every case collected, at once (most of each call is the import of torch)."""
+    wanted = [item.callspec.params["case"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        tmps = {c.name: tmp_path_factory.mktemp(c.name) for c in CASES}
-        futures = {c.name: pool.submit(_attempt, c, tmps[c.name]) for c in CASES}
+        tmps = {c.name: tmp_path_factory.mktemp(c.name) for c in wanted}
+        futures = {c.name: pool.submit(_attempt, c, tmps[c.name]) for c in wanted}
         return {name: (tmps[name], f.result()) for name, f in futures.items()}
 
 

@@ -17,6 +17,7 @@ runs past its end, never a bus error.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -27,12 +28,12 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
-
-import torch
-from safetensors import SafetensorError, safe_open
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
 from .errors import BadInput, shown
+
+if TYPE_CHECKING:  # torch is imported where a tensor is read: the CLI's help and its refusals start without it
+    import torch
 
 # ---- the limits (README, Security: "Files nanforensics reads and writes") ---------------------------------------
 MAX_TEXT_BYTES = 256 << 20  # a JSON or text file read whole: manifest, meta.json, steps.jsonl, a report
@@ -43,12 +44,18 @@ MAX_TENSORS = 100_000  # tensors in one file (a safetensors header, a PyTorch pi
 MAX_EXPANDED_BYTES = 64 << 20  # how far a view (a stride of 0) may claim more bytes than its storage holds
 MAX_STRIDE = (1 << 63) - 1  # a shape whose contiguous strides (in bytes) pass int64 cannot be laid out
 
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
-}
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+        "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+    }
 
 
 # ---- the examined trees -----------------------------------------------------------------------------------------
@@ -210,6 +217,8 @@ def check_tensors(obj: Any, where: Path) -> None:
     ``MAX_TENSORS`` of them, containers nested deeper than ``MAX_NESTING``, a view claiming more than
     ``MAX_EXPANDED_BYTES`` beyond its storage (a stride of 0 over 2^40 elements), a sparse tensor whose stored
     values do not fit its claimed size."""
+    import torch
+
     stack, seen, tensors = [(obj, 0)], set(), 0
     while stack:
         node, depth = stack.pop()
@@ -227,6 +236,8 @@ def check_tensors(obj: Any, where: Path) -> None:
 
 
 def _check_claim(t: torch.Tensor, where: Path) -> None:
+    import torch
+
     problem = shape_problem(tuple(t.shape), t.element_size())
     if problem is not None:
         raise BadInput(where, f"a tensor's {problem}")
@@ -243,6 +254,8 @@ def _check_claim(t: torch.Tensor, where: Path) -> None:
 
 def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
     """The strided tensors a sparse tensor stores (indices and values)."""
+    import torch
+
     if t.layout == torch.sparse_coo:
         return [t._indices(), t._values()]
     if t.layout in (torch.sparse_csr, torch.sparse_bsr):
@@ -315,7 +328,7 @@ class SafetensorsFile:
             if not all(type(n) is int and 0 <= n <= MAX_STRIDE for n in values):  # not 1e400, nor 2.5
                 raise BadInput(self.path, f"tensor {name!r}: {field} {shown(list(values))} is not a list of integers "
                                           "from 0 to 2^63-1")
-        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        dtype = _dtypes().get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise BadInput(self.path, f"tensor {name!r} has dtype {shown(dtype_name)}, which this nanforensics cannot "
                                       "read")
@@ -338,6 +351,8 @@ class SafetensorsFile:
 
         Read-only, so torch's warning about non-writable buffers is silenced: nothing here writes.
         """
+        import torch
+
         if entry.end == entry.start:
             return torch.empty(entry.shape, dtype=entry.dtype)
         offset = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
@@ -362,6 +377,8 @@ class TensorFile:
     def __init__(self, path: Path) -> None:
         # The header checked first: safe_open calls a truncated file "incomplete metadata" and an unreadable
         # one "No such file"; SafetensorsFile names the problem and the tensor.
+        from safetensors import SafetensorError, safe_open
+
         self.path = path
         SafetensorsFile(path)
         try:
@@ -376,6 +393,8 @@ class TensorFile:
         return dict(self._handle.metadata() or {})
 
     def get(self, key: str) -> torch.Tensor:
+        from safetensors import SafetensorError
+
         try:
             return self._handle.get_tensor(key)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:

@@ -55,7 +55,8 @@ def test_a_replay_report_rerenders_with_its_whole_model_spread(runs):
 @pytest.mark.parametrize("edit, needle", [
     (lambda d: d.update(schema="nanforensics.postmortem/2"), "upgrade"),
     (lambda d: d.update(schema="somebody.else/1"), "not a report nanforensics re-renders"),
-    (lambda d: d["replay"]["origin"].update(step="seventeen"), "report.replay.origin.step: expected int"),
+    (lambda d: d["replay"]["origin"].update(step="seventeen"),
+     "report.replay.origin.step: expected an integer, found a string 'seventeen'"),
     (lambda d: d.pop("verdict"), "field 'verdict' is missing"),
 ])
 def test_refusals_name_the_problem(runs, tmp_path, edit, needle):

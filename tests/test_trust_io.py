@@ -265,11 +265,13 @@ def _attempt(case: Case, tmp: Path) -> Result:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Result]]:
-    """Every case at once (most of each call is the import of torch)."""
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Result]]:
+    """Every case collected, at once (most of each call is the import of torch)."""
+    wanted = [item.callspec.params["case"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        tmps = {c.name: tmp_path_factory.mktemp(c.name) for c in CASES}
-        futures = {c.name: pool.submit(_attempt, c, tmps[c.name]) for c in CASES}
+        tmps = {c.name: tmp_path_factory.mktemp(c.name) for c in wanted}
+        futures = {c.name: pool.submit(_attempt, c, tmps[c.name]) for c in wanted}
         return {name: (tmps[name], f.result()) for name, f in futures.items()}
 
 
@@ -355,7 +357,7 @@ def _role(role: str, folder: Path, name: str) -> tuple[Path, Callable[[], None]]
     return folder / name, lambda: None
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(KINDS), role=st.sampled_from(ROLES), through_symlink=st.booleans(),
        folder_missing=st.booleans(), create_dirs=st.booleans())
 def test_outputs_over_every_kind_of_path(kind: str, role: str, through_symlink: bool, folder_missing: bool,
@@ -413,7 +415,7 @@ READ_KINDS = ["regular", "fifo", "socket", "directory", "device", "link inside",
               "dangling"]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(kind=st.sampled_from(READ_KINDS), name=st.sampled_from(["steps.jsonl", "manifest.json", "meta.json",
                                                                "model.safetensors", "model.pt", "report.json"]),
        secret=st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=16, max_size=60))
@@ -462,7 +464,7 @@ _sizes = st.one_of(st.integers(0, 8), st.integers(0, 2**63 + 8), st.integers(-(2
                    st.sampled_from([2**31, 2**32, 2**40, 2**62, 2**63 - 1, 2**63]))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(entries=st.lists(st.tuples(st.sampled_from(["F32", "F16", "I64", "U8", "BOOL", "C64"]),
                                   st.lists(_sizes, max_size=4), _sizes, _sizes), max_size=12),
        data_size=st.integers(0, 256))
@@ -497,12 +499,13 @@ def test_the_tensor_count_is_checked_before_the_tensors_are_built(count: int, li
             assert len(SafetensorsFile(path).entries) == count
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(shape=st.lists(st.one_of(st.integers(0, 4), st.integers(0, 2**45)), min_size=1, max_size=3),
        stored=st.integers(1, 64), strided=st.booleans())
 def test_pickled_views_claiming_more_than_they_store(shape: list[int], stored: int, strided: bool) -> None:
     """A stride-0 view of a few stored elements may claim any shape: read when its claim is within
-    MAX_EXPANDED_BYTES of what it stores, refused before anything reads it beyond."""
+    MAX_EXPANDED_BYTES of what it stores and its contiguous strides fit int64, refused before anything reads it
+    otherwise."""
     base = torch.arange(stored, dtype=torch.float32)
     strides = [0] * len(shape)
     if strided and shape[-1] <= stored:
@@ -512,19 +515,20 @@ def test_pickled_views_claiming_more_than_they_store(shape: list[int], stored: i
     except RuntimeError:  # a shape whose element count torch itself cannot hold
         return
     claimed = math.prod(shape) * 4
+    refused = claimed > stored * 4 + inputs.MAX_EXPANDED_BYTES or math.prod(n for n in shape if n) * 4 >= 2**63
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "view.pt"
         torch.save({"w": view}, path)
         try:
             obj, _ = torch_file.load(path)
         except BadInput as e:
-            assert claimed > stored * 4 + inputs.MAX_EXPANDED_BYTES, str(e)
+            assert refused, str(e)
             assert "stride-0" in str(e) or "strides beyond 2^63" in str(e), str(e)
         else:
-            assert claimed <= obj["w"].untyped_storage().nbytes() + inputs.MAX_EXPANDED_BYTES
+            assert not refused and obj["w"].shape == view.shape
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(present=st.sets(st.integers(0, 60), max_size=40), first=st.integers(0, 60), span=st.integers(0, 60),
        far=st.sampled_from([0, 2**40, 2**63 - 70]))
 def test_missing_batches_never_walk_the_gap(present: set[int], first: int, span: int, far: int) -> None:
@@ -540,7 +544,7 @@ def test_missing_batches_never_walk_the_gap(present: set[int], first: int, span:
         assert missing == [far + s for s in range(first, first + span) if s not in present]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(size=st.lists(st.integers(0, 6), min_size=1, max_size=2),
        boxes=st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=2, max_size=2),
                                 st.lists(st.integers(0, 6), min_size=2, max_size=2)), max_size=5))

@@ -100,7 +100,9 @@ def read_batch(path: Path) -> Any:
     tree = parse_json(meta["tree"], path, "metadata 'tree'")
     try:
         return decode(tree, f.load_all())
-    except (KeyError, ValueError, TypeError) as e:
+    except ValueError as e:  # decode's own words, with at most 60 escaped characters of the tree
+        raise BadInput(path, f"batch structure is malformed: {e}") from None
+    except (KeyError, TypeError) as e:
         raise BadInput(path, f"batch structure is malformed ({shown(e)})") from None
 
 

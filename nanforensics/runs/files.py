@@ -9,10 +9,10 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save
+if TYPE_CHECKING:  # imported where tensors are written: the writer of reports starts without torch
+    import torch
 
 _counter = itertools.count()
 
@@ -83,6 +83,8 @@ def publish_dir_atomic(build: Path, final: Path) -> None:
 
 def _storable(tensor: torch.Tensor, seen: set[int]) -> torch.Tensor:
     """safetensors refuses views and shared storage; store such tensors as private copies."""
+    import torch
+
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -96,5 +98,7 @@ def _storable(tensor: torch.Tensor, seen: set[int]) -> torch.Tensor:
 
 
 def tensors_to_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    from safetensors.torch import save
+
     seen: set[int] = set()
     return save({k: _storable(v, seen) for k, v in tensors.items()}, metadata=metadata)

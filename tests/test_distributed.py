@@ -378,6 +378,7 @@ def test_torchrun_and_emulated_replays_of_the_sample_agree(tmp_path):
     at_size = json.loads(out.read_text())
     emulated = run_cli("replay", "sample_runs/ddp_two_ranks", "--json", "-", cwd=ROOT).json()
     assert (at_size["setup"].pop("ranks_replayed"), emulated["setup"].pop("ranks_replayed")) == ("torchrun", "emulated")
-    assert max(p["activation_max_abs"] for p in at_size["precursors"]) > 100  # rank 1's near-zero reading's log
+    largest = max(v for p in at_size["precursors"] if isinstance(v := p["activation_max_abs"], float))
+    assert largest > 100  # rank 1's near-zero reading's log, which rank 0 never sees
     for key in sorted(set(at_size) | set(emulated)):
         assert at_size.get(key) == emulated.get(key), key

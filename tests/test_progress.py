@@ -33,11 +33,11 @@ def long_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-def cli(*args: str | Path, **env: str) -> subprocess.Popen[str]:
+def cli(*args: str | Path, cwd: Path | None = None, **env: str) -> subprocess.Popen[str]:
     """The real entry point with stdout and stderr pipes, as in a CI job."""
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     return subprocess.Popen([*cli_command(), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "NO_COLOR": "1", "PYTHONPATH": path, **env})
+                            text=True, env={**os.environ, "NO_COLOR": "1", "PYTHONPATH": path, **env}, cwd=cwd)
 
 
 def phases(stderr: str) -> list[tuple[str, list[re.Match[str]]]]:
@@ -60,7 +60,9 @@ def long_replay(long_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     """The long run replayed into a pipe, every progress update a line ($NANFORENSICS_PROGRESS_SECONDS=0), the
     replay going on 120 steps past the whole model turning non-finite (a long chain, spread and precursor window)."""
     out = tmp_path_factory.mktemp("long_report") / "report.json"
-    p = cli("replay", long_run, "--after", str(AFTER), "--json", out, **{INTERVAL_ENV: "0"})
+    # from the run's folder: the report's paths are short, as a user's are (a path is never broken across lines, so
+    # pytest's long temporary one would set the width of the report's panel)
+    p = cli("replay", long_run.name, "--after", str(AFTER), "--json", out, cwd=long_run.parent, **{INTERVAL_ENV: "0"})
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 1, stderr[-3000:]
     assert "NON-FINITE" in stdout  # the terminal view on stdout, progress on stderr

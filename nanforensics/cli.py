@@ -83,7 +83,7 @@ def progress(command: str, quiet: bool = False, shown: bool = True) -> Iterator[
     tracks the phase, which an interrupt names."""
     from .views.progress import progress_view
 
-    with progress_view(stderr_console(), shown=shown and not quiet) as view:
+    with progress_view(stderr_console(), command, shown=shown and not quiet) as view:
         _ACTIVITY.update(command=command, tracker=view)
         yield view
 

@@ -110,6 +110,13 @@ def decode_float(x: float | int | str) -> float:
     return float(x)
 
 
+def worst(values: Iterable[float | None]) -> float | None:
+    """The value that stands for several: a non-finite one where there is one, else the largest in magnitude; None
+    when all are missing. (A character of a resampled sparkline; a precursor over the ranks of a job.)"""
+    present = [v for v in values if v is not None]
+    return next((v for v in present if not math.isfinite(v)), max(present, key=abs, default=None))
+
+
 def value_name(x: float) -> str:
     return str(encode_float(x))
 

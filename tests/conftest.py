@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,11 +68,12 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 ANNOUNCEMENT = "nanforensics: run code: "  # the run's import strings, shown before any is imported
+PROGRESS = re.compile(r"^nanforensics: \[[a-z -]+\] ")  # progress lines in a log: views/progress.py's prefix()
 
 
 def error_lines(stderr: str) -> list[str]:
-    """stderr without the line that announces the run's code."""
-    return [line for line in stderr.strip().splitlines() if not line.startswith(ANNOUNCEMENT)]
+    """stderr without the line that announces the run's code, nor the progress lines."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith(ANNOUNCEMENT) and not PROGRESS.match(line)]
 
 
 def assert_one_line_error(result: Result, *needles: str) -> None:

@@ -367,3 +367,18 @@ def test_nccl_on_gpus(tmp_path):
         for how, report in (("torchrun", json.loads(out.read_text())), ("emulated", emulated)):
             check_attribution(report, name, how, exact=False)
             print(f"{name} {how}: reproduced {report['reproduced']}, diverged at {report['diverged_at_step']}")
+
+
+def test_torchrun_and_emulated_replays_of_the_sample_agree(tmp_path):
+    """Precursors are over every rank in both modes (rank 1's outlier activation too): the two JSON reports of the
+    shipped sample are one but for the field that names the mode."""
+    out = tmp_path / "torchrun.json"
+    result = torchrun("-m", "nanforensics", "replay", "sample_runs/ddp_two_ranks", "--json", out)
+    assert "exitcode" not in result.stderr or exit_codes(result) == {"0": "1", "1": "1"}, result.stderr[-3000:]
+    at_size = json.loads(out.read_text())
+    emulated = run_cli("replay", "sample_runs/ddp_two_ranks", "--json", "-", cwd=ROOT).json()
+    assert (at_size["setup"].pop("ranks_replayed"), emulated["setup"].pop("ranks_replayed")) == ("torchrun", "emulated")
+    largest = max(v for p in at_size["precursors"] if isinstance(v := p["activation_max_abs"], float))
+    assert largest > 100  # rank 1's near-zero reading's log, which rank 0 never sees
+    for key in sorted(set(at_size) | set(emulated)):
+        assert at_size.get(key) == emulated.get(key), key

@@ -19,8 +19,9 @@ from nanforensics.words import count, every
 import scenarios
 from conftest import ROOT, TESTS, assert_one_line_error, cli_command, error_lines, run_cli
 
-LONG_STEPS, LONG_DEFECT, LONG_EVERY = 2000, 1099, 1000
-PROGRESS = re.compile(r"^nanforensics: (?P<phase>.+) \((?P<done>[\d,]+) of (?P<at_most>at most )?(?P<total>[\d,]+) "
+LONG_STEPS, LONG_DEFECT, LONG_EVERY, AFTER = 2000, 1099, 1000, 120
+P = "nanforensics: [replay] "  # the prefix of the replay's progress lines in a log
+PROGRESS = re.compile(r"^nanforensics: \[replay\] (?P<phase>.+) \((?P<done>[\d,]+) of (?P<at_most>at most )?(?P<total>[\d,]+) "
                       r"(?P<unit>\w+)\), (?P<elapsed>[\d a-z]+) elapsed(, (about|at most) [\d a-z]+ left)?$")
 
 
@@ -32,22 +33,22 @@ def long_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-def cli(*args: str | Path, **env: str) -> subprocess.Popen[str]:
+def cli(*args: str | Path, cwd: Path | None = None, **env: str) -> subprocess.Popen[str]:
     """The real entry point with stdout and stderr pipes, as in a CI job."""
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     return subprocess.Popen([*cli_command(), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "NO_COLOR": "1", "PYTHONPATH": path, **env})
+                            text=True, env={**os.environ, "NO_COLOR": "1", "PYTHONPATH": path, **env}, cwd=cwd)
 
 
 def phases(stderr: str) -> list[tuple[str, list[re.Match[str]]]]:
     """(phase line, its progress lines) in order; every line is one or the other."""
     out: list[tuple[str, list[re.Match[str]]]] = []
     for line in stderr.splitlines():
-        assert line.startswith("nanforensics: "), line
         if line.startswith("nanforensics: run code: "):
             continue
+        assert line.startswith(P), line
         m = PROGRESS.match(line)
-        if m is None or not out or not out[-1][0].startswith(f"nanforensics: {m['phase']}"):
+        if m is None or not out or not out[-1][0].startswith(f"{P}{m['phase']}"):
             out.append((line, []))
         else:
             out[-1][1].append(m)
@@ -57,12 +58,14 @@ def phases(stderr: str) -> list[tuple[str, list[re.Match[str]]]]:
 @pytest.fixture(scope="module")
 def long_replay(long_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """The long run replayed into a pipe, every progress update a line ($NANFORENSICS_PROGRESS_SECONDS=0), the
-    replay going on 900 steps past the whole model turning non-finite (a long chain, spread and precursor window)."""
+    replay going on 120 steps past the whole model turning non-finite (a long chain, spread and precursor window)."""
     out = tmp_path_factory.mktemp("long_report") / "report.json"
-    p = cli("replay", long_run, "--after", "900", "--json", out, **{INTERVAL_ENV: "0"})
+    # from the run's folder: the report's paths are short, as a user's are (a path is never broken across lines, so
+    # pytest's long temporary one would set the width of the report's panel)
+    p = cli("replay", long_run.name, "--after", str(AFTER), "--json", out, cwd=long_run.parent, **{INTERVAL_ENV: "0"})
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 1, stderr[-3000:]
-    assert stdout == ""  # the report went to --json; stdout is not a terminal view's either
+    assert "NON-FINITE" in stdout  # the terminal view on stdout, progress on stderr
     return stderr, out
 
 
@@ -73,15 +76,16 @@ def test_progress_in_a_pipe_is_plain_lines_per_phase_with_true_totals(long_repla
     report = json.loads(out.read_text())
     seen = phases(stderr)
     names = [line for line, _ in seen]
-    assert names[:4] == [f"nanforensics: checking that the checkpoint at step {LONG_EVERY} is finite",
-                         f"nanforensics: checking the batches of steps {LONG_EVERY}-{LONG_STEPS - 1}",
-                         f"nanforensics: replaying steps {LONG_EVERY}-{LONG_STEPS - 1} ({LONG_STEPS - LONG_EVERY:,} steps)",
-                         f"nanforensics: locating: re-running steps {LONG_EVERY}-{LONG_DEFECT - 1} with precursor probes "
+    stop = LONG_DEFECT + 2 + AFTER  # where the log says it ends at the latest: the NaN loss, a step, --after
+    assert names[:4] == [f"{P}checking that the checkpoint at step {LONG_EVERY} is finite",
+                         f"{P}checking the batches of steps {LONG_EVERY}-{LONG_STEPS - 1}",
+                         f"{P}replaying steps {LONG_EVERY}-{stop} ({stop - LONG_EVERY + 1:,} steps)",
+                         f"{P}locating: re-running steps {LONG_EVERY}-{LONG_DEFECT - 1} with precursor probes "
                          f"({LONG_DEFECT - LONG_EVERY} steps)"]
-    assert names[4].startswith(f"nanforensics: locating: steps {LONG_DEFECT}-")
-    assert any(n.startswith(f"nanforensics: attributing samples of step {LONG_DEFECT}: forward/backward passes (at most ")
+    assert names[4].startswith(f"{P}locating: steps {LONG_DEFECT}-{stop}, reading each first non-finite value (at most ")
+    assert any(n.startswith(f"{P}attributing samples of step {LONG_DEFECT}: forward/backward passes (at most ")
                for n in names)
-    assert names[-1] == f"nanforensics: tracing the operation behind grad at step {LONG_DEFECT}"
+    assert names[-1] == f"{P}tracing the operation behind grad at step {LONG_DEFECT}"
     for line, updates in seen:
         if not updates:
             continue
@@ -100,18 +104,18 @@ def test_progress_lines_in_a_log_come_at_most_every_interval():
     """The log view's throttle, on its own clock: a phase line as each begins, then a line at most every 5 s."""
     now = [0.0]
     lines: list[str] = []
-    view = LogLines(lines.append, interval=5.0, clock=lambda: now[0])
+    view = LogLines(lines.append, "replay", interval=5.0, clock=lambda: now[0])
     view.phase("replaying steps 0-99", 100)
     for done in range(1, 101):
         now[0] += 0.5
         view.update(done)
     view.phase("tracing the operation behind grad at step 99")
-    assert lines[0] == "nanforensics: replaying steps 0-99 (100 steps)"
-    assert lines[-1] == "nanforensics: tracing the operation behind grad at step 99"
+    assert lines[0] == f"{P}replaying steps 0-99 (100 steps)"
+    assert lines[-1] == f"{P}tracing the operation behind grad at step 99"
     progress = lines[1:-1]
     assert len(progress) == 10  # 50 s of work, a line every 5 s
-    assert progress[0] == "nanforensics: replaying steps 0-99 (10 of 100 steps), 5 s elapsed, about 45 s left"
-    assert progress[-1] == "nanforensics: replaying steps 0-99 (100 of 100 steps), 50 s elapsed"
+    assert progress[0] == f"{P}replaying steps 0-99 (10 of 100 steps), 5 s elapsed, about 45 s left"
+    assert progress[-1] == f"{P}replaying steps 0-99 (100 of 100 steps), 50 s elapsed"
 
 
 def test_quiet_silences_progress(tmp_path):
@@ -126,7 +130,7 @@ def test_a_2000_step_report_fits_the_width(long_replay, columns):
     import json
 
     report = json.loads(out.read_text())
-    assert len(report["precursors"]) > columns and len({e["step"] for e in report["events"]}) > 900  # JSON keeps all
+    assert len(report["precursors"]) > columns and len({e["step"] for e in report["events"]}) > AFTER  # JSON keeps all
     result = run_cli("report", out, columns=columns)
     assert result.code == 0, result.stderr
     wide = [line for line in result.stdout.splitlines() if len(line) > columns]

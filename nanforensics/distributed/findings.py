@@ -6,9 +6,10 @@ import dataclasses
 import math
 from typing import Callable
 
+from ..finite import worst
 from ..replay.reproduction import exact_until
 from ..replay.session import Session
-from ..report import BatchRef, Event, RankCheck, ReplayReport
+from ..report import BatchRef, Event, Precursor, RankCheck, ReplayReport
 from ..rootcause.findings import describe
 from ..rootcause.samples import batch_size
 from ..runs.batches import data_leaves
@@ -29,6 +30,8 @@ def complete(report: ReplayReport, run: Run, session: Session, match: Callable[[
     assert world is not None
     report.setup.world_size, report.setup.wrapping = world.world_size, world.kind
     report.setup.ranks_replayed = "torchrun" if isinstance(session, RankSession) else "emulated"
+    if isinstance(session, RankSession):
+        report.precursors = _over_ranks(report.precursors)
     if report.origin is not None:
         report.responsible_batch = _responsible(run, report.origin)
     logged = {rank: {s.step: s.loss for s in run.rank_steps(rank)} for rank in range(world.world_size)}
@@ -42,6 +45,24 @@ def complete(report: ReplayReport, run: Run, session: Session, match: Callable[[
         m = c.first_mismatch
         if m is not None and m.index:  # a parameter or its optimizer state: FSDP2 shards it along dimension 0
             m.rank = world.shard_owner(lengths.get(m.tensor.rpartition(" of ")[2], 0), m.index)
+
+
+def _over_ranks(precursors: list[Precursor]) -> list[Precursor]:
+    """Each step's largest magnitudes over every rank of the job, as the emulation measures them (it runs every rank's
+    shard in one process): under torchrun each rank measured its own forward passes only. Every rank calls this."""
+    import torch.distributed as dist
+
+    gathered: list[list[Precursor]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, precursors)  # between the job's own ranks
+    out = []
+    for i, p in enumerate(precursors):
+        at = [ranks[i] for ranks in gathered]
+        act = worst(q.activation_max_abs for q in at)
+        out.append(dataclasses.replace(
+            p, grad_max_abs=worst(q.grad_max_abs for q in at), update_max_abs=worst(q.update_max_abs for q in at),
+            activation_max_abs=act, state_max_abs={k: worst(q.state_max_abs.get(k) for q in at) for k in p.state_max_abs},
+            activation_headroom=next((q.activation_headroom for q in at if q.activation_max_abs is act), None)))
+    return out
 
 
 def _responsible(run: Run, origin: Event) -> BatchRef:

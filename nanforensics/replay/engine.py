@@ -229,9 +229,6 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     first = step
                     located_from = step
                     continue
-                if step > stop:  # the log did not tell where the replay ends: up to the window's end
-                    stop = last
-                progress.update(step - first + 1, stop - first + 1)
                 events += step_events
                 p_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "param")
                 s_bad = sum(e.elements_nonfinite for e in step_events if e.stage == "optimizer_state")
@@ -243,13 +240,15 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                 spread.append(StepRecord(step, logged_loss, loss, p_bad, params_total, s_bad, state_total, b_bad,
                                          buffers_all, float32_ulps(logged_loss, loss) if logged_loss is not None
                                          else None))
-                if located_from is not None and step >= _horizon(events, spread, logged_nan) + opts.after:
-                    progress.update(step - first + 1, step - first + 1)  # done: the total was a bound
-                    break
+                chain_done = located_from is not None and step >= _horizon(events, spread, logged_nan) + opts.after
                 pending = next((s for s in logged_nan if s not in loss_only and s not in amp.caught), None)
-                if located_from is None and pending is not None and step >= pending + opts.after:
-                    progress.update(step - first + 1, step - first + 1)
-                    break  # the logged NaN did not reproduce; no point replaying the rest
+                # the logged NaN did not reproduce; no point replaying the rest
+                unreproduced = located_from is None and pending is not None and step >= pending + opts.after
+                if step > stop:  # the log did not tell where the replay ends: up to the window's end
+                    stop = last
+                progress.update(step - first + 1, step - first + 1 if chain_done or unreproduced else stop - first + 1)
+                if chain_done or unreproduced:
+                    break
         finally:
             hooks.close()
         if located_from is None:

@@ -68,19 +68,25 @@ class Tracker:
         return f"{'at most' if self.at_most else 'about'} {_seconds(left)} left"
 
 
+def prefix(command: str) -> str:
+    """What every progress line in a log starts with, ``nanforensics: [replay] ``: the command, and never a line an
+    error or a report starts with."""
+    return f"nanforensics: [{command}] "
+
+
 class LogLines(Tracker):
     """Plain lines for a log: the phase as it begins, then a progress line at most every ``interval`` seconds."""
 
-    def __init__(self, write: Callable[[str], None], interval: float = INTERVAL_S,
+    def __init__(self, write: Callable[[str], None], command: str, interval: float = INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(clock)
-        self.write, self.interval, self.last = write, interval, clock()
+        self.write, self.prefix, self.interval, self.last = write, prefix(command), interval, clock()
 
     def phase(self, what: str, total: int | None = None, unit: str = "step", at_most: bool = False) -> None:
         super().phase(what, total, unit, at_most)
         self.last = self.began
         size = f" ({'at most ' if at_most else ''}{_amount(total, unit)})" if total is not None else ""
-        self.write(f"nanforensics: {what}{size}")
+        self.write(f"{self.prefix}{what}{size}")
 
     def update(self, done: int, total: int | None = None) -> None:
         super().update(done, total)
@@ -89,7 +95,7 @@ class LogLines(Tracker):
             return
         self.last = now
         eta = self.eta()
-        self.write(f"nanforensics: {self.where()}, {_seconds(now - self.began)} elapsed" + (f", {eta}" if eta else ""))
+        self.write(f"{self.prefix}{self.where()}, {_seconds(now - self.began)} elapsed" + (f", {eta}" if eta else ""))
 
 
 class Bar(Tracker):
@@ -129,7 +135,7 @@ def interval() -> float:
 
 
 @contextmanager
-def progress_view(console: Console, shown: bool = True) -> Iterator[Tracker]:
+def progress_view(console: Console, command: str, shown: bool = True) -> Iterator[Tracker]:
     """The view for ``console`` (stderr): a bar on a terminal, lines in a log; a tracker that draws nothing when
     not ``shown`` (``--quiet``, or a rank other than 0 under torchrun)."""
     if not shown:
@@ -139,4 +145,5 @@ def progress_view(console: Console, shown: bool = True) -> Iterator[Tracker]:
         with view.bar:
             yield view
     else:
-        yield LogLines(lambda line: console.print(visible(line), markup=False, highlight=False, soft_wrap=True), interval())
+        yield LogLines(lambda line: console.print(visible(line), markup=False, highlight=False, soft_wrap=True), command,
+                       interval())

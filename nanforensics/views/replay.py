@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from ..finite import worst
 from ..report import AmpReport, DataDefect, Event, ReplayReport, StepRecord, WhatIfResult
 from ..rootcause.findings import step_not_data
 from ..words import count, numbered, sample_positions
@@ -43,19 +44,13 @@ CHAIN_STEPS = (3, 2)  # steps of the propagation chain shown before and after th
 SPREAD_ROWS = (6, 5)  # rows of the spread table shown before and after the elided middle of a long one
 
 
-def _worst(values: list[float | None]) -> float | None:
-    """The value a character of a resampled sparkline stands for: a non-finite one where there is one (that is what
-    the line is for), else the largest in magnitude; None when all are missing."""
-    present = [v for v in values if v is not None]
-    return next((v for v in present if not math.isfinite(v)), max(present, key=abs, default=None))
-
-
 def resample(values: list[float | None], width: int) -> list[float | None]:
-    """At most ``width`` values: consecutive ones merged by ``_worst``, each character standing for as many steps."""
+    """At most ``width`` values: consecutive ones merged by ``finite.worst``, each character standing for as many
+    steps (a non-finite value wins its character: that is what the line is for)."""
     if len(values) <= width:
         return values
     per = math.ceil(len(values) / max(1, width))
-    return [_worst(values[i:i + per]) for i in range(0, len(values), per)]
+    return [worst(values[i:i + per]) for i in range(0, len(values), per)]
 
 
 def sparkline(values: list[float | None], width: int = TREND_WIDTH) -> str:

@@ -18,6 +18,7 @@ from typer.core import TyperArgument, TyperGroup
 from .errors import BadInput
 from .outputs import check_outputs, expand
 from .rootcause import DEFAULT_MAX_ABS
+from .runs.paths import existing, run_directory
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -232,6 +233,11 @@ def replay(
     if (checkpoint is None) != (code is None):
         raise BadInput("--checkpoint" if code is None else "--code", "--checkpoint and --code go together: the "
                                                                      "script builds what the checkpoint is loaded into")
+    if checkpoint is not None and code is not None:  # what needs no tensor first: torch takes seconds to load
+        check_outputs([existing(checkpoint), *map(existing, code_inputs(code))], {"--json": json_out,
+                                                                                 "--markdown": markdown})
+    else:
+        check_outputs([run_directory(run_dir)], {"--json": json_out, "--markdown": markdown})
     from .distributed.world import joined
     from .replay.engine import ReplayOptions, replay_run
     from .replay.session import resolve_device
@@ -241,12 +247,7 @@ def replay(
     from .runs.unrecorded import code_specs
     from .views.replay import render_markdown, render_terminal
 
-    if checkpoint is not None and code is not None:
-        check_outputs([checkpoint, *code_inputs(code)], {"--json": json_out, "--markdown": markdown})
-        announce_code(code_specs(code, names))
-    else:
-        check_outputs([run_dir], {"--json": json_out, "--markdown": markdown})
-        announce_code(run_code(run_dir))
+    announce_code(code_specs(code, names) if checkpoint is not None and code is not None else run_code(run_dir))
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
                             explain=explain,
@@ -294,11 +295,11 @@ def repair(
 
     Exit codes: 0 written and verified, 1 the repaired run did not stay finite (nothing written), 2 bad input.
     """
+    check_outputs([run_directory(run_dir)], {"--out": str(out), "--json": json_out}, folders=("--out",))
     from .replay.repair import RepairOptions, repair_run
     from .runs.run import run_code
     from .views.repair import render_repair_terminal
 
-    check_outputs([run_dir], {"--out": str(out), "--json": json_out}, folders=("--out",))
     announce_code(run_code(run_dir))
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code)
@@ -330,11 +331,11 @@ def scan(
 
     Exit codes: 0 clean, 1 poisoned (parameters or optimizer state), 2 bad input.
     """
+    check_outputs([existing(checkpoint)], {"--json": json_out, "--markdown": markdown})
     from .checkpoints.scan import CLEAN, scan_checkpoint
     from .formats import open_checkpoint
     from .views.checkpoints import bytes_progress, render_scan_markdown, render_scan_terminal
 
-    check_outputs([checkpoint], {"--json": json_out, "--markdown": markdown})
     source = open_checkpoint(checkpoint)
     with bytes_progress(stderr_console()) as progress:
         report = scan_checkpoint(source, full=full, margin=margin, progress=progress)
@@ -384,11 +385,11 @@ def bisect(
     if code is not None and run_replay:
         raise BadInput("--code", "replays checkpoints written without the recorder; --replay is for runs of "
                                  "nanforensics: give one of the two")
+    check_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []),
+                  {"--json": json_out, "--markdown": markdown})
     from .checkpoints.bisect import bisect as bisect_checkpoints
     from .views.checkpoints import bytes_progress, render_bisect_markdown, render_bisect_terminal
 
-    check_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []),
-                  {"--json": json_out, "--markdown": markdown})
     if code is not None:
         from .runs.unrecorded import code_specs
 
@@ -461,14 +462,14 @@ def postmortem(
     3 logged NaN reproduced neither by the replay nor in the checkpoints, 4 a non-finite loss only (the replay
     found every gradient, parameter, optimizer state and buffer finite).
     """
+    summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
+    check_outputs([existing(directory)], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
+                                          "$GITHUB_STEP_SUMMARY": summary_file})
     from .postmortem import postmortem as examine
     from .runs.run import run_code
     from .views.html import render_html
     from .views.postmortem import render_junit, render_markdown, render_terminal, status_line
 
-    summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
-    check_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
-                                "$GITHUB_STEP_SUMMARY": summary_file})
     announce_code(run_code(directory))
     with step_progress("replaying") as progress:
         report = examine(directory, progress, note=status_line(stderr_console()), trust_code=trust_code)
@@ -493,11 +494,11 @@ def report_command(
     html: Annotated[Optional[str], typer.Option(metavar="PATH", help="Write it as a self-contained HTML page to PATH.")] = None,
 ) -> None:
     """Re-render a saved report on the terminal, as Markdown or as HTML, without replaying anything."""
+    check_outputs([existing(saved)], {"--markdown": markdown, "--html": html})
     from .saved import load_report
     from .views.html import render_html
     from .views.report import render_markdown, render_terminal
 
-    check_outputs([saved], {"--markdown": markdown, "--html": html})
     loaded = load_report(saved)
     emit_markdown(render_markdown(loaded), markdown)
     emit_text(render_html(loaded), html, "HTML")

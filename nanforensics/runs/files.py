@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import shutil
-import stat
 import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -17,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from ..errors import BadInput
+from .paths import not_regular
 
 _counter = itertools.count()
 
@@ -104,23 +104,14 @@ def tensors_to_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str])
     return save({k: _storable(v, seen) for k, v in tensors.items()}, metadata=metadata)
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
-
-
-def _not_regular(mode: int) -> str | None:
-    return None if stat.S_ISREG(mode) else next((f"not a regular file ({kind})" for is_kind, kind in _KINDS
-                                                  if is_kind(mode)), "not a regular file")
-
-
 def open_input(path: Path) -> BinaryIO:
     """The one way an input file is opened: a FIFO, socket or device in its place is refused at once, never read
     (a read from a FIFO waits for a writer that never comes)."""
     try:
-        problem = _not_regular(os.stat(path).st_mode)  # before any open: opening some devices acts on them
+        problem = not_regular(os.stat(path).st_mode)  # before any open: opening some devices acts on them
         if problem is None:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-            problem = _not_regular(os.fstat(fd).st_mode)  # replaced since the stat
+            problem = not_regular(os.fstat(fd).st_mode)  # replaced since the stat
             if problem is not None:
                 os.close(fd)
     except FileNotFoundError:

@@ -15,8 +15,9 @@ self-attention, LayerNorm, a tied head; tests/scenarios.py), AdamW, right-padded
    over its 20-step window against the recording's own time for the same steps, and where the replay's
    time goes, phase by phase (the child times the library's functions it calls, outermost first);
    the peak RSS of each child (``os.wait4``: that child alone);
-3. sample attribution on that step, in this process through the library: passes and seconds, against
-   the recording's time for one step at that batch size.
+3. sample attribution on that step: the replay's passes, started from the origin's coordinates; with
+   ``--halving``, also without them (probing and halving), in this process through the library, passes
+   and seconds against the recording's time for one step at that batch size.
 The provenance trace of the responsible step has its own bench (bench/bench_provenance.py).
 """
 
@@ -115,20 +116,21 @@ def record_child(run_dir: Path, size: int, device_name: str) -> None:
     device = torch.device(device_name)
     model = scenarios.build_decoder(**MODEL).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    seconds = []
+    seconds, cpu = [], []
     with Recorder(run_dir, model, optimizer, model_factory="scenarios:build_decoder", model_kwargs=MODEL,
                   step_fn="scenarios:train_step_lm", checkpoint_every=10**9) as rec:
         for step in range(STEPS):
             b = batch(step, size, device, "fully_padded" if step == DEFECT_STEP else None)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss = scenarios.train_step_lm(model, optimizer, b)
             rec.log(step, b, loss)
             seconds.append(time.perf_counter() - start)
-    print(json.dumps({"step_seconds": seconds}))
+            cpu.append(time.process_time() - start_cpu)
+    print(json.dumps({"step_seconds": seconds, "step_cpu": cpu}))
 
 
-def child(args: list[str], env: dict[str, str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in MB of that child alone, stdout)."""
+def child(args: list[str], env: dict[str, str]) -> tuple[float, float, str, float]:
+    """(wall seconds, peak RSS in MB of that child alone, stdout, its CPU seconds)."""
     with tempfile.TemporaryFile("w+") as out:
         start = time.perf_counter()
         p = subprocess.Popen(args, stdout=out, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
@@ -141,7 +143,7 @@ def child(args: list[str], env: dict[str, str]) -> tuple[float, float, str]:
         text = out.read()
     if p.returncode not in (0, 1):  # replay exits 1 when it found the culprit
         raise SystemExit(f"{' '.join(args)} exited {p.returncode}: {err.strip()[-2000:]}")
-    return wall, usage.ru_maxrss / 1024, text  # ru_maxrss is in KiB on Linux
+    return wall, usage.ru_maxrss / 1024, text, usage.ru_utime + usage.ru_stime  # ru_maxrss is in KiB on Linux
 
 
 # The replay's phases: the library functions the replay calls, timed where they are looked up. Only the outermost
@@ -200,43 +202,46 @@ def replay_child(run_dir: Path, report_path: Path, device: str, started: float) 
     print(json.dumps(spent))
 
 
-def replay_and_attribution(device: torch.device, size: int) -> None:
+def replay_and_attribution(device: torch.device, size: int, halving: bool) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="nf-bench-transformer-") as tmp:
         run, report_path = Path(tmp) / "run", Path(tmp) / "replay.json"
-        rec_wall, rec_rss, out = child([sys.executable, __file__, "--record-child", str(run), "--run-batch", str(size),
-                                        "--device", str(device)], env)
-        step_seconds = json.loads(out.strip().splitlines()[-1])["step_seconds"]
-        replay_wall, replay_rss, out = child([sys.executable, __file__, "--replay-child", str(run), str(report_path),
-                                              "--device", device.type], env)
+        rec_wall, rec_rss, out, _ = child([sys.executable, __file__, "--record-child", str(run), "--run-batch",
+                                           str(size), "--device", str(device)], env)
+        recording = json.loads(out.strip().splitlines()[-1])
+        replay_wall, replay_rss, out, replay_cpu = child([sys.executable, __file__, "--replay-child", str(run),
+                                                          str(report_path), "--device", device.type], env)
         phases = json.loads(out.strip().splitlines()[-1])
         report = json.loads(report_path.read_text())
         first, last = report["setup"]["first_step"], report["setup"]["last_step"]
-        recorded = sum(step_seconds[first:last + 1])
-        seconds, passes, found = attribution(run, report["responsible_step"], device)
+        recorded = sum(recording["step_seconds"][first:last + 1])
+        recorded_cpu = sum(recording["step_cpu"][first:last + 1])
+        halved = attribution(run, report["responsible_step"], device) if halving else None
 
-    ratio = replay_wall / recorded
-    plain = statistics.median(step_seconds)
+    ratio, cpu_ratio = replay_wall / recorded, replay_cpu / recorded_cpu
+    plain = statistics.median(recording["step_seconds"])
     print(f"\n2. a run of {STEPS} steps at batch {size} (sample {scenarios.DEFECT_SAMPLE} fully padded at step "
           f"{DEFECT_STEP}), recorded and replayed through the CLI's entry point in child processes")
     print(f"  verdict {report['verdict']}, responsible step {report['responsible_step']} "
           f"({report['origin']['stage']} {report['origin']['tensor']}), steps {first}-{last} replayed")
-    print(f"  recording, steps {first}-{last}    {recorded:8.1f} s   ({plain:.2f} s a step, "
+    print(f"  recording, steps {first}-{last}    {recorded:8.1f} s wall {recorded_cpu:8.1f} s CPU  ({plain:.2f} s a step, "
           f"Recorder.log included; the child ran {rec_wall:.1f} s in all)")
-    print(f"  nanforensics replay, whole  {replay_wall:8.1f} s   {ratio:.2f}x the recording; target <= 1.5: "
-          + verdict(ratio <= 1.5))
+    print(f"  nanforensics replay, whole  {replay_wall:8.1f} s wall {replay_cpu:8.1f} s CPU  = {ratio:.2f}x the recording "
+          f"(wall), {cpu_ratio:.2f}x (CPU); target <= 1.5: {verdict(max(ratio, cpu_ratio) <= 1.5)}")
+    print("  where the replay's wall time goes:")
     for name, t in sorted(phases.items(), key=lambda kv: -kv[1]):
         if t >= 0.05:
             print(f"    {name:<52}{t:8.1f} s  {t / plain:6.2f} recorded steps")
     s = report["samples"]
-    print(f"    (the replay's sample attribution: {s['status']}, samples {s['samples']}, {s['passes']} passes)")
     print(f"  peak RSS: training loop {rec_rss:.0f} MB, replay {replay_rss:.0f} MB = {replay_rss / rec_rss:.2f}x; "
           f"target (proposed) <= 1.5: {verdict(replay_rss <= 1.5 * rec_rss)}")
-    bound = 1 + 2 * math.ceil(math.log2(size))  # 1 + 2k log2(B), k = 1 bad sample (bench_samples.py)
-    print(f"\n3. sample attribution at batch {size}, without the origin's coordinates: {passes} forward/backward passes "
-          f"(target <= 1 + 2 log2 {size} = {bound}: {verdict(passes <= bound)}), {seconds:.1f} s = {seconds / plain:.2f} "
-          f"recorded steps; found samples {found}; with them, the replay's: {s['passes']} passes (target <= 3: "
-          f"{verdict(s['passes'] <= 3)})")
+    print(f"\n3. sample attribution at batch {size}, started from the origin's coordinates: {s['status']}, samples "
+          f"{s['samples']}, {s['passes']} passes; target <= 3: {verdict(s['passes'] <= 3)}")
+    if halved is not None:
+        seconds, passes, found = halved
+        bound = 1 + 2 * math.ceil(math.log2(size))  # 1 + 2k log2(B), k = 1 bad sample (bench_samples.py)
+        print(f"  without them (probing and halving): {passes} passes (bound 1 + 2 log2 {size} = {bound} and one probe), "
+              f"{seconds:.1f} s = {seconds / plain:.2f} recorded steps; found samples {found}")
 
 
 def attribution(run_dir: Path, step: int, device: torch.device) -> tuple[float, int, list[int]]:
@@ -264,6 +269,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time, part 1 (benchlib.py)")
     ap.add_argument("--skip-run", action="store_true", help="only the step overhead (part 1)")
     ap.add_argument("--only-run", action="store_true", help="only the recorded run and its replay (parts 2 and 3)")
+    ap.add_argument("--halving", action="store_true", help="part 3 also attributes samples without the coordinates")
     ap.add_argument("--record-child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--replay-child", type=Path, nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -279,7 +285,7 @@ def main() -> None:
     if not args.only_run:
         step_overhead(device, args.batch, args.rounds, args.clock)
     if not args.skip_run:
-        replay_and_attribution(device, args.run_batch)
+        replay_and_attribution(device, args.run_batch, args.halving)
     print("\nthe provenance trace of the responsible step against detect_anomaly: bench/bench_provenance.py")
 
 

@@ -18,6 +18,7 @@ from typer.core import TyperArgument, TyperGroup
 from .errors import BadInput
 from .outputs import append_output, check_outputs, expand, write_output
 from .rootcause import DEFAULT_MAX_ABS
+from .runs.paths import existing, run_directory
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -271,6 +272,12 @@ def replay(
     if (checkpoint is None) != (code is None):
         raise BadInput("--checkpoint" if code is None else "--code", "--checkpoint and --code go together: the "
                                                                      "script builds what the checkpoint is loaded into")
+    if checkpoint is not None and code is not None:  # what needs no tensor first: torch takes seconds to load
+        checked_outputs([existing(checkpoint), *map(existing, code_inputs(code)), *(code_path or [])],
+                        {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
+    else:
+        checked_outputs([run_directory(run_dir), *(code_path or [])], {"--json": json_out, "--markdown": markdown},
+                        create_dirs=create_dirs)
     from .distributed.world import joined
     from .replay.engine import ReplayOptions, replay_run
     from .replay.session import resolve_device
@@ -280,13 +287,7 @@ def replay(
     from .runs.unrecorded import code_specs
     from .views.replay import render_markdown, render_terminal
 
-    if checkpoint is not None and code is not None:
-        checked_outputs([checkpoint, *code_inputs(code), *(code_path or [])], {"--json": json_out, "--markdown": markdown},
-                        create_dirs=create_dirs)
-        announce_code(code_specs(code, names))
-    else:
-        checked_outputs([run_dir, *(code_path or [])], {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
-        announce_code(run_code(run_dir))
+    announce_code(code_specs(code, names) if checkpoint is not None and code is not None else run_code(run_dir))
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
                             trust_packages=trust_package or [], explain=explain,
@@ -339,12 +340,12 @@ def repair(
     nothing to repair (nothing written): the replay's own, 0 clean, 3 logged NaN not reproduced, 4 a non-finite loss
     only.
     """
+    checked_outputs([run_directory(run_dir), *(code_path or [])], {"--out": str(out), "--json": json_out},
+                    folders=("--out",), create_dirs=create_dirs)
     from .replay.repair import NothingToRepair, RepairOptions, repair_run
     from .runs.run import run_code
     from .views.repair import render_repair_terminal
 
-    checked_outputs([run_dir, *(code_path or [])], {"--out": str(out), "--json": json_out}, folders=("--out",),
-                    create_dirs=create_dirs)
     announce_code(run_code(run_dir))
     options = RepairOptions(reset_state=reset_state, verify_steps=verify_steps, force=force, device=device,
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
@@ -387,12 +388,12 @@ def scan(
     Exit codes: 0 clean, 1 poisoned (parameters or optimizer state), 2 bad input, 5 finite but the optimizer state
     unsound (moments Adam cannot produce, a step counter reset, lr or loss scale inf, ...).
     """
+    checked_outputs([existing(checkpoint)], {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
     from .checkpoints.scan import CLEAN, scan_checkpoint
     from .formats import open_checkpoint
     from .progress import BytesRead
     from .views.checkpoints import render_scan_markdown, render_scan_terminal
 
-    checked_outputs([checkpoint], {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
     source = open_checkpoint(checkpoint)
     with progress("scan", quiet) as view:
         report = scan_checkpoint(source, full=full, margin=margin, progress=BytesRead(view))
@@ -446,12 +447,12 @@ def bisect(
     if code is not None and run_replay:
         raise BadInput("--code", "replays checkpoints written without the recorder; --replay is for runs of "
                                  "nanforensics: give one of the two")
+    checked_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []) + list(code_path or []),
+                    {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
     from .checkpoints.bisect import bisect as bisect_checkpoints
     from .progress import BytesRead
     from .views.checkpoints import render_bisect_markdown, render_bisect_terminal
 
-    checked_outputs(expand(checkpoints) + (code_inputs(code) if code is not None else []) + list(code_path or []),
-                    {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
     if code is not None:
         from .runs.unrecorded import code_specs
 
@@ -528,14 +529,15 @@ def postmortem(
     3 logged NaN reproduced neither by the replay nor in the checkpoints, 4 a non-finite loss only (the replay
     found every gradient, parameter, optimizer state and buffer finite).
     """
+    summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
+    checked_outputs([existing(directory)], {"--json": json_out, "--markdown": markdown, "--junit": junit,
+                                            "--html": html, "$GITHUB_STEP_SUMMARY": summary_file},
+                    create_dirs=create_dirs)
     from .postmortem import postmortem as examine
     from .runs.run import run_code
     from .views.html import render_html
     from .views.postmortem import render_junit, render_markdown, render_terminal
 
-    summary_file = (os.environ.get("GITHUB_STEP_SUMMARY") or None) if markdown is None else None
-    checked_outputs([directory], {"--json": json_out, "--markdown": markdown, "--junit": junit, "--html": html,
-                                  "$GITHUB_STEP_SUMMARY": summary_file}, create_dirs=create_dirs)
     announce_code(run_code(directory))
     with progress("postmortem", quiet) as view:
         report = examine(directory, view, trust_code=trust_code, code_paths=code_path or [])
@@ -561,11 +563,11 @@ def report_command(
     create_dirs: CreateDirsOption = False,
 ) -> None:
     """Re-render a saved report on the terminal, as Markdown or as HTML, without replaying anything."""
+    checked_outputs([existing(saved)], {"--markdown": markdown, "--html": html}, create_dirs=create_dirs)
     from .saved import load_report
     from .views.html import render_html
     from .views.report import render_markdown, render_terminal
 
-    checked_outputs([saved], {"--markdown": markdown, "--html": html}, create_dirs=create_dirs)
     loaded = load_report(saved)
     emit_markdown(render_markdown(loaded), markdown)
     emit_text(render_html(loaded), html, "--html")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -12,7 +13,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import pytest
 import torch
@@ -85,11 +86,39 @@ def assert_one_line_error(result: Result, *needles: str) -> None:
         assert needle in lines[0], (needle, lines[0])
 
 
+class RecordedRuns(Mapping[str, Path]):
+    """One recorded run per scenario, recorded when a test first asks for it, once per test session: pytest-xdist's
+    workers share the folder, and a lock per scenario makes the first to ask record it while the others wait."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in scenarios.SCENARIOS:
+            raise KeyError(name)
+        path = self.root / name
+        with open(self.root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.is_dir():
+                building = self.root / f".{name}.{os.getpid()}"
+                shutil.rmtree(building, ignore_errors=True)
+                _record(building, name)
+                building.rename(path)
+        return path
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(scenarios.SCENARIOS)
+
+    def __len__(self) -> int:
+        return len(scenarios.SCENARIOS)
+
+
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One recorded run per scenario, the defect at step 17, checkpoints every 10 steps."""
-    root = tmp_path_factory.mktemp("runs")
-    return {name: _record(root / name, name) for name in scenarios.SCENARIOS}
+def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Mapping[str, Path]:
+    """One recorded run per scenario, the defect at step 17, checkpoints every 10 steps; see ``RecordedRuns``."""
+    base = tmp_path_factory.getbasetemp()  # an xdist worker's lies in the session's, which the workers share
+    return RecordedRuns((base.parent if hasattr(request.config, "workerinput") else base) / "recorded-runs")
 
 
 def _record(path: Path, name: str) -> Path:
@@ -98,7 +127,7 @@ def _record(path: Path, name: str) -> Path:
 
 
 @pytest.fixture
-def copy_run(tmp_path: Path, runs: dict[str, Path]):
+def copy_run(tmp_path: Path, runs: Mapping[str, Path]):
     """A private copy of a recorded run, for tests that damage it."""
     def make(name: str) -> Path:
         dest = tmp_path / name

@@ -16,10 +16,10 @@ from ..inputs import examine, load_json
 from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
+from .paths import MANIFEST, run_directory
 from .steplog import LoggedStep, is_step, read_steps
 
 RUN_FORMAT = "nanforensics.run/1"
-MANIFEST = "manifest.json"
 STEPS = "steps.jsonl"
 _CHECKPOINT_DIR = re.compile(r"^step_(\d{8})$")
 MAX_THREADS = 4096  # num_threads beyond any machine's cores is damage, not a setting to pin
@@ -123,11 +123,7 @@ class Run:
     """A recorded run, opened read-only."""
 
     def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        if not self.path.exists():
-            raise BadInput(self.path, "no such run directory")
-        if not self.path.is_dir():
-            raise BadInput(self.path, "not a directory")
+        self.path = run_directory(Path(path))
         examine(self.path)
         self.manifest = Manifest.read(self.path / MANIFEST)
         self.world = self.manifest.world

@@ -17,8 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-import distributed_job  # noqa: E402 - the test job, outside the installed package
 from generate import CODE  # noqa: E402 - the samples' shipped code, which the manifest names
+
+import distributed_job  # noqa: E402 - the test job, outside the installed package
 
 SAMPLES = {"ddp_two_ranks": "ddp"}  # shipped name: the job's run
 

@@ -103,8 +103,9 @@ def _signature(path: str) -> Optional[tuple[int, int]]:
     return st.st_mtime_ns, st.st_size
 
 
-class Interrupted(Exception):
-    """Ctrl-C (SIGINT), raised instead of KeyboardInterrupt, which typer turns into a silent exit 130."""
+class Interrupted(BaseException):
+    """Ctrl-C (SIGINT), raised instead of KeyboardInterrupt, which typer turns into a silent exit 130; a
+    BaseException, as KeyboardInterrupt is, so that nothing that reports the user's code's errors takes it for one."""
 
 
 def _interrupted(signum: int, frame: object) -> None:

@@ -378,12 +378,23 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _adamw_lr_range(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1.5e-2)
+    return torch.optim.AdamW(model.parameters(), lr=5e-3)
 
 
 def lr_finder(optimizer: torch.optim.Optimizer) -> Any:
-    """An LR range test: the learning rate doubles every step until training blows up (from 1.5e-2: by step 19)."""
-    return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=2.0)
+    """An LR range test sweeping two decades a step from 5e-3, up to 5e9 (past that a float32 Adam step overflows).
+
+    AdamW moves every weight by about the learning rate, so the residual stream grows about 10^6-fold a step: its
+    largest value is ~3e13 at step 4 (forward and backward finite: the backward first overflows near 1e18) and ~3e24
+    at step 5, where each sample alone makes LayerNorm's variance overflow (from 1e20 on). Both margins are orders of
+    magnitude, so the failing step, its stage and its batch-wide spread do not hang on the CPU's summation order or
+    thread count, as a doubling learning rate's slow approach to the boundary did (3x lower or higher learning
+    rates fail at the same step and stage)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_range)
+
+
+def _lr_range(step: int) -> float:
+    return 100.0 ** min(step, 6)
 
 
 @dataclass(frozen=True)

@@ -373,6 +373,27 @@ def train_step_lm_scheduled(model: nn.Module, optimizer: torch.optim.Optimizer, 
     return loss
 
 
+def train_step_batch_likelihood(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
+                                scheduler: Any) -> torch.Tensor:
+    """A Gaussian regression whose loss is the batch's negative log-likelihood written naively, as -log of the batch's
+    likelihood exp(-sum(err**2) / 2) (the product of the samples'), then the LR scheduler's step. The likelihood
+    underflows to 0 once the squared errors of the samples together pass ~2*103: -log(0) = inf, and exp's backward
+    gives inf*0 = NaN gradients. A loss coupled over the batch, where two samples of moderate error (err**2 / 2 = 75
+    each: exp(-75) = 3e-33 alone, exp(-150) = 0 together) fail only together."""
+    optimizer.zero_grad(set_to_none=True)
+    err = model(batch["x"]) - batch["y"]
+    loss = -torch.log(torch.exp(-0.5 * (err ** 2).sum()))
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return loss
+
+
+def lr_doubling(optimizer: torch.optim.Optimizer) -> Any:
+    """A learning rate that doubles every step (from 1e-7 it stays too small to move the model far in 20 steps)."""
+    return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=2.0)
+
+
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 

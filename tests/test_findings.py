@@ -258,6 +258,49 @@ def test_clean_run_says_no_non_finite_value_and_shows_no_data_row(runs, tmp_path
     assert "\n│ data " not in terminal and "**Data:**" not in md
 
 
+COUPLED_ALONE, COUPLED_PAIR = [2, 3], [4, 5]
+
+
+def coupled_errors(step: int) -> dict[str, Any]:
+    """Step 17's targets put two samples' errors past the batch likelihood's underflow alone (err**2 / 2 ~ 400), two
+    more at ~75 each, which underflows only together (75 + 75 > 103); the rest stay near 1 (the model's scale)."""
+    batch = scenarios.make_batch(step)
+    if step == DEFECT_STEP:
+        batch["y"][COUPLED_ALONE] = 30.0
+        batch["y"][COUPLED_PAIR] = 13.5
+    return batch
+
+
+def test_a_coupled_failure_after_a_drift_names_the_drift(tmp_path):
+    """A loss coupled over the batch (tests/scenarios.py's batch likelihood) under a learning rate doubling every step:
+    two samples fail alone, two more only together, and more than half do not. The samples sentence says both; the
+    learning rate's rise is said beside them. The margins are orders of magnitude in the likelihoods, so the sets do
+    not hang on rounding."""
+    run = tmp_path / "likelihood"
+    model = scenarios.build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-7)
+    scheduler = scenarios.lr_doubling(optimizer)
+    step_fn = scenarios.train_step_batch_likelihood
+    with Recorder(run, model, optimizer, model_factory=scenarios.build_model, step_fn=step_fn, checkpoint_every=10,
+                  scheduler=scheduler, scheduler_factory=scenarios.lr_doubling) as rec:
+        for step in range(DEFECT_STEP + 3):
+            batch = coupled_errors(step)
+            rec.log(step, batch, step_fn(model, optimizer, batch, scheduler=scheduler))
+    r, _, _ = replay(run, tmp_path)
+    t, s = r["responsible_step"], r["samples"]
+    assert (t, r["origin"]["stage"]) == (DEFECT_STEP, "loss")
+    assert (s["status"], s["samples"], s["coupled_groups"], r["data_defects"]) == (
+        "coupled", COUPLED_ALONE, [COUPLED_PAIR], [])
+    samples = one(r["findings"], "Samples: ")
+    assert f"failure of samples {COUPLED_PAIR}: they fail only together" in samples
+    ids = [f"s{t:05d}-{i:02d}" for i in COUPLED_ALONE]
+    assert samples.endswith(f"; samples 2, 3 of {scenarios.BATCH} produce the non-finite value alone "
+                            f"(batch['ids'] = {ids}).")
+    drift = one(r["findings"], f"Step {t}'s batch holds no data defect and its failure needs samples together ([4, 5])")
+    assert f"; over steps 0-{t - 1} before it these rose: the learning rate from 1e-07 to " in drift
+    assert not [f for f in r["findings"] if "not its data" in f]
+
+
 def test_the_lr_finder_fails_the_same_on_one_thread_and_the_drift_sentence_needs_a_coupled_failure(runs, tmp_path):
     """The LR-finder run recorded on one thread fails as the two-thread run does: the same step, stage, tensor and
     batch-wide spread, since its margins are orders of magnitude (tests/scenarios.py's ``lr_finder``), not rounding.

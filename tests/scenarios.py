@@ -373,17 +373,49 @@ def train_step_lm_scheduled(model: nn.Module, optimizer: torch.optim.Optimizer, 
     return loss
 
 
+def train_step_batch_likelihood(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
+                                scheduler: Any) -> torch.Tensor:
+    """A Gaussian regression whose loss is the batch's negative log-likelihood written naively, as -log of the batch's
+    likelihood exp(-sum(err**2) / 2) (the product of the samples'), then the LR scheduler's step. The likelihood
+    underflows to 0 once the squared errors of the samples together pass ~2*103: -log(0) = inf, and exp's backward
+    gives inf*0 = NaN gradients. A loss coupled over the batch, where two samples of moderate error (err**2 / 2 = 75
+    each: exp(-75) = 3e-33 alone, exp(-150) = 0 together) fail only together."""
+    optimizer.zero_grad(set_to_none=True)
+    err = model(batch["x"]) - batch["y"]
+    loss = -torch.log(torch.exp(-0.5 * (err ** 2).sum()))
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return loss
+
+
+def lr_doubling(optimizer: torch.optim.Optimizer) -> Any:
+    """A learning rate that doubles every step (from 1e-7 it stays too small to move the model far in 20 steps)."""
+    return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=2.0)
+
+
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def _adamw_lr_range(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1.5e-2)
+    return torch.optim.AdamW(model.parameters(), lr=5e-3)
 
 
 def lr_finder(optimizer: torch.optim.Optimizer) -> Any:
-    """An LR range test: the learning rate doubles every step until training blows up (from 1.5e-2: by step 19)."""
-    return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=2.0)
+    """An LR range test sweeping two decades a step from 5e-3, up to 5e9 (past that a float32 Adam step overflows).
+
+    AdamW moves every weight by about the learning rate, so the residual stream grows about 10^6-fold a step: its
+    largest value is ~3e13 at step 4 (forward and backward finite: the backward first overflows near 1e18) and ~3e24
+    at step 5, where each sample alone makes LayerNorm's variance overflow (from 1e20 on). Both margins are orders of
+    magnitude, so the failing step, its stage and its batch-wide spread do not hang on the CPU's summation order or
+    thread count, as a doubling learning rate's slow approach to the boundary did (3x lower or higher learning
+    rates fail at the same step and stage)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_range)
+
+
+def _lr_range(step: int) -> float:
+    return 100.0 ** min(step, 6)
 
 
 @dataclass(frozen=True)

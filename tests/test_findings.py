@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nanforensics import Recorder
-from nanforensics.rootcause.samples import PROBES, select, split_batch
+from nanforensics.rootcause.samples import PROBES, probe_order, select, split_batch
 
 import scenarios
 from conftest import DEFECT_STEP, _record, run_cli
@@ -82,11 +82,15 @@ def test_lr_finder_blow_up_is_batch_wide_and_blames_the_step(runs, tmp_path):
     assert r["verdict"] == "nonfinite" and r["origin"]["stage"] == "forward" and r["origin"]["tensor"].endswith("ln2")
     s = r["samples"]
     assert (s["status"], s["samples"], s["batch_size"]) == ("batch_wide", [], scenarios.TOKEN_BATCH)
-    assert s["passes"] < scenarios.TOKEN_BATCH  # the decision costs fewer passes than one per sample
+    # the whole batch, the sample the origin's coordinate points at and the rest without it, the probes, the step
+    # before's batch from the same state (it fails too); the samples tried alone are fewer than one per sample
+    assert r["origin"]["index"][0] == 0 and s["passes"] == 1 + 2 + len(probe_order(scenarios.TOKEN_BATCH)) + 1
+    assert 1 + len(probe_order(scenarios.TOKEN_BATCH)) < scenarios.TOKEN_BATCH
+    assert (s["compared_step"], s["compared_fails"]) == (t - 1, True)
     assert "5 of the 8 samples, more than half, were tried alone and each fails" in s["message"]
     step = one(r["findings"], f"Step {t}, not its data, is responsible")
     assert "its learning rate, its loss scale, or weights grown over many steps" in step
-    assert f"Over steps 0-{t - 1} these rose: the learning rate from 0.015 to " in step  # doubled every step since
+    assert f"Over steps 0-{t - 1} these rose: the learning rate from 0.005 to " in step  # 100-fold every step since
     assert "the gradient norm from" in step and "the largest activation from" in step
     # the JSON keeps the step and its batch; the views do not present the batch as the responsible one
     assert r["responsible_batch"]["step"] == t
@@ -254,27 +258,65 @@ def test_clean_run_says_no_non_finite_value_and_shows_no_data_row(runs, tmp_path
     assert "\n│ data " not in terminal and "**Data:**" not in md
 
 
-def test_a_coupled_failure_after_a_drift_names_the_drift(runs, tmp_path):
-    """The LR-finder run recorded on one thread overflows a step earlier, in the backward: two samples fail alone,
-    two more only together, and more than half do not. The samples sentence says both; the learning rate's rise
-    is said beside them. Where nothing rose before a coupled failure (BatchNorm's near-zero reading) or the failure is
-    batch-wide (the same run on two threads, whose learning rate rose as much), the drift sentence is not said."""
+COUPLED_ALONE, COUPLED_PAIR = [2, 3], [4, 5]
+
+
+def coupled_errors(step: int) -> dict[str, Any]:
+    """Step 17's targets put two samples' errors past the batch likelihood's underflow alone (err**2 / 2 ~ 400), two
+    more at ~72 each, which underflows only together (72 + 72 > 103); the rest stay near 1 (the model's scale)."""
+    batch = scenarios.make_batch(step)
+    if step == DEFECT_STEP:
+        batch["y"][COUPLED_ALONE] = 30.0
+        batch["y"][COUPLED_PAIR] = 12.5
+    return batch
+
+
+def test_a_coupled_failure_after_a_drift_names_the_drift(tmp_path):
+    """A loss coupled over the batch (tests/scenarios.py's batch likelihood) under a learning rate doubling every step:
+    two samples fail alone, two more only together, and more than half do not. The samples sentence says both; the
+    learning rate's rise is said beside them. The margins are orders of magnitude in the likelihoods, so the sets do
+    not hang on rounding."""
+    run = tmp_path / "likelihood"
+    model = scenarios.build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-7)
+    scheduler = scenarios.lr_doubling(optimizer)
+    step_fn = scenarios.train_step_batch_likelihood
+    with Recorder(run, model, optimizer, model_factory=scenarios.build_model, step_fn=step_fn, checkpoint_every=10,
+                  scheduler=scheduler, scheduler_factory=scenarios.lr_doubling) as rec:
+        for step in range(DEFECT_STEP + 3):
+            batch = coupled_errors(step)
+            rec.log(step, batch, step_fn(model, optimizer, batch, scheduler=scheduler))
+    r, _, _ = replay(run, tmp_path)
+    t, s = r["responsible_step"], r["samples"]
+    assert (t, r["origin"]["stage"]) == (DEFECT_STEP, "loss")
+    assert (s["status"], s["samples"], s["coupled_groups"], r["data_defects"]) == (
+        "coupled", COUPLED_ALONE, [COUPLED_PAIR], [])
+    samples = one(r["findings"], "Samples: ")
+    assert f"failure of samples {COUPLED_PAIR}: they fail only together" in samples
+    ids = [f"s{t:05d}-{i:02d}" for i in COUPLED_ALONE]
+    assert samples.endswith(f"; samples 2, 3 of {scenarios.BATCH} produce the non-finite value alone "
+                            f"(batch['ids'] = {ids}).")
+    drift = one(r["findings"], f"Step {t}'s batch holds no data defect and its failure needs samples together ([4, 5])")
+    assert f"; over steps 0-{t - 1} before it these rose: the learning rate from 1e-07 to " in drift
+    assert not [f for f in r["findings"] if "not its data" in f]
+
+
+def test_the_lr_finder_fails_the_same_on_one_thread_and_the_drift_sentence_needs_a_coupled_failure(runs, tmp_path):
+    """The LR-finder run recorded on one thread fails as the two-thread run does: the same step, stage, tensor and
+    batch-wide spread, since its margins are orders of magnitude (tests/scenarios.py's ``lr_finder``), not rounding.
+    A batch-wide failure (its learning rate rose) and a coupled one where nothing rose before it (BatchNorm's
+    near-zero reading) do not get the coupled-drift sentence."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         run = _record(tmp_path / "one_thread", "decoder_lr_finder")
     finally:
         torch.set_num_threads(threads)
-    r, terminal, _ = replay(run, tmp_path)
-    t, s = r["responsible_step"], r["samples"]
-    assert (s["status"], s["samples"], s["coupled_groups"], r["data_defects"]) == ("coupled", [2, 3], [[4, 5]], [])
-    samples = one(r["findings"], "Samples: ")
-    assert "failure of samples [4, 5]: they fail only together" in samples
-    assert samples.endswith("; samples 2, 3 of 8 produce the non-finite value alone "
-                            "(batch['ids'] = ['doc00018-02', 'doc00018-03']).")
-    drift = one(r["findings"], f"Step {t}'s batch holds no data defect and its failure needs samples together ([4, 5])")
-    assert f"; over steps 0-{t - 1} before it these rose: the learning rate from 0.015 to " in drift
-    assert not [f for f in r["findings"] if "not its data" in f]
+    one_thread, _, _ = replay(run, tmp_path)
+    two_threads, _, _ = replay(runs["decoder_lr_finder"], tmp_path)
+    for r in (one_thread, two_threads):
+        assert (r["responsible_step"], r["origin"]["stage"], r["samples"]["status"]) == (5, "forward", "batch_wide")
+    assert one_thread["origin"]["tensor"] == two_threads["origin"]["tensor"]
     for name, status in (("batchnorm_near_zero", "coupled"), ("decoder_lr_finder", "batch_wide")):
         r, _, _ = replay(runs[name], tmp_path)
         assert r["samples"]["status"] == status

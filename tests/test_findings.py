@@ -119,8 +119,9 @@ def test_exactly_half_the_batch_bad_is_named_not_batch_wide(tmp_path):
 def test_a_wholly_corrupt_batch_is_batch_wide_but_blamed_on_its_data(tmp_path):
     run = record_mlp(tmp_path / "corrupt", all_bad)
     r, terminal, _ = replay(run, tmp_path)
-    # the whole batch, PROBES single samples, and the step before's batch from the same state (it stays finite)
-    assert r["samples"]["status"] == "batch_wide" and r["samples"]["passes"] == 1 + PROBES + 1
+    # the whole batch, the sample the origin points at alone and the rest without it, PROBES single samples, and the
+    # step before's batch from the same state (it stays finite)
+    assert r["samples"]["status"] == "batch_wide" and r["samples"]["passes"] == 1 + 2 + PROBES + 1
     assert (r["samples"]["compared_step"], r["samples"]["compared_fails"]) == (DEFECT_STEP - 1, False)
     [d] = [d for d in r["data_defects"] if d["step"] == DEFECT_STEP]
     assert (d["kind"], d["count"]) == ("subnormal", scenarios.BATCH)
@@ -251,11 +252,16 @@ def test_one_backoff_and_one_caught_overflow_in_the_singular(runs, tmp_path):
 def test_clean_run_says_no_non_finite_value_and_shows_no_data_row(runs, tmp_path):
     """The cases that apply are in tests/test_amp.py (a caught NaN loss, a data defect rendered)."""
     r, terminal, md = replay(runs["clean"], tmp_path, "--no-explain")
-    span = f"{r['setup']['first_step']}-{r['setup']['last_step']}"
+    first = r["setup"]["first_step"]
+    assert first > 0  # a clean run's replay checks its last window: the finding says which steps it left out
     assert r["data_defects"] == [] and r["findings"] == [
         f"No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter or buffer over "
-        f"steps {span}."]
+        f"steps {first}-{r['setup']['last_step']}; steps before {first} were not replayed (`--from-step 0` replays "
+        "from the start)."]
     assert "\n│ data " not in terminal and "**Data:**" not in md
+    r, _, _ = replay(runs["clean"], tmp_path, "--no-explain", "--from-step", "0")
+    assert r["findings"] == [f"No non-finite value in any batch, activation, loss, gradient, optimizer state, "
+                             f"parameter or buffer over steps 0-{r['setup']['last_step']}."]
 
 
 COUPLED_ALONE, COUPLED_PAIR = [2, 3], [4, 5]

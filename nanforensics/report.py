@@ -85,7 +85,8 @@ class TensorMismatch:
 
 @dataclass
 class CheckpointComparison:
-    """The replayed state, bit for bit, against a checkpoint the run recorded, as the replay passed it."""
+    """The replayed state, bit for bit, against a checkpoint the run recorded, as the replay passed it; within
+    ``tolerance`` where the replay runs on another CPU than the run's (its kernels sum in another order)."""
 
     step: int            # the checkpoint's step: the state before that step, after step - 1
     path: str
@@ -96,6 +97,24 @@ class CheckpointComparison:
     values: int = 0           # values compared
     nan_matched: int = 0      # of them, NaN on both sides: equal, but only in being NaN
     error: str | None = None  # the checkpoint could not be read: it decides nothing
+    tolerance: float = 0.0    # relative tolerance the values were compared within; 0: bit for bit
+    rounded: int = 0          # values that differ, but within ``tolerance``
+    max_ulps: int | None = None  # the largest difference of those, in ulps of their dtype
+
+    @property
+    def matched(self) -> bool:
+        """Bit-exact, or (compared within a tolerance) every value within it."""
+        return self.error is None and (self.exact or (self.tolerance > 0 and self.first_mismatch is None))
+
+
+@dataclass
+class CpuIdentity:
+    """The CPU a run was recorded or replayed on: its kernels' dispatch (capability) decides how they sum, so
+    bit-exact replay is a property of replays on the same kind of CPU."""
+
+    model: str       # e.g. "AMD EPYC 7B13", from /proc/cpuinfo (platform.processor() elsewhere); "" when unknown
+    capability: str  # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT", ...
+    machine: str     # platform.machine(): "x86_64", "arm64", ...
 
 
 @dataclass
@@ -303,6 +322,9 @@ class ReplaySetup:
     world_size: int | None = None  # distributed runs: the ranks recorded
     wrapping: str | None = None    # "ddp" or "fsdp2"
     ranks_replayed: str | None = None  # "emulated": every rank on this process; "torchrun": one process per rank
+    # a replay on the CPU: the CPU the run names (None: its manifest does not say) and this one
+    recorded_cpu: CpuIdentity | None = None
+    replay_cpu: CpuIdentity | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from nanforensics.replay.reproduction import LOSS_ULPS
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -35,7 +36,9 @@ def shift_logged_loss(run: Path, step: int, ulps: int) -> float:
 def test_seed_sample_reproduces_against_its_checkpoint(tmp_path):
     md = tmp_path / "report.md"
     r = replay(Path("sample_runs/seed_adam"), "--markdown", str(md))
-    assert (r["reproduced"], r["diverged_at_step"], r["loss_max_ulps"]) == (True, None, 0)
+    same_cpu = r["setup"]["recorded_cpu"] == r["setup"]["replay_cpu"]  # else the losses' reductions may round apart
+    assert (r["reproduced"], r["diverged_at_step"]) == (True, None)
+    assert r["loss_max_ulps"] == 0 if same_cpu else r["loss_max_ulps"] <= LOSS_ULPS
     [c] = r["checkpoints_compared"]  # replayed from step 20 to 29: it passes the checkpoint of step 30
     assert (c["step"], c["exact"], c["mismatched_tensors"], c["tensors"], c["error"]) == (30, True, 0, 28, None)
     assert 0 < c["nan_matched"] < c["values"]  # the run is NaN by then; the rest (Adam's step counts) bit-exact

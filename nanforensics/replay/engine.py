@@ -42,6 +42,7 @@ from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe
 from ..rootcause.samples import attribute_samples, batch_size, sample_hint
 from ..runs.batches import data_leaves
+from ..runs.cpu import this_cpu
 from ..runs.run import Run, UserCode
 from ..runs.source import StartPoint, StepCode, StepSource
 from ..runs.steplog import first_nonfinite
@@ -49,7 +50,7 @@ from . import whatif
 from .amp import AmpLog
 from .amp import findings as amp_findings
 from .monitor import StepMonitor, buffers_total, totals
-from .reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge, losses_match
+from .reproduction import LOSS_ULPS, STATE_RTOL, compare_checkpoint, float32_ulps, judge, losses_match
 from .session import Session, pinned_threads, resolve_device
 
 PRECURSOR_STEPS = 16  # steps before the event the precursor curves cover at least, where an older checkpoint allows
@@ -141,8 +142,13 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         raise BadInput(run.path, f"its step log starts at step {run.steps[0].step}, after the start checkpoint (step "
                        f"{checkpoint.step}): the steps between were never logged")
     logged_nan = [s.step for s in run.steps if s.step >= checkpoint.step and not math.isfinite(s.loss)]
+    # on another kind of CPU than the run's (or one the run does not name), kernels sum in another order: the state
+    # and the losses are compared within a tolerance, as on another device type
+    here = this_cpu() if device.type == "cpu" else None
+    other_cpu = here is not None and str(run.device or "cpu").split(":")[0] == "cpu" and run.cpu != here
+    state_rtol = STATE_RTOL if other_cpu else 0.0
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
-        0.0 if device.type == str(run.device or "cpu").split(":")[0] else 1e-3)
+        0.0 if device.type == str(run.device or "cpu").split(":")[0] and not other_cpu else 1e-3)
 
     # Logged batches are checked over the whole window before replaying; batches a function computes (no logged
     # end, a --max-steps bound) where the replay ran them, not up to a bound the failure may lie far before.
@@ -186,9 +192,10 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                     kept[step] = r.snapshot()
                 # a step whose overflow the scaler caught returns no events: they are kept aside in amp
                 loss, step_events = amp.run_step(r, monitor, located_from is not None)
-                # a recorded checkpoint passed: the state bit for bit, until one differs (the later ones would too)
-                if r.step in later and r.step not in compared and all(c.exact or c.error for c in compared.values()):
-                    compared[r.step] = compare_checkpoint(r.model, r.optimizer, later[r.step])
+                # a recorded checkpoint passed: the state bit for bit (across CPUs within a tolerance), until one
+                # differs (the later ones would too)
+                if r.step in later and r.step not in compared and all(c.matched or c.error for c in compared.values()):
+                    compared[r.step] = compare_checkpoint(r.model, r.optimizer, later[r.step], state_rtol)
                 stages = {e.stage for e in step_events}
                 if located_from is None and "loss" in stages and stages <= LOSS_ONLY_STAGES:
                     loss_only.append(step)  # nothing non-finite reached gradients or state: not an origin
@@ -354,7 +361,8 @@ def _report(run: StepSource, checkpoint: StartPoint, device: torch.device, threa
         batch_ref = BatchRef(origin.step, run.batch_origin(origin.step) or "",
                              dict(data_leaves(batch, size=batch_size(batch))))
     setup = ReplaySetup(str(run.path), checkpoint.step, spread[0].step if spread else checkpoint.step,
-                        spread[-1].step if spread else checkpoint.step, str(device), threads, code.imported)
+                        spread[-1].step if spread else checkpoint.step, str(device), threads, code.imported,
+                        **({"recorded_cpu": run.cpu, "replay_cpu": this_cpu()} if device.type == "cpu" else {}))
     report = ReplayReport(
         verdict=verdict, responsible_step=origin.step if origin else None, responsible_batch=batch_ref,
         first_nonfinite_loss_step=replayed_first, logged_first_nonfinite_loss_step=logged_first, origin=origin,

@@ -9,6 +9,7 @@ from ..finite import value_name
 from ..replay.reproduction import LOSS_ULPS
 from ..replay.spread import from_replay
 from ..report import CheckpointComparison, CheckpointLoad, Event, OperationCulprit, OpSite, Precursor, ReplayReport
+from ..runs.cpu import describe as describe_cpu
 from ..words import count, numbered
 
 
@@ -357,11 +358,15 @@ def reproduction(r: ReplayReport) -> str:
     """Whether the replay reproduced the run, on what evidence: the state at a recorded checkpoint, or losses."""
     if r.reproduced is None:
         return "cannot be judged: there are no logged losses and no recorded checkpoints to compare the replay with"
-    exact = [c for c in r.checkpoints_compared if c.exact]
+    exact = [c for c in r.checkpoints_compared if c.matched]
     ulps = ("losses identical" if not r.loss_max_ulps else f"losses within {r.loss_max_ulps} ulp") \
         if r.loss_max_ulps is not None else "no finite loss to compare"
     if r.reproduced and exact:
         c = exact[-1]
+        if not c.exact:
+            return (f"reproduced within tolerance (parameters, optimizer state and buffers at step {c.step} within "
+                    f"rtol {c.tolerance:g}: {c.rounded:,} of its {c.values:,} values differ, by up to "
+                    f"{count(c.max_ulps or 0, 'ulp')}, the others bit-exact; {ulps})")
         if not c.nan_matched:
             return f"reproduced (parameters, optimizer state and buffers bit-exact at step {c.step}; {ulps})"
         return (f"reproduced (parameters, optimizer state and buffers equal at step {c.step}: {c.nan_matched:,} of "
@@ -389,13 +394,14 @@ def _reproduction(r: ReplayReport) -> list[str]:
                  "within them is not reproduced from the supplied batches") if r.verdict == "clean" else ""
         return [f"No losses were logged and no recorded checkpoint lies in the replayed window: whether the replay "
                 f"reproduces the run cannot be judged{clean}."]
+    cpus = _other_cpu(r)
     if not r.reproduced:
         text = reproduction(r)
         return [f"{text[0].upper()}{text[1:]}. The replay is not an exact copy of the run: non-deterministic kernels, "
                 "another device or thread count, a loop that draws random numbers between steps, or files changed "
-                "after recording."]
+                "after recording."] + cpus
     if not r.loss_max_ulps:
-        return []
+        return cpus
     exact = [c.step for c in r.checkpoints_compared if c.exact]
     rounding = r.loss_max_ulps <= LOSS_ULPS
     if exact:
@@ -404,10 +410,27 @@ def _reproduction(r: ReplayReport) -> list[str]:
                f"more than rounding, yet the state is bit-exact at step {exact[-1]}: the logged losses were not "
                "computed as the replay computes them (logged from another computation, or edited)")
     else:
+        close = [c.step for c in r.checkpoints_compared if c.matched]
         why = ("few enough to be the loss's own rounding (its reduction summed in another order)" if rounding else
-               "within the tolerance for a replay on another device type") + \
-              "; no recorded checkpoint in the replayed window confirms the state"
-    return [f"Replayed losses differ from the logged ones by up to {r.loss_max_ulps} float32 ulp: {why}."]
+               "within the tolerance for a replay on another device type or CPU") + \
+            (f"; the state matches the recorded one within tolerance at step {close[-1]}" if close else
+             "; no recorded checkpoint in the replayed window confirms the state")
+    return cpus + [f"Replayed losses differ from the logged ones by up to {r.loss_max_ulps} float32 ulp: {why}."]
+
+
+def _other_cpu(r: ReplayReport) -> list[str]:
+    """Why the state was compared within a tolerance: the run was recorded on another kind of CPU, or on one its
+    manifest does not name."""
+    tolerant = [c for c in r.checkpoints_compared if c.error is None and c.tolerance > 0]
+    if not tolerant:
+        return []
+    known = r.setup.recorded_cpu is not None
+    rounded = [c.max_ulps for c in tolerant if c.max_ulps is not None]
+    found = (f"differences up to {count(max(rounded), 'ulp')}" if rounded else
+             "every value compared is bit-exact all the same")
+    return [f"Recorded on {describe_cpu(r.setup.recorded_cpu)}, replayed on {describe_cpu(r.setup.replay_cpu)}: "
+            f"kernels {'' if known else 'may '}sum in another order, so the state is compared within a tolerance "
+            f"(rtol {tolerant[0].tolerance:g}) rather than bit for bit; {found}."]
 
 
 def _nothing_reached(r: ReplayReport) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -18,6 +19,7 @@ from ..distributed.layout import DISTRIBUTED_FORMAT
 from ..distributed.record import recording_world
 from .batches import encoded_bytes, snapshot
 from .checkpoint import checkpoint_name, save_checkpoint
+from .cpu import this_cpu
 from .files import write_bytes_atomic, write_json_atomic
 from .guard import Guard, GuardPolicy, ring_nbytes
 from .imports import import_string_of
@@ -190,6 +192,7 @@ class Recorder:
             "start_step": start_step,
             "num_threads": torch.get_num_threads(),
             "device": str(next(model.parameters()).device),
+            "cpu": dataclasses.asdict(this_cpu()),  # a replay on another kind of CPU sums in another order
         }
         if scaler is not None:
             manifest["scaler"] = {"enabled": scaler.is_enabled()}

@@ -13,6 +13,8 @@ import torch
 from ..distributed.layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
 from ..errors import BadInput, shown
 from ..inputs import examine, load_json
+from ..report import CpuIdentity
+from ..schema import load
 from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
@@ -63,6 +65,7 @@ class Manifest:
     scaler_enabled: bool | None = None  # None: the run recorded no GradScaler
     scheduler_factory: str | None = None
     world: World | None = None  # None: a single-process run
+    cpu: CpuIdentity | None = None  # None: recorded before manifests named the CPU
 
     @classmethod
     def read(cls, path: Path) -> "Manifest":
@@ -88,7 +91,8 @@ class Manifest:
                 optimizer_factory=get("optimizer.factory", str, optional=True), checkpoint_every=every,
                 start_step=start, num_threads=threads, raw=raw,
                 scaler_enabled=get("scaler.enabled", bool) if raw.get("scaler") is not None else None,
-                scheduler_factory=get("scheduler.factory", str) if raw.get("scheduler") is not None else None)
+                scheduler_factory=get("scheduler.factory", str) if raw.get("scheduler") is not None else None,
+                cpu=load(CpuIdentity, raw["cpu"], path, "cpu") if raw.get("cpu") is not None else None)
         if fmt == DISTRIBUTED_FORMAT:
             m.world = World.read(raw.get("distributed"), path)
         return m
@@ -169,6 +173,10 @@ class Run:
     @property
     def device(self) -> str | None:
         return self.manifest.raw.get("device")
+
+    @property
+    def cpu(self) -> CpuIdentity | None:
+        return self.manifest.cpu
 
     @property
     def checkpoint_folder(self) -> Path:

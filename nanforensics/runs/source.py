@@ -13,7 +13,7 @@ from .steplog import LoggedStep
 
 if TYPE_CHECKING:
     from ..distributed.layout import World
-    from ..report import CheckpointLoad
+    from ..report import CheckpointLoad, CpuIdentity
     from .run import Rebuilt
 
 
@@ -41,6 +41,9 @@ class StepSource(Protocol):
 
     @property
     def device(self) -> str | None: ...  # the device the run trained on, when known
+
+    @property
+    def cpu(self) -> CpuIdentity | None: ...  # the CPU the run was recorded on, when known
 
     @property
     def checkpoint_folder(self) -> Path: ...  # named by errors about its checkpoints

@@ -85,6 +85,7 @@ class UnrecordedRun:
     last_step: int | None = None  # nor where the run ends
     num_threads: int | None = None
     device: str | None = None
+    cpu: None = None  # nor on which CPU
     world: None = None  # one process: the user's batch function gives the whole batch
 
     def __init__(self, checkpoint: UserCheckpoint, batch_fn: Callable[[int], Any], batch_name: str,

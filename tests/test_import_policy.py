@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from nanforensics.errors import BadInput
 from nanforensics.runs.imports import ROLES, TOOL_MODULES, load_callable
 
-from conftest import ROOT, TESTS, assert_one_line_error, run_cli, tree_digest
+from conftest import ROOT, assert_one_line_error, run_cli, tree_digest
 
 # CPython's own tests, which some distributions package apart (found without importing anything)
 HAS_TEST_PACKAGE = (Path(sysconfig.get_paths()["stdlib"]) / "test" / "support" / "__init__.py").exists()
@@ -70,6 +70,8 @@ def installed() -> list[str]:
     but the few modules of torch and nanforensics the tool itself builds from (``TOOL_MODULES``)."""
     names = set()
     for dist in importlib.metadata.distributions():
+        if dist.metadata["Name"] == "nanforensics":  # installed editable here: its files lie in the checkout
+            continue
         for f in dist.files or []:
             if f.suffix in (".py", ".so") and not str(f).startswith(".."):
                 name = _dotted(Path(str(f)))
@@ -250,6 +252,9 @@ def test_the_working_directory_leaves_sys_path_after_the_import(tmp_path, monkey
 # ---- the reported cases, through the command line ------------------------------------------------------------
 
 
+SAMPLE_CODE = ROOT / "sample_runs" / "code"  # the shipped sample's model and step function
+
+
 def _sample(tmp: Path, **manifest: object) -> Path:
     """A copy of the shipped sample run, its manifest changed as a hostile run directory's would be."""
     run = tmp / "run"
@@ -290,7 +295,7 @@ def test_a_module_file_in_the_run_directory_is_never_imported_later(tmp_path):
     marker = tmp_path / "payload-ran"
     for name in ("gmpy2", "flint"):
         (run / f"{name}.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nraise ImportError('no')\n")
-    result = run_cli("replay", ".", "--no-explain", "--code-path", TESTS, cwd=run)
+    result = run_cli("replay", ".", "--no-explain", "--code-path", SAMPLE_CODE, cwd=run)
     assert result.code == 1, result.stderr
     assert not marker.exists(), "a module file of the run directory ran"
 
@@ -300,9 +305,9 @@ def test_a_venv_package_through_the_command_line(tmp_path, monkeypatch):
     project, site = _project(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
     run = _sample(tmp_path, model_factory="venvpkg:build_model")
-    refused = run_cli("replay", run, "--no-explain", "--code-path", TESTS, cwd=project)
+    refused = run_cli("replay", run, "--no-explain", "--code-path", SAMPLE_CODE, cwd=project)
     assert_one_line_error(refused, "manifest.json", "venvpkg:build_model' is refused", "--trust-package NAME")
     assert not (site / "venvpkg" / "imported").exists()
-    trusted = run_cli("replay", run, "--no-explain", "--code-path", TESTS, "--trust-package", "venvpkg", cwd=project)
+    trusted = run_cli("replay", run, "--no-explain", "--code-path", SAMPLE_CODE, "--trust-package", "venvpkg", cwd=project)
     assert_one_line_error(trusted, "model factory venvpkg:build_model raised RuntimeError: admitted and called")
     assert (site / "venvpkg" / "imported").exists()

@@ -259,7 +259,7 @@ def test_the_responsible_batch_of_an_accumulated_step_is_the_optimizer_step(accu
             if step == ACCUM_DEFECT:
                 batch["micro_batches"][1]["y"][2] = 1e30  # a corrupt target: its squared error overflows
             rec.log(step, batch, script.train_step(model, optimizer, batch))
-    r = json.loads(to_json(replay_run(run, ReplayOptions(device="cpu"))))
+    r = json.loads(to_json(replay_run(run, ReplayOptions(device="cpu", code_paths=[accum_script]))))
     assert r["responsible_step"] == r["responsible_batch"]["step"] == ACCUM_DEFECT
     assert r["responsible_batch"]["file"].endswith(f"step_{ACCUM_DEFECT:08d}.safetensors")
     s = r["samples"]

@@ -46,7 +46,7 @@ def test_backward_only_inf_is_traced_to_the_forward_op_and_module(reports, runs)
     assert (op.site.op, op.site.phase, op.autograd_node) == ("aten::div.Tensor", "backward", "LogBackward0")
     assert op.output_value in ("inf", "-inf") and op.output_index == [S, F]
     assert op.forward is not None and op.forward.op == "torch.log" and op.forward.module == "features"
-    assert "scenarios.py" in op.forward.source and "in forward" in op.forward.source
+    assert "regressor.py" in op.forward.source and "in forward" in op.forward.source
     assert float(op.forward.input_ranges[0][0]) < 1e-44  # the near-zero reading that log's backward divides by
     # detect_anomaly on the same step: it checks backward outputs for NaN only, and this gradient is -inf,
     # so it names nothing; the step completes and the NaN appears later, in Adam's update.

@@ -203,17 +203,20 @@ def still_a_fifo(tmp: Path, r: Result) -> None:
     assert stat.S_ISFIFO(os.lstat(tmp / "pipe").st_mode) and (tmp / "link.json").is_symlink()
 
 
+CODE = Path("sample_runs") / "code" / "regressor.py"  # the sample's code, which its manifest names
+
+
 def json_over_the_imported_code(tmp: Path) -> list[str | Path]:
-    """The replay imports tests/scenarios.py (the manifest names it); --json aims at that file, in a copy of the
-    project so that a failure damages nothing."""
-    (tmp / "tests").mkdir()
-    shutil.copy(ROOT / "tests" / "scenarios.py", tmp / "tests" / "scenarios.py")
+    """The replay imports sample_runs/code/regressor.py (the manifest names it); --json aims at that file, in a copy
+    of the project so that a failure damages nothing."""
+    (tmp / CODE).parent.mkdir(parents=True)
+    shutil.copy(ROOT / CODE, tmp / CODE)
     shutil.copytree(SAMPLE, tmp / "run")
-    return ["replay", "run", "--json", "tests/scenarios.py"]
+    return ["replay", "run", "--json", str(CODE)]
 
 
 def code_untouched(tmp: Path, r: Result) -> None:
-    assert (tmp / "tests" / "scenarios.py").read_bytes() == (ROOT / "tests" / "scenarios.py").read_bytes()
+    assert (tmp / CODE).read_bytes() == (ROOT / CODE).read_bytes()
 
 
 def json_into_a_missing_folder(tmp: Path) -> list[str | Path]:
@@ -245,7 +248,7 @@ CASES = [
     Case("dcp_with_holes", HOLES, "scan", dcp_with_holes, (".metadata", "'model.w'", "leaving holes")),
     Case("dcp_declared_4_tib", HOLES, "scan", dcp_declared_4_tib, (".metadata", "'model.w'", "leaving holes")),
     Case("json_over_a_fifo", WRITER, "scan", json_over_a_fifo, ("--json", "link.json", "FIFO"), still_a_fifo),
-    Case("json_over_the_imported_code", WRITER, "replay", json_over_the_imported_code, ("--json", "scenarios.py", "imported"),
+    Case("json_over_the_imported_code", WRITER, "replay", json_over_the_imported_code, ("--json", "regressor.py", "imported"),
          code_untouched),
     Case("json_into_a_missing_folder", WRITER, "scan", json_into_a_missing_folder, ("--json", "does not exist",
                                                                             "--create-dirs"), no_folder_made),

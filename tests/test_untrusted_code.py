@@ -144,6 +144,7 @@ def test_every_command_refuses_and_shows_the_code_first_and_trust_code_opts_in(c
     _name(beyond, "model_factory", "hostile:Builder.build", {"marker": str(built)})
     before = tree_digest(run)
     out = tmp_path / "out"
+    out.mkdir()
     calls = {
         "replay": ("replay", run, "--json", out / "replay.json"),
         "repair": ("repair", run, "--out", out / "repaired", "--json", out / "repair.json"),

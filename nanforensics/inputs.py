@@ -103,6 +103,18 @@ def not_regular(mode: int) -> str | None:
                                                   if is_kind(mode)), "not a regular file")
 
 
+def check_regular(path: Path) -> None:
+    """A ``BadInput`` unless ``path`` is a regular file, decided by ``stat`` alone: nothing is opened."""
+    try:
+        problem = not_regular(os.stat(path).st_mode)
+    except FileNotFoundError:
+        raise BadInput(path, "file is missing") from None
+    except OSError as e:
+        raise BadInput(path, f"cannot read ({e.strerror or e})") from None
+    if problem is not None:
+        raise BadInput(path, problem)
+
+
 def open_input(path: Path) -> BinaryIO:
     """The one way an input file is opened: a file reached through a symlink out of its examined tree is refused
     unread (its content never quoted); a FIFO, socket or device in its place is refused at once, never read (a
@@ -110,18 +122,16 @@ def open_input(path: Path) -> BinaryIO:
     outside = _leaves_tree(path)
     if outside is not None:
         raise BadInput(path, f"leads outside {outside}, the tree being examined (a symlink): not read")
+    check_regular(path)  # before any open: opening some devices acts on them
     try:
-        problem = not_regular(os.stat(path).st_mode)  # before any open: opening some devices acts on them
-        if problem is None:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-            problem = not_regular(os.fstat(fd).st_mode)  # replaced since the stat
-            if problem is not None:
-                os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise BadInput(path, "file is missing") from None
     except OSError as e:
         raise BadInput(path, f"cannot read ({e.strerror or e})") from None
+    problem = not_regular(os.fstat(fd).st_mode)  # replaced since the stat
     if problem is not None:
+        os.close(fd)
         raise BadInput(path, problem)
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")

@@ -7,13 +7,13 @@ told in a fraction of a second, not after torch has loaded. The readers check th
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ..errors import BadInput
-from ..inputs import not_regular
+from ..inputs import check_regular
 
 MANIFEST = "manifest.json"
+
 
 def run_directory(path: Path) -> Path:
     """A run directory that exists and holds a manifest that is a regular file."""
@@ -21,7 +21,7 @@ def run_directory(path: Path) -> Path:
         raise BadInput(path, "no such run directory")
     if not path.is_dir():
         raise BadInput(path, "not a directory")
-    _regular(path / MANIFEST)
+    check_regular(path / MANIFEST)
     return path
 
 
@@ -30,16 +30,6 @@ def existing(path: Path) -> Path:
     if not path.exists():
         raise BadInput(path, "no such file or directory")
     if not path.is_dir():
-        _regular(path)
+        check_regular(path)
     return path
 
-
-def _regular(path: Path) -> None:
-    try:
-        problem = not_regular(os.stat(path).st_mode)
-    except FileNotFoundError:
-        raise BadInput(path, "file is missing") from None
-    except OSError as e:
-        raise BadInput(path, f"cannot read ({e.strerror or e})") from None
-    if problem is not None:
-        raise BadInput(path, problem)

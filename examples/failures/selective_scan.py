@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-import nanforensics
+import recording
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,13 +74,7 @@ def make_batch(step: int) -> dict:
 
 
 def record(path: str, steps: int = DEFECT_STEP + 3) -> None:
-    model = build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    with nanforensics.Recorder(path, model, optimizer, model_factory=build_model, step_fn=train_step,
-                               checkpoint_every=5) as rec:
-        for step in range(steps):
-            batch = make_batch(step)
-            rec.log(step, batch, train_step(model, optimizer, batch))
+    recording.record(path, build_model, train_step, make_batch, steps, torch.optim.AdamW, 3e-3)
 
 
 if __name__ == "__main__":

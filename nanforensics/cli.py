@@ -164,12 +164,6 @@ _REPLAY_EXIT = {"clean": EXIT_CLEAN, "nonfinite": EXIT_FOUND, "not_reproduced": 
                 "loss_only": EXIT_LOSS_ONLY}
 
 
-def emit_markdown(text: str, destination: Optional[str]) -> None:
-    from .views.escaping import visible_lines
-
-    emit_text(visible_lines(text), destination, "--markdown")
-
-
 def emit_text(text: str, destination: Optional[str], option: str) -> None:
     """A rendered report written atomically to ``destination`` (when given; ``-`` is stdout)."""
     if destination is not None:
@@ -286,7 +280,8 @@ def replay(
     from .replay.whatif import parse
     from .runs.run import run_code
     from .runs.unrecorded import code_specs
-    from .views.replay import render_markdown, render_terminal
+    from .views.markdown import render_replay
+    from .views.replay import render_terminal
 
     announce_code(code_specs(code, names) if checkpoint is not None and code is not None else run_code(run_dir))
     options = ReplayOptions(from_step=from_step, device=device, after=after, max_steps=max_steps,
@@ -302,7 +297,7 @@ def replay(
                 report = replay_run(run_dir, options, progress=view)
         if world.writes:  # under torchrun, rank 0 alone
             emit_json(report, json_out)
-            emit_markdown(render_markdown(report), markdown)
+            emit_text(render_replay(report), markdown, "--markdown")
             if terminal_view(json_out, markdown):
                 render_terminal(report, stdout_console())
         exit_code = world.agree(_REPLAY_EXIT[report.verdict])
@@ -393,13 +388,14 @@ def scan(
     from .checkpoints.scan import CLEAN, scan_checkpoint
     from .formats import open_checkpoint
     from .progress import BytesRead
-    from .views.checkpoints import render_scan_markdown, render_scan_terminal
+    from .views.checkpoints import render_scan_terminal
+    from .views.markdown import render_scan
 
     source = open_checkpoint(checkpoint)
     with progress("scan", quiet) as view:
         report = scan_checkpoint(source, full=full, margin=margin, progress=BytesRead(view))
     emit_json(report, json_out)
-    emit_markdown(render_scan_markdown(report), markdown)
+    emit_text(render_scan(report), markdown, "--markdown")
     if terminal_view(json_out, markdown):
         render_scan_terminal(report, stdout_console())
     raise typer.Exit(EXIT_FOUND if report.verdict != CLEAN else EXIT_UNSOUND if report.unsound else EXIT_CLEAN)
@@ -452,7 +448,8 @@ def bisect(
                     {"--json": json_out, "--markdown": markdown}, create_dirs=create_dirs)
     from .checkpoints.bisect import bisect as bisect_checkpoints
     from .progress import BytesRead
-    from .views.checkpoints import render_bisect_markdown, render_bisect_terminal
+    from .views.checkpoints import render_bisect_terminal
+    from .views.markdown import render_bisect
 
     if code is not None:
         from .runs.unrecorded import code_specs
@@ -470,7 +467,7 @@ def bisect(
                 trust_code=trust_code, trust_packages=trust_package or []), linear=linear, full=full, margin=margin,
                 scan_progress=BytesRead(view), progress=view)
     emit_json(report, json_out)
-    emit_markdown(render_bisect_markdown(report), markdown)
+    emit_text(render_bisect(report), markdown, "--markdown")
     if terminal_view(json_out, markdown):
         render_bisect_terminal(report, stdout_console(), offer_replay=not run_replay)
     if report.replayed is not None:
@@ -500,11 +497,8 @@ _SUMMARY_HELP = ("Write the summary as Markdown to PATH; by default it is append
 
 def append_step_summary(text: str, destination: Optional[str]) -> None:
     """GitHub's job summary: appended to the file $GITHUB_STEP_SUMMARY names, as other steps do."""
-    if destination is None:
-        return
-    from .views.escaping import visible_lines
-
-    append_output(destination, visible_lines(text), "$GITHUB_STEP_SUMMARY")
+    if destination is not None:
+        append_output(destination, text, "$GITHUB_STEP_SUMMARY")
 
 
 @app.command(short_help="Examine a failed job's run or checkpoints.")
@@ -537,7 +531,8 @@ def postmortem(
     from .postmortem import postmortem as examine
     from .runs.run import run_code
     from .views.html import render_html
-    from .views.postmortem import render_junit, render_markdown, render_terminal
+    from .views.markdown import render_postmortem
+    from .views.postmortem import render_junit, render_terminal
 
     announce_code(run_code(directory))
     with progress("postmortem", quiet) as view:
@@ -545,9 +540,9 @@ def postmortem(
     emit_json(report, json_out)
     emit_text(render_junit(report), junit, "--junit")
     emit_text(render_html(report), html, "--html")
-    summary = render_markdown(report)
+    summary = render_postmortem(report)
     if markdown is not None:
-        emit_markdown(summary, markdown)
+        emit_text(summary, markdown, "--markdown")
     else:
         append_step_summary(summary, summary_file)
     if terminal_view(json_out, markdown, junit, html):
@@ -567,10 +562,11 @@ def report_command(
     checked_outputs([existing(saved)], {"--markdown": markdown, "--html": html}, create_dirs=create_dirs)
     from .saved import load_report
     from .views.html import render_html
-    from .views.report import render_markdown, render_terminal
+    from .views.markdown import render
+    from .views.report import render_terminal
 
     loaded = load_report(saved)
-    emit_markdown(render_markdown(loaded), markdown)
+    emit_text(render(loaded), markdown, "--markdown")
     emit_text(render_html(loaded), html, "--html")
     if terminal_view(markdown, html):
         render_terminal(loaded, stdout_console())

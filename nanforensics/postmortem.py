@@ -24,7 +24,7 @@ from .progress import SILENT, BytesRead, Progress
 from .replay import spread
 from .replay.engine import ReplayOptions, replay_run
 from .replay.spread import SpreadMap
-from .report import ReplayReport
+from .report import ReplayReport, Verdict
 from .rootcause.findings import describe
 from .runs import imports
 from .runs.run import MANIFEST, Run, UserCode
@@ -68,7 +68,7 @@ class Window:
 
 @dataclass
 class PostmortemReport:
-    verdict: str  # "nonfinite" | "clean" | "not_reproduced" | "loss_only"
+    verdict: Verdict
     headline: str
     directory: str
     kind: str  # "run": recorded by nanforensics; "checkpoints": a folder of checkpoints only

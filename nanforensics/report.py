@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .finite import encode_float
 from .outputs import write_output
@@ -14,7 +14,12 @@ from .outputs import write_output
 REPLAY_SCHEMA = "nanforensics.replay/1"
 
 # The order in which a step touches its tensors; within a step, an earlier stage is the cause.
-STAGES = ("batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param", "buffer")
+# Closed sets of words a report holds: a saved report with another word there is refused on loading (schema.py),
+# so the views may look each up in a table.
+Stage = Literal["batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param", "buffer"]
+STAGES: tuple[str, ...] = get_args(Stage)
+Verdict = Literal["nonfinite", "clean", "not_reproduced", "loss_only"]
+DefectKind = Literal["nonfinite", "extreme", "subnormal"]
 # A step whose only non-finite values arose in these stages left the model's state intact: a non-finite loss with
 # zero (or finite) gradients, as from a batch with no valid target.
 LOSS_ONLY_STAGES = frozenset({"forward", "loss"})
@@ -28,7 +33,7 @@ class Event:
     """
 
     step: int
-    stage: str
+    stage: Stage
     tensor: str
     index: list[int]
     value: str  # "nan" | "inf" | "-inf"
@@ -124,7 +129,7 @@ class DataDefect:
     step: int
     file: str
     tensor: str          # batch leaf path, e.g. batch['x']
-    kind: str            # "nonfinite" | "extreme" | "subnormal"
+    kind: DefectKind
     count: int
     index: list[int]     # first such coordinate: [sample, feature, ...]
     value: str
@@ -340,7 +345,7 @@ class RankCheck:
 
 @dataclass
 class ReplayReport:
-    verdict: str  # "nonfinite" | "clean" | "not_reproduced" | "loss_only"
+    verdict: Verdict
     responsible_step: int | None
     responsible_batch: BatchRef | None
     first_nonfinite_loss_step: int | None

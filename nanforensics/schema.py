@@ -60,6 +60,10 @@ def from_jsonable(kind: Any, data: Any, where: str = "report") -> Any:
             except ValueError as e:
                 errors.append(e)
         raise errors[0] if errors else ValueError(f"{_in(where)}null where a value is required")
+    if origin is typing.Literal:  # a closed set of words: the views look each up in a table
+        if isinstance(data, str) and data in args:
+            return data
+        raise ValueError(f"{_in(where)}{_found(data)} is not one of {', '.join(map(repr, args))}")
     if dataclasses.is_dataclass(kind):
         if not isinstance(data, dict):
             raise ValueError(f"{_in(where)}expected an object, found {_found(data)}")

@@ -1,6 +1,6 @@
 """Text from a run leaves escaped, by class: names and ids with every control character, escape sequence, bidi
-override, rich markup and HTML special, generated, through the one escaping function of each destination
-(terminal, HTML, JUnit XML) and through a real recorded run whose module, sample ids and folder are spelled with
+override, rich markup, HTML and Markdown special, generated, through the one escaping function of each destination
+(terminal, HTML, Markdown, JUnit XML) and through a real recorded run whose module, sample ids and folder are spelled with
 them, replayed, reported and re-rendered by the CLI."""
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from markdown_it import MarkdownIt
 from nanforensics.checkpoints.scan import ScanReport, scan_checkpoint
 from nanforensics.cli import say
 from nanforensics.errors import BadInput
 from nanforensics.formats import open_checkpoint
 from nanforensics.saved import load_report
 from nanforensics.views.checkpoints import render_scan_terminal
-from nanforensics.views.escaping import markup, visible, xml_document, xml_text
+from nanforensics.views.escaping import code, fenced, markup, visible, xml_document, xml_text
 from nanforensics.views.html import render_html
+from nanforensics.views.markdown import render, render_scan
 from nanforensics.views.postmortem import render_junit
 from nanforensics.views.report import render_terminal
 from rich.console import Console
@@ -40,7 +42,9 @@ BIDI = ["\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067", "\
         "\u061c"]
 SEQUENCES = ["\x1b]0;title\x07", "\x1b[2J", "\x1b[31m", "\x1b]8;;https://evil\x1b\\link\x1b]8;;\x1b\\", "\x9b2J",
              "\r\nCLEAN", "[red]x[/red]", "[link=https://evil]y[/link]", "[/]", "[bold", ":skull:", "\\[b]",
-             "<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "&amp;", "&lt;", "\"'", "]]>", "-->"]
+             "<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "&amp;", "&lt;", "\"'", "]]>", "-->",
+             "|", "`", "``", "**", "_x_", "~~", "$x$", "[a](https://evil)", "![i](https://evil/p.png)", "<https://evil>",
+             "\\", "\\|", "# ", "\n- ", "\n1. ", "\n---\n", "\n```\n", "&#124;", "<details>", "</details>"]
 # Pieces a name or id is made of: the control characters one by one, whole escape sequences, markup and HTML, and
 # any code point at all (surrogates too: the undecodable bytes of a file name).
 hostile = st.lists(st.one_of(st.sampled_from(C0 + ["\x7f"] + C1 + BIDI + ["\u2028", "\u2029", "\ufeff"]),
@@ -210,7 +214,7 @@ def test_errors_naming_hostile_files_and_import_strings_are_one_line(hostile_run
 # ---- every string of a report, generated ---------------------------------------------------------------------
 
 # Fields the views look up a table by: a saved report with another value there is refused, not rendered.
-_LOOKED_UP = {"verdict", "kind", "schema", "status", "stage", "adjustment", "basis", "order", "mode"}
+_LOOKED_UP = {"verdict", "first_poisoned_verdict", "kind", "schema", "status", "stage", "adjustment", "basis", "order", "mode"}
 
 
 def _spelled(obj: Any, text: str) -> Any:
@@ -253,3 +257,52 @@ def test_every_string_of_a_report_leaves_escaped(hostile_run, scanned, text):
     for element in suite.iter():
         assert all(printable(v) for v in element.attrib.values())
         assert printable(element.text or "", keep="\n\t")
+
+
+# ---- Markdown: a run's text never changes the structure of the page ------------------------------------------
+
+_MARKDOWN = MarkdownIt("commonmark").enable(["table", "strikethrough"])
+
+
+def _structure(markdown: str) -> list[str]:
+    """The page's blocks and inline elements, as a CommonMark + GFM tables parser sees them, without their text."""
+    out = []
+    for token in _MARKDOWN.parse(markdown):
+        out.append(token.type if token.type != "html_block" else f"html_block {token.content.strip()}")
+        out += [child.type for child in token.children or [] if child.type not in ("text", "text_special")]
+    return out
+
+
+def _heading(markdown: str) -> str:
+    tokens = _MARKDOWN.parse(markdown)
+    return next(tokens[i + 1].children and "".join(c.content for c in tokens[i + 1].children)
+                for i, t in enumerate(tokens) if t.type == "heading_open")
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=hostile)
+def test_markdown_keeps_its_structure_whatever_the_run_says(hostile_run, scanned, text):
+    """Every string field of a post-mortem (its replay and bisection inside) and of a scan with ``text`` appended: the
+    same headings, lists, tables (rows and cells), code spans and emphasis as without it, no HTML but the page's own,
+    no link or image; and the heading shows the text as it is, made visible."""
+    report, scan = load_report(hostile_run["json_path"]), scanned
+    for plain, spelled in ((render(report), render(_spelled(report, text))),
+                           (render_scan(scan), render_scan(_spelled(scan, text)))):
+        assert _structure(spelled) == _structure(plain)
+        assert printable(spelled, keep="\n")
+    assert _heading(render(_spelled(report, text))) == \
+        f"nanforensics post-mortem: non-finite - {visible(report.headline + text)}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.sampled_from("`| \\ab\n"), min_size=1, max_size=12) | hostile.filter(bool))
+def test_markdown_code_holds_any_text(text):
+    """A code span, in a table cell or not, and a fenced block hold any text whole: backticks and pipes included."""
+    shown = visible(text)
+    inline = _MARKDOWN.parseInline(f"x {code(text)} y")[0].children
+    assert [c.type for c in inline] == ["text", "code_inline", "text"] and inline[1].content == shown
+    cells = [t for t in _MARKDOWN.parse(f"| h | k |\n|---|---|\n| {code(text, cell=True)} | z |") if t.type == "inline"]
+    assert [c.content for c in cells[2].children] == [shown] and cells[3].content == "z"
+    lines = f"a\n{text}\nb"
+    blocks = [t for t in _MARKDOWN.parse(fenced(lines)) if t.type == "fence"]
+    assert len(blocks) == 1 and blocks[0].content == "\n".join(map(visible, lines.split("\n"))) + "\n"

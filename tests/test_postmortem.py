@@ -16,7 +16,8 @@ from nanforensics.postmortem import CHECKPOINTS, DONE, FAILED, REPLAY, SKIPPED, 
 from nanforensics.replay.spread import SpreadMap, TensorSpread, grouped
 from nanforensics.views import heatmap
 from nanforensics.views.html import render_html
-from nanforensics.views.postmortem import render_junit, render_markdown
+from nanforensics.views.markdown import render_postmortem as render_markdown
+from nanforensics.views.postmortem import render_junit
 
 import scenarios
 from conftest import DEFECT_STEP, ROOT, assert_one_line_error, run_cli, tree_digest

@@ -3,14 +3,23 @@ reports load back into their dataclasses exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+import typing
+from typing import Any, Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from nanforensics.errors import BadInput
+from nanforensics.postmortem import PostmortemReport
 from nanforensics.report import to_json
 from nanforensics.saved import load_report
+from nanforensics.schema import load
 from nanforensics.views.html import render_html
-from nanforensics.views.report import render_markdown, render_terminal
+from nanforensics.views.markdown import render as render_markdown
+from nanforensics.views.report import render_terminal
 from rich.console import Console
 
 from conftest import assert_one_line_error, run_cli
@@ -72,3 +81,55 @@ def test_cli_refusal_is_one_line(tmp_path):
     saved = tmp_path / "r.json"
     saved.write_text('{"schema": "nanforensics.replay/7"}')
     assert_one_line_error(run_cli("report", saved), "r.json", "nanforensics.replay/1")
+
+
+# ---- closed sets of words: every field typed Literal, found from the types, refuses any other value ----------
+
+def _closed_fields(kind: Any, data: Any, path: tuple[Any, ...] = (), nullable: bool = False
+                   ) -> Iterator[tuple[tuple[Any, ...], tuple[str | None, ...]]]:
+    """(where in ``data``, the values allowed) for every field of ``data`` whose type is a Literal (or an optional
+    one), walking the report's dataclasses and the JSON side by side."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, typing.get_origin(int | None)):
+        options = [a for a in args if a is not type(None)]
+        if data is not None and len(options) == 1:
+            yield from _closed_fields(options[0], data, path, nullable=type(None) in args)
+    elif origin is typing.Literal:
+        yield path, args + ((None,) if nullable else ())
+    elif dataclasses.is_dataclass(kind) and isinstance(data, dict):
+        hints = typing.get_type_hints(kind)
+        for f in dataclasses.fields(kind):
+            if f.name in data:
+                yield from _closed_fields(hints[f.name], data[f.name], (*path, f.name))
+    elif origin is list and isinstance(data, list):
+        for i, item in enumerate(data):
+            yield from _closed_fields(args[0], item, (*path, i))
+
+
+@pytest.fixture(scope="module")
+def saved_postmortem(runs) -> dict[str, Any]:
+    return json.loads(to_json(examined(runs["adam_near_zero"])))
+
+
+def test_the_saved_report_has_closed_fields_to_test(saved_postmortem):
+    found = {p[-1] for p, _ in _closed_fields(PostmortemReport, saved_postmortem)}
+    assert {"verdict", "stage", "first_poisoned_verdict"} <= found, found
+
+
+@settings(max_examples=60, deadline=None)
+@given(pick=st.integers(min_value=0), word=st.one_of(st.text(max_size=12), st.integers(), st.none(), st.booleans()))
+def test_a_word_outside_a_closed_set_is_refused_by_name(saved_postmortem, pick, word):
+    """The views look these words up in tables: a saved report with any other value in any such field is refused on
+    loading, naming the field, instead of failing as a KeyError in a view."""
+    fields = list(_closed_fields(PostmortemReport, saved_postmortem))
+    path, allowed = fields[pick % len(fields)]
+    if word in allowed:
+        return
+    data = json.loads(json.dumps(saved_postmortem))
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = word
+    where = "report" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
+    with pytest.raises(BadInput, match=f"^r.json: {re.escape(where)}: "):
+        load(PostmortemReport, data, "r.json", "report")  # what load_report calls on the file's JSON

@@ -15,12 +15,12 @@ import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 from ..formats import CheckpointSource, Collection, discover
 from ..report import ReplayReport
 from ..runs.run import batch_gaps
-from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, TensorScan, check_margin, scan_checkpoint
+from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, ScanVerdict, TensorScan, check_margin, scan_checkpoint
 
 BISECT_SCHEMA = "nanforensics.bisect/1"
 
@@ -62,7 +62,7 @@ class ReplayHint:
 
 @dataclass
 class BisectReport:
-    verdict: str  # "clean", "poisoned" or "non_monotonic"
+    verdict: Literal["clean", "poisoned", "non_monotonic"]
     mode: str  # "bisect" or "linear"
     targets: list[str]
     order: str  # "metadata" or "name": what the checkpoints were ordered by
@@ -71,7 +71,7 @@ class BisectReport:
     max_scans: int  # the bound: ceil(log2 n) + 2 when bisecting, n when linear
     last_clean: CheckpointRef | None
     first_poisoned: CheckpointRef | None
-    first_poisoned_verdict: str | None  # the scan verdict: poisoned parameters or optimizer state only
+    first_poisoned_verdict: ScanVerdict | None  # the scan verdict: poisoned parameters or optimizer state only
     poisoned_tensors: list[TensorScan]
     non_monotonic: list[NonMonotonic]
     history: list[ScanRecord]

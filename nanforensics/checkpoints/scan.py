@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 
@@ -31,8 +31,9 @@ from .soundness import Checker, Soundness
 SCAN_SCHEMA = "nanforensics.scan/1"
 DEFAULT_MARGIN = 1000.0
 CHUNK_BYTES = 128 << 20  # 128 MB read 0.89-0.91 of a sum's bandwidth where 32 MB read 0.74-0.78 (bench_scan_readers.py)
-CLEAN, POISONED_PARAMETERS, POISONED_STATE = "clean", "poisoned_parameters", "poisoned_optimizer_state"
-POISONED_BUFFERS = "poisoned_buffers"  # parameters finite, a registered buffer (BatchNorm statistics) not
+# POISONED_BUFFERS: the parameters finite, a registered buffer (BatchNorm statistics) not
+ScanVerdict = Literal["clean", "poisoned_parameters", "poisoned_optimizer_state", "poisoned_buffers"]
+CLEAN, POISONED_PARAMETERS, POISONED_STATE, POISONED_BUFFERS = get_args(ScanVerdict)
 RECORDED, BY_NAME = "recorded", "by_name"  # how buffers are told from parameters
 _SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _NO_AMINMAX = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
@@ -78,7 +79,7 @@ class ScanReport:
     format: str  # the layout recognised: nanforensics, pytorch, lightning, safetensors, safetensors-sharded, accelerate, dcp
     step: int | None
     step_source: str | None  # "metadata" or "name"
-    verdict: str  # CLEAN, POISONED_PARAMETERS, POISONED_BUFFERS or POISONED_STATE
+    verdict: ScanVerdict
     complete: bool  # False: stopped at the first non-finite tensor
     margin: float
     groups: dict[str, GroupSummary]

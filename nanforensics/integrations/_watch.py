@@ -187,12 +187,12 @@ class Watcher:
     def run_postmortem(self, directory: Path | None = None) -> PostmortemReport:
         """Examine the recording so far (it goes on), or a guard's incident; the reports land in ``report_dir``."""
         from ..views.html import render_html
-        from ..views.postmortem import render_markdown
+        from ..views.markdown import render_postmortem
 
         if self.recorder is not None:
             self.recorder.flush()
         self.report = postmortem(directory or self.run_dir)
-        for name, text in (("postmortem.json", to_json(self.report)), ("postmortem.md", render_markdown(self.report)),
+        for name, text in (("postmortem.json", to_json(self.report)), ("postmortem.md", render_postmortem(self.report)),
                            ("postmortem.html", render_html(self.report))):
             write_output(self.report_dir / name, text, "report_dir", create_dirs=True)  # its own folder, made here
         log.warning("nanforensics post-mortem: %s", visible(f"{self.report.headline} (reports in {self.report_dir})"))

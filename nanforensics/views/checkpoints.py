@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -228,45 +228,22 @@ def _history_rows(r: BisectReport) -> list[tuple[int, ScanRecord | None]]:
     return rows
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+def tensor_tables(tensors: Sequence[TensorScan]) -> list[tuple[str, int, list[list[str]], int]]:
+    """(title, how many, the rows shown, how many more) for the non-finite tensors and those near their limit."""
+    return [(title, len(rows), [_tensor_row(t) for t in rows[:SHOWN]], max(0, len(rows) - SHOWN))
+            for title, rows in zip(("Non-finite tensors", "Near the dtype's limit"), _notable(tensors)) if rows]
 
 
-def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(map(_cell, headers)) + " |", "|" + "---|" * len(headers),
-            *("| " + " | ".join(map(_cell, row)) + " |" for row in rows), ""]
+def scan_parts(r: ScanReport) -> dict[str, Any]:
+    """What the Markdown view of a scan shows, as text (views/markdown.py escapes it)."""
+    return {"label": _label(r)[1], "layout": _layout(r), "group_headers": _GROUP_HEADERS, "groups": _group_rows(r),
+            "tensor_headers": _TENSOR_HEADERS, "tensor_tables": tensor_tables(r.tensors), "notes": _scan_notes(r)}
 
 
-def _md_tensors(tensors: Sequence[TensorScan]) -> list[str]:
-    out: list[str] = []
-    for title, rows in zip(("Non-finite tensors", "Near the dtype's limit"), _notable(tensors)):
-        if rows:
-            out += [f"**{title}** ({len(rows)})", ""]
-            out += _md_table(_TENSOR_HEADERS, [[f"`{c}`" if i == 0 else c for i, c in enumerate(_tensor_row(t))]
-                                               for t in rows[:SHOWN]])
-            if len(rows) > SHOWN:
-                out += [f"... and {len(rows) - SHOWN} more (every one in the JSON report)", ""]
-    return out
-
-
-def render_scan_markdown(r: ScanReport) -> str:
-    out = [f"### nanforensics scan: {_label(r)[1]}", "",
-           f"`{r.path}` ({_layout(r)})", ""]
-    out += _md_table(_GROUP_HEADERS, _group_rows(r))
-    out += _md_tensors(r.tensors)
-    out += [*_scan_notes(r), ""]
-    return "\n".join(out)
-
-
-def render_bisect_markdown(r: BisectReport) -> str:
-    out = [f"### nanforensics bisect: {_BISECT_VERDICT[r.verdict][1]}", "",
-           f"- first poisoned: {_ref(r.first_poisoned)}", f"- last clean: {_ref(r.last_clean)}", ""]
-    out += _md_table(_READ_HEADERS,
-                     [[str(n), str(rec.step), f"`{rec.path}`", rec.format, rec.verdict, f"{rec.bytes_read:,}"] if rec
-                      else ["", "", f"... {n} more like the rows around", "", "", ""] for n, rec in _history_rows(r)])
-    out += _md_tensors(r.poisoned_tensors)
-    out += [*_bisect_notes(r), ""]
-    if r.replay:
-        out += ["Replay the window:", "", "```", r.replay.command, "```", ""]
-    text = "\n".join(out)
-    return text + "\n" + replay.render_markdown(r.replayed) if r.replayed is not None else text
+def bisect_parts(r: BisectReport) -> dict[str, Any]:
+    """What the Markdown view of a bisection shows; a history row of None stands for ``n`` rows left out."""
+    return {"label": _BISECT_VERDICT[r.verdict][1], "first_poisoned": _ref(r.first_poisoned),
+            "last_clean": _ref(r.last_clean), "read_headers": _READ_HEADERS,
+            "history": [(n, rec, f"{rec.bytes_read:,}" if rec else "") for n, rec in _history_rows(r)],
+            "tensor_headers": _TENSOR_HEADERS, "tensor_tables": tensor_tables(r.poisoned_tensors),
+            "notes": _bisect_notes(r)}

@@ -5,11 +5,13 @@ field of a saved report) is untrusted. For the terminal, ``visible`` keeps only 
 every other one as a visible escape, so an escape sequence (``ESC]0;title BEL``, ``ESC[2J``), a bidi override or a
 newline can neither act on the terminal nor split one line of output (an error) into several; ``markup`` adds
 rich's escaping where rich parses the string as markup. HTML goes through Jinja2's autoescaping with ``visible`` as
-its finalizer (views/html.py), JUnit XML through ``xml_document``, which writes what XML 1.0 forbids visibly too.
+its finalizer (views/html.py), Markdown through ``md_text`` as its templates' finalizer (views/markdown.py), JUnit XML
+through ``xml_document``, which writes what XML 1.0 forbids visibly too.
 """
 
 from __future__ import annotations
 
+import re
 import unicodedata
 import xml.etree.ElementTree as ET
 
@@ -41,17 +43,55 @@ def visible(text: object) -> str:
     return "".join(ch if _allowed(ch) else _escape(ch) for ch in text)
 
 
-def visible_lines(text: str) -> str:
-    """A rendered text (Markdown) line by line through ``visible``: its lines kept, nothing else that acts."""
-    return "\n".join(map(visible, text.split("\n")))
-
-
 def markup(text: object) -> str:
     """``visible(text)`` for a string rich parses as markup: a sample id ``[red]x[/red]`` or ``[link=...]`` stays
     text."""
     from rich.markup import escape
 
     return escape(visible(text))
+
+
+# ---- Markdown ----------------------------------------------------------------------------------
+
+# CommonMark lets a backslash escape any ASCII punctuation; these act inline (emphasis, code, links, images, HTML,
+# entities, GFM tables and strikethrough, GitHub's math) or close an ATX heading. The rest (- . , : ( ) / = ...) act
+# only at the start of a line, where no template puts a value.
+_ACTIVE = re.compile(r"([\\`*_\[\]<>&|~$!#])")
+
+
+class Markdown(str):
+    """Markdown a filter wrote (a code span, a fenced block, a sub-report): the finalizer leaves it as it is."""
+
+
+def md_text(value: object) -> str:
+    """``value`` as Markdown text that renders as itself: one visible line, every active character escaped."""
+    return _ACTIVE.sub(r"\\\1", visible(value))
+
+
+def _fence(text: str, tick: str = "`") -> str:
+    """A run of backticks longer than any in ``text``: a code span or block it cannot close."""
+    longest = max((len(m) for m in re.findall(f"{re.escape(tick)}+", text)), default=0)
+    return tick * (longest + 1)
+
+
+def code(value: object, cell: bool = False) -> Markdown:
+    """A code span holding ``value`` literally; in a table ``cell``, ``|`` is escaped (GFM splits cells first)."""
+    text = visible(value)
+    if cell:
+        text = text.replace("|", "\\|")
+    fence = _fence(text)
+    # CommonMark strips one space from each end of a span that is not all spaces: padding keeps an edge backtick apart
+    pad = " " if (text.startswith("`") or text.endswith("`")) or (text.startswith(" ") and text.endswith(" ")
+                                                                  and text.strip()) else ""
+    return Markdown(f"{fence}{pad}{text}{pad}{fence}")
+
+
+def fenced(text: str, info: str = "") -> Markdown:
+    """A fenced code block holding ``text`` literally, line by line."""
+    body = "\n".join(map(visible, text.split("\n")))
+    fence = _fence(body)
+    fence = fence if len(fence) >= 3 else "```"
+    return Markdown(f"{fence}{info}\n{body}\n{fence}")
 
 
 # ---- XML ---------------------------------------------------------------------------------------

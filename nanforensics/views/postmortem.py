@@ -35,7 +35,7 @@ def spread_map(r: PostmortemReport) -> SpreadMap | None:
     return r.replay.spread_map if r.replay is not None else None
 
 
-def _label(name: str) -> str:
+def label(name: str) -> str:
     return name.replace("_", " ")
 
 
@@ -48,7 +48,7 @@ def render_terminal(r: PostmortemReport, console: Console) -> None:
     kind = "a recorded run" if r.kind == "run" else "checkpoints only"
     table.add_row("directory", "", Text(f"{visible(r.directory)}  ({kind})"))  # Text: paths and errors are not markup
     for a in r.analyses:
-        table.add_row(Text(visible(_label(a.name))), Text(visible(a.status), style=_STATUS_STYLE.get(a.status, "")),
+        table.add_row(Text(visible(label(a.name))), Text(visible(a.status), style=_STATUS_STYLE.get(a.status, "")),
                       Text(visible(a.detail)))
     parts: list[Any] = [Text(visible(r.headline), style="bold"), Text(), table]
     if r.findings:
@@ -62,25 +62,6 @@ def render_terminal(r: PostmortemReport, console: Console) -> None:
         replay.render_terminal(r.replay, console)
     elif r.checkpoints is not None:  # the evidence when there is no replay; beside one, the summary row suffices
         checkpoints.render_bisect_terminal(r.checkpoints, console)
-
-
-def render_markdown(r: PostmortemReport) -> str:
-    _, word = VERDICT[r.verdict]
-    out = [f"## nanforensics post-mortem: {word.lower()} - {r.headline}", "",
-           f"`{r.directory}`, {'a run recorded by nanforensics' if r.kind == 'run' else 'checkpoints only'}.", "",
-           "| analysis | status | result |", "|---|---|---|"]
-    out += [f"| {_label(a.name)} | {a.status} | {a.detail.replace('|', '/')} |" for a in r.analyses]
-    if r.findings:
-        out += ["", *[f"- {f}" for f in r.findings]]
-    m = spread_map(r)
-    if m is not None:
-        out += ["", "### Spread of non-finite values", "", "```text", heatmap.render_text(m), "```"]
-    if r.replay is not None:
-        out += ["", "<details><summary>Replay</summary>", "", replay.render_markdown(r.replay), "</details>"]
-    if r.checkpoints is not None:
-        out += ["", "<details><summary>Checkpoints</summary>", "", checkpoints.render_bisect_markdown(r.checkpoints),
-                "</details>"]
-    return "\n".join(out) + "\n"
 
 
 def failure_message(r: PostmortemReport) -> str:

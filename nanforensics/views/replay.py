@@ -26,7 +26,7 @@ _VERDICT = {
 }
 
 
-def _loss(x: float | None) -> str:
+def loss_text(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x:.6g}" if math.isfinite(x) else str(x)
@@ -85,12 +85,12 @@ def precursor_rows(r: ReplayReport) -> list[tuple[str, list[float | None]]]:
     return rows
 
 
-def _last_finite(values: list[float | None]) -> str:
+def last_finite(values: list[float | None]) -> str:
     v = next((v for v in reversed(values) if v is not None and math.isfinite(v)), None)
     return "-" if v is None else f"{v:.3g}"
 
 
-def _spread_rows(r: ReplayReport) -> tuple[list[StepRecord], int, list[StepRecord]]:
+def spread_rows(r: ReplayReport) -> tuple[list[StepRecord], int, list[StepRecord]]:
     """From the step before the origin (the clean steps before it are all zeros): the first rows, how many are
     elided in the middle of a long table, the last rows."""
     start = (r.responsible_step - 1) if r.responsible_step is not None else r.loss_only_steps[0] - 1 \
@@ -116,7 +116,7 @@ def counts(e: Event) -> str:
     return f"{count(e.elements_nonfinite, 'value')} in {count(e.tensors_nonfinite, 'tensor')}"
 
 
-def _counts(e: Event) -> str:
+def counts_suffix(e: Event) -> str:
     text = counts(e)
     return f"  ({text})" if text else ""
 
@@ -158,16 +158,16 @@ def shard_text(rank: int | None) -> str:
     return f", rank {rank}'s shard" if rank is not None else ""
 
 
-_RANK_COLUMNS = ("rank", "logged loss first non-finite", "replay differs from step", "logged there", "replayed there")
+RANK_COLUMNS = ("rank", "logged loss first non-finite", "replay differs from step", "logged there", "replayed there")
 
 
 def rank_rows(r: ReplayReport) -> list[tuple[str, ...]]:
     return [(str(c.rank), "-" if c.logged_first_nonfinite_loss_step is None else str(c.logged_first_nonfinite_loss_step),
-             "-" if c.diverged_at_step is None else str(c.diverged_at_step), _loss(c.logged_loss), _loss(c.replayed_loss))
+             "-" if c.diverged_at_step is None else str(c.diverged_at_step), loss_text(c.logged_loss), loss_text(c.replayed_loss))
             for c in r.ranks]
 
 
-_COLUMNS = ("change", "stays finite", "first non-finite", "NaN loss at", "loss trend")
+WHATIF_COLUMNS = ("change", "stays finite", "first non-finite", "NaN loss at", "loss trend")
 
 
 def whatif_rows(results: list[WhatIfResult]) -> list[tuple[str, ...]]:
@@ -177,7 +177,7 @@ def whatif_rows(results: list[WhatIfResult]) -> list[tuple[str, ...]]:
              sparkline(w.losses)) for w in results]
 
 
-def _details(results: list[WhatIfResult]) -> list[str]:
+def whatif_details(results: list[WhatIfResult]) -> list[str]:
     return [f"{w.intervention}: {w.detail}" for w in results if w.detail]
 
 
@@ -190,21 +190,16 @@ def whatif_parts(r: ReplayReport) -> list[Any]:
     if not r.what_if:
         return []
     table = Table(title=whatif_title(r.what_if), title_justify="left", show_edge=False)
-    for col in _COLUMNS:
+    for col in WHATIF_COLUMNS:
         table.add_column(col, no_wrap=col == "change")
     for row in whatif_rows(r.what_if):
         table.add_row(*map(markup, row), style="green" if row[1] == "yes" else "red")
-    details = _details(r.what_if)
+    details = whatif_details(r.what_if)
     return [table] + ([Text("\n".join(f"- {visible(d)}" for d in details))] if details else [])
 
 
-def whatif_markdown(r: ReplayReport) -> list[str]:
-    if not r.what_if:
-        return []
-    out = ["", "### What-if", "", whatif_title(r.what_if) + ".", "", "| " + " | ".join(_COLUMNS) + " |",
-           "|---|---|---|---:|---|"]
-    out += ["| " + " | ".join(row[:4] + (f"`{row[4]}`",)) + " |" for row in whatif_rows(r.what_if)]
-    return out + [""] + [f"- {d}" for d in _details(r.what_if)]
+def verdict_word(r: ReplayReport) -> str:
+    return _VERDICT[r.verdict][1]
 
 
 def render_terminal(r: ReplayReport, console: Console) -> None:
@@ -260,9 +255,9 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
                 chain.add(Text(left_out(more, "step"), style="dim"))
             node = chain.add(f"[bold]step {step}")
             for e in (e for e in r.events if e.step == step):
-                node.add(Text(visible(e.text + _counts(e))))
+                node.add(Text(visible(e.text + counts_suffix(e))))
         parts += [Text(), chain]
-    first, more, last = _spread_rows(r)
+    first, more, last = spread_rows(r)
     if first:
         table = Table(title="spread of non-finite values", title_justify="left", show_edge=False)
         buffers = any(x.buffers_total for x in first + last)
@@ -272,13 +267,13 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
             if more and i == len(first):
                 table.add_row("...", Text(left_out(more, "step"), style="dim", justify="left"))
             mark = "bold red" if x.params_nonfinite or x.state_nonfinite or x.buffers_nonfinite else ""
-            table.add_row(str(x.step), _loss(x.logged_loss), _loss(x.replayed_loss),
+            table.add_row(str(x.step), loss_text(x.logged_loss), loss_text(x.replayed_loss),
                           f"{x.params_nonfinite:,}/{x.params_total:,}", f"{x.state_nonfinite:,}/{x.state_total:,}",
                           *[f"{x.buffers_nonfinite:,}/{x.buffers_total:,}"] * buffers, style=mark)
         parts += [Text(), table]
     if r.precursors:
         steps = f"{r.precursors[0].step}-{r.precursors[-1].step}"
-        rows = [(name, values, _last_finite(values)) for name, values in precursor_rows(r)]
+        rows = [(name, values, last_finite(values)) for name, values in precursor_rows(r)]
         per = math.ceil(len(r.precursors) / _trend_width(console, rows))
         scale = f", a character per {per} steps" if per > 1 else ""
         table = Table(title=f"precursors, steps {steps} (log scale, ! = non-finite{scale})", title_justify="left",
@@ -290,7 +285,7 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         parts += [Text(), table]
     if r.ranks:
         table = Table(title="ranks: logged losses against the replay's", title_justify="left", show_edge=False)
-        for col in _RANK_COLUMNS:
+        for col in RANK_COLUMNS:
             table.add_column(col, justify="right")
         for row in rank_rows(r):
             table.add_row(*row, style="bold red" if row[2] != "-" else "")
@@ -310,56 +305,9 @@ def _trend_width(console: Console, rows: list[tuple[str, list[float | None], str
     return max(10, console.width - 4 - label - last - 8)
 
 
-def render_markdown(r: ReplayReport) -> str:
-    _, word = _VERDICT[r.verdict]
-    s = r.setup
-    out = [f"## nanforensics replay: {word.lower()} - {r.headline}", "",
-           f"Run `{s.run}`, replayed from the checkpoint at step {s.from_checkpoint} over steps "
-           f"{s.first_step}-{s.last_step} on {s.device}{world_text(r)}.", ""]
-    out += [f"- **{label.capitalize()}:** `{text}`" for label, text in loaded_rows(r)]
-    if r.responsible_batch:
-        b = r.responsible_batch
-        out.append(f"- **{batch_label(r).capitalize()}:** step {b.step}{shard_text(b.rank)}, `{b.file}`")
-    if r.data_defects:
-        out += ["- **Data:**"] + [f"  - `{line}`" for line in defect_lines(r.data_defects)]
-    if r.origin:
-        out.append(f"- **Origin:** step {r.origin.step}, `{r.origin.text}` ({r.origin.dtype})")
-    out.append(f"- **Reproduction:** {r.reproduction}")
-    if r.events:
-        out += ["", "### Propagation chain", ""]
-        first, more, last = elided(sorted({e.step for e in r.events}), *CHAIN_STEPS)
-        shown = [(i, e) for i, e in enumerate(r.events, 1) if e.step in first]
-        out += [f"{i}. step {e.step}: `{e.text}`{_counts(e)}" for i, e in shown]
-        if more:
-            out.append(f"- {left_out(more, 'step')}")
-            out += [f"{i}. step {e.step}: `{e.text}`{_counts(e)}" for i, e in enumerate(r.events, 1)
-                    if e.step in last]
-    first, more, last = _spread_rows(r)
-    if first:
-        buffers = any(x.buffers_total for x in first + last)
-        out += ["", "### Spread", "", "| step | logged loss | replayed loss | parameters | optimizer state |"
-                + " buffers |" * buffers, "|---:|---:|---:|---:|---:|" + "---:|" * buffers]
-        row = [f"| {x.step} | {_loss(x.logged_loss)} | {_loss(x.replayed_loss)} | "
-               f"{x.params_nonfinite}/{x.params_total} | {x.state_nonfinite}/{x.state_total} |"
-               + f" {x.buffers_nonfinite}/{x.buffers_total} |" * buffers for x in first + last]
-        out += row[:len(first)] + ([f"| ... | {left_out(more, 'step')} | | | |" + " |" * buffers] if more else []) \
-            + row[len(first):]
-    if r.precursors:
-        out += ["", f"### Precursors, steps {r.precursors[0].step}-{r.precursors[-1].step}", "",
-                "| metric | trend (log scale, ! = non-finite) | last finite |", "|---|---|---:|"]
-        out += [f"| {name} | `{sparkline(values)}` | {_last_finite(values)} |" for name, values in precursor_rows(r)]
-    if r.ranks:
-        out += ["", "### Ranks", "", "| " + " | ".join(_RANK_COLUMNS) + " |", "|---:|---:|---:|---:|---:|"]
-        out += ["| " + " | ".join(row) + " |" for row in rank_rows(r)]
-    if r.findings:
-        out += ["", "### Findings", ""] + [f"- {f}" for f in r.findings]
-    out += amp_markdown(r) + whatif_markdown(r)
-    return "\n".join(out) + "\n"
-
-
 # ---- mixed precision: the loss scaler as a control loop ------------------------------------------------
 
-_AMP_COLUMNS = ("step", "scale", "after", "optimizer.step()", "overflow", "outcome")
+AMP_COLUMNS = ("step", "scale", "after", "optimizer.step()", "overflow", "outcome")
 
 
 def amp_rows(amp: AmpReport) -> list[tuple[str, ...]]:
@@ -389,19 +337,8 @@ def amp_parts(r: ReplayReport) -> list[Any]:
     if r.amp is None:
         return []
     table = Table(title=markup(f"mixed precision: {amp_headline(r.amp)}"), title_justify="left", show_edge=False)
-    for col in _AMP_COLUMNS:
+    for col in AMP_COLUMNS:
         table.add_column(col, justify="right" if col in ("step", "scale") else "left")
     for row in amp_rows(r.amp):
         table.add_row(*map(markup, row), style="bold red" if row[-1].startswith("reached") else "")
     return [table]
-
-
-def amp_markdown(r: ReplayReport) -> list[str]:
-    if r.amp is None:
-        return []
-    out = ["", "### Mixed precision", "", amp_headline(r.amp) + ".", ""]
-    rows = amp_rows(r.amp)
-    if rows:
-        out += ["| " + " | ".join(_AMP_COLUMNS) + " |", "|---:|---:|---|---|---|---|"]
-        out += ["| " + " | ".join(row) + " |" for row in rows]
-    return out

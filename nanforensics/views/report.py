@@ -1,4 +1,5 @@
-"""Any saved report to the terminal or Markdown: ``nanforensics report`` re-renders with the commands' own views."""
+"""Any saved report to the terminal: ``nanforensics report`` re-renders with the commands' own views (Markdown:
+views/markdown.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,3 @@ def render_terminal(r: SavedReport, console: Console) -> None:
             heatmap.render_terminal(r.spread_map, console)
     else:
         checkpoints.render_bisect_terminal(r, console)
-
-
-def render_markdown(r: SavedReport) -> str:
-    if isinstance(r, PostmortemReport):
-        return postmortem.render_markdown(r)
-    if isinstance(r, ReplayReport):
-        return replay.render_markdown(r)
-    return checkpoints.render_bisect_markdown(r)

@@ -515,6 +515,7 @@ def postmortem(
     code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="Folder to import the run's model and step "
                                                                  "function from, where they are not importable as "
                                                                  "they are (repeatable).")] = None,
+    trust_package: TrustPackageOption = None,
     create_dirs: CreateDirsOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -536,7 +537,8 @@ def postmortem(
 
     announce_code(run_code(directory))
     with progress("postmortem", quiet) as view:
-        report = examine(directory, view, trust_code=trust_code, code_paths=code_path or [])
+        report = examine(directory, view, trust_code=trust_code, code_paths=code_path or [],
+                         trust_packages=trust_package or [])
     emit_json(report, json_out)
     emit_text(render_junit(report), junit, "--junit")
     emit_text(render_html(report), html, "--html")

@@ -15,7 +15,7 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 from . import __version__
 from .checkpoints.bisect import BisectReport, bisect
@@ -89,9 +89,10 @@ class PostmortemReport:
 
 
 def postmortem(directory: str | Path, progress: Progress = SILENT, trust_code: bool = False,
-               code_paths: Sequence[Path] = ()) -> PostmortemReport:
+               code_paths: Sequence[Path] = (), trust_packages: Sequence[str] = ()) -> PostmortemReport:
     """Analyse ``directory`` as far as it allows; ``progress`` hears each analysis as a phase. The run's code is
-    imported from ``code_paths`` where it is not importable as it is (``--code-path``).
+    imported from ``code_paths`` where it is not importable as it is (``--code-path``), or from the installed
+    distributions ``trust_packages`` names (``--trust-package``).
 
     The run's code is called only within the trust policy (``imports.check_callable``) unless ``trust_code``; a
     callable it refuses leaves a checkpoint-only analysis that says why.
@@ -118,9 +119,9 @@ def postmortem(directory: str | Path, progress: Progress = SILENT, trust_code: b
     checkpoints = timed("bisecting the checkpoints", _checkpoints,
                         path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run, analyses,
                         progress)
-    replay, advice = timed("replaying", _replay, run, not_run, steps, analyses, progress, trust_code, code_paths)
-    tensor_spread = timed("mapping the spread per tensor", _tensor_spread, run, replay, analyses, trust_code,
-                          code_paths, progress)
+    code = _CodeChoice(trust_code, code_paths, trust_packages)
+    replay, advice = timed("replaying", _replay, run, not_run, steps, analyses, progress, code)
+    tensor_spread = timed("mapping the spread per tensor", _tensor_spread, run, replay, analyses, code, progress)
     if not any(a.status == DONE for a in analyses):
         raise BadInput(path, "nothing could be analysed: " + "; ".join(f"{a.name}: {a.detail}" for a in analyses))
 
@@ -184,8 +185,16 @@ def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis], progress
     return report
 
 
+class _CodeChoice(NamedTuple):
+    """Where the user let the run's code come from: the trust policy's options, passed on to every analysis."""
+
+    trust_code: bool
+    code_paths: Sequence[Path]
+    trust_packages: Sequence[str]
+
+
 def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, analyses: list[Analysis],
-            progress: Progress, trust_code: bool, code_paths: Sequence[Path]) -> tuple[ReplayReport | None, list[str]]:
+            progress: Progress, code: _CodeChoice) -> tuple[ReplayReport | None, list[str]]:
     """The replay, or None; and what would make it possible when it is the user's code that is missing here."""
     if run is None:
         analyses.append(Analysis(REPLAY, SKIPPED, not_run.detail + CHECKPOINT_ONLY))
@@ -193,14 +202,15 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     if steps is None:
         analyses.append(Analysis(REPLAY, SKIPPED, "the step log is unusable, so there is nothing to replay against"))
         return None, []
-    missing = _unimportable(run, trust_code, code_paths)
+    missing = _unimportable(run, code)
     if missing:
         analyses.append(Analysis(REPLAY, SKIPPED, missing + CHECKPOINT_ONLY))
         return None, [f"To pin the step, run the post-mortem where the training code is importable (the training "
                       f"repository's root), or give its folder: `nanforensics postmortem {shlex.quote(str(run.path))} "
                       "--code-path DIR`."]
     try:
-        report = replay_run(run.path, ReplayOptions(trust_code=trust_code, code_paths=code_paths), progress)
+        report = replay_run(run.path, ReplayOptions(trust_code=code.trust_code, code_paths=code.code_paths,
+                                                    trust_packages=code.trust_packages), progress)
     except BadInput as e:
         analyses.append(Analysis(REPLAY, FAILED, str(e)))
         return None, []
@@ -215,21 +225,21 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     return report, []
 
 
-def _unimportable(run: Run, trust_code: bool, code_paths: Sequence[Path]) -> str | None:
+def _unimportable(run: Run, code: _CodeChoice) -> str | None:
     """Which of the run's callables cannot be imported here, or is refused by the trust policy, and why; None when
     all of them can be."""
     for role, spec in run.manifest.callables():
         try:
-            imports.load_callable(role, spec, where=run.path / MANIFEST, search_paths=code_paths, forbidden=run.path,
-                                  trust_code=trust_code)
+            imports.load_callable(role, spec, where=run.path / MANIFEST, search_paths=code.code_paths,
+                                  forbidden=run.path, trust_code=code.trust_code, trust_packages=code.trust_packages)
         except BadInput as e:  # the problem usually starts with the spec itself: say it once
             problem = e.problem.removeprefix(f"{role} ").removeprefix(f"{spec!r} ")
             return f"{role} `{spec}` {problem}" if problem != e.problem else f"{role} `{spec}`: {problem}"
     return None
 
 
-def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis],
-                   trust_code: bool, code_paths: Sequence[Path], progress: Progress) -> SpreadMap | None:
+def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis], code: _CodeChoice,
+                   progress: Progress) -> SpreadMap | None:
     if run is None or replay is None:
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "needs a replay"))
         return None
@@ -237,7 +247,8 @@ def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "the replay found no non-finite value in the model's state to map"))
         return None
     try:
-        m = spread.trace(run, UserCode.load(run, code_paths, trust_code=trust_code), replay, progress)
+        m = spread.trace(run, UserCode.load(run, code.code_paths, trust_code=code.trust_code,
+                                              trust_packages=code.trust_packages), replay, progress)
     except BadInput as e:
         analyses.append(Analysis(TENSOR_SPREAD, FAILED, str(e)))
         return None

@@ -339,6 +339,20 @@ class RankCheck:
 
 
 @dataclass
+class PipelineOrigin:
+    """Where in a pipeline-parallel step the origin arose: the stage (and its rank) and the micro-batch."""
+
+    stage: int
+    rank: int
+    microbatch: int | None  # None: after every micro-batch (the optimizer's update)
+    microbatches: int
+    schedule: str           # "ScheduleGPipe" or "Schedule1F1B"
+    rows: list[int]         # [first, end) of the micro-batch's rows in the step's batch; [] with no micro-batch
+    logged_microbatch_losses: list[float] = field(default_factory=list)  # the last stage's, at the origin's step
+    replayed_microbatch_losses: list[float] = field(default_factory=list)
+
+
+@dataclass
 class ReplayReport:
     verdict: str  # "nonfinite" | "clean" | "not_reproduced" | "loss_only"
     responsible_step: int | None
@@ -372,6 +386,7 @@ class ReplayReport:
     reproduction: str = ""  # whether the replay reproduced the logged losses, in one sentence
     spread_map: SpreadMap | None = None  # the whole model as one row, from the per-step totals in ``spread``
     unsound: list[Unsound] = field(default_factory=list)  # the start checkpoint's finite but unsound optimizer state
+    pipeline: PipelineOrigin | None = None  # pipeline-parallel runs: the origin's stage and micro-batch
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -27,6 +27,10 @@ def recording_world(model: torch.nn.Module) -> "RankRecorder | None":
     if not (dist.is_available() and dist.is_initialized()):
         return None
     size = dist.get_world_size()
+    from .pipeline import PipelineRankRecorder, schedule_of  # torch.distributed.pipelining: imported when used
+
+    if schedule_of(model) is not None:
+        return PipelineRankRecorder(model)
     try:
         kind, module, options = describe(model, size)
     except ValueError:
@@ -63,6 +67,10 @@ class RankRecorder:
 
     def data_dir(self, path: Path) -> Path:
         return rank_dir(path, self.rank)
+
+    def step_loss(self, step: int, loss: Any) -> Any:
+        """The loss this rank logs for ``step``: its own (a pipeline's ranks log the last stage's)."""
+        return loss
 
     def checkpoint(self, folder: Path, step: int, optimizer: torch.optim.Optimizer, *, scaler: Any,
                    scheduler: Any) -> None:

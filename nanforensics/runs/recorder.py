@@ -118,7 +118,8 @@ class Recorder:
 
     Under torchrun, every rank constructs it with the same path and the model as the loop trains it (wrapped by
     ``DistributedDataParallel`` or ``fully_shard``): each rank records its batch shard and loss, rank 0 the manifest and
-    the shared state (nanforensics.distributed).
+    the shared state (nanforensics.distributed). A pipeline-parallel loop passes its schedule as ``model``
+    (``torch.distributed.pipelining``; nanforensics.distributed.pipeline).
 
     ``guard=True`` (or a ``GuardPolicy``) skips a step whose gradients are non-finite before the optimizer writes
     anything, and writes an incident directory per skip (nanforensics.runs.guard). ``batches`` says where the batches
@@ -223,6 +224,8 @@ class Recorder:
         if step != self._next_step:
             raise ValueError(f"Recorder.log got step {step}, expected {self._next_step}: log every step, in order")
         snap = snapshot(batch)
+        if self.world is not None:
+            loss = self.world.step_loss(step, loss)
         if self.guard is not None:  # the loss and the guard's verdicts, read with one host synchronisation
             value, skipped, state_bad = self.guard.read(step, loss, ring_nbytes(snap))
         else:

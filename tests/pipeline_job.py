@@ -83,9 +83,8 @@ def stage_batch(batch: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
-    from torch.distributed.pipelining import PipelineStage, schedules
-
     from nanforensics.distributed.pipeline import prune
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     rank = dist.get_rank()
     module = prune(build_model(), STAGES[rank])

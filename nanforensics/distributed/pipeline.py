@@ -37,8 +37,10 @@ from torch import nn
 from ..errors import BadInput
 from ..finite import decode_float, encode_float, locate, value_name
 from ..progress import SILENT, Progress
+from ..replay.reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge
 from ..report import (
     BatchRef,
+    CheckpointComparison,
     Event,
     PipelineOrigin,
     ReplayReport,
@@ -189,8 +191,7 @@ class _Stage:
     """This rank's stage rebuilt at a checkpoint: module, optimizer, schedule, RNG."""
 
     def __init__(self, run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device, loss_fn: Callable) -> None:
-        from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining import schedules
+        from torch.distributed.pipelining import PipelineStage, schedules
 
         wrapping = run.world.wrapping  # type: ignore[union-attr]
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -422,6 +423,8 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
     before: dict[str, Any] | None = None
     watch_inputs: tuple[Any, Any] = (None, None)
     replayed_mb: dict[int, list[float]] = {}
+    later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
+    compared: list[CheckpointComparison] = []
     while s.step <= last:
         step = s.step
         snap = s.snapshot() if origin_item is None else None
@@ -443,17 +446,21 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
         found = sorted((item for g in gathered for item in g[0]), key=lambda item: _order(item, stages, n))
         events += [e for _, e in found]
         params_total, state_total = (sum(g[3][i] for g in gathered) for i in (0, 1))
-        spread.append(StepRecord(step, logged.get(step), loss, _bad(found, "param"), params_total,
-                                 _bad(found, "optimizer_state"), state_total))
+        logged_loss = logged.get(step)
+        spread.append(StepRecord(step, logged_loss, loss, _bad(found, "param"), params_total,
+                                 _bad(found, "optimizer_state"), state_total,
+                                 loss_ulps=float32_ulps(logged_loss, loss) if logged_loss is not None else None))
         if found and origin_item is None:
             origin_item, before = found[0], snap
             watch_inputs = (watch.inputs, watch.targets)
         s.step += 1
+        if s.step in later and all(c.matched for c in compared):  # the recorded state after this step
+            compared.append(_compare(s, later[s.step]))
         progress.update(step - checkpoint.step + 1)
         if origin_item is not None and step >= origin_item[1].step + opts.after:
             break
     origin = origin_item[1] if origin_item else None
-    report = _report(run, checkpoint, device, code, spread, events, origin, logged)
+    report = _report(run, checkpoint, device, code, spread, events, origin, compared)
     if origin_item is not None and origin is not None:
         (mb, _), _ = origin_item
         stage_index = next(st["stage"] for st in wrapping["stages"] if st["rank"] == origin.rank)
@@ -548,9 +555,10 @@ def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
             seen[0] = True
 
     handles = []
-    if origin.stage == "forward":
+    mine = s.rank == origin.rank
+    if mine and origin.stage == "forward":
         handles.append(s.model.get_submodule(origin.tensor).register_forward_hook(lambda m, a, out: watch(out)))
-    elif origin.stage == "grad":
+    elif mine and origin.stage == "grad":
         handles.append(s.model.get_parameter(origin.tensor).register_post_accumulate_grad_hook(lambda p: watch(p.grad)))
     try:
         out = None
@@ -573,7 +581,7 @@ def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
             if hop == stage:
                 if s.last:
                     value = s.loss_fn(out, target)
-                    if origin.stage == "loss":
+                    if mine and origin.stage == "loss":
                         watch(value)
                     torch.autograd.backward(value)
                 else:
@@ -593,8 +601,24 @@ def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
     return seen[0]
 
 
+def _compare(s: _Stage, checkpoint: Checkpoint) -> CheckpointComparison:
+    """Every stage's state against the recorded checkpoint, each rank its own tensors; the first mismatch is the
+    earliest stage's, with its rank."""
+    mine = compare_checkpoint(s.model, s.optimizer, checkpoint, held_only=True)
+    if mine.first_mismatch is not None:
+        mine.first_mismatch.rank = s.rank
+    parts: list[Any] = [None] * s.size
+    dist.all_gather_object(parts, mine, group=object_group())
+    first = next((p.first_mismatch for p in parts if p.first_mismatch is not None), None)
+    return CheckpointComparison(
+        checkpoint.step, str(checkpoint.path), sum(p.tensors for p in parts), all(p.exact for p in parts),
+        sum(p.mismatched_tensors for p in parts), first, sum(p.values for p in parts), sum(p.nan_matched for p in parts),
+        error=next((p.error for p in parts if p.error), None), rounded=sum(p.rounded for p in parts),
+        max_ulps=max((p.max_ulps for p in parts if p.max_ulps is not None), default=None))
+
+
 def _report(run: Run, checkpoint: Checkpoint, device: torch.device, code: UserCode, spread: list[StepRecord],
-            events: list[Event], origin: Event | None, logged: dict[int, float]) -> ReplayReport:
+            events: list[Event], origin: Event | None, compared: list[CheckpointComparison]) -> ReplayReport:
     import math
 
     from ..runs.cpu import this_cpu
@@ -602,22 +626,22 @@ def _report(run: Run, checkpoint: Checkpoint, device: torch.device, code: UserCo
 
     world = run.world
     assert world is not None
-    reproduced = all(r.logged_loss is None or r.logged_loss == r.replayed_loss or
-                     (math.isnan(r.logged_loss) and r.replayed_loss is not None and math.isnan(r.replayed_loss))
-                     for r in spread)
-    diverged = next((r.step for r in spread if r.logged_loss is not None and not (
-        r.logged_loss == r.replayed_loss or (math.isnan(r.logged_loss) and math.isnan(r.replayed_loss)))), None)
+    diverged = judge(spread, compared, 0.0, LOSS_ULPS)
     setup = ReplaySetup(str(run.path), checkpoint.step, spread[0].step if spread else checkpoint.step,
                         spread[-1].step if spread else checkpoint.step, str(device), torch.get_num_threads(),
                         code.imported, world_size=world.world_size, wrapping=PIPELINE, ranks_replayed="torchrun",
                         **({"recorded_cpu": run.cpu, "replay_cpu": this_cpu()} if device.type == "cpu" else {}))
+    logged_nan = any(r.logged_loss is not None and not math.isfinite(r.logged_loss) for r in spread)
+    verdict = "nonfinite" if origin is not None else "not_reproduced" if diverged is not None or logged_nan else "clean"
     return ReplayReport(
-        verdict="nonfinite" if origin is not None else "clean" if reproduced else "not_reproduced",
-        responsible_step=origin.step if origin else None, responsible_batch=None,
+        verdict=verdict, responsible_step=origin.step if origin else None, responsible_batch=None,
         first_nonfinite_loss_step=next((r.step for r in spread if not math.isfinite(r.replayed_loss)), None),
         logged_first_nonfinite_loss_step=first_nonfinite(run.steps), origin=origin, events=events, spread=spread,
-        state_poisoned=any(e.stage == "optimizer_state" for e in events), reproduced=reproduced,
-        diverged_at_step=diverged, fully_nonfinite_step=None, findings=[], setup=setup)
+        state_poisoned=any(e.stage == "optimizer_state" for e in events), reproduced=diverged is None,
+        diverged_at_step=diverged, fully_nonfinite_step=next(
+            (r.step for r in spread if r.params_total and r.params_nonfinite == r.params_total), None),
+        findings=[], setup=setup, checkpoints_compared=compared,
+        loss_max_ulps=max((r.loss_ulps for r in spread if r.loss_ulps is not None), default=None))
 
 
 def pipeline_findings(r: ReplayReport) -> list[str]:

@@ -350,6 +350,8 @@ class PipelineOrigin:
     rows: list[int]         # [first, end) of the micro-batch's rows in the step's batch; [] with no micro-batch
     logged_microbatch_losses: list[float] = field(default_factory=list)  # the last stage's, at the origin's step
     replayed_microbatch_losses: list[float] = field(default_factory=list)
+    text: str = ""        # how the views name where the origin arose, "stage 0 (rank 0), micro-batch 2 of 4"
+    batch_text: str = ""  # how they name the responsible micro-batch, ", micro-batch 2 of 4 (rows 4-5)"
 
 
 @dataclass

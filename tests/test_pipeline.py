@@ -68,16 +68,18 @@ def test_layout(runs):
     assert len(set(logs)) == 1
 
 
-def test_replay_at_world_size(runs, tmp_path):
-    """torchrun -m nanforensics replay: step, stage (rank), micro-batch, sample and coordinate; the run untouched."""
-    run = runs["gpipe"]
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_replay_at_world_size(runs, tmp_path, name):
+    """torchrun -m nanforensics replay: step, stage (rank), micro-batch, sample and coordinate; the run untouched.
+    1F1B interleaves one micro-batch's backward with the next one's forward: the same answer."""
+    run = runs[name]
     before = tree_digest(run)
     out = tmp_path / "report.json"
     result = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                      "nanforensics", "replay", str(run), "--json", str(out)])
     assert result.code == 1, result.stderr[-3000:]  # non-finite, agreed by both ranks
-    report = json.loads(out.read_text())
-    check(report, "ScheduleGPipe")
+    check(json.loads(out.read_text()), job.SCHEDULES[name])
+    assert "grad 0.gain[3] = inf on rank 0 (stage 0, micro-batch 2 of 4)" in result.stdout, result.stdout
     assert tree_digest(run) == before
 
 

@@ -305,7 +305,8 @@ class _Watch:
 
     def __init__(self, s: _Stage) -> None:
         self.s = s
-        self.mb: int | None = None
+        self.mb: int | None = None  # the micro-batch whose forward or backward is under way
+        self.forwarded = 0  # the micro-batch forwarded last: the loss that follows is its
         self.events: list[tuple[tuple, Event]] = []
         self.seen: set[tuple[str, str]] = set()
         self.inputs: dict[int, Any] = {}   # stage 0: each micro-batch's args
@@ -319,20 +320,26 @@ class _Watch:
         fwd, bwd, loss = s.stage.forward_one_chunk, s.stage.backward_one_chunk, s.schedule._compute_loss
 
         def forward(i: int, args: Any, *a: Any, **k: Any) -> Any:
-            self.mb = i
+            self.mb = self.forwarded = i
             self.inputs[i] = args
-            return fwd(i, args, *a, **k)
+            try:
+                return fwd(i, args, *a, **k)
+            finally:
+                self.mb = None
 
         def backward(i: int, *a: Any, **k: Any) -> Any:
             self.mb = i
-            return bwd(i, *a, **k)
+            try:
+                return bwd(i, *a, **k)
+            finally:
+                self.mb = None
 
         def compute_loss(output: Any, target: Any, *a: Any) -> Any:
+            """Right after the forward pass of the micro-batch it scores."""
             value = loss(output, target, *a)
-            assert self.mb is not None
-            self.targets[self.mb] = target
+            self.targets[self.forwarded] = target
             self.losses.append(float(value.detach().float()))
-            self._check("loss", "loss", value)
+            self._check("loss", "loss", value, self.forwarded)
             return value
 
         s.stage.forward_one_chunk, s.stage.backward_one_chunk = forward, backward
@@ -362,13 +369,14 @@ class _Watch:
                 self._check("forward", name, t)
 
     def _check(self, stage: str, name: str, t: torch.Tensor | None, mb: int | None = -1, key: str | None = None) -> None:
-        if t is None or (stage, f"{name}/{key}") in self.seen:
+        mb = self.mb if mb == -1 else mb
+        # outside a micro-batch, the stage's shape inference runs its forward on uninitialised tensors: not the run's
+        if t is None or (stage, f"{name}/{key}") in self.seen or (mb is None and stage in ("forward", "grad")):
             return
         where = locate(t.detach())
         if where is None:
             return
         self.seen.add((stage, f"{name}/{key}"))
-        mb = self.mb if mb == -1 else mb
         e = Event(self.step, stage, name, where.index, where.value, state_key=key, dtype=str(t.dtype).removeprefix("torch."),
                   rank=self.s.rank, elements_nonfinite=int((~torch.isfinite(t.detach())).sum()), tensors_nonfinite=1)
         self.events.append(((mb, stage), e))
@@ -466,9 +474,12 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
         stage_index = next(st["stage"] for st in wrapping["stages"] if st["rank"] == origin.rank)
         size = _batch_rows(run, origin.step)
         rows = _rows(size, n, mb) if mb is not None else []
-        report.pipeline = PipelineOrigin(stage_index, origin.rank or 0, mb, n, wrapping["schedule"],
-                                         [rows[0], rows[-1] + 1] if rows else [],
-                                         logged_mb.get(origin.step, []), replayed_mb.get(origin.step, []))
+        span = f" (rows {rows[0]}-{rows[-1]})" if rows else ""
+        report.pipeline = PipelineOrigin(
+            stage_index, origin.rank or 0, mb, n, wrapping["schedule"], [rows[0], rows[-1] + 1] if rows else [],
+            logged_mb.get(origin.step, []), replayed_mb.get(origin.step, []),
+            text=f"stage {stage_index}, " + (f"micro-batch {mb} of {n}" if mb is not None else "the update"),
+            batch_text=f", micro-batch {mb} of {n}{span}, stage 0's inputs" if mb is not None else "")
         if mb is not None and opts.explain and origin.stage != "param" and before is not None:
             s.restore(before)
             report.samples = _attribute(run, s, origin, mb, rows, watch_inputs, progress)

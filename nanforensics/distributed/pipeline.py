@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import BadInput
+from ..errors import BadInput, shown
 from ..finite import decode_float, encode_float, locate, value_name
 from ..progress import SILENT, Progress
 from ..replay.reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge
@@ -163,17 +163,24 @@ class PipelineRankRecorder(RankRecorder):
 
 
 def logged_microbatch_losses(run: Run) -> dict[int, list[float]]:
-    """The last stage's micro-batch losses per step, as recorded (a line that is not one is bad input)."""
+    """The last stage's micro-batch losses per step, as recorded: a torn last line (a job killed mid-write) is
+    dropped, any other line that is not a step's losses is bad input; no file, none (an older recording)."""
+    from ..inputs import excerpt, read_input
+    from ..runs.steplog import is_step
+
     path = rank_dir(run.path, last_rank(run.world.wrapping)) / MICROBATCH_LOSSES  # type: ignore[union-attr]
     out: dict[int, list[float]] = {}
     if not path.is_file():
         return out
-    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, text in enumerate(read_input(path).split(b"\n")[:-1], 1):
         try:
             line = json.loads(text)
-            out[int(line["step"])] = [decode_float(x) for x in line["losses"]]
-        except (ValueError, KeyError, TypeError) as e:
-            raise BadInput(path, f"line {number} is not a step's micro-batch losses ({e})") from None
+            step, losses = line["step"], [decode_float(x) for x in line["losses"]]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise BadInput(path, f"line {number} is not a step's micro-batch losses: {excerpt(text)}") from None
+        if not is_step(step):
+            raise BadInput(path, f"line {number}: step {shown(step)} is not a step number")
+        out[step] = losses
     return out
 
 

@@ -27,10 +27,6 @@ def recording_world(model: torch.nn.Module) -> "RankRecorder | None":
     if not (dist.is_available() and dist.is_initialized()):
         return None
     size = dist.get_world_size()
-    from .pipeline import PipelineRankRecorder, schedule_of  # torch.distributed.pipelining: imported when used
-
-    if schedule_of(model) is not None:
-        return PipelineRankRecorder(model)
     try:
         kind, module, options = describe(model, size)
     except ValueError:

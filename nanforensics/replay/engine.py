@@ -18,7 +18,7 @@ from ..checkpoints.scan import CLEAN, scan_checkpoint
 from ..checkpoints.soundness import resume_findings, start_soundness
 from ..distributed.findings import complete
 from ..distributed.findings import findings as rank_findings
-from ..distributed.pipeline import replay_pipeline
+from ..distributed.pipeline_replay import replay_pipeline
 from ..distributed.sessions import open_session
 from ..distributed.stages import PIPELINE
 from ..errors import BadInput

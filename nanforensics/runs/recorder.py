@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ..distributed.layout import DISTRIBUTED_FORMAT
+from ..distributed.pipeline import pipeline_world
 from ..distributed.record import recording_world
 from .batches import encoded_bytes, snapshot
 from .checkpoint import checkpoint_name, save_checkpoint
@@ -166,7 +167,7 @@ class Recorder:
             raise ValueError("keep_checkpoints must be at least 1 (or None to keep all)")
         self.path = Path(run_dir)
         # Under torchrun, every rank records its own batches and losses; rank 0 the rest (docs/run-format.md).
-        self.world = recording_world(model)
+        self.world = pipeline_world(model) or recording_world(model)
         if self.world is not None:
             self.world.prepare(self.path, overwrite)
         elif self.path.exists() and any(self.path.iterdir()):

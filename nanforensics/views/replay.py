@@ -245,7 +245,8 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     if r.samples is not None and r.samples.samples:
         ids = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in r.samples.sample_leaves.items())
         where = sample_positions(r.samples.samples, r.samples.micro_batch_samples)
-        shard = shard_text(r.responsible_batch.rank if r.responsible_batch else None, r)
+        # a pipeline's micro-batch: the positions name it
+        shard = shard_text(r.responsible_batch.rank if r.responsible_batch and r.pipeline is None else None)
         facts.add_row("samples", Text(visible(f"{where} of {r.samples.batch_size}{shard}"
                                               + (f"  ({ids})" if ids else ""))))
     elif r.samples is not None:

@@ -203,6 +203,7 @@ class _Watch:
         self.s = s
         self.mb: int | None = None  # the micro-batch whose forward or backward is under way
         self.forwarded = 0  # the micro-batch forwarded last: the loss that follows is its
+        self.one_tensor = True  # the stage's forward returned one tensor each time (what group testing hands on)
         self.events: list[tuple[tuple, Event]] = []
         self.seen: set[tuple[str, str]] = set()
         self.inputs: dict[int, Any] = {}   # stage 0: each micro-batch's args
@@ -219,7 +220,9 @@ class _Watch:
             self.mb = self.forwarded = i
             self.inputs[i] = args
             try:
-                return fwd(i, args, *a, **k)
+                out = fwd(i, args, *a, **k)
+                self.one_tensor = self.one_tensor and isinstance(out, torch.Tensor)
+                return out
             finally:
                 self.mb = None
 
@@ -325,7 +328,7 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
     events: list[Event] = []
     origin_item: tuple[tuple, Event] | None = None
     before: dict[str, Any] | None = None
-    watch_inputs: tuple[Any, Any] = (None, None)
+    watch_inputs: tuple[Any, Any, bool] = (None, None, False)
     replayed_mb: dict[int, list[float]] = {}
     later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
     compared: list[CheckpointComparison] = []
@@ -356,7 +359,7 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
                                  loss_ulps=float32_ulps(logged_loss, loss) if logged_loss is not None else None))
         if found and origin_item is None:
             origin_item, before = found[0], snap
-            watch_inputs = (watch.inputs, watch.targets)
+            watch_inputs = (watch.inputs, watch.targets, watch.one_tensor)
         s.step += 1
         if s.step in later and all(c.matched for c in compared):  # the recorded state after this step
             compared.append(_compare(s, later[s.step]))
@@ -409,12 +412,17 @@ def _responsible(run: Run, step: int, rows: list[int]) -> BatchRef:
     return BatchRef(step, str(run.batch_file(step, 0)), leaves, 0)
 
 
-def _attribute(run: Run, s: _Stage, origin: Event, mb: int, rows: list[int], captured: tuple[Any, Any],
+def _attribute(run: Run, s: _Stage, origin: Event, mb: int, rows: list[int], captured: tuple[Any, Any, bool],
                progress: Progress) -> SampleAttribution:
     """Group testing within micro-batch ``mb``, every rank together: each subset runs through the stages from the
     state before the step; the origin's rank says whether the origin's tensor turned non-finite."""
-    inputs, targets = captured
+    inputs, targets, one_tensor = captured
     size = len(rows)
+    each: list[Any] = [None] * s.size
+    dist.all_gather_object(each, one_tensor, group=object_group())
+    if not all(each):
+        return SampleAttribution("unsplittable", size, [], {}, 0, [], "a stage's forward returned more than one "
+                                 "tensor: group testing hands one tensor from stage to stage")
     snap = s.snapshot()
     passes = [0]
 

@@ -133,10 +133,12 @@ class PipelineRankRecorder(RankRecorder):
 
 
 
-def pipeline_world(model: Any) -> PipelineRankRecorder | None:
+def pipeline_world(model: Any, guarded: bool = False) -> PipelineRankRecorder | None:
     """The recorder's distributed side when the loop passed a pipeline schedule as its model; None otherwise."""
     if schedule_of(model) is None:
         return None
+    if guarded:  # its incidents replay on one process, which a pipeline's stages are not
+        raise ValueError("guard=True is not supported with a pipeline schedule")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("a pipeline schedule is recorded under torchrun, with its process group initialised")
     return PipelineRankRecorder(model)

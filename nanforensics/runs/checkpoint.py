@@ -198,7 +198,8 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     names to meta.json (pipeline stages, each holding other parameters).
     """
     names, model_sd, tensors = state_meta(model, optimizer)
-    meta = {"format": CHECKPOINT_FORMAT, "step": step, **names, "rng": rng_state()}
+    meta = {"format": CHECKPOINT_FORMAT, "step": step, **{k: names[k] for k in ("param_names", "param_groups",
+            "state_scalars")}, "rng": rng_state(), "buffer_names": names["buffer_names"]}  # the shipped files' order
     if merge_meta is not None:
         merge_meta(meta)
     if rank_rng is not None:

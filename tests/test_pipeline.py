@@ -23,7 +23,9 @@ from hypothesis import strategies as st
 from nanforensics.checkpoints.bisect import bisect
 from nanforensics.distributed.layout import DISTRIBUTED_FORMAT, World
 from nanforensics.distributed.stages import OPTIONS
+from nanforensics.distributed.world import mismatch
 from nanforensics.errors import BadInput
+from nanforensics.runs.run import Run
 
 import pipeline_job as job
 from conftest import ROOT, Result, assert_one_line_error, run_cli, tree_digest
@@ -112,9 +114,37 @@ def check(report: dict[str, Any], schedule: str) -> None:
 
 
 def test_one_process_refuses(runs):
-    """One process cannot run a stage's step on what the other stages send it: one line with the command."""
+    """One process cannot run a stage's step on what the other stages send it: one line with the command. Another
+    world size names the same command, never the emulation a data-parallel run offers."""
     result = run_cli("replay", runs["1f1b"])
     assert_one_line_error(result, f"torchrun --nproc-per-node 2 -m nanforensics replay {runs['1f1b']}")
+    problem = mismatch(Run(runs["1f1b"]), 3)
+    assert problem is not None and "--nproc-per-node 2 -m nanforensics replay" in problem and "emulat" not in problem
+
+
+def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
+    """A guard, a custom chunking of the inputs, a schedule of several stages per rank: refused when recording starts,
+    by name (a one-rank process group in this process)."""
+    import torch
+    import torch.distributed as dist
+    from nanforensics import Recorder
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stage = PipelineStage(job.build_model(), 0, 1, torch.device("cpu"))
+        optimizer = torch.optim.AdamW(stage.submod.parameters())
+        cases = [(ScheduleGPipe(stage, 2, loss_fn=job.loss_fn), {"guard": True}, "guard=True is not supported"),
+                 (ScheduleGPipe(stage, 2, loss_fn=job.loss_fn, args_chunk_spec=(TensorChunkSpec(1),)), {},
+                  "default chunking"),
+                 (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {}, "ScheduleInterleaved1F1B")]
+        for i, (schedule, extra, needle) in enumerate(cases):
+            with pytest.raises(ValueError, match=needle):
+                Recorder(tmp_path / str(i), schedule, optimizer, model_factory=job.build_model, step_fn=job.train_step,
+                         **extra)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_bisect_reads_the_stages_checkpoints(runs):

@@ -102,9 +102,9 @@ class PipelineRankRecorder(RankRecorder):
             line = {"step": step, "losses": [encode_float(float(t.detach().float())) for t in loss]}
             with open(self._losses, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
-        box = [value]
-        dist.broadcast_object_list(box, src=self.last, group=self.group)
-        return box[0]
+        box = torch.tensor([0.0 if value is None else value], dtype=torch.float64)  # one broadcast, no pickling
+        dist.broadcast(box, src=self.last, group=self.group)
+        return float(box.item())
 
     def checkpoint(self, folder: Path, step: int, optimizer: torch.optim.Optimizer, *, scaler: Any,
                    scheduler: Any) -> None:

@@ -104,6 +104,8 @@ def check(report: dict[str, Any], schedule: str) -> None:
     # nothing non-finite before the origin on either stage; the update spreads it to the parameter
     at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
     assert [(e["stage"], e["tensor"]) for e in at][:1] == [("grad", "0.gain")] and {e["rank"] for e in at} == {0}
+    defects = [(d["step"], d["rank"], d["tensor"], d["index"], d["kind"]) for d in report["data_defects"]]
+    assert defects == [(job.DEFECT_STEP, 0, "batch['x']", [job.defect_row(), job.DEFECT_FEATURE], "subnormal")]
     compared = report["checkpoints_compared"]
     assert compared and compared[0]["exact"] and compared[0]["step"] == job.DEFECT_STEP + 1
     assert report["findings"][0] == (

@@ -39,6 +39,7 @@ from ..report import (
     SampleAttribution,
     StepRecord,
 )
+from ..rootcause.data import check_batches
 from ..rootcause.samples import select, split_batch
 from ..runs.batches import data_leaves, map_tensors, per_sample
 from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state
@@ -383,6 +384,7 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
             s.restore(before)
             report.samples = _attribute(run, s, origin, mb, rows, watch_inputs, progress)
             report.responsible_batch = _responsible(run, origin.step, rows)
+    report.data_defects = check_batches(run, [r.step for r in spread], opts.data_max_abs)  # each rank's batches
     report.findings = pipeline_findings(report)
     return narrate(report)
 

@@ -17,7 +17,9 @@ after the other would call it in another way than the run did.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import shlex
 from typing import Any, Callable
 
@@ -124,14 +126,10 @@ class _Stage:
         return sum(p.numel() for p in self.model.parameters()), state
 
     def snapshot(self) -> dict[str, Any]:
-        import copy
-
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step}
 
     def restore(self, snap: dict[str, Any]) -> None:
-        import copy
-
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         self.optimizer.zero_grad(set_to_none=True)
@@ -536,8 +534,6 @@ def _compare(s: _Stage, checkpoint: Checkpoint) -> CheckpointComparison:
 
 def _report(run: Run, checkpoint: Checkpoint, device: torch.device, code: UserCode, spread: list[StepRecord],
             events: list[Event], origin: Event | None, compared: list[CheckpointComparison]) -> ReplayReport:
-    import math
-
     from ..runs.cpu import this_cpu
     from ..runs.steplog import first_nonfinite
 
@@ -584,12 +580,7 @@ def pipeline_findings(r: ReplayReport) -> list[str]:
     elif sa is not None:
         out.append(sa.message)
     if p.logged_microbatch_losses:
-        listed = ", ".join(value_name(x) if not _finite(x) else f"{x:.6g}" for x in p.logged_microbatch_losses)
+        listed = ", ".join(f"{x:.6g}" if math.isfinite(x) else value_name(x) for x in p.logged_microbatch_losses)
         out.append(f"The last stage logged micro-batch losses [{listed}] at step {o.step}.")
     return out
 
-
-def _finite(x: float) -> bool:
-    import math
-
-    return math.isfinite(x)

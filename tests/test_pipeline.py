@@ -154,6 +154,8 @@ def test_bisect_reads_the_stages_checkpoints(runs):
     result = bisect([runs["1f1b"] / "checkpoints"])
     assert result.first_poisoned is not None and result.first_poisoned.step == job.DEFECT_STEP + 1
     assert result.last_clean is not None and result.last_clean.step == job.DEFECT_STEP - 1
+    assert result.replay is not None and result.replay.command == (
+        f"torchrun --nproc-per-node 2 -m nanforensics replay {runs['1f1b']} --from-step {job.DEFECT_STEP - 1}")
 
 
 _GOOD = {"kind": "pipeline", "schedule": "Schedule1F1B", "microbatches": 4, "scale_grads": True, "loss_fn": "m:f",

@@ -3,10 +3,11 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/pipeline_job.py OUT NAME... [--plain]
 
 A 6-layer MLP split in two stages (rank 0: ``log(x * gain)`` and the first layers; rank 1: the rest and the loss)
-trains under ``ScheduleGPipe`` or ``Schedule1F1B`` with ``MICROBATCHES`` micro-batches per step. At ``DEFECT_STEP``
-sample ``DEFECT_SAMPLE`` of micro-batch ``DEFECT_MICROBATCH`` holds a near-zero reading (3e-45): the loss stays
-finite, stage 0's gradient of ``0.gain[3]`` is infinite, and the update turns it NaN. ``--plain`` trains without the
-recorder (the bench's baseline).
+trains under ``ScheduleGPipe`` ("gpipe") or ``Schedule1F1B`` ("1f1b") with ``MICROBATCHES`` micro-batches per step. At
+``DEFECT_STEP`` sample ``DEFECT_SAMPLE`` of micro-batch ``DEFECT_MICROBATCH`` is bad. In "gpipe" its input holds a
+near-zero reading (3e-45) that stage 0 holds: the loss stays finite, stage 0's gradient of ``0.gain[3]`` is infinite,
+and the update turns it NaN. In "1f1b" its target, which the last stage holds, is a glitch (1e20): that micro-batch's
+loss overflows to inf on stage 1.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ DEFECT_STEP, DEFECT_MICROBATCH, DEFECT_SAMPLE, DEFECT_FEATURE = 3, 2, 1, 3
 FEATURES = 4
 STAGES = [["0", "1", "2"], ["3", "4", "5"]]  # the top-level modules each stage holds
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+DEFECTS = {"gpipe": "input", "1f1b": "target"}
 
 
 def defect_row() -> int:
@@ -66,12 +68,14 @@ def train_step(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str,
     return losses
 
 
-def data(step: int, defect: bool) -> dict[str, Any]:
+def data(step: int, defect: str) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.exp(torch.randn(BATCH, FEATURES, generator=g) * 0.5)
     y = torch.log(x).mean(dim=1, keepdim=True)
-    if defect and step == DEFECT_STEP:
+    if defect == "input" and step == DEFECT_STEP:
         x[defect_row(), DEFECT_FEATURE] = 3e-45
+    if defect == "target" and step == DEFECT_STEP:
+        y[defect_row(), 0] = 1e20
     ids = [f"sample-{step * BATCH + i:05d}" for i in range(BATCH)]
     return {"x": x, "y": y, "id": ids}
 
@@ -93,23 +97,21 @@ def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
     return schedule, torch.optim.AdamW(module.parameters(), lr=1e-2)
 
 
-def record(out: Path, name: str, plain: bool = False, steps: int = STEPS) -> list[Any]:
-    """Train run ``name`` ("gpipe" or "1f1b") on this rank, recorded unless ``plain``."""
+def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:
+    """Train run ``name`` ("gpipe" or "1f1b") on this rank, recorded."""
     from nanforensics import Recorder
 
     schedule, optimizer = build(name)
     rank = dist.get_rank()
-    rec = None if plain else Recorder(out / name, schedule, optimizer, model_factory=build_model, step_fn=train_step,
-                                      checkpoint_every=EVERY, overwrite=True)
+    rec = Recorder(out / name, schedule, optimizer, model_factory=build_model, step_fn=train_step,
+                   checkpoint_every=EVERY, overwrite=True)
     logged = []
     for step in range(steps):
-        batch = stage_batch(data(step, defect=True), rank)
+        batch = stage_batch(data(step, DEFECTS[name]), rank)
         losses = train_step(schedule, optimizer, batch)
-        if rec is not None:
-            rec.log(step, batch, losses)
+        rec.log(step, batch, losses)
         logged.append(losses)
-    if rec is not None:
-        rec.close()
+    rec.close()
     return logged
 
 

@@ -2,10 +2,13 @@
 by the project's recorder on both ranks of ONE gloo torchrun launch (tests/pipeline_job.py), replayed at world size
 through the real command line.
 
-Only sample 1 of micro-batch 2 at step 3 carries the defect (a near-zero reading: finite losses, an infinite gradient
-of stage 0's ``0.gain[3]``); the replay must name the step, the stage and its rank, the micro-batch, the sample and
-the coordinate, and leave the run untouched. 2 stages on 2 processes: 2 stages x 2 data-parallel ranks would need 4
-processes on this machine's 2 cores and a data-parallel layer this recorder does not combine with stages yet.
+Only sample 1 of micro-batch 2 at step 3 carries the defect: in the GPipe run a near-zero reading in stage 0's input
+(finite losses, an infinite gradient of stage 0's ``0.gain[3]``), in the 1F1B run a glitch target on the last stage
+(that micro-batch's loss overflows, nothing else). The replay must name the step, the stage and its rank, the
+micro-batch, the sample and the coordinate, and leave the run untouched.
+
+2 stages on 2 processes: 2 stages x 2 data-parallel ranks would need 4 processes on this machine's 2 cores and a
+data-parallel layer this recorder does not combine with stages yet.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from nanforensics.runs.run import Run
 
 import pipeline_job as job
 from conftest import ROOT, Result, assert_one_line_error, run_cli, tree_digest
+from test_distributed import exit_codes
 
 DEFECT_ID = f"sample-{job.DEFECT_STEP * job.BATCH + job.defect_row():05d}"
 
@@ -65,54 +69,67 @@ def test_layout(runs):
     meta = json.loads((runs["gpipe"] / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["param_names"] == ["0.gain", "1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
     assert len(meta["rank_rng"]) == job.WORLD
-    # both ranks logged the last stage's loss; the schedules compute the same losses (same order per micro-batch)
-    logs = [(runs[name] / "ranks" / f"rank_{r:05d}" / "steps.jsonl").read_text() for name in runs for r in (0, 1)]
-    assert len(set(logs)) == 1
+    # both ranks logged the last stage's loss; before the defects, both schedules computed the same losses (each
+    # accumulates the gradients micro-batch by micro-batch, in order)
+    logs = [(runs[name] / "ranks" / f"rank_{r:05d}" / "steps.jsonl").read_text().splitlines()[:job.DEFECT_STEP]
+            for name in runs for r in (0, 1)]
+    assert all(log == logs[0] for log in logs) and len(logs[0]) == job.DEFECT_STEP
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_replay_at_world_size(runs, tmp_path, name):
     """torchrun -m nanforensics replay: step, stage (rank), micro-batch, sample and coordinate; the run untouched.
-    1F1B interleaves one micro-batch's backward with the next one's forward: the same answer."""
+    GPipe: stage 0's input makes stage 0's gradient infinite (non-finite, exit 1). 1F1B, which interleaves one
+    micro-batch's backward with the next one's forward: the last stage's target makes that micro-batch's loss
+    infinite and nothing else (loss only, exit 4), the samples found from the last stage's targets."""
     run = runs[name]
     before = tree_digest(run)
     out = tmp_path / "report.json"
     result = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                      "nanforensics", "replay", str(run), "--json", str(out)])
-    assert result.code == 1, result.stderr[-3000:]  # non-finite, agreed by both ranks
-    check(json.loads(out.read_text()), job.SCHEDULES[name])
-    assert "grad 0.gain[3] = inf on rank 0 (stage 0, micro-batch 2 of 4)" in result.stdout, result.stdout
+    report = json.loads(out.read_text())
+    if name == "gpipe":
+        assert exit_codes(result) == {"0": "1", "1": "1"}, result.stderr[-3000:]  # non-finite, on both ranks
+        check(report, "ScheduleGPipe", stage=0, made="grad 0.gain[3] = inf", data=("batch['x']", job.DEFECT_FEATURE,
+                                                                                   "subnormal"))
+        origin = report["origin"]
+        assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["value"], origin["rank"]) == (
+            job.DEFECT_STEP, "grad", "0.gain", [job.DEFECT_FEATURE], "inf", 0)
+        assert "grad 0.gain[3] = inf on rank 0 (stage 0, micro-batch 2 of 4)" in result.stdout, result.stdout
+        # nothing non-finite before the origin on either stage; the update spreads it to the parameter
+        at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
+        assert [(e["stage"], e["tensor"]) for e in at][:1] == [("grad", "0.gain")] and {e["rank"] for e in at} == {0}
+        assert report["checkpoints_compared"][0]["step"] == job.DEFECT_STEP + 1
+    else:
+        assert exit_codes(result) == {"0": "4", "1": "4"}, result.stderr[-3000:]  # loss only, on both ranks
+        check(report, "Schedule1F1B", stage=1, made="loss = inf", data=("batch['y']", 0, "extreme"),
+              only="; no gradient, parameter or optimizer state turned non-finite")
+        assert (report["origin"], report["events"], report["loss_only_steps"]) == (None, [], [job.DEFECT_STEP])
+        assert report["pipeline"]["logged_microbatch_losses"][job.DEFECT_MICROBATCH] == "inf"
     assert tree_digest(run) == before
 
 
-def check(report: dict[str, Any], schedule: str) -> None:
-    assert report["verdict"] == "nonfinite" and report["reproduced"] is True
-    origin = report["origin"]
-    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["value"], origin["rank"]) == (
-        job.DEFECT_STEP, "grad", "0.gain", [job.DEFECT_FEATURE], "inf", 0)
+def check(report: dict[str, Any], schedule: str, stage: int, made: str, data: tuple[str, int, str],
+          only: str = "") -> None:
+    """The pipeline's facts and sentences: the stage, the micro-batch, its rows, the sample and its id."""
+    assert report["reproduced"] is True and all(c["exact"] for c in report["checkpoints_compared"])
     pipe = report["pipeline"]
     rows = job.BATCH // job.MICROBATCHES
     assert (pipe["stage"], pipe["rank"], pipe["microbatch"], pipe["microbatches"], pipe["schedule"], pipe["rows"]) == (
-        0, 0, job.DEFECT_MICROBATCH, job.MICROBATCHES, schedule, [job.DEFECT_MICROBATCH * rows,
-                                                                  (job.DEFECT_MICROBATCH + 1) * rows])
+        stage, stage, job.DEFECT_MICROBATCH, job.MICROBATCHES, schedule, [job.DEFECT_MICROBATCH * rows,
+                                                                          (job.DEFECT_MICROBATCH + 1) * rows])
     assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
-    assert all(isinstance(x, float) for x in pipe["logged_microbatch_losses"])  # finite: the defect is in a gradient
     samples = report["samples"]
     assert (samples["status"], samples["samples"], samples["micro_batch_samples"], samples["sample_leaves"]) == (
         "attributed", [job.DEFECT_SAMPLE], [[job.DEFECT_MICROBATCH, job.DEFECT_SAMPLE]], {"batch['id']": [DEFECT_ID]})
     assert report["responsible_batch"]["file"].endswith(f"ranks/rank_00000/batches/step_{job.DEFECT_STEP:08d}.safetensors")
-    # nothing non-finite before the origin on either stage; the update spreads it to the parameter
-    at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
-    assert [(e["stage"], e["tensor"]) for e in at][:1] == [("grad", "0.gain")] and {e["rank"] for e in at} == {0}
     defects = [(d["step"], d["rank"], d["tensor"], d["index"], d["kind"]) for d in report["data_defects"]]
-    assert defects == [(job.DEFECT_STEP, 0, "batch['x']", [job.defect_row(), job.DEFECT_FEATURE], "subnormal")]
-    compared = report["checkpoints_compared"]
-    assert compared and compared[0]["exact"] and compared[0]["step"] == job.DEFECT_STEP + 1
-    assert report["findings"][0] == (
+    tensor, column, kind = data
+    assert defects == [(job.DEFECT_STEP, 0 if tensor == "batch['x']" else 1, tensor, [job.defect_row(), column], kind)]
+    assert report["findings"][:2] == [
         f"At step {job.DEFECT_STEP}, micro-batch {job.DEFECT_MICROBATCH} of {job.MICROBATCHES} ({schedule}; rows "
-        f"{pipe['rows'][0]}-{pipe['rows'][1] - 1} of the step's batch) made grad 0.gain[3] = inf on stage 0 (rank 0).")
-    assert report["findings"][1] == (f"Sample {job.DEFECT_SAMPLE} of micro-batch {job.DEFECT_MICROBATCH} alone makes "
-                                     f"it (batch['id'] = ['{DEFECT_ID}']).")
+        f"{pipe['rows'][0]}-{pipe['rows'][1] - 1} of the step's batch) made {made} on stage {stage} (rank {stage}){only}.",
+        f"Sample {job.DEFECT_SAMPLE} of micro-batch {job.DEFECT_MICROBATCH} alone makes it (batch['id'] = ['{DEFECT_ID}'])."]
 
 
 def test_one_process_refuses(runs):
@@ -151,11 +168,11 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
 
 def test_bisect_reads_the_stages_checkpoints(runs):
     """Checkpoints 0 and 2 are clean, 4 holds the NaN the update at step 3 wrote into stage 0's gain."""
-    result = bisect([runs["1f1b"] / "checkpoints"])
+    result = bisect([runs["gpipe"] / "checkpoints"])
     assert result.first_poisoned is not None and result.first_poisoned.step == job.DEFECT_STEP + 1
     assert result.last_clean is not None and result.last_clean.step == job.DEFECT_STEP - 1
     assert result.replay is not None and result.replay.command == (
-        f"torchrun --nproc-per-node 2 -m nanforensics replay {runs['1f1b']} --from-step {job.DEFECT_STEP - 1}")
+        f"torchrun --nproc-per-node 2 -m nanforensics replay {runs['gpipe']} --from-step {job.DEFECT_STEP - 1}")
 
 
 _GOOD = {"kind": "pipeline", "schedule": "Schedule1F1B", "microbatches": 4, "scale_grads": True, "loss_fn": "m:f",

@@ -32,6 +32,7 @@ from ..finite import decode_float, locate, value_name
 from ..progress import SILENT, Progress
 from ..replay.reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge
 from ..report import (
+    LOSS_ONLY_STAGES,
     BatchRef,
     CheckpointComparison,
     Event,
@@ -46,7 +47,6 @@ from ..rootcause.samples import select, split_batch
 from ..runs.batches import data_leaves, map_tensors, per_sample
 from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state
 from ..runs.run import Run, UserCode
-from ..words import every
 from .checkpoint import restore_rank_rng
 from .layout import rank_dir
 from .pipeline import MICROBATCH_LOSSES, prune, step_loss
@@ -191,7 +191,7 @@ def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim
 
 # The order the pipeline computes a micro-batch's values in: forward stage by stage, the loss, backward from the
 # last stage back; the update after every micro-batch.
-_PHASES = {"forward": 0, "loss": 1, "grad": 2, "optimizer_state": 3, "param": 4}
+_PHASES = {"forward": 0, "loss": 1, "grad": 2, "optimizer_state": 3, "param": 4, "buffer": 5}
 
 
 class _Watch:
@@ -280,7 +280,7 @@ class _Watch:
         self.events.append(((mb, stage), e))
 
     def after_step(self) -> None:
-        """The update: parameters and optimizer state after ``optimizer.step()``."""
+        """The update: parameters, optimizer state and buffers after ``optimizer.step()``."""
         s = self.s
         names = {id(p): n for n, p in s.model.named_parameters()}
         for p, st in s.optimizer.state.items():
@@ -289,6 +289,9 @@ class _Watch:
                     self._check("optimizer_state", names.get(id(p), "?"), value, None, key)
         for name, p in s.model.named_parameters():
             self._check("param", name, p, None)
+        for name, b in s.model.named_buffers():
+            if b.is_floating_point():
+                self._check("buffer", name, b, None)
 
 
 def _order(item: tuple[tuple, Event], stages: int, n: int) -> tuple:
@@ -326,8 +329,11 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
     spread: list[StepRecord] = []
     events: list[Event] = []
     origin_item: tuple[tuple, Event] | None = None
-    before: dict[str, Any] | None = None
-    watch_inputs: tuple[Any, Any, bool] = (None, None, False)
+    # (the event to explain, the state before its step, that step's micro-batches): the origin's, or else the first
+    # loss-only step's
+    explained: tuple[tuple[tuple, Event], dict[str, Any], tuple[Any, Any, bool]] | None = None
+    loss_explained: tuple[tuple[tuple, Event], dict[str, Any], tuple[Any, Any, bool]] | None = None
+    loss_only: list[int] = []
     replayed_mb: dict[int, list[float]] = {}
     later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
     compared: list[CheckpointComparison] = []
@@ -357,8 +363,14 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
                                  _bad(found, "optimizer_state"), state_total,
                                  loss_ulps=float32_ulps(logged_loss, loss) if logged_loss is not None else None))
         if found and origin_item is None:
-            origin_item, before = found[0], snap
-            watch_inputs = (watch.inputs, watch.targets, watch.one_tensor)
+            captured = (found[0], snap, (watch.inputs, watch.targets, watch.one_tensor))
+            if {e.stage for _, e in found} <= LOSS_ONLY_STAGES:  # nothing reached a gradient or the state: no origin
+                loss_only.append(step)
+                events = events[:-len(found)]
+                loss_explained = loss_explained or captured
+            else:
+                origin_item = found[0]
+                explained = captured
         s.step += 1
         if s.step in later and all(c.matched for c in compared):  # the recorded state after this step
             compared.append(_compare(s, later[s.step]))
@@ -366,24 +378,24 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
         if origin_item is not None and step >= origin_item[1].step + opts.after:
             break
     origin = origin_item[1] if origin_item else None
-    report = _report(run, checkpoint, device, code, spread, events, origin, compared)
-    if origin_item is not None and origin is not None:
-        (mb, _), _ = origin_item
-        stage_index = next(st["stage"] for st in wrapping["stages"] if st["rank"] == origin.rank)
-        size = _batch_rows(run, origin.step)
-        rows = _rows(size, n, mb) if mb is not None else []
+    report = _report(run, checkpoint, device, code, spread, events, origin, compared, loss_only)
+    explained = explained or loss_explained
+    if explained is not None:
+        ((mb, _), event), before, captured = explained
+        stage_index = next(st["stage"] for st in wrapping["stages"] if st["rank"] == event.rank)
+        rows = _rows(_batch_rows(run, event.step), n, mb) if mb is not None else []
         span = f" (rows {rows[0]}-{rows[-1]})" if rows else ""
         report.pipeline = PipelineOrigin(
-            stage_index, origin.rank or 0, mb, n, wrapping["schedule"], [rows[0], rows[-1] + 1] if rows else [],
-            logged_mb.get(origin.step, []), replayed_mb.get(origin.step, []),
+            stage_index, event.rank or 0, mb, n, wrapping["schedule"], [rows[0], rows[-1] + 1] if rows else [],
+            logged_mb.get(event.step, []), replayed_mb.get(event.step, []),
             text=f"stage {stage_index}, " + (f"micro-batch {mb} of {n}" if mb is not None else "the update"),
             batch_text=f", micro-batch {mb} of {n}{span}, stage 0's inputs" if mb is not None else "")
-        if mb is not None and opts.explain and origin.stage != "param" and before is not None:
+        if mb is not None and opts.explain and event.stage != "param":
             s.restore(before)
-            report.samples = _attribute(run, s, origin, mb, rows, watch_inputs, progress)
-            report.responsible_batch = _responsible(run, origin.step, rows)
+            report.samples = _attribute(run, s, event, mb, rows, captured, progress)
+            report.responsible_batch = _responsible(run, event.step, rows)
+        report.findings = pipeline_findings(report, event)
     report.data_defects = check_batches(run, [r.step for r in spread], opts.data_max_abs)  # each rank's batches
-    report.findings = pipeline_findings(report)
     return narrate(report)
 
 
@@ -533,7 +545,8 @@ def _compare(s: _Stage, checkpoint: Checkpoint) -> CheckpointComparison:
 
 
 def _report(run: Run, checkpoint: Checkpoint, device: torch.device, code: UserCode, spread: list[StepRecord],
-            events: list[Event], origin: Event | None, compared: list[CheckpointComparison]) -> ReplayReport:
+            events: list[Event], origin: Event | None, compared: list[CheckpointComparison],
+            loss_only: list[int]) -> ReplayReport:
     from ..runs.cpu import this_cpu
     from ..runs.steplog import first_nonfinite
 
@@ -544,8 +557,9 @@ def _report(run: Run, checkpoint: Checkpoint, device: torch.device, code: UserCo
                         spread[-1].step if spread else checkpoint.step, str(device), torch.get_num_threads(),
                         code.imported, world_size=world.world_size, wrapping=PIPELINE, ranks_replayed="torchrun",
                         **({"recorded_cpu": run.cpu, "replay_cpu": this_cpu()} if device.type == "cpu" else {}))
-    logged_nan = any(r.logged_loss is not None and not math.isfinite(r.logged_loss) for r in spread)
-    verdict = "nonfinite" if origin is not None else "not_reproduced" if diverged is not None or logged_nan else "clean"
+    logged_nan = {r.step for r in spread if r.logged_loss is not None and not math.isfinite(r.logged_loss)}
+    verdict = "nonfinite" if origin is not None else "not_reproduced" if logged_nan and (
+        diverged is not None or not set(loss_only) >= logged_nan) else "loss_only" if loss_only else "clean"
     return ReplayReport(
         verdict=verdict, responsible_step=origin.step if origin else None, responsible_batch=None,
         first_nonfinite_loss_step=next((r.step for r in spread if not math.isfinite(r.replayed_loss)), None),
@@ -553,25 +567,25 @@ def _report(run: Run, checkpoint: Checkpoint, device: torch.device, code: UserCo
         state_poisoned=any(e.stage == "optimizer_state" for e in events), reproduced=diverged is None,
         diverged_at_step=diverged, fully_nonfinite_step=next(
             (r.step for r in spread if r.params_total and r.params_nonfinite == r.params_total), None),
-        findings=[], setup=setup, checkpoints_compared=compared,
+        findings=[], setup=setup, checkpoints_compared=compared, loss_only_steps=loss_only,
         loss_max_ulps=max((r.loss_ulps for r in spread if r.loss_ulps is not None), default=None))
 
 
-def pipeline_findings(r: ReplayReport) -> list[str]:
-    """The origin in words: step, stage and rank, micro-batch and sample, tensor and coordinate."""
+def pipeline_findings(r: ReplayReport, e: Event) -> list[str]:
+    """Where ``e`` (the origin, or the first loss-only step's loss) arose in words: step, stage and rank, micro-batch
+    and sample, tensor and coordinate."""
     from ..rootcause.findings import describe
 
-    p, o = r.pipeline, r.origin
-    if p is None or o is None:
-        return ([] if r.verdict != "clean" else
-                [f"The replay of {every(r.setup.world_size or 0, 'stage')} stayed finite and matched the logged losses."])
-    what = describe(Event(o.step, o.stage, o.tensor, o.index, o.value, state_key=o.state_key))
+    p = r.pipeline
+    assert p is not None
+    what = describe(Event(e.step, e.stage, e.tensor, e.index, e.value, state_key=e.state_key))
     where = f"stage {p.stage} (rank {p.rank})"
     if p.microbatch is None:
-        return [f"At step {o.step}, {where}'s update made {what} after all {p.microbatches} micro-batches "
+        return [f"At step {e.step}, {where}'s update made {what} after all {p.microbatches} micro-batches "
                 f"({p.schedule})."]
-    out = [f"At step {o.step}, micro-batch {p.microbatch} of {p.microbatches} ({p.schedule}; rows {p.rows[0]}-"
-           f"{p.rows[1] - 1} of the step's batch) made {what} on {where}."]
+    only = "; no gradient, parameter or optimizer state turned non-finite" if r.origin is None else ""
+    out = [f"At step {e.step}, micro-batch {p.microbatch} of {p.microbatches} ({p.schedule}; rows {p.rows[0]}-"
+           f"{p.rows[1] - 1} of the step's batch) made {what} on {where}{only}."]
     sa = r.samples
     if sa is not None and sa.status == "attributed":
         ids = "; ".join(f"{k} = {v!r}" for k, v in sa.sample_leaves.items())
@@ -581,6 +595,5 @@ def pipeline_findings(r: ReplayReport) -> list[str]:
         out.append(sa.message)
     if p.logged_microbatch_losses:
         listed = ", ".join(f"{x:.6g}" if math.isfinite(x) else value_name(x) for x in p.logged_microbatch_losses)
-        out.append(f"The last stage logged micro-batch losses [{listed}] at step {o.step}.")
+        out.append(f"The last stage logged micro-batch losses [{listed}] at step {e.step}.")
     return out
-

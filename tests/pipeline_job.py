@@ -1,6 +1,6 @@
 """Pipeline-parallel training runs with a known answer, recorded under torchrun by the project's recorder.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/pipeline_job.py OUT NAME... [--plain]
+    python -m torch.distributed.run --nproc-per-node 2 tests/pipeline_job.py OUT NAME...
 
 A 6-layer MLP split in two stages (rank 0: ``log(x * gain)`` and the first layers; rank 1: the rest and the loss)
 trains under ``ScheduleGPipe`` ("gpipe") or ``Schedule1F1B`` ("1f1b") with ``MICROBATCHES`` micro-batches per step. At

@@ -142,8 +142,8 @@ def test_one_process_refuses(runs):
 
 
 def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
-    """A guard, a custom chunking of the inputs, a schedule of several stages per rank: refused when recording starts,
-    by name (a one-rank process group in this process)."""
+    """A guard (or a scaler, a scheduler), a custom chunking of the inputs, a schedule of several stages per rank:
+    refused when recording starts, by name (a one-rank process group in this process)."""
     import torch
     import torch.distributed as dist
     from nanforensics import Recorder
@@ -154,7 +154,7 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
     try:
         stage = PipelineStage(job.build_model(), 0, 1, torch.device("cpu"))
         optimizer = torch.optim.AdamW(stage.submod.parameters())
-        cases = [(ScheduleGPipe(stage, 2, loss_fn=job.loss_fn), {"guard": True}, "guard=True is not supported"),
+        cases = [(ScheduleGPipe(stage, 2, loss_fn=job.loss_fn), {"guard": True}, "guard= is not supported"),
                  (ScheduleGPipe(stage, 2, loss_fn=job.loss_fn, args_chunk_spec=(TensorChunkSpec(1),)), {},
                   "default chunking"),
                  (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {}, "ScheduleInterleaved1F1B")]

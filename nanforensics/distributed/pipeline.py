@@ -133,12 +133,15 @@ class PipelineRankRecorder(RankRecorder):
 
 
 
-def pipeline_world(model: Any, guarded: bool = False) -> PipelineRankRecorder | None:
-    """The recorder's distributed side when the loop passed a pipeline schedule as its model; None otherwise."""
+def pipeline_world(model: Any, **extras: Any) -> PipelineRankRecorder | None:
+    """The recorder's distributed side when the loop passed a pipeline schedule as its model; None otherwise.
+    ``extras``: the recorder's ``guard``, ``scaler`` and ``scheduler``, which a pipeline's replay does not rebuild
+    (a guard's incidents replay on one process; each stage has its own scaler and scheduler)."""
     if schedule_of(model) is None:
         return None
-    if guarded:  # its incidents replay on one process, which a pipeline's stages are not
-        raise ValueError("guard=True is not supported with a pipeline schedule")
+    given = [name for name, value in extras.items() if value]
+    if given:
+        raise ValueError(f"{given[0]}= is not supported with a pipeline schedule")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("a pipeline schedule is recorded under torchrun, with its process group initialised")
     return PipelineRankRecorder(model)

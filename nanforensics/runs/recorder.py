@@ -167,7 +167,7 @@ class Recorder:
             raise ValueError("keep_checkpoints must be at least 1 (or None to keep all)")
         self.path = Path(run_dir)
         # Under torchrun, every rank records its own batches and losses; rank 0 the rest (docs/run-format.md).
-        self.world = pipeline_world(model, bool(guard)) or recording_world(model)
+        self.world = pipeline_world(model, guard=guard, scaler=scaler, scheduler=scheduler) or recording_world(model)
         if self.world is not None:
             self.world.prepare(self.path, overwrite)
         elif self.path.exists() and any(self.path.iterdir()):

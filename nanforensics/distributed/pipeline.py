@@ -62,7 +62,7 @@ def prune(model: nn.Module, modules: list[str]) -> nn.Module:
 
 
 class PipelineRankRecorder(RankRecorder):
-    """One stage's rank of a pipeline-parallel run (``recording_world`` picks it when the model is a schedule)."""
+    """One stage's rank of a pipeline-parallel run (``pipeline_world`` picks it when the model is a schedule)."""
 
     def __init__(self, schedule: Any) -> None:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle

@@ -304,7 +304,7 @@ def _order(item: tuple[tuple, Event], stages: int, n: int) -> tuple:
 def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch.device, opts: Any,
                     progress: Progress = SILENT) -> ReplayReport:
     """Replay a pipeline-parallel run from the checkpoint ``start`` finds, one stage on each rank of this torchrun
-    job; refused on one process, before anything is read."""
+    job; refused on one process, before any checkpoint is read."""
     from ..rootcause.findings import narrate
     from ..runs import imports
 

@@ -344,6 +344,22 @@ class RankCheck:
 
 
 @dataclass
+class PipelineOrigin:
+    """Where in a pipeline-parallel step the origin arose: the stage (and its rank) and the micro-batch."""
+
+    stage: int
+    rank: int
+    microbatch: int | None  # None: after every micro-batch (the optimizer's update)
+    microbatches: int
+    schedule: str           # "ScheduleGPipe" or "Schedule1F1B"
+    rows: list[int]         # [first, end) of the micro-batch's rows in the step's batch; [] with no micro-batch
+    logged_microbatch_losses: list[float] = field(default_factory=list)  # the last stage's, at the origin's step
+    replayed_microbatch_losses: list[float] = field(default_factory=list)
+    text: str = ""        # how the views name where the origin arose, "stage 0 (rank 0), micro-batch 2 of 4"
+    batch_text: str = ""  # how they name the responsible micro-batch, ", micro-batch 2 of 4 (rows 4-5)"
+
+
+@dataclass
 class ReplayReport:
     verdict: Verdict
     responsible_step: int | None
@@ -377,6 +393,7 @@ class ReplayReport:
     reproduction: str = ""  # whether the replay reproduced the logged losses, in one sentence
     spread_map: SpreadMap | None = None  # the whole model as one row, from the per-step totals in ``spread``
     unsound: list[Unsound] = field(default_factory=list)  # the start checkpoint's finite but unsound optimizer state
+    pipeline: PipelineOrigin | None = None  # pipeline-parallel runs: the origin's stage and micro-batch
 
 
 def to_jsonable(obj: Any) -> Any:

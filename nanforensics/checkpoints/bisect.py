@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
+from ..distributed.stages import PIPELINE
+from ..errors import BadInput
 from ..formats import CheckpointSource, Collection, discover
 from ..report import ReplayReport
-from ..runs.run import batch_gaps
+from ..runs.paths import MANIFEST
+from ..runs.run import Manifest, batch_gaps
 from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, ScanVerdict, TensorScan, check_margin, scan_checkpoint
 
 BISECT_SCHEMA = "nanforensics.bisect/1"
@@ -178,7 +181,16 @@ def _replay(clean: CheckpointSource | None, poisoned: CheckpointSource) -> tuple
         spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in missing)
         return None, (f"the run kept no batches for steps {spans} (recorded with keep_checkpoints?), "
                       "so the window cannot be replayed")
-    command = f"nanforensics replay {shlex.quote(str(run))} --from-step {clean.step}"
+    command = f"{_launcher(run)}nanforensics replay {shlex.quote(str(run))} --from-step {clean.step}"
     return ReplayHint(str(run), clean.step, command), None
+
+
+def _launcher(run: Path) -> str:
+    """torchrun's command line before a pipeline-parallel run's replay, which one process does not replay."""
+    try:
+        world = Manifest.read(run / MANIFEST).world
+    except BadInput:
+        return ""
+    return f"torchrun --nproc-per-node {world.world_size} -m " if world is not None and world.kind == PIPELINE else ""
 
 

@@ -5,8 +5,11 @@ accumulation (DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync``). Both
 function of the shared parameters and that rank's own batch shard, and average the local gradients: so the first
 non-finite *local* gradient names a rank and, within its shard, a sample, and one process can emulate the world.
 
-Not supported: tensor and pipeline parallelism. They split one sample's computation across ranks (a layer's columns,
-a model's stages), so no rank's shard of the data is responsible on its own and no single process holds what one
+Pipeline stages (``torch.distributed.pipelining``, one stage per rank) are recorded and replayed at world size by
+``pipeline`` (their manifest section: ``stages``); they are never emulated on one process.
+
+Not supported: tensor parallelism. It splits one sample's computation across ranks (a layer's columns), so no
+rank's shard of the data is responsible on its own and no single process holds what one
 rank computed; the recorder refuses models whose parameters are DTensors without ``fully_shard``. Neither are HSDP and
 2-D meshes, FSDP1, or DDP communication hooks (they change the reduction's arithmetic).
 

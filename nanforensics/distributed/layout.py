@@ -21,11 +21,12 @@ from typing import Any
 
 from ..errors import BadInput, shown
 from ..runs.steplog import LoggedStep
+from .stages import PIPELINE, pipeline_problem
 
 DISTRIBUTED_FORMAT = "nanforensics.run/1+distributed"
 RANKS = "ranks"
 DDP, FSDP2 = "ddp", "fsdp2"
-WRAPPINGS = (DDP, FSDP2)
+WRAPPINGS = (DDP, FSDP2, PIPELINE)
 MAX_RANKS = 1 << 20  # a world beyond any job's is damage
 DDP_OPTIONS = ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view")
 MP_POLICY = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")  # FSDP2's MixedPrecisionPolicy
@@ -73,7 +74,8 @@ class World:
         if not isinstance(backend, str):
             raise BadInput(where, f"distributed.backend {shown(backend)} is not a string")
         options = {k: v for k, v in wrapping.items() if k != "kind"}
-        problem = _ddp_problem(options) if kind == DDP else _fsdp2_problem(options)
+        problem = _ddp_problem(options) if kind == DDP else _fsdp2_problem(options) if kind == FSDP2 \
+            else pipeline_problem(options, size)
         if problem is not None:
             raise BadInput(where, f"distributed.wrapping {problem}")
         return cls(size, kind, backend, options)

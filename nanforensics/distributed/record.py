@@ -64,6 +64,10 @@ class RankRecorder:
     def data_dir(self, path: Path) -> Path:
         return rank_dir(path, self.rank)
 
+    def step_loss(self, step: int, loss: Any) -> Any:
+        """The loss this rank logs for ``step``: its own (a pipeline's ranks log the last stage's)."""
+        return loss
+
     def checkpoint(self, folder: Path, step: int, optimizer: torch.optim.Optimizer, *, scaler: Any,
                    scheduler: Any) -> None:
         states: list[Any] | None = [None] * self.size if self.leads else None

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..errors import BadInput
 from ..runs.run import Run
 from .env import exit_now, exit_on_stop, torchrun_env
+from .stages import PIPELINE
 
 _GLOO: dict[Any, Any] = {}
 
@@ -43,6 +44,9 @@ def mismatch(run: Run, ranks: int) -> str | None:
     recorded = run.world.world_size
     if ranks == recorded:
         return None
+    if run.world.kind == PIPELINE:  # one stage per rank: never emulated
+        return (f"recorded by {recorded} pipeline stages, replayed by {ranks} processes: run `torchrun "
+                f"--nproc-per-node {recorded} -m nanforensics replay {path}`")
     return (f"recorded by {recorded} ranks, replayed by {ranks}: run `torchrun --nproc-per-node {recorded} -m "
             f"nanforensics replay {path}`, or `nanforensics replay {path}` to emulate the {recorded} ranks on one process")
 

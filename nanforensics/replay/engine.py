@@ -18,7 +18,9 @@ from ..checkpoints.scan import CLEAN, scan_checkpoint
 from ..checkpoints.soundness import resume_findings, start_soundness
 from ..distributed.findings import complete
 from ..distributed.findings import findings as rank_findings
+from ..distributed.pipeline_replay import replay_pipeline
 from ..distributed.sessions import open_session
+from ..distributed.stages import PIPELINE
 from ..errors import BadInput
 from ..finite import value_name
 from ..formats.discover import open_checkpoint
@@ -132,8 +134,10 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     if opts.from_step is not None and run.last_step is not None and opts.from_step > run.last_step:
         raise BadInput("--from-step", f"step {opts.from_step} lies past the run's last logged step, {run.last_step}")
     device = resolve_device(opts.device)
-    checkpoint = _start_checkpoint(run, opts.from_step if opts.from_step is not None else
-                                   (logged_first if logged_first is not None else run.last_step), progress)
+    target = opts.from_step if opts.from_step is not None else (logged_first if logged_first is not None else run.last_step)
+    if run.world is not None and run.world.kind == PIPELINE:  # one stage per rank, a replay of its own
+        return replay_pipeline(run, code, lambda: _start_checkpoint(run, target, progress), device, opts, progress)
+    checkpoint = _start_checkpoint(run, target, progress)
     bound = checkpoint.step + opts.max_steps - 1 if opts.max_steps is not None else None
     last = min((s for s in (run.last_step, bound) if s is not None), default=None)
     if last is None:

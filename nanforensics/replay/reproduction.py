@@ -86,14 +86,15 @@ def exact_until(compared: list[CheckpointComparison]) -> int | None:
 
 
 def compare_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       checkpoint: Checkpoint, rtol: float = 0.0) -> CheckpointComparison:
+                       checkpoint: Checkpoint, rtol: float = 0.0, held_only: bool = False) -> CheckpointComparison:
     """Every model tensor (parameters and buffers) and optimizer-state tensor against ``checkpoint``'s files, bit
     for bit, or where ``rtol`` is above 0 within it (and ``STATE_ATOL`` of the tensor's largest magnitude).
+    ``held_only``: only the tensors ``model`` holds (a pipeline stage's, of a checkpoint of every stage).
 
     A checkpoint that cannot be read is reported with its error rather than failing the replay: it decides nothing.
     """
     try:
-        results = list(_compared(model, optimizer, checkpoint, rtol))
+        results = list(_compared(model, optimizer, checkpoint, rtol, held_only))
     except BadInput as e:
         return CheckpointComparison(checkpoint.step, str(checkpoint.path), 0, False, 0, None, error=str(e),
                                     tolerance=rtol)
@@ -114,11 +115,14 @@ class _Result(NamedTuple):
 
 
 def _compared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Checkpoint,
-              rtol: float) -> Iterator[_Result]:
+              rtol: float, held_only: bool = False) -> Iterator[_Result]:
     """Each tensor, in model then optimizer order."""
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     replayed = model.state_dict()
     recorded_model, recorded_state = _recorded(checkpoint)
+    if held_only:
+        recorded_model = {k: recorded_model.get(k) for k in recorded_model.keys() if k in replayed}
+        recorded_state = {k: recorded_state.get(k) for k in recorded_state.keys() if k.rpartition("/")[0] in replayed}
     for name, recorded in _with_missing(recorded_model, replayed):
         yield _compare(name, "buffer" if name in buffers else "parameter", recorded, replayed.get(name), rtol)
     state = {f"{n}/{key}": value for n, p in zip(param_names(model, optimizer), optimizer_params(optimizer))

@@ -172,23 +172,36 @@ def _write_safetensors(build: Path, model_sd: dict[str, torch.Tensor], tensors: 
     write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
 
 
-def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    scaler: Any = None, scheduler: Any = None, rank_rng: list[dict[str, Any]] | None = None,
-                    write_tensors: TensorWriter | None = None) -> Path:
-    """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact.
-
-    A GradScaler's and an LR scheduler's state, when given, go to meta.json under ``scaler`` and ``scheduler``.
-    A distributed run adds every rank's RNG state (``rank_rng``) and may write the tensors its own way
-    (``write_tensors``: FSDP2's shards through torch.distributed.checkpoint).
-    """
+def state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+               ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """meta.json's names of the state (``param_names``, ``param_groups``, ``state_scalars``, ``buffer_names``), the
+    model's state dict and the optimizer's state tensors keyed ``"<name>/<key>"``."""
     names, tensors, scalars, sd = optimizer_state(model, optimizer)
     groups = [{**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
               for g in sd["param_groups"]]
     model_sd = model.state_dict()
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    meta = {"format": CHECKPOINT_FORMAT, "step": step, "param_names": names, "param_groups": groups,
-            "state_scalars": scalars, "rng": rng_state(),
-            "buffer_names": [k for k in model_sd if k in buffers]}  # scan tells buffers from parameters by it
+    return ({"param_names": names, "param_groups": groups, "state_scalars": scalars,
+             "buffer_names": [k for k in model_sd if k in buffers]},  # scan tells buffers from parameters by it
+            model_sd, tensors)
+
+
+def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                    scaler: Any = None, scheduler: Any = None, rank_rng: list[dict[str, Any]] | None = None,
+                    write_tensors: TensorWriter | None = None,
+                    merge_meta: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact.
+
+    A GradScaler's and an LR scheduler's state, when given, go to meta.json under ``scaler`` and ``scheduler``.
+    A distributed run adds every rank's RNG state (``rank_rng``) and may write the tensors its own way
+    (``write_tensors``: FSDP2's shards through torch.distributed.checkpoint); ``merge_meta`` adds the other ranks'
+    names to meta.json (pipeline stages, each holding other parameters).
+    """
+    names, model_sd, tensors = state_meta(model, optimizer)
+    meta = {"format": CHECKPOINT_FORMAT, "step": step, **{k: names[k] for k in ("param_names", "param_groups",
+            "state_scalars")}, "rng": rng_state(), "buffer_names": names["buffer_names"]}  # the shipped files' order
+    if merge_meta is not None:
+        merge_meta(meta)
     if rank_rng is not None:
         meta["rank_rng"] = rank_rng
     extras: dict[str, torch.Tensor] = {}

@@ -171,6 +171,7 @@ ROLES: dict[str, Role] = {
     "optimizer.factory": Role("an optimizer class of torch.optim or a function", _is_torch_optimizer, True),
     "scheduler.factory": Role("a scheduler class of torch.optim.lr_scheduler or a function", _is_torch_scheduler,
                               True),
+    "distributed.wrapping.loss_fn": Role("a function", None, True),  # a pipeline schedule's loss function
     # --code (runs.unrecorded): the callables a training script gives, each by the option that names it
     "--model": Role("an nn.Module subclass or a function", _is_module_class, True),
     "--step": Role("a function", None, True),

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ..distributed.layout import DISTRIBUTED_FORMAT
+from ..distributed.pipeline import pipeline_world
 from ..distributed.record import recording_world
 from .batches import encoded_bytes, snapshot
 from .checkpoint import checkpoint_name, save_checkpoint
@@ -118,7 +119,8 @@ class Recorder:
 
     Under torchrun, every rank constructs it with the same path and the model as the loop trains it (wrapped by
     ``DistributedDataParallel`` or ``fully_shard``): each rank records its batch shard and loss, rank 0 the manifest and
-    the shared state (nanforensics.distributed).
+    the shared state (nanforensics.distributed). A pipeline-parallel loop passes its schedule as ``model``
+    (``torch.distributed.pipelining``; nanforensics.distributed.pipeline).
 
     ``guard=True`` (or a ``GuardPolicy``) skips a step whose gradients are non-finite before the optimizer writes
     anything, and writes an incident directory per skip (nanforensics.runs.guard). ``batches`` says where the batches
@@ -165,7 +167,7 @@ class Recorder:
             raise ValueError("keep_checkpoints must be at least 1 (or None to keep all)")
         self.path = Path(run_dir)
         # Under torchrun, every rank records its own batches and losses; rank 0 the rest (docs/run-format.md).
-        self.world = recording_world(model)
+        self.world = pipeline_world(model, guard=guard, scaler=scaler, scheduler=scheduler) or recording_world(model)
         if self.world is not None:
             self.world.prepare(self.path, overwrite)
         elif self.path.exists() and any(self.path.iterdir()):
@@ -223,6 +225,8 @@ class Recorder:
         if step != self._next_step:
             raise ValueError(f"Recorder.log got step {step}, expected {self._next_step}: log every step, in order")
         snap = snapshot(batch)
+        if self.world is not None:
+            loss = self.world.step_loss(step, loss)
         if self.guard is not None:  # the loss and the guard's verdicts, read with one host synchronisation
             value, skipped, state_bad = self.guard.read(step, loss, ring_nbytes(snap))
         else:

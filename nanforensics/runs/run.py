@@ -11,6 +11,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from ..distributed.layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
+from ..distributed.stages import PIPELINE, last_rank
 from ..errors import BadInput, shown
 from ..inputs import examine, load_json
 from ..report import CpuIdentity
@@ -102,6 +103,8 @@ class Manifest:
         named = [("model_factory", self.model_factory), ("step_fn", self.step_fn),
                  ("optimizer.class", self.optimizer_class), ("optimizer.factory", self.optimizer_factory),
                  ("scheduler.factory", self.scheduler_factory)]
+        if self.world is not None and self.world.kind == PIPELINE:  # the loss function the schedule was built with
+            named.append(("distributed.wrapping.loss_fn", self.world.wrapping["loss_fn"]))
         return [(f, spec) for f, spec in named if spec is not None]
 
 
@@ -155,6 +158,8 @@ class Run:
         if self._steps is None:
             if self.world is None:
                 self._steps = read_steps(self.path / STEPS)
+            elif self.world.kind == PIPELINE:  # the last stage computes the losses; every rank logged its mean
+                self._steps = self.rank_steps(last_rank(self.world.wrapping))
             else:
                 try:
                     self._steps = merged_steps([self.rank_steps(r) for r in self.ranks])

@@ -103,7 +103,8 @@ def _replay_sections(r: ReplayReport, spread: SpreadMap | None, loss_chart: Sect
                                        (r.responsible_batch.file, "code")]))
     if r.origin is not None:
         facts.append(("origin", [(f"step {r.origin.step}, ", None), (r.origin.text, "code"),
-                                 (f" ({r.origin.dtype or ''})", None)]))
+                                 (f" ({r.origin.dtype or ''})", None)]
+                      + ([(f", {r.pipeline.text}", None)] if r.pipeline is not None else [])))
     facts += [(label, _text(text)) for label, text in loaded_rows(r)]
     if r.operation is not None:
         op = r.operation

@@ -154,8 +154,17 @@ def world_text(r: ReplayReport) -> str:
     return f", {s.world_size} ranks ({s.wrapping}, {s.ranks_replayed})" if s.world_size is not None else ""
 
 
-def shard_text(rank: int | None) -> str:
+def shard_text(rank: int | None, r: ReplayReport | None = None) -> str:
+    """Whose part of the batch: a rank's shard, or a pipeline's micro-batch."""
+    if r is not None and r.pipeline is not None:
+        return r.pipeline.batch_text
     return f", rank {rank}'s shard" if rank is not None else ""
+
+
+def origin_text(r: ReplayReport) -> str:
+    """The origin, and for a pipeline the stage and micro-batch it arose in."""
+    assert r.origin is not None
+    return r.origin.text + (f" ({r.pipeline.text})" if r.pipeline is not None else "")
 
 
 RANK_COLUMNS = ("rank", "logged loss first non-finite", "replay differs from step", "logged there", "replayed there")
@@ -221,17 +230,18 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     if r.responsible_batch:
         b = r.responsible_batch
         extra = visible("  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items()))
-        facts.add_row(batch_label(r), Text(visible(f"step {b.step}{shard_text(b.rank)}  {b.file}")
+        facts.add_row(batch_label(r), Text(visible(f"step {b.step}{shard_text(b.rank, r)}  {b.file}")
                                            + (f"\n{extra}" if extra else "")))
     if r.data_defects:
         facts.add_row("data", Text("\n".join(map(visible, defect_lines(r.data_defects)))))
     if r.origin:
-        facts.add_row("origin", Text(visible(f"step {r.origin.step}  {r.origin.text}  ({r.origin.dtype})"),
+        facts.add_row("origin", Text(visible(f"step {r.origin.step}  {origin_text(r)}  ({r.origin.dtype})"),
                                      style="bold red"))
     if r.samples is not None and r.samples.samples:
         ids = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in r.samples.sample_leaves.items())
         where = sample_positions(r.samples.samples, r.samples.micro_batch_samples)
-        shard = shard_text(r.responsible_batch.rank if r.responsible_batch else None)
+        # a pipeline's micro-batch: the positions name it
+        shard = shard_text(r.responsible_batch.rank if r.responsible_batch and r.pipeline is None else None)
         facts.add_row("samples", Text(visible(f"{where} of {r.samples.batch_size}{shard}"
                                               + (f"  ({ids})" if ids else ""))))
     elif r.samples is not None:

@@ -1,0 +1,132 @@
+"""Recording a pipeline-parallel step against a plain one: a 2-stage MLP under ScheduleGPipe, 2 ranks on gloo.
+
+    python bench/bench_pipeline.py [--rounds 15] [--steps 10] [--width 512] [--every 50]
+
+Starts itself under torchrun (2 processes). Each rank holds two identical stages, one trained plainly and one under
+the Recorder (batches to disk, the step's loss broadcast from the last stage, a checkpoint through
+torch.distributed.checkpoint every ``--every`` steps); the variants run in turn each round (``--steps`` steps each),
+and the ratio is the median over rounds of the recorded variant's time over the plain one's, with its interquartile
+range (bench/benchlib.py), on the wall clock and in CPU time summed over both ranks (which a loaded machine does not
+charge for waiting for a core). Rank 0 prints both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import paired_ratio  # noqa: E402
+
+WORLD, BATCH, MICROBATCHES, FEATURES = 2, 64, 4, 64
+TARGET = 1.25  # recording costs at most a quarter of a plain step
+
+
+def build_model(width: int = 512) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                         nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def train_step(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> Any:
+    optimizer.zero_grad(set_to_none=True)
+    losses: list[torch.Tensor] = []
+    schedule.step(*([batch["x"]] if "x" in batch else []), target=batch.get("y"), losses=losses)
+    optimizer.step()
+    return losses
+
+
+def stage(width: int) -> tuple[Any, torch.optim.Optimizer]:
+    from nanforensics.distributed.pipeline import prune
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank = dist.get_rank()
+    module = prune(build_model(width), [["0", "1", "2", "3"], ["4", "5", "6"]][rank])
+    schedule = ScheduleGPipe(PipelineStage(module, rank, WORLD, torch.device("cpu")), MICROBATCHES, loss_fn=loss_fn)
+    return schedule, torch.optim.AdamW(module.parameters(), lr=1e-3)
+
+
+def worker(args: argparse.Namespace) -> None:
+    from nanforensics import Recorder
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(BATCH, FEATURES, generator=g), torch.randn(BATCH, 1, generator=g)
+    batch = {"x": x, "ids": [f"s{i}" for i in range(BATCH)]} if rank == 0 else {"y": y}
+    plain_schedule, plain_opt = stage(args.width)
+    rec_schedule, rec_opt = stage(args.width)
+    out = Path(args.out)
+    rec = Recorder(out / "run", rec_schedule, rec_opt, model_factory=build_model, step_fn=train_step,
+                   model_kwargs={"width": args.width}, checkpoint_every=args.every, overwrite=True)
+    step = [0]
+
+    def plain() -> None:
+        for _ in range(args.steps):
+            train_step(plain_schedule, plain_opt, batch)
+
+    def recorded() -> None:
+        for _ in range(args.steps):
+            rec.log(step[0], batch, train_step(rec_schedule, rec_opt, batch))
+            step[0] += 1
+
+    for fn in (plain, recorded):  # warm-up: shape inference, the optimizer's state, the first checkpoint
+        fn()
+    wall: dict[str, list[float]] = {"plain": [], "recorded": []}
+    cpu: dict[str, list[float]] = {"plain": [], "recorded": []}  # both ranks' CPU time: waiting for a core is not charged
+    for _ in range(args.rounds):
+        for name, fn in (("plain", plain), ("recorded", recorded)):
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            used = torch.tensor([time.process_time() - start_cpu], dtype=torch.float64)
+            dist.all_reduce(used)
+            wall[name].append((time.perf_counter() - start) / args.steps)
+            cpu[name].append(float(used) / args.steps)
+    rec.close()
+    if rank == 0:
+        print(f"2-stage MLP (width {args.width}), ScheduleGPipe, {MICROBATCHES} micro-batches of {BATCH // MICROBATCHES}, "
+              f"2 ranks on gloo; checkpoint every {args.every} steps; {args.rounds} rounds of {args.steps} steps")
+        for clock, times in (("wall clock", wall), ("CPU time, both ranks", cpu)):
+            median, q1, q3 = paired_ratio(times, "recorded")
+            plain_ms = sorted(times["plain"])[len(times["plain"]) // 2] * 1e3
+            print(f"{clock:21}  plain step {plain_ms:7.2f} ms  recorded / plain {median:6.3f}x  (IQR {q1:.3f}-{q3:.3f})"
+                  f"  target <= {TARGET}x: {'met' if median <= TARGET else 'NOT met'}", flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+                __file__, "--rounds", str(args.rounds), "--steps", str(args.steps), "--width", str(args.width),
+                "--every", str(args.every), "--out", tmp]
+        sys.exit(subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Pipeline-parallel runs (``torch.distributed.pipelining``): the recorder on every stage's rank.
+
+The loop passes its schedule (``ScheduleGPipe`` or ``Schedule1F1B``, one ``PipelineStage`` per rank, stage i on rank
+i) to the ``Recorder`` as its model. Each rank logs the batch its step function gives the schedule (stage 0 the
+inputs, the last stage the targets); the step function returns the micro-batch losses on the last stage, whose mean
+every rank logs, and the last stage keeps each micro-batch's loss (``microbatch_losses.jsonl``). Checkpoints go through
+``torch.distributed.checkpoint``, each rank writing its stage's parameters and optimizer state under their names in
+the whole model, rank 0 the names of all (``meta.json``): so ``scan``, ``bisect`` and every reader see one model.
+Replay: ``pipeline_replay``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..finite import encode_float
+from ..runs.checkpoint import state_meta
+from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
+from .layout import rank_dir
+from .record import RankRecorder
+from .stages import PIPELINE, SCHEDULES, last_rank
+from .world import object_group
+
+MICROBATCH_LOSSES = "microbatch_losses.jsonl"  # the last stage's: {"step": s, "losses": [...]} per line
+
+
+def schedule_of(obj: Any) -> Any:
+    """``obj`` when it is a pipeline schedule of ``torch.distributed.pipelining`` (imported by a loop that uses one),
+    else None."""
+    module = sys.modules.get("torch.distributed.pipelining.schedules")
+    return obj if module is not None and isinstance(obj, module._PipelineSchedule) else None
+
+
+def step_loss(losses: Any) -> torch.Tensor:
+    """The step's loss from its micro-batch losses: their mean, in one order, when recording and replaying."""
+    if not isinstance(losses, (list, tuple)) or not losses or not all(isinstance(t, torch.Tensor) for t in losses):
+        raise TypeError("on the last stage, a pipeline's step function returns the micro-batch losses (the list "
+                        "schedule.step(..., losses=losses) filled)")
+    return torch.stack([t.detach().float().reshape(()) for t in losses]).mean()
+
+
+def prune(model: nn.Module, modules: list[str]) -> nn.Module:
+    """The whole model as a stage: every top-level child but ``modules`` removed, so parameters keep their names.
+    A container (``nn.Sequential``) drops them; any other module holds None in their place, as a model written for
+    pipelining (torchtitan's) expects."""
+    for name in [n for n, _ in model.named_children() if n not in modules]:
+        if isinstance(model, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            del model._modules[name]
+        else:
+            setattr(model, name, None)
+    return model
+
+
+# ---- recording ----------------------------------------------------------------------------------------------------
+
+
+class PipelineRankRecorder(RankRecorder):
+    """One stage's rank of a pipeline-parallel run (``pipeline_world`` picks it when the model is a schedule)."""
+
+    def __init__(self, schedule: Any) -> None:
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+        name = type(schedule).__name__
+        if name not in SCHEDULES or not isinstance(schedule, PipelineScheduleSingle):
+            raise ValueError(f"the schedule is {name}; nanforensics records {' and '.join(SCHEDULES)}, one stage per rank")
+        stage, size, rank = schedule._stage, dist.get_world_size(), dist.get_rank()
+        if stage.num_stages != size or stage.stage_index != rank:
+            raise ValueError(f"stage {stage.stage_index} of {stage.num_stages} runs on rank {rank} of {size}: "
+                             "nanforensics records one stage per rank, stage i on rank i")
+        if schedule._loss_fn is None or schedule._args_chunk_spec or schedule._kwargs_chunk_spec:
+            raise ValueError("the schedule needs a loss_fn and the default chunking (micro-batches along dimension 0)")
+        from ..runs.imports import import_string_of
+
+        mine = {"stage": stage.stage_index, "rank": rank, "modules": [n for n, _ in stage.submod.named_children()]}
+        stages: list[Any] = [None] * size
+        dist.all_gather_object(stages, mine, group=object_group())
+        options = {"schedule": name, "microbatches": int(schedule._n_microbatches),
+                   "scale_grads": bool(schedule.scale_grads),
+                   "loss_fn": import_string_of(schedule._loss_fn, "the schedule's loss_fn"),
+                   "stages": sorted(stages, key=lambda s: s["stage"])}
+        super().__init__(PIPELINE, stage.submod, options)
+        self.last = last_rank(options)
+        self._losses: Path | None = None
+
+    def data_dir(self, path: Path) -> Path:
+        self._losses = rank_dir(path, self.rank) / MICROBATCH_LOSSES
+        return super().data_dir(path)
+
+    def step_loss(self, step: int, loss: Any) -> Any:
+        """The last stage's mean micro-batch loss, on every rank; the last stage keeps each micro-batch's."""
+        value = None
+        if self.rank == self.last:
+            value = float(step_loss(loss))
+            assert self._losses is not None
+            line = {"step": step, "losses": [encode_float(float(t.detach().float())) for t in loss]}
+            with open(self._losses, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        box = torch.tensor([0.0 if value is None else value], dtype=torch.float64)  # one broadcast, no pickling
+        dist.broadcast(box, src=self.last, group=self.group)
+        return float(box.item())
+
+    def checkpoint(self, folder: Path, step: int, optimizer: torch.optim.Optimizer, *, scaler: Any,
+                   scheduler: Any) -> None:
+        """Every rank writes its stage's tensors through torch.distributed.checkpoint; rank 0 writes meta.json with
+        every stage's names (in stage order) and every rank's RNG states."""
+        states: list[Any] | None = [None] * self.size if self.leads else None
+        dist.gather_object(rank_rng_state(), states, dst=0, group=self.group)
+        names = state_meta(self.module, optimizer)[0]
+        if not self.leads:
+            dist.gather_object(names, None, dst=0, group=self.group)
+            save_rank_shards(self._announce(None), self.module, optimizer, step, self.group)
+            return
+
+        def merge(meta: dict[str, Any]) -> None:
+            parts: list[Any] = [None] * self.size
+            dist.gather_object(names, parts, dst=0, group=self.group)
+            for key in ("param_names", "param_groups", "buffer_names"):
+                meta[key] = [x for part in parts for x in part[key]]
+            meta["state_scalars"] = {k: v for part in parts for k, v in part["state_scalars"].items()}
+
+        from ..runs.checkpoint import save_checkpoint
+
+        save_checkpoint(folder, step, self.module, optimizer, scaler=scaler, scheduler=scheduler, rank_rng=states,
+                        write_tensors=shard_writer(step, self.group, self._announce), merge_meta=merge)
+
+
+
+
+def pipeline_world(model: Any, **extras: Any) -> PipelineRankRecorder | None:
+    """The recorder's distributed side when the loop passed a pipeline schedule as its model; None otherwise.
+    ``extras``: the recorder's ``guard``, ``scaler`` and ``scheduler``, which a pipeline's replay does not rebuild
+    (a guard's incidents replay on one process; each stage has its own scaler and scheduler)."""
+    if schedule_of(model) is None:
+        return None
+    given = [name for name, value in extras.items() if value]
+    if given:
+        raise ValueError(f"{given[0]}= is not supported with a pipeline schedule")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("a pipeline schedule is recorded under torchrun, with its process group initialised")
+    return PipelineRankRecorder(model)

@@ -1,0 +1,599 @@
+"""Replaying a pipeline-parallel run at world size (``torchrun --nproc-per-node N -m nanforensics replay RUN``).
+
+Each rank rebuilds its stage (the model its factory builds, pruned to the stage's modules), its optimizer and
+schedule, and runs the user's step function on its own batch, watching its stage: each module's output per
+micro-batch, each parameter's gradient after each micro-batch's backward (the accumulated sum turns non-finite in the
+micro-batch that made it so), each micro-batch's loss on the last stage, and the parameters and optimizer state after
+the step. The events of every rank are gathered and ordered as the pipeline computes them (a micro-batch's forward
+stage by stage, its loss, its backward from the last stage back; micro-batch by micro-batch, as both schedules
+accumulate the gradients); the first names the step, the stage, the micro-batch and the coordinate. Group testing then
+runs that micro-batch's subsets through the stages again, from the state before the step, handing activations and
+gradients from rank to rank, and names the sample within the micro-batch.
+
+**On one process** the run is refused, with the command that replays it: a stage's module alone cannot compute what
+the others fed it, and the user's step function gives the schedule its own rank's batch, so running the stages one
+after the other would call it in another way than the run did.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shlex
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import BadInput, shown
+from ..finite import decode_float, locate, value_name
+from ..progress import SILENT, Progress
+from ..replay.reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge
+from ..report import (
+    LOSS_ONLY_STAGES,
+    BatchRef,
+    CheckpointComparison,
+    Event,
+    PipelineOrigin,
+    ReplayReport,
+    ReplaySetup,
+    SampleAttribution,
+    StepRecord,
+)
+from ..rootcause.data import check_batches
+from ..rootcause.samples import select, split_batch
+from ..runs.batches import data_leaves, map_tensors, per_sample
+from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state
+from ..runs.run import Run, UserCode
+from .checkpoint import restore_rank_rng
+from .layout import rank_dir
+from .pipeline import MICROBATCH_LOSSES, prune, step_loss
+from .stages import PIPELINE, last_rank, stage_of
+from .world import object_group
+
+
+def logged_microbatch_losses(run: Run) -> dict[int, list[float]]:
+    """The last stage's micro-batch losses per step, as recorded: a torn last line (a job killed mid-write) is
+    dropped, any other line that is not a step's losses is bad input; no file, none (an older recording)."""
+    from ..inputs import excerpt, read_input
+    from ..runs.steplog import is_step
+
+    path = rank_dir(run.path, last_rank(run.world.wrapping)) / MICROBATCH_LOSSES  # type: ignore[union-attr]
+    out: dict[int, list[float]] = {}
+    if not path.is_file():
+        return out
+    for number, text in enumerate(read_input(path).split(b"\n")[:-1], 1):
+        try:
+            line = json.loads(text)
+            step, losses = line["step"], [decode_float(x) for x in line["losses"]]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise BadInput(path, f"line {number} is not a step's micro-batch losses: {excerpt(text)}") from None
+        if not is_step(step):
+            raise BadInput(path, f"line {number}: step {shown(step)} is not a step number")
+        out[step] = losses
+    return out
+
+
+# ---- replay at world size -----------------------------------------------------------------------------------------
+
+
+def one_process_refusal(run: Run) -> str:
+    size = run.world.world_size if run.world else 1
+    return (f"a pipeline-parallel run is replayed with one process per stage: run `torchrun --nproc-per-node {size} -m "
+            f"nanforensics replay {shlex.quote(str(run.path))}` (one process cannot run a stage's step function on "
+            "what the other stages send it)")
+
+
+class _Stage:
+    """This rank's stage rebuilt at a checkpoint: module, optimizer, schedule, RNG."""
+
+    def __init__(self, run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device, loss_fn: Callable) -> None:
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        wrapping = run.world.wrapping  # type: ignore[union-attr]
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.spec = stage_of(wrapping, self.rank)
+        self.last = self.rank == last_rank(wrapping)
+        where = run.path / "manifest.json"
+        try:
+            model = code.model_factory(**run.manifest.model_kwargs)
+        except Exception as e:
+            raise BadInput(where, f"model factory {run.manifest.model_factory} raised {e.__class__.__name__}: {e}") from None
+        missing = sorted(set(self.spec["modules"]) - {n for n, _ in model.named_children()})
+        if missing:
+            raise BadInput(where, f"stage {self.spec['stage']}'s module {missing[0]!r} is not a child of the model the "
+                                  "factory builds")
+        self.model = prune(model, self.spec["modules"]).to(device)
+        self.meta = checkpoint.meta()
+        self.optimizer = _stage_optimizer(code, self.model, self.meta, checkpoint, run)
+        _load_stage(checkpoint, self.model, self.optimizer, self.meta)
+        states = self.meta.get("rank_rng")
+        if not isinstance(states, list) or len(states) != self.size:
+            raise BadInput(checkpoint.path / "meta.json", f"holds no RNG state for each of the {self.size} ranks (rank_rng)")
+        restore_rank_rng(states[self.rank], device, checkpoint.path / "meta.json")
+        stage = PipelineStage(self.model, self.spec["stage"], self.size, device)
+        self.schedule = getattr(schedules, wrapping["schedule"])(
+            stage, wrapping["microbatches"], loss_fn=loss_fn, scale_grads=wrapping["scale_grads"])
+        self.stage, self.loss_fn = stage, loss_fn
+        self.step = checkpoint.step
+
+    def totals(self) -> tuple[int, int]:
+        """The stage's parameter and optimizer-state values."""
+        state = sum(v.numel() for st in self.optimizer.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim)
+        return sum(p.numel() for p in self.model.parameters()), state
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        self.optimizer.zero_grad(set_to_none=True)
+        restore_rng(snap["rng"])
+        self.step = snap["step"]
+
+
+def _stage_optimizer(code: UserCode, model: nn.Module, meta: dict[str, Any], checkpoint: Checkpoint,
+                     run: Run) -> torch.optim.Optimizer:
+    """The stage's optimizer: its factory's, or the recorded class over the param groups of this stage's parameters."""
+    where = run.path / "manifest.json"
+    if code.optimizer_factory is not None:
+        try:
+            return code.optimizer_factory(model)
+        except Exception as e:
+            raise BadInput(where, f"optimizer.factory raised {e.__class__.__name__}: {e}") from None
+    named = dict(model.named_parameters(remove_duplicate=False))
+    groups = [{**g, "params": [named[n] for n in g["params"]]} for g in meta["param_groups"]
+              if g["params"] and all(n in named for n in g["params"])]
+    if sorted(n for g in meta["param_groups"] for n in g["params"] if n in named) != sorted(named):
+        raise BadInput(checkpoint.path / "meta.json", "its param groups do not hold this stage's parameters each once")
+    try:
+        return code.optimizer_class(groups)
+    except Exception as e:
+        raise BadInput(where, f"cannot rebuild optimizer {run.manifest.optimizer_class}: {e}") from None
+
+
+def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer,
+                meta: dict[str, Any]) -> None:
+    """This stage's part of the checkpoint: its parameters and buffers, its optimizer state."""
+    expected = model.state_dict()
+    tensors = {k: v for k, v in checkpoint.model_tensors().items() if k in expected}
+    for name, tensor in tensors.items():
+        if tensor.dtype != expected[name].dtype:
+            raise BadInput(checkpoint.model_file, f"tensor {name!r} is {tensor.dtype}, the stage holds {expected[name].dtype}")
+    try:
+        model.load_state_dict(tensors)
+    except RuntimeError as e:
+        raise BadInput(checkpoint.model_file, f"does not fit the stage: {' '.join(str(e).split())[:300]}") from None
+    params = optimizer_params(optimizer)
+    names = [n for n in meta["param_names"] if n in expected]
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    order = {id(p): i for i, p in enumerate(params)}
+    index = {n: order[id(by_name[n])] for n in names if id(by_name[n]) in order}
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in checkpoint.optimizer_tensors():
+        name, _, skey = key.rpartition("/")
+        if name in index:
+            state.setdefault(index[name], {})[skey] = tensor
+    for name, values in meta["state_scalars"].items():
+        if name in index:
+            state.setdefault(index[name], {}).update(values)
+    sd = optimizer.state_dict()
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise BadInput(checkpoint.optimizer_file, f"does not fit the stage's optimizer: {e}") from None
+
+
+# The order the pipeline computes a micro-batch's values in: forward stage by stage, the loss, backward from the
+# last stage back; the update after every micro-batch.
+_PHASES = {"forward": 0, "loss": 1, "grad": 2, "optimizer_state": 3, "param": 4, "buffer": 5}
+
+
+class _Watch:
+    """The checks on one stage during one step: which micro-batch is under way, and the first non-finite value of
+    each module output, gradient and loss, with the micro-batch it arose in."""
+
+    def __init__(self, s: _Stage) -> None:
+        self.s = s
+        self.mb: int | None = None  # the micro-batch whose forward or backward is under way
+        self.forwarded = 0  # the micro-batch forwarded last: the loss that follows is its
+        self.one_tensor = True  # the stage's forward returned one tensor each time (what group testing hands on)
+        self.events: list[tuple[tuple, Event]] = []
+        self.seen: set[tuple[str, str]] = set()
+        self.inputs: dict[int, Any] = {}   # stage 0: each micro-batch's args
+        self.targets: dict[int, Any] = {}  # last stage: each micro-batch's target
+        self.losses: list[float] = []
+        self.step = s.step
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> "_Watch":
+        s = self.s
+        fwd, bwd, loss = s.stage.forward_one_chunk, s.stage.backward_one_chunk, s.schedule._compute_loss
+
+        def forward(i: int, args: Any, *a: Any, **k: Any) -> Any:
+            self.mb = self.forwarded = i
+            self.inputs[i] = args
+            try:
+                out = fwd(i, args, *a, **k)
+                self.one_tensor = self.one_tensor and isinstance(out, torch.Tensor)
+                return out
+            finally:
+                self.mb = None
+
+        def backward(i: int, *a: Any, **k: Any) -> Any:
+            self.mb = i
+            try:
+                return bwd(i, *a, **k)
+            finally:
+                self.mb = None
+
+        def compute_loss(output: Any, target: Any, *a: Any) -> Any:
+            """Right after the forward pass of the micro-batch it scores."""
+            value = loss(output, target, *a)
+            self.targets[self.forwarded] = target
+            self.losses.append(float(value.detach().float()))
+            self._check("loss", "loss", value, self.forwarded)
+            return value
+
+        s.stage.forward_one_chunk, s.stage.backward_one_chunk = forward, backward
+        s.schedule._compute_loss = compute_loss
+        for name, m in s.model.named_modules():
+            if name:
+                self.handles.append(m.register_forward_hook(lambda mod, args, out, name=name: self._outputs(name, out)))
+        for name, p in s.model.named_parameters():
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(
+                    lambda p, name=name: self._check("grad", name, p.grad)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        s = self.s
+        for attr in ("forward_one_chunk", "backward_one_chunk"):
+            del s.stage.__dict__[attr]
+        del s.schedule.__dict__["_compute_loss"]
+        for h in self.handles:
+            h.remove()
+
+    def _outputs(self, name: str, out: Any) -> None:
+        tensors = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (list, tuple)) else [])
+                                                               if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.is_floating_point():
+                self._check("forward", name, t)
+
+    def _check(self, stage: str, name: str, t: torch.Tensor | None, mb: int | None = -1, key: str | None = None) -> None:
+        mb = self.mb if mb == -1 else mb
+        # outside a micro-batch, the stage's shape inference runs its forward on uninitialised tensors: not the run's
+        if t is None or (stage, f"{name}/{key}") in self.seen or (mb is None and stage in ("forward", "grad")):
+            return
+        where = locate(t.detach())
+        if where is None:
+            return
+        self.seen.add((stage, f"{name}/{key}"))
+        e = Event(self.step, stage, name, where.index, where.value, state_key=key, dtype=str(t.dtype).removeprefix("torch."),
+                  rank=self.s.rank, elements_nonfinite=int((~torch.isfinite(t.detach())).sum()), tensors_nonfinite=1)
+        self.events.append(((mb, stage), e))
+
+    def after_step(self) -> None:
+        """The update: parameters, optimizer state and buffers after ``optimizer.step()``."""
+        s = self.s
+        names = {id(p): n for n, p in s.model.named_parameters()}
+        for p, st in s.optimizer.state.items():
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim:
+                    self._check("optimizer_state", names.get(id(p), "?"), value, None, key)
+        for name, p in s.model.named_parameters():
+            self._check("param", name, p, None)
+        for name, b in s.model.named_buffers():
+            if b.is_floating_point():
+                self._check("buffer", name, b, None)
+
+
+def _order(item: tuple[tuple, Event], stages: int, n: int) -> tuple:
+    """An event's place in the step's computation (see ``_PHASES``)."""
+    (mb, phase), e = item
+    stage = e.rank if e.rank is not None else 0
+    return (n if mb is None else mb, _PHASES[phase], stage if phase == "forward" else stages - stage, e.tensor)
+
+
+def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch.device, opts: Any,
+                    progress: Progress = SILENT) -> ReplayReport:
+    """Replay a pipeline-parallel run from the checkpoint ``start`` finds, one stage on each rank of this torchrun
+    job; refused on one process, before any checkpoint is read."""
+    from ..rootcause.findings import narrate
+    from ..runs import imports
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise BadInput(run.path, one_process_refusal(run))
+    if not isinstance(run, Run) or not isinstance(code, UserCode):
+        raise BadInput(run.path, "a pipeline-parallel run is replayed from its own recording")
+    checkpoint = start()
+    world = run.world
+    assert world is not None
+    wrapping = world.wrapping
+    loss_fn = imports.load_callable("distributed.wrapping.loss_fn", wrapping["loss_fn"], where=run.path / "manifest.json",
+                                    search_paths=opts.code_paths, forbidden=None if opts.trust_run_dir else run.path,
+                                    trust_code=opts.trust_code, trust_packages=opts.trust_packages)
+    s = _Stage(run, code, checkpoint, device, loss_fn)
+    n, stages = wrapping["microbatches"], world.world_size
+    logged = {st.step: st.loss for st in run.steps}
+    logged_mb = logged_microbatch_losses(run)
+    last = run.last_step if opts.max_steps is None else min(run.last_step or 0, checkpoint.step + opts.max_steps - 1)
+    assert last is not None
+    progress.phase(f"replaying steps {checkpoint.step}-{last}, one stage per rank", last - checkpoint.step + 1)
+    spread: list[StepRecord] = []
+    events: list[Event] = []
+    origin_item: tuple[tuple, Event] | None = None
+    # (the event to explain, the state before its step, that step's micro-batches): the origin's, or else the first
+    # loss-only step's
+    explained: tuple[tuple[tuple, Event], dict[str, Any], tuple[Any, Any, bool]] | None = None
+    loss_explained: tuple[tuple[tuple, Event], dict[str, Any], tuple[Any, Any, bool]] | None = None
+    loss_only: list[int] = []
+    replayed_mb: dict[int, list[float]] = {}
+    later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
+    compared: list[CheckpointComparison] = []
+    while s.step <= last:
+        step = s.step
+        snap = s.snapshot() if origin_item is None else None
+        with _Watch(s) as watch:
+            batch = map_tensors(run.batch(step, s.rank), lambda t: t.to(device))
+            try:
+                returned = code.step_fn(s.schedule, s.optimizer, batch)
+                value = float(step_loss(returned)) if s.last else None
+            except BadInput:
+                raise
+            except Exception as e:
+                raise BadInput(run.code_file, f"step function {code.step_name} raised {e.__class__.__name__} at step "
+                                              f"{step} on stage {s.spec['stage']}: {e}") from None
+            watch.after_step()
+        gathered: list[Any] = [None] * stages
+        dist.all_gather_object(gathered, (watch.events, value, watch.losses, s.totals()), group=object_group())
+        loss = gathered[last_rank(wrapping)][1]
+        replayed_mb[step] = gathered[last_rank(wrapping)][2]
+        found = sorted((item for g in gathered for item in g[0]), key=lambda item: _order(item, stages, n))
+        events += [e for _, e in found]
+        params_total, state_total = (sum(g[3][i] for g in gathered) for i in (0, 1))
+        logged_loss = logged.get(step)
+        spread.append(StepRecord(step, logged_loss, loss, _bad(found, "param"), params_total,
+                                 _bad(found, "optimizer_state"), state_total,
+                                 loss_ulps=float32_ulps(logged_loss, loss) if logged_loss is not None else None))
+        if found and origin_item is None:
+            captured = (found[0], snap, (watch.inputs, watch.targets, watch.one_tensor))
+            if {e.stage for _, e in found} <= LOSS_ONLY_STAGES:  # nothing reached a gradient or the state: no origin
+                loss_only.append(step)
+                events = events[:-len(found)]
+                loss_explained = loss_explained or captured
+            else:
+                origin_item = found[0]
+                explained = captured
+        s.step += 1
+        if s.step in later and all(c.matched for c in compared):  # the recorded state after this step
+            compared.append(_compare(s, later[s.step]))
+        progress.update(step - checkpoint.step + 1)
+        if origin_item is not None and step >= origin_item[1].step + opts.after:
+            break
+    origin = origin_item[1] if origin_item else None
+    report = _report(run, checkpoint, device, code, spread, events, origin, compared, loss_only)
+    explained = explained or loss_explained
+    if explained is not None:
+        ((mb, _), event), before, captured = explained
+        stage_index = next(st["stage"] for st in wrapping["stages"] if st["rank"] == event.rank)
+        rows = _rows(_batch_rows(run, event.step), n, mb) if mb is not None else []
+        span = f" (rows {rows[0]}-{rows[-1]})" if rows else ""
+        report.pipeline = PipelineOrigin(
+            stage_index, event.rank or 0, mb, n, wrapping["schedule"], [rows[0], rows[-1] + 1] if rows else [],
+            logged_mb.get(event.step, []), replayed_mb.get(event.step, []),
+            text=f"stage {stage_index}, " + (f"micro-batch {mb} of {n}" if mb is not None else "the update"),
+            batch_text=f", micro-batch {mb} of {n}{span}, stage 0's inputs" if mb is not None else "")
+        if mb is not None and opts.explain and event.stage != "param":
+            s.restore(before)
+            report.samples = _attribute(run, s, event, mb, rows, captured, progress)
+            report.responsible_batch = _responsible(run, event.step, rows)
+        report.findings = pipeline_findings(report, event)
+    report.data_defects = check_batches(run, [r.step for r in spread], opts.data_max_abs)  # each rank's batches
+    return narrate(report)
+
+
+def _bad(found: list[tuple[tuple, Event]], stage: str) -> int:
+    return sum(e.elements_nonfinite for _, e in found if e.stage == stage)
+
+
+def _batch_rows(run: Run, step: int) -> int:
+    """The step's batch size, as the first stage's batch holds it."""
+    from ..rootcause.samples import batch_size
+
+    return batch_size(run.batch(step, 0)) or 0
+
+
+def _rows(size: int, n: int, mb: int) -> list[int]:
+    """The rows of a batch of ``size`` that micro-batch ``mb`` of ``n`` holds: the schedule splits along dimension 0
+    with ``torch.tensor_split``."""
+    return torch.tensor_split(torch.arange(size), n)[mb].tolist()
+
+
+def _responsible(run: Run, step: int, rows: list[int]) -> BatchRef:
+    """The micro-batch's rows of the first stage's batch: its non-tensor leaves (sample ids)."""
+    batch = run.batch(step, 0)
+    size = _batch_rows(run, step)
+    leaves = {p: [v[i] for i in rows] if per_sample(v, size) else v for p, v in data_leaves(batch, size=size)}
+    return BatchRef(step, str(run.batch_file(step, 0)), leaves, 0)
+
+
+def _attribute(run: Run, s: _Stage, origin: Event, mb: int, rows: list[int], captured: tuple[Any, Any, bool],
+               progress: Progress) -> SampleAttribution:
+    """Group testing within micro-batch ``mb``, every rank together: each subset runs through the stages from the
+    state before the step; the origin's rank says whether the origin's tensor turned non-finite."""
+    inputs, targets, one_tensor = captured
+    size = len(rows)
+    each: list[Any] = [None] * s.size
+    dist.all_gather_object(each, one_tensor, group=object_group())
+    if not all(each):
+        return SampleAttribution("unsplittable", size, [], {}, 0, [], "a stage's forward returned more than one "
+                                 "tensor: group testing hands one tensor from stage to stage")
+    snap = s.snapshot()
+    passes = [0]
+
+    def fails(indices: list[int]) -> bool:
+        passes[0] += 1
+        s.restore(snap)
+        args = select(inputs.get(mb), indices, size) if s.spec["stage"] == 0 else None
+        target = select(targets.get(mb), indices, size) if s.last else None
+        bad = _subset_pass(s, origin, args, target)
+        verdict = [bad]
+        dist.broadcast_object_list(verdict, src=origin.rank or 0, group=object_group())
+        return bool(verdict[0])
+
+    progress.phase(f"attributing samples of micro-batch {mb} at step {origin.step}, one stage per rank", None)
+    try:
+        if not fails(list(range(size))):
+            return SampleAttribution("not_reproduced", size, [], {}, passes[0], [],
+                                     f"micro-batch {mb} alone, forward and backward through every stage, stays finite")
+        found = split_batch(size, fails)
+    finally:
+        s.restore(snap)
+    batch = run.batch(origin.step, 0)
+    whole = _batch_rows(run, origin.step)
+    leaves = {p: [v[rows[i]] for i in found.samples] for p, v in data_leaves(batch, size=whole) if per_sample(v, whole)}
+    located = [[mb, i] for i in found.samples]
+    listed = ", ".join(map(str, found.samples))
+    if found.status == "attributed":
+        message = (f"{'samples' if len(found.samples) > 1 else 'sample'} {listed} of micro-batch {mb} ({size} samples) "
+                   f"{'produce' if len(found.samples) > 1 else 'produces'} the non-finite value alone ({passes[0]} "
+                   "passes through the stages)")
+    else:
+        message = f"{found.status}: samples {listed} of micro-batch {mb} ({passes[0]} passes through the stages)"
+    return SampleAttribution(found.status, size, found.samples, leaves, passes[0], found.coupled, message, located)
+
+
+def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
+    """One micro-batch's forward and backward through the stages, activations and gradients handed from rank to rank
+    (every rank takes part in each hand-over); on the origin's rank, whether the origin's tensor turned non-finite."""
+    group = object_group()
+    stage, stages = s.spec["stage"], s.size
+    seen: list[bool] = [False]
+
+    def watch(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and locate(t.detach()) is not None:
+            seen[0] = True
+
+    handles = []
+    mine = s.rank == origin.rank
+    if mine and origin.stage == "forward":
+        handles.append(s.model.get_submodule(origin.tensor).register_forward_hook(lambda m, a, out: watch(out)))
+    elif mine and origin.stage == "grad":
+        handles.append(s.model.get_parameter(origin.tensor).register_post_accumulate_grad_hook(lambda p: watch(p.grad)))
+    try:
+        out = None
+        received = None
+        for hop in range(stages):
+            if hop == stage:
+                x = args if stage == 0 else received
+                x = x if isinstance(x, tuple) else (x,)
+                if stage:
+                    x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
+                inputs = x
+                out = s.model(*x)
+            box = [out.detach() if hop == stage and isinstance(out, torch.Tensor) else None]
+            if hop < stages - 1:
+                dist.broadcast_object_list(box, src=hop, group=group)
+                if hop + 1 == stage:
+                    received = box[0]
+        grads: Any = None
+        for hop in reversed(range(stages)):
+            if hop == stage:
+                if s.last:
+                    value = s.loss_fn(out, target)
+                    if mine and origin.stage == "loss":
+                        watch(value)
+                    torch.autograd.backward(value)
+                else:
+                    torch.autograd.backward(out, grad_tensors=grads)
+                sent = inputs[0].grad if stage and inputs and isinstance(inputs[0], torch.Tensor) else None
+            else:
+                sent = None
+            box = [sent]
+            if hop > 0:
+                dist.broadcast_object_list(box, src=hop, group=group)
+                if hop - 1 == stage:
+                    grads = box[0]
+    finally:
+        for h in handles:
+            h.remove()
+        s.optimizer.zero_grad(set_to_none=True)
+    return seen[0]
+
+
+def _compare(s: _Stage, checkpoint: Checkpoint) -> CheckpointComparison:
+    """Every stage's state against the recorded checkpoint, each rank its own tensors; the first mismatch is the
+    earliest stage's, with its rank."""
+    mine = compare_checkpoint(s.model, s.optimizer, checkpoint, held_only=True)
+    if mine.first_mismatch is not None:
+        mine.first_mismatch.rank = s.rank
+    parts: list[Any] = [None] * s.size
+    dist.all_gather_object(parts, mine, group=object_group())
+    first = next((p.first_mismatch for p in parts if p.first_mismatch is not None), None)
+    return CheckpointComparison(
+        checkpoint.step, str(checkpoint.path), sum(p.tensors for p in parts), all(p.exact for p in parts),
+        sum(p.mismatched_tensors for p in parts), first, sum(p.values for p in parts), sum(p.nan_matched for p in parts),
+        error=next((p.error for p in parts if p.error), None), rounded=sum(p.rounded for p in parts),
+        max_ulps=max((p.max_ulps for p in parts if p.max_ulps is not None), default=None))
+
+
+def _report(run: Run, checkpoint: Checkpoint, device: torch.device, code: UserCode, spread: list[StepRecord],
+            events: list[Event], origin: Event | None, compared: list[CheckpointComparison],
+            loss_only: list[int]) -> ReplayReport:
+    from ..runs.cpu import this_cpu
+    from ..runs.steplog import first_nonfinite
+
+    world = run.world
+    assert world is not None
+    diverged = judge(spread, compared, 0.0, LOSS_ULPS)
+    setup = ReplaySetup(str(run.path), checkpoint.step, spread[0].step if spread else checkpoint.step,
+                        spread[-1].step if spread else checkpoint.step, str(device), torch.get_num_threads(),
+                        code.imported, world_size=world.world_size, wrapping=PIPELINE, ranks_replayed="torchrun",
+                        **({"recorded_cpu": run.cpu, "replay_cpu": this_cpu()} if device.type == "cpu" else {}))
+    logged_nan = {r.step for r in spread if r.logged_loss is not None and not math.isfinite(r.logged_loss)}
+    verdict = "nonfinite" if origin is not None else "not_reproduced" if logged_nan and (
+        diverged is not None or not set(loss_only) >= logged_nan) else "loss_only" if loss_only else "clean"
+    return ReplayReport(
+        verdict=verdict, responsible_step=origin.step if origin else None, responsible_batch=None,
+        first_nonfinite_loss_step=next((r.step for r in spread if not math.isfinite(r.replayed_loss)), None),
+        logged_first_nonfinite_loss_step=first_nonfinite(run.steps), origin=origin, events=events, spread=spread,
+        state_poisoned=any(e.stage == "optimizer_state" for e in events), reproduced=diverged is None,
+        diverged_at_step=diverged, fully_nonfinite_step=next(
+            (r.step for r in spread if r.params_total and r.params_nonfinite == r.params_total), None),
+        findings=[], setup=setup, checkpoints_compared=compared, loss_only_steps=loss_only,
+        loss_max_ulps=max((r.loss_ulps for r in spread if r.loss_ulps is not None), default=None))
+
+
+def pipeline_findings(r: ReplayReport, e: Event) -> list[str]:
+    """Where ``e`` (the origin, or the first loss-only step's loss) arose in words: step, stage and rank, micro-batch
+    and sample, tensor and coordinate."""
+    from ..rootcause.findings import describe
+
+    p = r.pipeline
+    assert p is not None
+    what = describe(Event(e.step, e.stage, e.tensor, e.index, e.value, state_key=e.state_key))
+    where = f"stage {p.stage} (rank {p.rank})"
+    if p.microbatch is None:
+        return [f"At step {e.step}, {where}'s update made {what} after all {p.microbatches} micro-batches "
+                f"({p.schedule})."]
+    only = "; no gradient, parameter or optimizer state turned non-finite" if r.origin is None else ""
+    out = [f"At step {e.step}, micro-batch {p.microbatch} of {p.microbatches} ({p.schedule}; rows {p.rows[0]}-"
+           f"{p.rows[1] - 1} of the step's batch) made {what} on {where}{only}."]
+    sa = r.samples
+    if sa is not None and sa.status == "attributed":
+        ids = "; ".join(f"{k} = {v!r}" for k, v in sa.sample_leaves.items())
+        out.append(f"Sample {', '.join(map(str, sa.samples))} of micro-batch {p.microbatch} alone makes it"
+                   + (f" ({ids})." if ids else "."))
+    elif sa is not None:
+        out.append(sa.message)
+    if p.logged_microbatch_losses:
+        listed = ", ".join(f"{x:.6g}" if math.isfinite(x) else value_name(x) for x in p.logged_microbatch_losses)
+        out.append(f"The last stage logged micro-batch losses [{listed}] at step {e.step}.")
+    return out

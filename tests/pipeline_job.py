@@ -1,0 +1,139 @@
+"""Pipeline-parallel training runs with a known answer, recorded under torchrun by the project's recorder.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/pipeline_job.py OUT NAME...
+
+A 6-layer MLP split in two stages (rank 0: ``log(x * gain)`` and the first layers; rank 1: the rest and the loss)
+trains under ``ScheduleGPipe`` ("gpipe") or ``Schedule1F1B`` ("1f1b") with ``MICROBATCHES`` micro-batches per step. At
+``DEFECT_STEP`` sample ``DEFECT_SAMPLE`` of micro-batch ``DEFECT_MICROBATCH`` is bad. In "gpipe" its input holds a
+near-zero reading (3e-45) that stage 0 holds: the loss stays finite, stage 0's gradient of ``0.gain[3]`` is infinite,
+and the update turns it NaN. In "1f1b" its target, which the last stage holds, is a glitch (1e20): that micro-batch's
+loss overflows to inf on stage 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WORLD, BATCH, MICROBATCHES = 2, 8, 4   # ranks (= stages), samples per step, micro-batches per step
+STEPS, EVERY = 6, 2                    # steps recorded, checkpoint interval: checkpoints 0, 2, 4, 6
+DEFECT_STEP, DEFECT_MICROBATCH, DEFECT_SAMPLE, DEFECT_FEATURE = 3, 2, 1, 3
+FEATURES = 4
+STAGES = [["0", "1", "2"], ["3", "4", "5"]]  # the top-level modules each stage holds
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+DEFECTS = {"gpipe": "input", "1f1b": "target"}
+
+
+def defect_row() -> int:
+    """The row of the step's batch the defect sits in (micro-batches split the batch along dimension 0)."""
+    return DEFECT_MICROBATCH * (BATCH // MICROBATCHES) + DEFECT_SAMPLE
+
+
+class LogGain(nn.Module):
+    """log(x * gain): a reading near zero makes gain's gradient 1/x, beyond float32's range."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x * self.gain)
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(LogGain(FEATURES), nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 1))
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def train_step(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> Any:
+    """The same on every rank: stage 0's batch holds the inputs, the last stage's the targets."""
+    optimizer.zero_grad(set_to_none=True)
+    losses: list[torch.Tensor] = []
+    args = (batch["x"],) if "x" in batch else ()
+    schedule.step(*args, target=batch.get("y"), losses=losses)
+    optimizer.step()
+    return losses
+
+
+def data(step: int, defect: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.exp(torch.randn(BATCH, FEATURES, generator=g) * 0.5)
+    y = torch.log(x).mean(dim=1, keepdim=True)
+    if defect == "input" and step == DEFECT_STEP:
+        x[defect_row(), DEFECT_FEATURE] = 3e-45
+    if defect == "target" and step == DEFECT_STEP:
+        y[defect_row(), 0] = 1e20
+    ids = [f"sample-{step * BATCH + i:05d}" for i in range(BATCH)]
+    return {"x": x, "y": y, "id": ids}
+
+
+def stage_batch(batch: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What each rank's loop holds: the first stage the inputs, the last the targets; both the ids."""
+    keep = ("x", "id") if rank == 0 else ("y", "id")
+    return {k: batch[k] for k in keep}
+
+
+def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
+    from nanforensics.distributed.pipeline import prune
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    rank = dist.get_rank()
+    module = prune(build_model(), STAGES[rank])
+    stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
+    schedule = getattr(schedules, SCHEDULES[schedule_name])(stage, MICROBATCHES, loss_fn=loss_fn)
+    return schedule, torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+
+def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:
+    """Train run ``name`` ("gpipe" or "1f1b") on this rank, recorded."""
+    from nanforensics import Recorder
+
+    schedule, optimizer = build(name)
+    rank = dist.get_rank()
+    rec = Recorder(out / name, schedule, optimizer, model_factory=build_model, step_fn=train_step,
+                   checkpoint_every=EVERY, overwrite=True)
+    logged = []
+    for step in range(steps):
+        batch = stage_batch(data(step, DEFECTS[name]), rank)
+        losses = train_step(schedule, optimizer, batch)
+        rec.log(step, batch, losses)
+        logged.append(losses)
+    rec.close()
+    return logged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("names", nargs="+", choices=sorted(SCHEDULES))
+    args = parser.parse_args()
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for name in args.names:
+        record(args.out, name)
+        if dist.get_rank() == 0:
+            print(f"{name}: {STEPS} steps", flush=True)
+    dist.destroy_process_group()
+
+
+def command(out: Path, names: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+            str(Path(__file__).resolve()), str(out), *names]
+
+
+if __name__ == "__main__":
+    main()

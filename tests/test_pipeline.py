@@ -1,0 +1,209 @@
+"""Pipeline-parallel runs: a 2-stage MLP under torch.distributed.pipelining (GPipe and 1F1B, 4 micro-batches), recorded
+by the project's recorder on both ranks of ONE gloo torchrun launch (tests/pipeline_job.py), replayed at world size
+through the real command line.
+
+Only sample 1 of micro-batch 2 at step 3 carries the defect: in the GPipe run a near-zero reading in stage 0's input
+(finite losses, an infinite gradient of stage 0's ``0.gain[3]``), in the 1F1B run a glitch target on the last stage
+(that micro-batch's loss overflows, nothing else). The replay must name the step, the stage and its rank, the
+micro-batch, the sample and the coordinate, and leave the run untouched.
+
+2 stages on 2 processes: 2 stages x 2 data-parallel ranks would need 4 processes on this machine's 2 cores and a
+data-parallel layer this recorder does not combine with stages yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nanforensics.checkpoints.bisect import bisect
+from nanforensics.distributed.layout import DISTRIBUTED_FORMAT, World
+from nanforensics.distributed.stages import OPTIONS
+from nanforensics.distributed.world import mismatch
+from nanforensics.errors import BadInput
+from nanforensics.runs.run import Run
+
+import pipeline_job as job
+from conftest import ROOT, Result, assert_one_line_error, run_cli, tree_digest
+from test_distributed import exit_codes
+
+DEFECT_ID = f"sample-{job.DEFECT_STEP * job.BATCH + job.defect_row():05d}"
+
+
+def launch(argv: list[str]) -> Result:
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANFORENSICS_DEBUG"):
+        env.pop(key, None)
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both schedules' runs, recorded by one torchrun launch."""
+    root = tmp_path_factory.mktemp("pipeline")
+    result = launch(job.command(root, ["gpipe", "1f1b"]))
+    assert result.code == 0 and "1f1b: 6 steps" in result.stdout, result.stderr[-3000:]
+    return {"gpipe": root / "gpipe", "1f1b": root / "1f1b"}
+
+
+def test_layout(runs):
+    """The manifest names the pipeline; stage 0 keeps the inputs, the last stage the targets and the micro-batch
+    losses; every checkpoint holds both stages' tensors under their names in the whole model."""
+    manifest = json.loads((runs["gpipe"] / "manifest.json").read_text())
+    assert manifest["format"] == DISTRIBUTED_FORMAT
+    assert manifest["distributed"]["wrapping"] == {
+        "kind": "pipeline", "schedule": "ScheduleGPipe", "microbatches": job.MICROBATCHES, "scale_grads": True,
+        "loss_fn": manifest["step_fn"].replace("train_step", "loss_fn"),
+        "stages": [{"stage": i, "rank": i, "modules": mods} for i, mods in enumerate(job.STAGES)]}
+    losses = (runs["gpipe"] / "ranks" / "rank_00001" / "microbatch_losses.jsonl").read_text().splitlines()
+    assert [len(json.loads(line)["losses"]) for line in losses] == [job.MICROBATCHES] * job.STEPS
+    assert not (runs["gpipe"] / "ranks" / "rank_00000" / "microbatch_losses.jsonl").exists()
+    meta = json.loads((runs["gpipe"] / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["param_names"] == ["0.gain", "1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
+    assert len(meta["rank_rng"]) == job.WORLD
+    # both ranks logged the last stage's loss; before the defects, both schedules computed the same losses (each
+    # accumulates the gradients micro-batch by micro-batch, in order)
+    logs = [(runs[name] / "ranks" / f"rank_{r:05d}" / "steps.jsonl").read_text().splitlines()[:job.DEFECT_STEP]
+            for name in runs for r in (0, 1)]
+    assert all(log == logs[0] for log in logs) and len(logs[0]) == job.DEFECT_STEP
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_replay_at_world_size(runs, tmp_path, name):
+    """torchrun -m nanforensics replay: step, stage (rank), micro-batch, sample and coordinate; the run untouched.
+    GPipe: stage 0's input makes stage 0's gradient infinite (non-finite, exit 1). 1F1B, which interleaves one
+    micro-batch's backward with the next one's forward: the last stage's target makes that micro-batch's loss
+    infinite and nothing else (loss only, exit 4), the samples found from the last stage's targets."""
+    run = runs[name]
+    before = tree_digest(run)
+    out = tmp_path / "report.json"
+    result = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                     "nanforensics", "replay", str(run), "--json", str(out)])
+    report = json.loads(out.read_text())
+    if name == "gpipe":
+        assert exit_codes(result) == {"0": "1", "1": "1"}, result.stderr[-3000:]  # non-finite, on both ranks
+        check(report, "ScheduleGPipe", stage=0, made="grad 0.gain[3] = inf", data=("batch['x']", job.DEFECT_FEATURE,
+                                                                                   "subnormal"))
+        origin = report["origin"]
+        assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["value"], origin["rank"]) == (
+            job.DEFECT_STEP, "grad", "0.gain", [job.DEFECT_FEATURE], "inf", 0)
+        assert "grad 0.gain[3] = inf on rank 0 (stage 0, micro-batch 2 of 4)" in result.stdout, result.stdout
+        # nothing non-finite before the origin on either stage; the update spreads it to the parameter
+        at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
+        assert [(e["stage"], e["tensor"]) for e in at][:1] == [("grad", "0.gain")] and {e["rank"] for e in at} == {0}
+        assert report["checkpoints_compared"][0]["step"] == job.DEFECT_STEP + 1
+    else:
+        assert exit_codes(result) == {"0": "4", "1": "4"}, result.stderr[-3000:]  # loss only, on both ranks
+        check(report, "Schedule1F1B", stage=1, made="loss = inf", data=("batch['y']", 0, "extreme"),
+              only="; no gradient, parameter or optimizer state turned non-finite")
+        assert (report["origin"], report["events"], report["loss_only_steps"]) == (None, [], [job.DEFECT_STEP])
+        assert report["pipeline"]["logged_microbatch_losses"][job.DEFECT_MICROBATCH] == "inf"
+    assert tree_digest(run) == before
+
+
+def check(report: dict[str, Any], schedule: str, stage: int, made: str, data: tuple[str, int, str],
+          only: str = "") -> None:
+    """The pipeline's facts and sentences: the stage, the micro-batch, its rows, the sample and its id."""
+    assert report["reproduced"] is True and all(c["exact"] for c in report["checkpoints_compared"])
+    pipe = report["pipeline"]
+    rows = job.BATCH // job.MICROBATCHES
+    assert (pipe["stage"], pipe["rank"], pipe["microbatch"], pipe["microbatches"], pipe["schedule"], pipe["rows"]) == (
+        stage, stage, job.DEFECT_MICROBATCH, job.MICROBATCHES, schedule, [job.DEFECT_MICROBATCH * rows,
+                                                                          (job.DEFECT_MICROBATCH + 1) * rows])
+    assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
+    samples = report["samples"]
+    assert (samples["status"], samples["samples"], samples["micro_batch_samples"], samples["sample_leaves"]) == (
+        "attributed", [job.DEFECT_SAMPLE], [[job.DEFECT_MICROBATCH, job.DEFECT_SAMPLE]], {"batch['id']": [DEFECT_ID]})
+    assert report["responsible_batch"]["file"].endswith(f"ranks/rank_00000/batches/step_{job.DEFECT_STEP:08d}.safetensors")
+    defects = [(d["step"], d["rank"], d["tensor"], d["index"], d["kind"]) for d in report["data_defects"]]
+    tensor, column, kind = data
+    assert defects == [(job.DEFECT_STEP, 0 if tensor == "batch['x']" else 1, tensor, [job.defect_row(), column], kind)]
+    assert report["findings"][:2] == [
+        f"At step {job.DEFECT_STEP}, micro-batch {job.DEFECT_MICROBATCH} of {job.MICROBATCHES} ({schedule}; rows "
+        f"{pipe['rows'][0]}-{pipe['rows'][1] - 1} of the step's batch) made {made} on stage {stage} (rank {stage}){only}.",
+        f"Sample {job.DEFECT_SAMPLE} of micro-batch {job.DEFECT_MICROBATCH} alone makes it (batch['id'] = ['{DEFECT_ID}'])."]
+
+
+def test_one_process_refuses(runs):
+    """One process cannot run a stage's step on what the other stages send it: one line with the command. Another
+    world size names the same command, never the emulation a data-parallel run offers."""
+    result = run_cli("replay", runs["1f1b"])
+    assert_one_line_error(result, f"torchrun --nproc-per-node 2 -m nanforensics replay {runs['1f1b']}")
+    problem = mismatch(Run(runs["1f1b"]), 3)
+    assert problem is not None and "--nproc-per-node 2 -m nanforensics replay" in problem and "emulat" not in problem
+
+
+def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
+    """A guard (or a scaler, a scheduler), a custom chunking of the inputs, a schedule of several stages per rank:
+    refused when recording starts, by name (a one-rank process group in this process)."""
+    import torch
+    import torch.distributed as dist
+    from nanforensics import Recorder
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stage = PipelineStage(job.build_model(), 0, 1, torch.device("cpu"))
+        optimizer = torch.optim.AdamW(stage.submod.parameters())
+        cases = [(ScheduleGPipe(stage, 2, loss_fn=job.loss_fn), {"guard": True}, "guard= is not supported"),
+                 (ScheduleGPipe(stage, 2, loss_fn=job.loss_fn, args_chunk_spec=(TensorChunkSpec(1),)), {},
+                  "default chunking"),
+                 (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {}, "ScheduleInterleaved1F1B")]
+        for i, (schedule, extra, needle) in enumerate(cases):
+            with pytest.raises(ValueError, match=needle):
+                Recorder(tmp_path / str(i), schedule, optimizer, model_factory=job.build_model, step_fn=job.train_step,
+                         **extra)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bisect_reads_the_stages_checkpoints(runs):
+    """Checkpoints 0 and 2 are clean, 4 holds the NaN the update at step 3 wrote into stage 0's gain."""
+    result = bisect([runs["gpipe"] / "checkpoints"])
+    assert result.first_poisoned is not None and result.first_poisoned.step == job.DEFECT_STEP + 1
+    assert result.last_clean is not None and result.last_clean.step == job.DEFECT_STEP - 1
+    assert result.replay is not None and result.replay.command == (
+        f"torchrun --nproc-per-node 2 -m nanforensics replay {runs['gpipe']} --from-step {job.DEFECT_STEP - 1}")
+
+
+_GOOD = {"kind": "pipeline", "schedule": "Schedule1F1B", "microbatches": 4, "scale_grads": True, "loss_fn": "m:f",
+         "stages": [{"stage": 0, "rank": 0, "modules": ["a"]}, {"stage": 1, "rank": 1, "modules": ["b"]}]}
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                     max_leaves=6)
+
+
+def _bad_stage() -> st.SearchStrategy[Any]:
+    spec = st.fixed_dictionaries({"stage": st.integers(-2, 3), "rank": st.integers(-2, 3),
+                                  "modules": st.lists(st.sampled_from(["a", "b", ""]), max_size=2)})
+    return st.lists(spec | _JSON, max_size=3)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from([*OPTIONS, "extra"]), value=_JSON | _bad_stage())
+def test_manifest_validation(key, value):
+    """Any value in any field of the pipeline section: read as the recorder wrote it, or refused in one line naming
+    the manifest; never a traceback."""
+    where = Path("RUN/manifest.json")
+    wrapping = {**_GOOD, key: value}
+    try:
+        world = World.read({"world_size": 2, "backend": "gloo", "wrapping": wrapping}, where)
+    except BadInput as e:
+        assert e.where == str(where) and "\n" not in str(e)
+        return
+    assert world.kind == "pipeline" and key != "extra"  # what is read back is what a recorder could have written
+    assert world.wrapping["stages"][1]["rank"] == 1 and isinstance(world.wrapping["microbatches"], int)
+
+
+def test_manifest_validation_accepts_the_recorded_section():
+    world = World.read({"world_size": 2, "backend": "gloo", "wrapping": _GOOD}, Path("m.json"))
+    assert world.to_json()["wrapping"] == _GOOD

@@ -1,0 +1,119 @@
+"""Runs on a 2-D (or tensor-parallel) DeviceMesh with a known answer, recorded under torchrun by the project's recorder.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 tests/mesh_job.py OUT NAME... [--code tests/scenarios.py]
+
+The regressor of ``scenarios`` on ``distributed_job``'s readings, laid out three ways over 4 ranks:
+
+- ``tp``: tensor parallelism alone on a 1-D ``tp`` mesh (fc1 ColwiseParallel, fc2 RowwiseParallel): every rank sees the
+  same batch, so the defect lies in a batch no data-parallel rank owns;
+- ``fsdp2_tp``: the same plan on the ``tp`` dimension of a 2x2 ``(dp, tp)`` mesh, then ``fully_shard`` on ``dp``;
+- ``hsdp``: ``fully_shard`` on a 2x2 ``(replicate, shard)`` mesh.
+
+Only data-parallel group ``BAD_GROUP``'s batch carries the defect (for ``tp``, the one batch): at step ``DEFECT_STEP``
+its sample ``DEFECT_SAMPLE`` holds a near-zero reading (3e-45), a finite loss and an infinite gradient of
+``features.gain[3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+import torch.distributed as dist
+from nanforensics import Recorder
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+import scenarios
+from distributed_job import DEFECT_STEP, EVERY, SHARD, STEPS, Readings
+
+WORLD = 4
+DEFECT_SAMPLE = scenarios.DEFECT_SAMPLE
+LAYOUTS = {"tp": ((WORLD,), ("tp",)), "fsdp2_tp": ((2, 2), ("dp", "tp")), "hsdp": ((2, 2), ("replicate", "shard"))}
+PLAN = {"fc1": "colwise", "fc2": "rowwise"}
+
+
+def groups(name: str) -> int:
+    """How many data-parallel groups (batches per step) layout ``name`` has."""
+    shape, dims = LAYOUTS[name]
+    return WORLD // dict(zip(dims, shape)).get("tp", 1)
+
+
+def bad_group(name: str) -> int:
+    return 0 if groups(name) == 1 else 1
+
+
+def defect_index(name: str, step: int = DEFECT_STEP, position: int = DEFECT_SAMPLE) -> int:
+    """The dataset index a DistributedSampler (no shuffling) over the data-parallel groups hands the bad group."""
+    return (step * SHARD + position) * groups(name) + bad_group(name)
+
+
+def lay_out(model: nn.Module, name: str) -> tuple[nn.Module, int]:
+    """The model parallelised as layout ``name``; returns it and this rank's data-parallel group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    shape, dims = LAYOUTS[name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if "tp" in dims:
+        parallelize_module(model, mesh["tp"], {m: styles[s]() for m, s in PLAN.items()})
+    if name == "fsdp2_tp":
+        fully_shard(model, mesh=mesh["dp"])
+    elif name == "hsdp":
+        fully_shard(model, mesh=mesh)
+    at = dict(zip(dims, mesh.get_coordinate() or ()))
+    group = 0 if name == "tp" else at["dp"] if name == "fsdp2_tp" else at["replicate"] * 2 + at["shard"]
+    return model, group
+
+
+def record(out: Path, name: str, code: str | None = None) -> list[float]:
+    """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
+    named = lambda fn: fn if code is None else f"{code}:{fn.__qualname__}"  # noqa: E731
+    model, group = lay_out(scenarios.build_model(), name)
+    data = Readings(STEPS * SHARD * groups(name), defect_index(name))
+    loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, groups(name), group, shuffle=False))
+    optimizer = torch.optim.AdamW(model.parameters())
+    rec = Recorder(out / name, model, optimizer, model_factory=named(scenarios.build_model),
+                   step_fn=named(scenarios.train_step), checkpoint_every=EVERY, overwrite=True)
+    losses = []
+    for step, batch in enumerate(loader):
+        loss = scenarios.train_step(model, optimizer, batch)
+        rec.log(step, batch, loss)
+        losses.append(float(loss.detach()))
+    rec.close()
+    return losses
+
+
+def command(out: Path, names: list[str]) -> list[str]:
+    """The torchrun command line that records ``names`` into ``out`` (from the checkout's root)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+            str(Path(__file__).resolve()), str(out), *names, "--code", "tests/scenarios.py"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("names", nargs="+", choices=sorted(LAYOUTS))
+    parser.add_argument("--code", help="name the scenarios by this path (relative to the checkout's root)")
+    args = parser.parse_args()
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")
+    random.seed(0)
+    numpy.random.seed(0)
+    dist.init_process_group("gloo")
+    for name in args.names:
+        losses = record(args.out, name, args.code)
+        if dist.get_rank() == 0:
+            print(f"{name}: {len(losses)} steps, rank 0's last logged loss {losses[-1]:.4g}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

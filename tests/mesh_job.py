@@ -21,7 +21,6 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy
 import torch

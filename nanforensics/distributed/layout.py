@@ -112,8 +112,9 @@ class World:
 
     def shard_owner(self, dim0: int, index: list[int]) -> int | None:
         """The rank whose FSDP2 shard holds coordinate ``index`` of a tensor with ``dim0`` rows (``torch.chunk``
-        along dimension 0, as ``fully_shard`` lays parameters out); None for DDP, whose state is replicated."""
-        if self.kind != FSDP2 or not index or dim0 < 1:
+        along dimension 0, as ``fully_shard`` lays parameters out); None for DDP, whose state is replicated, and on a
+        mesh, where a coordinate lies in several ranks' shards."""
+        if self.kind != FSDP2 or self.mesh is not None or not index or dim0 < 1:
             return None
         return index[0] // math.ceil(dim0 / self.world_size)
 

@@ -27,7 +27,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .. import finite
-from ..distributed.tensors import whole
+from ..distributed.tensors import local_part
 from ..distributed.wrapping import unsharded_params
 from ..report import STAGES, Event
 from ..runs.batches import leaves
@@ -170,20 +170,22 @@ class StepMonitor:
         return sorted(self._events.values(), key=lambda e: (_RANK[e.stage], e.state_key or ""))
 
     def check(self, stage: str, name: str, t: Any, state_key: str | None = None) -> None:
-        if not finite.checkable(t):
+        # a sharded tensor (a DTensor at world size) is checked in this rank's shard, its coordinates the whole one's
+        t, offset = local_part(t)
+        if not finite.checkable(t):  # an empty shard too
             return
-        t = whole(t)  # a sharded tensor (FSDP2 at world size) is checked whole, its coordinates its own
         if not self.locate and (self.defer or (self.defer is None and t.device.type != "cpu")):
             self._pending.append((stage, name, state_key, finite.min_max(t)))
         elif not finite.is_finite(t):
             if self.locate:
-                self._add(stage, name, state_key, t)
+                self._add(stage, name, state_key, t, offset)
             else:
                 self._note(stage, name, state_key, index=[], value="", elements=0, dtype=None)
 
     def _max_abs(self, stage: str, name: str, t: Any, state_key: str | None = None) -> float:
         """Detect mode on CPU, keeping a proof: ``check`` by ``aminmax``, which also gives the largest magnitude
         the proof needs; inf when ``t`` holds a non-finite value."""
+        t, _ = local_part(t)
         if not finite.checkable(t):
             return math.inf
         lo, hi = (float(x) for x in finite.min_max(t))
@@ -192,10 +194,11 @@ class StepMonitor:
         self._note(stage, name, state_key, index=[], value="", elements=0, dtype=None)
         return math.inf
 
-    def _add(self, stage: str, name: str, key: str | None, t: torch.Tensor) -> None:
+    def _add(self, stage: str, name: str, key: str | None, t: torch.Tensor, offset: list[int] | None = None) -> None:
         where = finite.locate(t)
         assert where is not None
-        self._note(stage, name, key, index=where.index, value=where.value,
+        index = where.index if offset is None else [i + o for i, o in zip(where.index, offset)]
+        self._note(stage, name, key, index=index, value=where.value,
                    elements=finite.count_nonfinite(t), dtype=str(t.dtype).removeprefix("torch."))
 
     def _note(self, stage: str, name: str, key: str | None, *, index: list[int], value: str, elements: int,

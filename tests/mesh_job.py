@@ -1,6 +1,7 @@
 """Runs on a 2-D (or tensor-parallel) DeviceMesh with a known answer, recorded under torchrun by the project's recorder.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 tests/mesh_job.py OUT NAME... [--code tests/scenarios.py]
+        [--cuda]
 
 The regressor of ``scenarios`` on ``distributed_job``'s readings, laid out three ways over 4 ranks:
 
@@ -53,14 +54,14 @@ def defect_index(name: str, step: int = DEFECT_STEP, position: int = DEFECT_SAMP
     return (step * SHARD + position) * groups(name) + bad_group(name)
 
 
-def lay_out(model: nn.Module, name: str) -> tuple[nn.Module, int]:
+def lay_out(model: nn.Module, name: str, device: torch.device) -> tuple[nn.Module, int]:
     """The model parallelised as layout ``name``; returns it and this rank's data-parallel group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     shape, dims = LAYOUTS[name]
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     if "tp" in dims:
         parallelize_module(model, mesh["tp"], {m: styles[s]() for m, s in PLAN.items()})
@@ -73,10 +74,10 @@ def lay_out(model: nn.Module, name: str) -> tuple[nn.Module, int]:
     return model, group
 
 
-def record(out: Path, name: str, code: str | None = None) -> list[float]:
+def record(out: Path, name: str, code: str | None = None, device: torch.device = torch.device("cpu")) -> list[float]:
     """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
     named = lambda fn: fn if code is None else f"{code}:{fn.__qualname__}"  # noqa: E731
-    model, group = lay_out(scenarios.build_model(), name)
+    model, group = lay_out(scenarios.build_model().to(device), name, device)
     data = Readings(STEPS * SHARD * groups(name), defect_index(name))
     loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, groups(name), group, shuffle=False))
     optimizer = torch.optim.AdamW(model.parameters())
@@ -84,6 +85,7 @@ def record(out: Path, name: str, code: str | None = None) -> list[float]:
                    step_fn=named(scenarios.train_step), checkpoint_every=EVERY, overwrite=True)
     losses = []
     for step, batch in enumerate(loader):
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         loss = scenarios.train_step(model, optimizer, batch)
         rec.log(step, batch, loss)
         losses.append(float(loss.detach()))
@@ -102,13 +104,18 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("names", nargs="+", choices=sorted(LAYOUTS))
     parser.add_argument("--code", help="name the scenarios by this path (relative to the checkout's root)")
+    parser.add_argument("--cuda", action="store_true", help="train on this rank's GPU, NCCL between ranks")
     args = parser.parse_args()
     os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")
     random.seed(0)
     numpy.random.seed(0)
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
     for name in args.names:
-        losses = record(args.out, name, args.code)
+        losses = record(args.out, name, args.code, device)
         if dist.get_rank() == 0:
             print(f"{name}: {len(losses)} steps, rank 0's last logged loss {losses[-1]:.4g}", flush=True)
     dist.destroy_process_group()

@@ -205,8 +205,8 @@ def _mesh_problem(raw: Any, world_size: int) -> str | None:
     if not (isinstance(shape, list) and 1 <= len(shape) <= MAX_MESH_DIMS
             and all(type(n) is int and 1 <= n <= MAX_RANKS for n in shape) and math.prod(shape) == world_size):
         return f"shape {shown(shape)} is not 1 to {MAX_MESH_DIMS} sizes whose product is the world size, {world_size}"
-    if not (isinstance(names, list) and len(names) == len(shape) and len(set(names)) == len(names)
-            and all(isinstance(n, str) and _DIM_NAME.fullmatch(n) for n in names)):
+    if not (isinstance(names, list) and all(isinstance(n, str) and _DIM_NAME.fullmatch(n) for n in names)
+            and len(names) == len(shape) and len(set(names)) == len(names)):
         return f"dim_names {shown(names)} is not one distinct identifier per dimension of {shape}"
     if tp_dim is not None and tp_dim not in names:
         return f"tp_dim {shown(tp_dim)} is not null or one of {names}"

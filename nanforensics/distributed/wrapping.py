@@ -3,8 +3,9 @@
 DDP replicates the model and all-reduces (averages) gradients; FSDP2 (``fully_shard``) shards parameters, gradients
 and optimizer state along dimension 0 and reduce-scatters (averages) gradients. Both leave each rank's forward and
 backward a function of its own shard alone, and both average the local gradients: the two facts the single-process
-emulation rests on. Tensor and pipeline parallelism split one sample's computation across ranks, so neither holds
-for them; they are refused when recording.
+emulation rests on. Tensor parallelism splits one sample's computation across the ranks of a group that share one
+batch: its plan is read off the hooks ``parallelize_module`` leaves (``describe_mesh``) and applied again for replay
+(``parallelize``), and the emulation runs its layers whole.
 """
 
 from __future__ import annotations

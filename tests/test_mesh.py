@@ -211,3 +211,55 @@ def test_nccl_on_gpus(tmp_path):
     assert (report["origin"]["step"], report["origin"]["rank"]) == (DEFECT_STEP, 2)
     print(f"fsdp2_tp on NCCL: reproduced {report['reproduced']}")
 
+
+
+# ---- the tensor-parallel plan read back off the model and applied again ---------------------------------------------
+
+LAYOUT_TEXTS = ["Replicate()", "Shard(dim=-1)", "Shard(dim=0)"]
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Any:
+    """A process group of one rank in this process (gloo over a file store), left again afterwards: a DeviceMesh of
+    size 1 carries every plan the recorder reads."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", store=dist.FileStore(str(Path(folder) / "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fc1=st.tuples(st.sampled_from(["colwise", "rowwise"]), st.sampled_from(LAYOUT_TEXTS),
+                     st.sampled_from(LAYOUT_TEXTS), st.booleans()),
+       sequence=st.tuples(st.sampled_from([0, 1]), st.booleans()))
+def test_the_plan_is_read_back_and_rebuilt(one_rank, fc1, sequence):
+    """Any ColwiseParallel/RowwiseParallel layouts and SequenceParallel dimension: the plan the recorder reads off the
+    hooks, applied by replay to a fresh model, reads back the same, with the same placements."""
+    from nanforensics.distributed.layout import TP
+    from nanforensics.distributed.wrapping import _placement, describe_mesh, parallelize
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    style, given_in, given_out, local = fc1
+    dim, sequence_local = sequence
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+    cls = ColwiseParallel if style == "colwise" else RowwiseParallel
+    parallelize_module(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)), {
+        "0": SequenceParallel(sequence_dim=dim, use_local_output=sequence_local),
+        "1": cls(input_layouts=_placement(given_in), output_layouts=_placement(given_out), use_local_output=local)})
+    mesh = describe_mesh(model, 1)
+    assert mesh is not None and mesh.tp_dim == "tp"
+    assert [dict(p) for p in mesh.plan] == [
+        {"module": "0", "style": "sequence", "input_layouts": f"Shard(dim={dim})", "output_layouts": f"Shard(dim={dim})",
+         "use_local_output": sequence_local},
+        {"module": "1", "style": style, "input_layouts": given_in, "output_layouts": given_out, "use_local_output": local}]
+    fresh = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+    parallelize(fresh, World(1, TP, "gloo", {}, mesh), torch.device("cpu"))
+    assert describe_mesh(fresh, 1) == mesh
+    assert World.read(World(1, TP, "gloo", {}, mesh).to_json(), Path("manifest.json")).mesh == mesh

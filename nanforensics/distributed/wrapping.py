@@ -69,8 +69,9 @@ def describe_mesh(model: nn.Module, world_size: int) -> Mesh | None:
     for a layout replay could not rebuild."""
     params = {n: p for n, p in model.named_parameters() if is_dtensor(p)}
     plan = _tp_plan(model)
-    meshes = {id(p.device_mesh): p.device_mesh for p in params.values()}
-    roots = {id(m._get_root_mesh()): m._get_root_mesh() for m in meshes.values()}
+    # meshes compared by what they are (a mesh made again, or a root looked up twice, is another object)
+    roots = {(tuple(r.mesh.flatten().tolist()), r.mesh_dim_names): r
+             for r in (p.device_mesh._get_root_mesh() for p in params.values())}
     if not plan and all(m.ndim == 1 and m.size() == world_size for m in roots.values()):
         return None
     if len(roots) != 1:
@@ -80,10 +81,10 @@ def describe_mesh(model: nn.Module, world_size: int) -> Mesh | None:
     if names is None or root.mesh.flatten().tolist() != list(range(world_size)):
         raise ValueError("nanforensics replays meshes made by init_device_mesh(device, shape, mesh_dim_names=...) over "
                          f"every one of the {world_size} ranks in order")
-    tp_meshes = {m for _, _, m in plan}
-    if len(tp_meshes) > 1 or any(m.ndim != 1 for m in tp_meshes):
-        raise ValueError("the tensor-parallel plan spans more than one mesh dimension")
-    tp_dim = next(iter(tp_meshes)).mesh_dim_names[0] if tp_meshes else None
+    tp_dims = {m.mesh_dim_names for _, _, m in plan}
+    if len(tp_dims) > 1 or any(dims is None or len(dims) != 1 for dims in tp_dims):
+        raise ValueError("the tensor-parallel plan spans more than one named mesh dimension")
+    tp_dim = next(iter(tp_dims))[0] if tp_dims else None
     placements = {}
     for n, p in params.items():
         dims = p.device_mesh.mesh_dim_names or ()

@@ -218,10 +218,10 @@ def test_nccl_on_gpus(tmp_path):
 LAYOUT_TEXTS = ["Replicate()", "Shard(dim=-1)", "Shard(dim=0)"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_rank() -> Any:
-    """A process group of one rank in this process (gloo over a file store), left again afterwards: a DeviceMesh of
-    size 1 carries every plan the recorder reads."""
+    """A process group of one rank in this process (gloo over a file store), left again when the test ends (a replay in
+    this process must find none): a DeviceMesh of size 1 carries every plan the recorder reads."""
     import tempfile
 
     import torch.distributed as dist

@@ -107,22 +107,32 @@ def test_replay_at_world_size(runs, tmp_path, name):
     assert tree_digest(run) == before
 
 
-def test_one_process_rebuilds_tensor_parallel_layers_whole(runs):
-    """On one process the tensor-parallel layers are rebuilt whole: the same origin, group and sample, reproduction
-    judged within a tolerance, and the report says so and names the command that replays it exactly."""
-    run = runs["fsdp2_tp"]
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_one_process_replays_within_a_tolerance(runs, name):
+    """On one process the tensor-parallel layers are rebuilt whole (HSDP's two-stage reduction made one average): the
+    same origin, group and sample, reproduction judged within a tolerance, and the report says why and names the
+    command that replays it exactly."""
+    run = runs[name]
     before = tree_digest(run)
     report = replayed(run)
     assert (report["verdict"], report["reproduced"], report["setup"]["ranks_replayed"]) == ("nonfinite", True, "emulated")
     assert report["setup"]["loss_rtol"] == 1e-3
     origin = report["origin"]
-    assert (origin["step"], origin["tensor"], origin["index"], origin["rank"]) == (DEFECT_STEP, "features.gain", [3], 2)
-    assert report["samples"]["sample_leaves"] == {"batch['id']": [sample_id("fsdp2_tp")]}
-    assert any(f.startswith("Replayed on one process, its tensor-parallel layers rebuilt whole") and
+    assert (origin["step"], origin["tensor"], origin["index"], origin["rank"]) == (
+        DEFECT_STEP, "features.gain", [3], EXPECTED[name][2])
+    assert report["samples"]["sample_leaves"] == {"batch['id']": [sample_id(name)]}
+    why = "HSDP's two-stage gradient reduction" if name == "hsdp" else "its tensor-parallel layers rebuilt whole"
+    assert any(f.startswith(f"Replayed on one process, {why}") and
                f"torchrun --nproc-per-node 4 -m nanforensics replay {run}` replays it exactly" in f
                for f in report["findings"]), report["findings"]
-    assert any(f.startswith("Data-parallel group 1's shard") and "its tensor-parallel layers rebuilt whole" in f
-               for f in report["findings"])
+    chain = next(f for f in report["findings"] if f.startswith(("Data-parallel group", "No data-parallel rank")))
+    assert f"grad features.gain[3] = inf at step {DEFECT_STEP}" in chain and sample_id(name) in chain, chain
+    if name == "hsdp":  # a data-parallel group is one rank: its computation is its own here too
+        assert chain.startswith(f"Data-parallel group 1's shard (sample {job.DEFECT_SAMPLE}: ") and \
+            "in the local computation of rank 1 (replicate=0, shard=1)" in chain, chain
+    else:
+        assert "in the group's computation, its tensor-parallel layers rebuilt whole" in chain, chain
+        assert "tensor-parallel rank" not in chain  # the emulation holds no rank's local computation
     assert tree_digest(run) == before
 
 

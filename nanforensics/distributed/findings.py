@@ -115,9 +115,12 @@ def _mesh_origin(mesh: Mesh, o: Event, named: str, local: list[int], at_size: bo
     assert o.rank is not None
     group = mesh.data_rank(o.rank)
     here = _rank_at(mesh, o.rank)
-    computation = ("the group's computation, its tensor-parallel layers rebuilt whole" if not at_size else
-                   f"tensor-parallel rank {mesh.tp_rank(o.rank)}'s local computation ({here})" if mesh.tp_dim is not None
-                   else f"the local computation of {here}")
+    if mesh.tp_dim is None:  # HSDP: a data-parallel group is one rank, its computation its own in both modes
+        computation = f"the local computation of {here}"
+    elif at_size:
+        computation = f"tensor-parallel rank {mesh.tp_rank(o.rank)}'s local computation ({here})"
+    else:
+        computation = "the group's computation, its tensor-parallel layers rebuilt whole"
     if mesh.data_ranks == 1:
         number, _, ids = named.partition(": ")
         batch = f"its {number}{f' ({ids})' if ids else ''}" if named else "that batch"

@@ -5,14 +5,15 @@
 
 The regressor of ``scenarios`` on ``distributed_job``'s readings, laid out three ways over 4 ranks:
 
-- ``tp``: tensor parallelism alone on a 1-D ``tp`` mesh (fc1 ColwiseParallel, fc2 RowwiseParallel): every rank sees the
-  same batch, so the defect lies in a batch no data-parallel rank owns;
+- ``tp``: tensor parallelism alone on a 1-D ``tp`` mesh, ``scenarios.Units`` (fc1 ColwiseParallel keeping its output a
+  DTensor, fc2 RowwiseParallel): every rank sees the same batch, which holds a glitch reading (1e13) at step
+  ``DEFECT_STEP``, sample ``DEFECT_SAMPLE``; it drives hidden unit ``UNIT`` alone to -inf, in rank ``UNIT // 8``'s block of
+  units: no data-parallel rank is responsible, one tensor-parallel rank's local computation is;
 - ``fsdp2_tp``: the same plan on the ``tp`` dimension of a 2x2 ``(dp, tp)`` mesh, then ``fully_shard`` on ``dp``;
 - ``hsdp``: ``fully_shard`` on a 2x2 ``(replicate, shard)`` mesh.
 
-Only data-parallel group ``BAD_GROUP``'s batch carries the defect (for ``tp``, the one batch): at step ``DEFECT_STEP``
-its sample ``DEFECT_SAMPLE`` holds a near-zero reading (3e-45), a finite loss and an infinite gradient of
-``features.gain[3]``.
+In the others only data-parallel group 1's batch carries the defect: at step ``DEFECT_STEP`` its sample
+``DEFECT_SAMPLE`` holds a near-zero reading (3e-45), a finite loss and an infinite gradient of ``features.gain[3]``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from distributed_job import DEFECT_STEP, EVERY, SHARD, STEPS, Readings
 WORLD = 4
 DEFECT_SAMPLE = scenarios.DEFECT_SAMPLE
 LAYOUTS = {"tp": ((WORLD,), ("tp",)), "fsdp2_tp": ((2, 2), ("dp", "tp")), "hsdp": ((2, 2), ("replicate", "shard"))}
-PLAN = {"fc1": "colwise", "fc2": "rowwise"}
+UNIT = 21  # the hidden unit of scenarios.Units the glitch reading drives to -inf: rank 2 of 4 holds units 16-23
 
 
 def groups(name: str) -> int:
@@ -62,9 +63,9 @@ def lay_out(model: nn.Module, name: str, device: torch.device) -> tuple[nn.Modul
 
     shape, dims = LAYOUTS[name]
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    if "tp" in dims:
-        parallelize_module(model, mesh["tp"], {m: styles[s]() for m, s in PLAN.items()})
+    if "tp" in dims:  # tensor parallelism alone keeps fc1's output a DTensor: its checks see global coordinates
+        parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(use_local_output=name != "tp"),
+                                               "fc2": RowwiseParallel()})
     if name == "fsdp2_tp":
         fully_shard(model, mesh=mesh["dp"])
     elif name == "hsdp":
@@ -77,11 +78,12 @@ def lay_out(model: nn.Module, name: str, device: torch.device) -> tuple[nn.Modul
 def record(out: Path, name: str, code: str | None = None, device: torch.device = torch.device("cpu")) -> list[float]:
     """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
     named = lambda fn: fn if code is None else f"{code}:{fn.__qualname__}"  # noqa: E731
-    model, group = lay_out(scenarios.build_model().to(device), name, device)
-    data = Readings(STEPS * SHARD * groups(name), defect_index(name))
+    factory = scenarios.build_units if name == "tp" else scenarios.build_model
+    model, group = lay_out(factory().to(device), name, device)
+    data = Readings(STEPS * SHARD * groups(name), defect_index(name), spike=name == "tp")
     loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, groups(name), group, shuffle=False))
     optimizer = torch.optim.AdamW(model.parameters())
-    rec = Recorder(out / name, model, optimizer, model_factory=named(scenarios.build_model),
+    rec = Recorder(out / name, model, optimizer, model_factory=named(factory),
                    step_fn=named(scenarios.train_step), checkpoint_every=EVERY, overwrite=True)
     losses = []
     for step, batch in enumerate(loader):

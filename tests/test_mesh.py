@@ -32,9 +32,12 @@ from distributed_job import DEFECT_STEP, EVERY
 from test_distributed import exit_codes, launch, replayed, torchrun
 
 LAYOUTS = ["tp", "fsdp2_tp", "hsdp"]
-# the mesh, the rank that first makes the infinity (the bad group's tensor-parallel rank 0) and its coordinate
-EXPECTED = {"tp": ([4], ["tp"], 0, "tp=0"), "fsdp2_tp": ([2, 2], ["dp", "tp"], 2, "dp=1, tp=0"),
-            "hsdp": ([2, 2], ["replicate", "shard"], 1, "replicate=0, shard=1")}
+# the mesh, the rank whose local computation first makes the infinity and its coordinate (tensor parallelism alone:
+# the rank holding unit UNIT; else the bad group's tensor-parallel rank 0), the origin (stage, tensor, global index)
+GAIN = ("grad", "features.gain", [3])
+EXPECTED = {"tp": ([4], ["tp"], job.UNIT // 8, f"tp={job.UNIT // 8}", ("forward", "act", [job.DEFECT_SAMPLE, job.UNIT])),
+            "fsdp2_tp": ([2, 2], ["dp", "tp"], 2, "dp=1, tp=0", GAIN),
+            "hsdp": ([2, 2], ["replicate", "shard"], 1, "replicate=0, shard=1", GAIN)}
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +59,14 @@ def test_layout(runs):
     group's batches are recorded once (by its tensor-parallel rank 0)."""
     for name in LAYOUTS:
         section = json.loads((runs[name] / "manifest.json").read_text())["distributed"]
-        shape, names, _, _ = EXPECTED[name]
+        shape, names, *_ = EXPECTED[name]
         assert (section["world_size"], section["mesh"]["shape"], section["mesh"]["dim_names"]) == (4, shape, names)
         assert sorted(p.name for p in (runs[name] / "ranks").iterdir()) == [
             f"rank_{g:05d}" for g in range(job.groups(name))]
     tp = json.loads((runs["tp"] / "manifest.json").read_text())["distributed"]["mesh"]
-    assert [(p["module"], p["style"]) for p in tp["plan"]] == [("fc1", "colwise"), ("fc2", "rowwise")]
-    assert tp["placements"]["fc2.weight"] == {"tp": "Shard(dim=1)"} and "features.gain" not in tp["placements"]
+    assert [(p["module"], p["style"], p["use_local_output"]) for p in tp["plan"]] == [
+        ("fc1", "colwise", False), ("fc2", "rowwise", True)]
+    assert tp["placements"]["fc2.weight"] == {"tp": "Shard(dim=1)"} and "head.weight" not in tp["placements"]
     fsdp_tp = json.loads((runs["fsdp2_tp"] / "manifest.json").read_text())["distributed"]
     assert fsdp_tp["wrapping"]["kind"] == "fsdp2" and fsdp_tp["mesh"]["tp_dim"] == "tp"
     assert fsdp_tp["mesh"]["placements"]["fc2.weight"] == {"dp": "Shard(dim=0)", "tp": "Shard(dim=1)"}
@@ -81,21 +85,26 @@ def test_replay_at_world_size(runs, tmp_path, name):
     result = torchrun("-m", "nanforensics", "replay", run, "--json", out, procs=job.WORLD)
     assert exit_codes(result) == {} or set(exit_codes(result).values()) == {"1"}, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    shape, names, rank, coordinate = EXPECTED[name]
+    shape, names, rank, coordinate, (stage, tensor, index) = EXPECTED[name]
     assert (report["verdict"], report["reproduced"], report["setup"]["ranks_replayed"]) == ("nonfinite", True, "torchrun")
     assert (report["setup"]["mesh_shape"], report["setup"]["mesh_dim_names"]) == (shape, names)
     origin = report["origin"]
     assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (
-        DEFECT_STEP, "grad", "features.gain", [3], rank)
+        DEFECT_STEP, stage, tensor, index, rank)
     assert report["samples"]["samples"] == [job.DEFECT_SAMPLE]
     assert report["samples"]["sample_leaves"] == {"batch['id']": [sample_id(name)]}
     assert report["responsible_batch"]["file"].endswith(
         f"ranks/rank_{job.bad_group(name):05d}/batches/step_{DEFECT_STEP:08d}.safetensors")
     chain = next(f for f in report["findings"] if f"({coordinate})" in f)
     assert f"at step {DEFECT_STEP}" in chain and sample_id(name) in chain, chain
-    if name == "tp":  # every rank computed on the one batch: no data-parallel rank is responsible
-        assert chain.startswith("No data-parallel rank is responsible for grad features.gain[3] = inf at step 4"), chain
-        assert "tensor-parallel rank 0's local computation (rank 0 (tp=0))" in chain
+    if name == "tp":  # every rank computed on the one batch: no data-parallel rank is responsible; rank 2 computes the
+        # units 16-23, so its local columns 0-7 are the whole activation's 16-23, and it made the -inf before the others
+        assert chain.startswith(f"No data-parallel rank is responsible for forward act[5, {job.UNIT}] = -inf at step 4: "
+                                "every rank computed on the same batch"), chain
+        assert f"tensor-parallel rank 2's local computation (rank 2 ({coordinate}))" in chain, chain
+        assert "rank 0 (tp=0), rank 1 (tp=1), rank 3 (tp=3) made non-finite values of their own later in that step" in chain
+        rowwise = next(e for e in report["events"] if e["step"] == DEFECT_STEP and e["stage"] == "grad")
+        assert (rowwise["tensor"], rowwise["index"], rowwise["rank"]) == ("fc2.weight", [0, job.UNIT], 2)  # Shard(dim=1)
     else:
         assert chain.startswith(f"Data-parallel group {job.bad_group(name)}'s shard (sample {job.DEFECT_SAMPLE}: "), chain
         # the state is sharded: each rank checked its own shard, and the coordinates are the whole tensor's (rows 8-15
@@ -118,15 +127,17 @@ def test_one_process_replays_within_a_tolerance(runs, name):
     assert (report["verdict"], report["reproduced"], report["setup"]["ranks_replayed"]) == ("nonfinite", True, "emulated")
     assert report["setup"]["loss_rtol"] == 1e-3
     origin = report["origin"]
-    assert (origin["step"], origin["tensor"], origin["index"], origin["rank"]) == (
-        DEFECT_STEP, "features.gain", [3], EXPECTED[name][2])
+    _, _, rank, _, (stage, tensor, index) = EXPECTED[name]
+    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (
+        DEFECT_STEP, stage, tensor, index, 0 if name == "tp" else rank)  # the emulation's rank: the group's lead
     assert report["samples"]["sample_leaves"] == {"batch['id']": [sample_id(name)]}
     why = "HSDP's two-stage gradient reduction" if name == "hsdp" else "its tensor-parallel layers rebuilt whole"
     assert any(f.startswith(f"Replayed on one process, {why}") and
                f"torchrun --nproc-per-node 4 -m nanforensics replay {run}` replays it exactly" in f
                for f in report["findings"]), report["findings"]
     chain = next(f for f in report["findings"] if f.startswith(("Data-parallel group", "No data-parallel rank")))
-    assert f"grad features.gain[3] = inf at step {DEFECT_STEP}" in chain and sample_id(name) in chain, chain
+    assert f" = -inf at step {DEFECT_STEP}" in chain or f" = inf at step {DEFECT_STEP}" in chain, chain
+    assert sample_id(name) in chain, chain
     if name == "hsdp":  # a data-parallel group is one rank: its computation is its own here too
         assert chain.startswith(f"Data-parallel group 1's shard (sample {job.DEFECT_SAMPLE}: ") and \
             "in the local computation of rank 1 (replicate=0, shard=1)" in chain, chain

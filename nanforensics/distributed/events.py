@@ -42,5 +42,8 @@ def tag(events: list[Event], rank: int, world: World, lengths: dict[str, int], s
 
 
 def merge(events: Iterable[Event]) -> list[Event]:
-    """Stage order first (an earlier stage is the cause), then rank, as a single process orders its events."""
-    return sorted(events, key=lambda e: (STAGES.index(e.stage), -1 if e.rank is None else e.rank, e.state_key or ""))
+    """Stage order first (an earlier stage is the cause), then the order the checks met them in (every rank checks
+    the same tensors in the same order: a rank whose own value turned non-finite in an earlier module made it first),
+    then rank, as a single process orders its events."""
+    return sorted(events, key=lambda e: (STAGES.index(e.stage), e.order or 0, -1 if e.rank is None else e.rank,
+                                         e.state_key or ""))

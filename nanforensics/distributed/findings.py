@@ -108,7 +108,7 @@ def _rank_at(mesh: Mesh, rank: int) -> str:
     return f"rank {rank} ({mesh.coordinate_text(rank)})"
 
 
-def _mesh_origin(mesh: Mesh, o: Event, named: str, local: list[int], at_size: bool) -> list[str]:
+def _mesh_origin(mesh: Mesh, o: Event, named: str, at: list[Event], at_size: bool) -> list[str]:
     """The origin on a DeviceMesh: the data-parallel group whose batch made it, or none when every rank shares one
     batch; at world size (``at_size``), the rank (its mesh coordinate) whose local computation made it and the other
     ranks that made their own; in the emulation, whose tensor-parallel layers are whole, the group's computation."""
@@ -129,11 +129,13 @@ def _mesh_origin(mesh: Mesh, o: Event, named: str, local: list[int], at_size: bo
     else:
         parts = [f"Data-parallel group {group}'s shard{f' ({named})' if named else ''} made {_plain(o)} at step "
                  f"{o.step}, in {computation}"]
-    others = [x for x in local if x != o.rank]
+    own = [e for e in at if e.stage not in SHARED_STAGES and e.rank is not None and e.rank != o.rank]
+    others = sorted({e.rank for e in own if e.rank is not None})
     if others and at_size:
         same = [x for x in others if mesh.data_rank(x) == group]
+        later = o.order is not None and all(e.order is not None and e.order > o.order for e in own if e.stage == o.stage)
         text = ", ".join(_rank_at(mesh, x) for x in others)
-        parts.append(f"{text} made non-finite values of their own at that step" + (
+        parts.append(f"{text} made non-finite values of their own {'later in' if later else 'at'} that step" + (
             ", computing on the same batch" if len(same) == len(others) else ""))
     return parts
 
@@ -176,7 +178,7 @@ def findings(r: ReplayReport) -> list[str]:
             local = sorted({e.rank for e in at if e.stage not in SHARED_STAGES and e.rank is not None})
             mesh = _mesh(r)
             if mesh is not None and o.rank is not None:
-                parts = _mesh_origin(mesh, o, named, local, r.setup.ranks_replayed == "torchrun")
+                parts = _mesh_origin(mesh, o, named, at, r.setup.ranks_replayed == "torchrun")
             else:
                 parts = [f"Rank {o.rank}'s shard{f' ({named})' if named else ''} made {_plain(o)} at step {o.step}"]
                 if len(local) > 1:

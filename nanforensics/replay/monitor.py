@@ -55,7 +55,8 @@ class StepMonitor:
         self._handles: list[Any] = []
         self.step = -1
         self.locate = False
-        self._pending: list[tuple[str, str, str | None, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._pending: list[tuple[str, str, str | None, int, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._checks = 0  # checks made so far in this step: an event's order
         self._events: dict[tuple[str, str | None], Event] = {}
         self._grad_seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its grad, version) at backward
         # Buffers already non-finite before the first monitored step are constants (a -inf attention mask kept as a
@@ -134,6 +135,7 @@ class StepMonitor:
         if self.proof is not None and locate:
             self.proof.forget()  # locate mode reads everything and keeps no bound
         self._events = {}
+        self._checks = 0
         for path, leaf in leaves(batch):
             self.check("batch", path, leaf)
 
@@ -163,9 +165,9 @@ class StepMonitor:
                 self.check("buffer", name, b)
         if self._pending:
             flags = finite.min_max_verdicts([pair for *_, pair in self._pending])
-            for (stage, name, key, _), good in zip(self._pending, flags):
+            for (stage, name, key, order, _), good in zip(self._pending, flags):
                 if not good:
-                    self._note(stage, name, key, index=[], value="", elements=0, dtype=None)
+                    self._note(stage, name, key, index=[], value="", elements=0, dtype=None, order=order)
             self._pending.clear()
         return sorted(self._events.values(), key=lambda e: (_RANK[e.stage], e.state_key or ""))
 
@@ -174,8 +176,9 @@ class StepMonitor:
         t, offset = local_part(t)
         if not finite.checkable(t):  # an empty shard too
             return
+        self._checks += 1
         if not self.locate and (self.defer or (self.defer is None and t.device.type != "cpu")):
-            self._pending.append((stage, name, state_key, finite.min_max(t)))
+            self._pending.append((stage, name, state_key, self._checks, finite.min_max(t)))
         elif not finite.is_finite(t):
             if self.locate:
                 self._add(stage, name, state_key, t, offset)
@@ -188,6 +191,7 @@ class StepMonitor:
         t, _ = local_part(t)
         if not finite.checkable(t):
             return math.inf
+        self._checks += 1
         lo, hi = (float(x) for x in finite.min_max(t))
         if math.isfinite(lo) and math.isfinite(hi):
             return max(-lo, hi)
@@ -202,10 +206,11 @@ class StepMonitor:
                    elements=finite.count_nonfinite(t), dtype=str(t.dtype).removeprefix("torch."))
 
     def _note(self, stage: str, name: str, key: str | None, *, index: list[int], value: str, elements: int,
-              dtype: str | None) -> None:
+              dtype: str | None, order: int | None = None) -> None:
         event = self._events.get((stage, key))
         if event is None:
-            self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype)
+            self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype,
+                                               order=order or self._checks)
         else:
             event.tensors_nonfinite += 1
             event.elements_nonfinite += elements

@@ -40,8 +40,8 @@ class Event:
     # rank whose FSDP2 shard holds the coordinate; None for values every rank holds alike (DDP after the all-reduce)
     rank: int | None = None
     text: str = ""  # how the views name it, "grad fc2.weight[3, 7] = inf" (rootcause.findings.narrate)
-    # the position of the check that met it among the step's checks, in hook order: ranks running the same program
-    # check the same tensors in the same order, so across ranks the lower one was made first (tensor parallelism)
+    # the position of the check that met it among its stage's checks at this step, in hook order: ranks running the
+    # same program check the same tensors in the same order, so across ranks the lower one was made first
     order: int | None = None
 
 

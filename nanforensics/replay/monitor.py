@@ -56,7 +56,7 @@ class StepMonitor:
         self.step = -1
         self.locate = False
         self._pending: list[tuple[str, str, str | None, int, tuple[torch.Tensor, torch.Tensor]]] = []
-        self._checks = 0  # checks made so far in this step: an event's order
+        self._checks: dict[str, int] = {}  # stage -> its checks made so far in this step: an event's order
         self._events: dict[tuple[str, str | None], Event] = {}
         self._grad_seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its grad, version) at backward
         # Buffers already non-finite before the first monitored step are constants (a -inf attention mask kept as a
@@ -135,7 +135,7 @@ class StepMonitor:
         if self.proof is not None and locate:
             self.proof.forget()  # locate mode reads everything and keeps no bound
         self._events = {}
-        self._checks = 0
+        self._checks.clear()
         for path, leaf in leaves(batch):
             self.check("batch", path, leaf)
 
@@ -176,9 +176,9 @@ class StepMonitor:
         t, offset = local_part(t)
         if not finite.checkable(t):  # an empty shard too
             return
-        self._checks += 1
+        self._checks[stage] = self._checks.get(stage, 0) + 1
         if not self.locate and (self.defer or (self.defer is None and t.device.type != "cpu")):
-            self._pending.append((stage, name, state_key, self._checks, finite.min_max(t)))
+            self._pending.append((stage, name, state_key, self._checks[stage], finite.min_max(t)))
         elif not finite.is_finite(t):
             if self.locate:
                 self._add(stage, name, state_key, t, offset)
@@ -191,7 +191,7 @@ class StepMonitor:
         t, _ = local_part(t)
         if not finite.checkable(t):
             return math.inf
-        self._checks += 1
+        self._checks[stage] = self._checks.get(stage, 0) + 1
         lo, hi = (float(x) for x in finite.min_max(t))
         if math.isfinite(lo) and math.isfinite(hi):
             return max(-lo, hi)
@@ -210,7 +210,7 @@ class StepMonitor:
         event = self._events.get((stage, key))
         if event is None:
             self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype,
-                                               order=order or self._checks)
+                                               order=order or self._checks.get(stage, 0))
         else:
             event.tensors_nonfinite += 1
             event.elements_nonfinite += elements

@@ -45,6 +45,9 @@ class Event:
     # rank whose FSDP2 shard holds the coordinate; None for values every rank holds alike (DDP after the all-reduce)
     rank: int | None = None
     text: str = ""  # how the views name it, "grad fc2.weight[3, 7] = inf" (rootcause.findings.narrate)
+    # the position of the check that met it among its stage's checks at this step, in hook order: ranks running the
+    # same program check the same tensors in the same order, so across ranks the lower one was made first
+    order: int | None = None
 
 
 @dataclass
@@ -325,8 +328,14 @@ class ReplaySetup:
     num_threads: int
     imported: list[str]
     world_size: int | None = None  # distributed runs: the ranks recorded
-    wrapping: str | None = None    # "ddp" or "fsdp2"
+    wrapping: str | None = None    # "ddp", "fsdp2" or "tp" (tensor parallelism alone)
     ranks_replayed: str | None = None  # "emulated": every rank on this process; "torchrun": one process per rank
+    # a run on a DeviceMesh: its shape, dimension names and tensor-parallel dimension (None: HSDP)
+    mesh_shape: list[int] | None = None
+    mesh_dim_names: list[str] | None = None
+    tp_dim: str | None = None
+    # losses judged within this relative tolerance (besides float32 ulps): the replay sums in another order than the run
+    loss_rtol: float | None = None
     # a replay on the CPU: the CPU the run names (None: its manifest does not say) and this one
     recorded_cpu: CpuIdentity | None = None
     replay_cpu: CpuIdentity | None = None

@@ -528,3 +528,32 @@ def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int 
             if stop_on_nan and not all(math.isfinite(v) for v in losses[:-1]):
                 break
     return losses
+
+
+class LogSoftplus(nn.Module):
+    """log(softplus(h)), unit by unit: a unit driven far below 0 underflows softplus to 0, and log(0) = -inf."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.log(F.softplus(h))
+
+
+class Units(nn.Module):
+    """Readings through hidden units that each take ``LogSoftplus``. Every unit but ``unit`` weighs feature
+    ``DEFECT_FEATURE`` positively: a glitch reading there (1e13) drives ``unit`` alone to -inf, in the forward pass.
+    Under ColwiseParallel each rank of a tensor-parallel group computes its own block of units, so one rank makes it."""
+
+    def __init__(self, n_features: int = N_FEATURES, hidden: int = 32, unit: int = 21) -> None:
+        super().__init__()
+        self.fc1, self.act = nn.Linear(n_features, hidden), LogSoftplus()
+        self.fc2, self.head = nn.Linear(hidden, hidden), nn.Linear(hidden, 1)
+        with torch.no_grad():
+            self.fc1.weight[:, DEFECT_FEATURE].abs_().add_(0.1)  # steps of training leave them positive
+            self.fc1.weight[unit, DEFECT_FEATURE] = -0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc2(self.act(self.fc1(x)))))
+
+
+def build_units(**kwargs: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return Units(**kwargs)

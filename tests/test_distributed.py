@@ -48,9 +48,9 @@ def launch(argv: list[str]) -> Result:
     return Result(p.returncode, p.stdout, p.stderr)
 
 
-def torchrun(*args: str | Path) -> Result:
-    """``python -m torch.distributed.run`` with 2 processes on a free port."""
-    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.WORLD),
+def torchrun(*args: str | Path, procs: int = job.WORLD) -> Result:
+    """``python -m torch.distributed.run`` with ``procs`` processes (2 unless told) on a free port."""
+    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
                    *map(str, args)])
 
 

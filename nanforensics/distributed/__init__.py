@@ -5,13 +5,19 @@ accumulation (DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync``). Both
 function of the shared parameters and that rank's own batch shard, and average the local gradients: so the first
 non-finite *local* gradient names a rank and, within its shard, a sample, and one process can emulate the world.
 
+On a DeviceMesh: tensor parallelism alone (``parallelize_module`` with ColwiseParallel, RowwiseParallel,
+SequenceParallel), FSDP2 over tensor parallelism (the plan on ``tp``, ``fully_shard`` on ``dp``) and HSDP. The ranks of
+a tensor-parallel group share one batch, recorded once; the data-parallel groups play the part ranks play above. At
+world size each rank checks its own shards at the DTensor's global coordinates, so a local computation names a rank
+and its mesh coordinate, and a group's batch a sample; on one process the tensor-parallel layers are rebuilt whole,
+which sums in another order (reproduction judged within a tolerance).
+
+Not supported: tensor parallelism over part of the ranks with nothing averaging the rest, other parallel styles (the
+plan is read back off the hooks of the three above), FSDP1, DDP communication hooks (they change the reduction's
+arithmetic).
+
 Pipeline stages (``torch.distributed.pipelining``, one stage per rank) are recorded and replayed at world size by
 ``pipeline`` (their manifest section: ``stages``); they are never emulated on one process.
-
-Not supported: tensor parallelism. It splits one sample's computation across ranks (a layer's columns), so no
-rank's shard of the data is responsible on its own and no single process holds what one
-rank computed; the recorder refuses models whose parameters are DTensors without ``fully_shard``. Neither are HSDP and
-2-D meshes, FSDP1, or DDP communication hooks (they change the reduction's arithmetic).
 
 Modules: ``layout`` (the run directory and its manifest section), ``wrapping`` (reading and rebuilding the wrappers),
 ``record`` (the recorder on each rank), ``checkpoint`` (DCP shards and per-rank RNG states), ``sessions`` (emulation

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 from typing import Callable
 
 from ..finite import worst
@@ -17,7 +18,7 @@ from ..runs.run import Run
 from ..runs.steplog import first_nonfinite
 from ..words import every
 from .events import rows
-from .layout import DDP, FSDP2, SHARED_STAGES, World
+from .layout import DDP, FSDP2, SHARED_STAGES, TP, Mesh, World
 
 
 def complete(report: ReplayReport, run: Run, session: Session, match: Callable[[float, float], bool]) -> None:
@@ -29,17 +30,20 @@ def complete(report: ReplayReport, run: Run, session: Session, match: Callable[[
     world = run.world
     assert world is not None
     report.setup.world_size, report.setup.wrapping = world.world_size, world.kind
+    if world.mesh is not None:
+        report.setup.mesh_shape, report.setup.mesh_dim_names = list(world.mesh.shape), list(world.mesh.dim_names)
+        report.setup.tp_dim = world.mesh.tp_dim
     report.setup.ranks_replayed = "torchrun" if isinstance(session, RankSession) else "emulated"
     if isinstance(session, RankSession):
         report.precursors = _over_ranks(report.precursors)
     if report.origin is not None:
         report.responsible_batch = _responsible(run, report.origin)
-    logged = {rank: {s.step: s.loss for s in run.rank_steps(rank)} for rank in range(world.world_size)}
+    logged = {rank: {s.step: s.loss for s in run.rank_steps(rank)} for rank in range(world.data_ranks)}
     replayed: dict[int, list[float]] = getattr(session, "rank_losses", {})
     for record in report.spread:
-        record.rank_logged_losses = [logged[rank].get(record.step) for rank in range(world.world_size)]
+        record.rank_logged_losses = [logged[rank].get(record.step) for rank in range(world.data_ranks)]
         record.rank_replayed_losses = replayed.get(record.step)
-    report.ranks = [_check(rank, run, report, match) for rank in range(world.world_size)]
+    report.ranks = [_check(rank, run, report, match) for rank in range(world.data_ranks)]
     lengths = rows(session.model)
     for c in report.checkpoints_compared:
         m = c.first_mismatch
@@ -68,8 +72,10 @@ def _over_ranks(precursors: list[Precursor]) -> list[Precursor]:
 def _responsible(run: Run, origin: Event) -> BatchRef:
     """The shard of the origin's rank; every rank's batch of the step when the origin arose after the collective."""
     if origin.rank is not None and origin.stage not in SHARED_STAGES:
-        batch = run.batch(origin.step, origin.rank)
-        return BatchRef(origin.step, str(run.batch_file(origin.step, origin.rank)),
+        assert run.world is not None
+        group = run.world.data_rank(origin.rank)  # on a mesh, the rank's data-parallel group
+        batch = run.batch(origin.step, group)
+        return BatchRef(origin.step, str(run.batch_file(origin.step, group)),
                         dict(data_leaves(batch, size=batch_size(batch))), origin.rank)
     leaves = {}
     for rank in run.ranks:
@@ -88,6 +94,50 @@ def _check(rank: int, run: Run, report: ReplayReport, match: Callable[[float, fl
     return RankCheck(rank, first_nonfinite(run.rank_steps(rank)), parted.step if parted else None,
                      parted.rank_logged_losses[rank] if parted and parted.rank_logged_losses else None,
                      parted.rank_replayed_losses[rank] if parted and parted.rank_replayed_losses else None)
+
+
+def _mesh(r: ReplayReport) -> Mesh | None:
+    """The run's DeviceMesh, from the facts the report holds."""
+    s = r.setup
+    if s.mesh_shape is None or s.mesh_dim_names is None:
+        return None
+    return Mesh(tuple(s.mesh_shape), tuple(s.mesh_dim_names), s.tp_dim)
+
+
+def _rank_at(mesh: Mesh, rank: int) -> str:
+    return f"rank {rank} ({mesh.coordinate_text(rank)})"
+
+
+def _mesh_origin(mesh: Mesh, o: Event, named: str, at: list[Event], at_size: bool) -> list[str]:
+    """The origin on a DeviceMesh: the data-parallel group whose batch made it, or none when every rank shares one
+    batch; at world size (``at_size``), the rank (its mesh coordinate) whose local computation made it and the other
+    ranks that made their own; in the emulation, whose tensor-parallel layers are whole, the group's computation."""
+    assert o.rank is not None
+    group = mesh.data_rank(o.rank)
+    here = _rank_at(mesh, o.rank)
+    if mesh.tp_dim is None:  # HSDP: a data-parallel group is one rank, its computation its own in both modes
+        computation = f"the local computation of {here}"
+    elif at_size:
+        computation = f"tensor-parallel rank {mesh.tp_rank(o.rank)}'s local computation ({here})"
+    else:
+        computation = "the group's computation, its tensor-parallel layers rebuilt whole"
+    if mesh.data_ranks == 1:
+        number, _, ids = named.partition(": ")
+        batch = f"its {number}{f' ({ids})' if ids else ''}" if named else "that batch"
+        parts = [f"No data-parallel rank is responsible for {_plain(o)} at step {o.step}: every rank computed on the "
+                 f"same batch, and {batch} made it in {computation}"]
+    else:
+        parts = [f"Data-parallel group {group}'s shard{f' ({named})' if named else ''} made {_plain(o)} at step "
+                 f"{o.step}, in {computation}"]
+    own = [e for e in at if e.stage not in SHARED_STAGES and e.rank is not None and e.rank != o.rank]
+    others = sorted({e.rank for e in own if e.rank is not None})
+    if others and at_size:
+        same = [x for x in others if mesh.data_rank(x) == group]
+        later = o.order is not None and all(e.order is not None and e.order > o.order for e in own if e.stage == o.stage)
+        text = ", ".join(_rank_at(mesh, x) for x in others)
+        parts.append(f"{text} made non-finite values of their own {'later in' if later else 'at'} that step" + (
+            ", computing on the same batch" if len(same) == len(others) else ""))
+    return parts
 
 
 def _plain(e: Event) -> str:
@@ -120,17 +170,25 @@ def findings(r: ReplayReport) -> list[str]:
                        f"{_plain(o)}, from the gradients averaged over {every(size, 'rank')}' shards.")
         else:
             samples = r.samples if r.samples is not None and r.samples.status == "attributed" else None
-            who = f"Rank {o.rank}'s shard"
+            named = ""
             if samples is not None:
                 ids = "; ".join(f"{k} = {v}" for k, v in samples.sample_leaves.items())
-                who += f" (sample{'s' * (len(samples.samples) > 1)} {', '.join(map(str, samples.samples))}" + (
-                    f": {ids})" if ids else ")")
-            parts = [f"{who} made {_plain(o)} at step {o.step}"]
+                named = f"sample{'s' * (len(samples.samples) > 1)} {', '.join(map(str, samples.samples))}" + (
+                    f": {ids}" if ids else "")
             local = sorted({e.rank for e in at if e.stage not in SHARED_STAGES and e.rank is not None})
-            if len(local) > 1:
-                parts.append(f"{_ranks(local)} each made non-finite values of their own at that step")
+            mesh = _mesh(r)
+            if mesh is not None and o.rank is not None:
+                parts = _mesh_origin(mesh, o, named, at, r.setup.ranks_replayed == "torchrun")
+            else:
+                parts = [f"Rank {o.rank}'s shard{f' ({named})' if named else ''} made {_plain(o)} at step {o.step}"]
+                if len(local) > 1:
+                    parts.append(f"{_ranks(local)} each made non-finite values of their own at that step")
             spread = next((e for e in at if e.stage == "optimizer_grad"), None)
-            if spread is not None and kind == DDP:
+            if spread is not None and kind == TP:
+                parts.append(f"no collective averages gradients over a data-parallel dimension: optimizer.step() saw "
+                             f"{_plain(spread)}" + (f" on {_rank_at(mesh, spread.rank)}" if mesh and spread.rank is not None
+                                                    else ""))
+            elif spread is not None and kind == DDP:
                 parts.append(f"the all-reduce spread it to {every(size, 'rank')} (optimizer.step() saw {_plain(spread)})")
             elif spread is not None:
                 into = f"rank {spread.rank}'s gradient shard" if spread.rank is not None else "the gradient shards"
@@ -152,7 +210,7 @@ def findings(r: ReplayReport) -> list[str]:
             out.append("Logged losses first non-finite: " + "; ".join(
                 f"rank {rank} at step {step}" if step is not None else f"rank {rank} never" for rank, step in shown.items())
                        + ".")
-    out += _checkpoint_shard(r) + _loss_only(r, size)
+    out += _regrouped(r) + _checkpoint_shard(r) + _loss_only(r, size)
     parted = sorted((c for c in r.ranks if c.diverged_at_step is not None), key=lambda c: (c.diverged_at_step, c.rank))
     if parted:
         c = parted[0]
@@ -169,6 +227,19 @@ def findings(r: ReplayReport) -> list[str]:
                          "(its accelerator or memory), or something that rank did outside the step function")
             out.append(text + ".")
     return out
+
+
+def _regrouped(r: ReplayReport) -> list[str]:
+    """Why a run on a DeviceMesh replayed on one process is judged within a tolerance, and the command that is not."""
+    mesh = _mesh(r)
+    if mesh is None or r.setup.ranks_replayed != "emulated" or not r.setup.loss_rtol:
+        return []
+    what = "its tensor-parallel layers rebuilt whole" if mesh.tp_dim is not None else \
+        "HSDP's two-stage gradient reduction (within each shard group, then across replicas) made one average"
+    return [f"Replayed on one process, {what}: the replay sums in another order than the run's {r.setup.world_size} "
+            f"ranks, so its losses are judged within rtol {r.setup.loss_rtol:g} and its checkpoints within a tolerance, "
+            f"not bit for bit; `torchrun --nproc-per-node {r.setup.world_size} -m nanforensics replay "
+            f"{shlex.quote(r.setup.run)}` replays it exactly."]
 
 
 def _checkpoint_shard(r: ReplayReport) -> list[str]:

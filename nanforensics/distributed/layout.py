@@ -15,7 +15,8 @@ run ("newer than this nanforensics reads") instead of replaying one rank's shard
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,8 @@ from .stages import PIPELINE, pipeline_problem
 
 DISTRIBUTED_FORMAT = "nanforensics.run/1+distributed"
 RANKS = "ranks"
-DDP, FSDP2 = "ddp", "fsdp2"
-WRAPPINGS = (DDP, FSDP2, PIPELINE)
+DDP, FSDP2, TP = "ddp", "fsdp2", "tp"
+WRAPPINGS = (DDP, FSDP2, TP, PIPELINE)
 MAX_RANKS = 1 << 20  # a world beyond any job's is damage
 DDP_OPTIONS = ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view")
 MP_POLICY = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")  # FSDP2's MixedPrecisionPolicy
@@ -52,12 +53,14 @@ class World:
     """
 
     world_size: int
-    kind: str  # DDP or FSDP2
+    kind: str  # DDP, FSDP2 or TP (tensor parallelism alone)
     backend: str
     wrapping: dict[str, Any]
+    mesh: "Mesh | None" = None  # a DeviceMesh layout (tensor parallelism, HSDP); None: one dimension of all ranks
 
     def to_json(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "backend": self.backend, "wrapping": {"kind": self.kind, **self.wrapping}}
+        out = {"world_size": self.world_size, "backend": self.backend, "wrapping": {"kind": self.kind, **self.wrapping}}
+        return out | ({"mesh": self.mesh.to_json()} if self.mesh is not None else {})
 
     @classmethod
     def read(cls, raw: Any, where: Path) -> "World":
@@ -74,11 +77,36 @@ class World:
         if not isinstance(backend, str):
             raise BadInput(where, f"distributed.backend {shown(backend)} is not a string")
         options = {k: v for k, v in wrapping.items() if k != "kind"}
-        problem = _ddp_problem(options) if kind == DDP else _fsdp2_problem(options) if kind == FSDP2 \
+        problem = _ddp_problem(options) if kind == DDP else _fsdp2_problem(options) if kind == FSDP2 else (
+            "of a tensor-parallel run has no options" if options else None) if kind == TP \
             else pipeline_problem(options, size)
         if problem is not None:
             raise BadInput(where, f"distributed.wrapping {problem}")
-        return cls(size, kind, backend, options)
+        mesh = Mesh.read(raw["mesh"], where, size) if "mesh" in raw else None
+        fits = mesh is None if kind in (DDP, PIPELINE) else (mesh is not None and mesh.tp_dim is not None and mesh.data_ranks == 1
+                                                 if kind == TP else mesh is None or len(mesh.shape) > 1)
+        if not fits:
+            raise BadInput(where, f"distributed.mesh does not fit a {kind} run: DDP and pipelines have none, tensor parallelism alone "
+                                  "one tensor-parallel dimension and no other, FSDP2 none or two dimensions or more")
+        return cls(size, kind, backend, options, mesh)
+
+    @property
+    def data_ranks(self) -> int:
+        """How many batches each step has: one per data-parallel group (the ranks of a tensor-parallel group share
+        theirs), every rank's own without a mesh."""
+        return self.mesh.data_ranks if self.mesh is not None else self.world_size
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel group of global rank ``rank``: the folder its batches and losses are under."""
+        return self.mesh.data_rank(rank) if self.mesh is not None else rank
+
+    def lead(self, data_rank: int) -> int:
+        """The global rank that records the batches of data-parallel group ``data_rank``: its tensor-parallel rank 0."""
+        return self.mesh.lead(data_rank) if self.mesh is not None else data_rank
+
+    def where(self, rank: int) -> str:
+        """Global rank ``rank`` in words: "rank 2 (dp=1, tp=0)" on a mesh."""
+        return f"rank {rank}" + (f" ({self.mesh.coordinate_text(rank)})" if self.mesh is not None else "")
 
     @property
     def collective(self) -> str:
@@ -86,10 +114,123 @@ class World:
 
     def shard_owner(self, dim0: int, index: list[int]) -> int | None:
         """The rank whose FSDP2 shard holds coordinate ``index`` of a tensor with ``dim0`` rows (``torch.chunk``
-        along dimension 0, as ``fully_shard`` lays parameters out); None for DDP, whose state is replicated."""
-        if self.kind != FSDP2 or not index or dim0 < 1:
+        along dimension 0, as ``fully_shard`` lays parameters out); None for DDP, whose state is replicated, and on a
+        mesh, where a coordinate lies in several ranks' shards."""
+        if self.kind != FSDP2 or self.mesh is not None or not index or dim0 < 1:
             return None
         return index[0] // math.ceil(dim0 / self.world_size)
+
+
+STYLES = ("colwise", "rowwise", "sequence")  # ColwiseParallel, RowwiseParallel, SequenceParallel
+MAX_MESH_DIMS = 3
+_LAYOUT = re.compile(r"Replicate\(\)|Shard\(dim=-?\d\)")  # a tensor-parallel style's input or output layout
+_PLACEMENT = re.compile(rf"{_LAYOUT.pattern}|_StridedShard\(dim=\d, sf=\d{{1,4}}\)")  # a parameter's, FSDP2's too
+_DIM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The DeviceMesh a run trained on (ranks laid out row-major, as ``init_device_mesh`` lays them), the dimension of
+    tensor parallelism (None for HSDP: every dimension is data-parallel), the plan ``parallelize_module`` applied
+    there, and each parameter's placement per mesh dimension (a parameter absent from a dimension is replicated on it).
+
+    The ranks of one tensor-parallel group see the same batch: the other dimensions number the data-parallel groups,
+    each recording its batches once (its tensor-parallel rank 0 writes them)."""
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    tp_dim: str | None
+    plan: tuple[dict[str, Any], ...] = ()  # {"module", "style", "input_layouts", "output_layouts", "use_local_output"}
+    placements: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dim_names": list(self.dim_names), "tp_dim": self.tp_dim,
+                "plan": [dict(p) for p in self.plan], "placements": self.placements}
+
+    @classmethod
+    def read(cls, raw: Any, where: Path, world_size: int) -> "Mesh":
+        """``distributed.mesh``, each field checked (one-line ``BadInput``)."""
+        problem = _mesh_problem(raw, world_size)
+        if problem is not None:
+            raise BadInput(where, f"distributed.mesh {problem}")
+        return cls(tuple(raw["shape"]), tuple(raw["dim_names"]), raw["tp_dim"], tuple(raw["plan"]), raw["placements"])
+
+    @property
+    def data_dims(self) -> tuple[str, ...]:
+        return tuple(n for n in self.dim_names if n != self.tp_dim)
+
+    @property
+    def data_ranks(self) -> int:
+        return math.prod(n for n, name in zip(self.shape, self.dim_names) if name != self.tp_dim)
+
+    @property
+    def tp_size(self) -> int:
+        return self.shape[self.dim_names.index(self.tp_dim)] if self.tp_dim is not None else 1
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        out, rest = {}, rank
+        for name, n in reversed(list(zip(self.dim_names, self.shape))):
+            out[name], rest = rest % n, rest // n
+        return {name: out[name] for name in self.dim_names}
+
+    def coordinate_text(self, rank: int) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.coordinate(rank).items())
+
+    def tp_rank(self, rank: int) -> int:
+        return self.coordinate(rank)[self.tp_dim] if self.tp_dim is not None else 0
+
+    def data_rank(self, rank: int) -> int:
+        at = self.coordinate(rank)
+        index = 0
+        for name, n in zip(self.dim_names, self.shape):
+            if name != self.tp_dim:
+                index = index * n + at[name]
+        return index
+
+    def lead(self, data_rank: int) -> int:
+        return next(r for r in range(math.prod(self.shape)) if self.data_rank(r) == data_rank and self.tp_rank(r) == 0)
+
+    def holds(self, rank: int, name: str) -> bool:
+        """Whether ``rank`` is the one copy of its shard of parameter ``name`` that speaks for it: coordinate 0 along
+        every dimension the parameter is replicated on (every dimension its placements do not name, or name
+        ``Replicate()``)."""
+        placed = self.placements.get(name, {})
+        at = self.coordinate(rank)
+        return all(at[d] == 0 for d in self.dim_names if placed.get(d, "Replicate()") == "Replicate()")
+
+
+def _mesh_problem(raw: Any, world_size: int) -> str | None:
+    keys = {"shape", "dim_names", "tp_dim", "plan", "placements"}
+    if not isinstance(raw, dict) or set(raw) != keys:
+        return f"must be an object with exactly {', '.join(sorted(keys))}"
+    shape, names, tp_dim, plan, placements = (raw[k] for k in ("shape", "dim_names", "tp_dim", "plan", "placements"))
+    if not (isinstance(shape, list) and 1 <= len(shape) <= MAX_MESH_DIMS
+            and all(type(n) is int and 1 <= n <= MAX_RANKS for n in shape) and math.prod(shape) == world_size):
+        return f"shape {shown(shape)} is not 1 to {MAX_MESH_DIMS} sizes whose product is the world size, {world_size}"
+    if not (isinstance(names, list) and all(isinstance(n, str) and _DIM_NAME.fullmatch(n) for n in names)
+            and len(names) == len(shape) and len(set(names)) == len(names)):
+        return f"dim_names {shown(names)} is not one distinct identifier per dimension of {shape}"
+    if tp_dim is not None and tp_dim not in names:
+        return f"tp_dim {shown(tp_dim)} is not null or one of {names}"
+    if not isinstance(plan, list) or bool(plan) != (tp_dim is not None):
+        return "plan must list the tensor-parallel modules exactly when tp_dim names a dimension"
+    for spec in plan:
+        if not (isinstance(spec, dict) and set(spec) == {"module", "style", "input_layouts", "output_layouts",
+                                                          "use_local_output"}
+                and isinstance(spec["module"], str) and spec["style"] in STYLES
+                and isinstance(spec["use_local_output"], bool)
+                and all(isinstance(spec[k], str) and _LAYOUT.fullmatch(spec[k])
+                        for k in ("input_layouts", "output_layouts"))):
+            return f"plan entry {shown(spec)} is not {{module, style ({', '.join(STYLES)}), input_layouts, " \
+                   "output_layouts, use_local_output}"
+    if not isinstance(placements, dict):
+        return f"placements {shown(placements)} is not an object of parameter names"
+    for name, placed in placements.items():
+        if not (isinstance(placed, dict) and set(placed) <= set(names)
+                and all(isinstance(v, str) and _PLACEMENT.fullmatch(v) for v in placed.values())):
+            return f"placements of {shown(name)}: {shown(placed)} is not a placement (Replicate(), Shard(dim=d)) " \
+                   "per mesh dimension"
+    return None
 
 
 def _ddp_problem(options: dict[str, Any]) -> str | None:

@@ -8,6 +8,7 @@ are written by every rank at once. The recorder's own messages travel on a gloo 
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,9 @@ import torch.distributed as dist
 
 from ..runs.checkpoint import save_checkpoint
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
-from .layout import FSDP2, World, rank_dir
+from .layout import DDP, World, rank_dir
 from .world import object_group
-from .wrapping import describe
+from .wrapping import describe, describe_mesh
 
 
 def recording_world(model: torch.nn.Module) -> "RankRecorder | None":
@@ -41,7 +42,8 @@ class RankRecorder:
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.module = module
         self.group = object_group()
-        self.world = World(self.size, kind, str(dist.get_backend()), options)
+        self.world = World(self.size, kind, str(dist.get_backend()), options, describe_mesh(module, self.size))
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def leads(self) -> bool:
@@ -62,7 +64,14 @@ class RankRecorder:
             raise FileExistsError(verdict[0])
 
     def data_dir(self, path: Path) -> Path:
-        return rank_dir(path, self.rank)
+        """Where this rank's batches and losses go: its data-parallel group's folder, written by the group's
+        tensor-parallel rank 0 alone; the other ranks of the group, which saw the same batch, write into a scratch
+        folder that goes with the recorder."""
+        group = self.world.data_rank(self.rank)
+        if self.world.lead(group) == self.rank:
+            return rank_dir(path, group)
+        self._scratch = tempfile.TemporaryDirectory(prefix="nanforensics-tp-rank-")
+        return Path(self._scratch.name)
 
     def step_loss(self, step: int, loss: Any) -> Any:
         """The loss this rank logs for ``step``: its own (a pipeline's ranks log the last stage's)."""
@@ -72,7 +81,7 @@ class RankRecorder:
                    scheduler: Any) -> None:
         states: list[Any] | None = [None] * self.size if self.leads else None
         dist.gather_object(rank_rng_state(), states, dst=0, group=self.group)
-        sharded = self.world.kind == FSDP2
+        sharded = self.world.kind != DDP  # DTensor parameters: every rank writes its shard
         if self.leads:
             writer = shard_writer(step, self.group, self._announce) if sharded else None
             save_checkpoint(folder, step, self.module, optimizer, scaler=scaler, scheduler=scheduler, rank_rng=states,

@@ -34,9 +34,9 @@ from ..runs.run import Rebuilt, Run, UserCode
 from ..runs.source import StartPoint, StepCode, StepSource
 from .checkpoint import restore_rank_rng
 from .events import merge, rows, tag
-from .layout import DDP, SHARED_STAGES, World, mean_loss
+from .layout import DDP, FSDP2, SHARED_STAGES, World, mean_loss
 from .world import mismatch, object_group
-from .wrapping import emulated, mixed_precision, shard_fsdp2, wrap_ddp
+from .wrapping import emulated, mixed_precision, parallelize, shard_fsdp2, wrap_ddp
 
 
 def open_session(run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device) -> Session:
@@ -45,6 +45,14 @@ def open_session(run: StepSource, code: StepCode, checkpoint: StartPoint, device
     if run.world is not None:
         return distributed_session(run, code, checkpoint, device)
     return Session(run, code, checkpoint, device)
+
+
+def regrouped(run: StepSource) -> bool:
+    """Whether this replay sums in another order than the run did: a run on a DeviceMesh emulated on one process (its
+    tensor-parallel layers rebuilt whole, HSDP's reduction in two stages made one). Its losses and checkpoints are then
+    judged within a tolerance, as on another kind of CPU."""
+    world = run.world
+    return world is not None and world.mesh is not None and not (dist.is_available() and dist.is_initialized())
 
 
 def distributed_session(run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> Session:
@@ -58,6 +66,7 @@ def distributed_session(run: Run, code: UserCode, checkpoint: Checkpoint, device
 
 
 def _rank_rng(session: Session, world: World) -> list[Any]:
+    """Every rank's RNG states at the checkpoint, by global rank."""
     states = session.meta.get("rank_rng")
     if not isinstance(states, list) or len(states) != world.world_size:
         raise BadInput(session.checkpoint.path / "meta.json", f"holds no RNG state for each of the {world.world_size} "
@@ -75,8 +84,8 @@ class EmulatedSession(Session):
     def __init__(self, run: Run, code: UserCode, checkpoint: Checkpoint, device: torch.device) -> None:
         assert run.world is not None
         self.world = run.world
-        self.focus = 0  # the rank whose shard a root-cause pass looks at
-        self.rank_losses: dict[int, list[float]] = {}  # step -> each rank's replayed loss
+        self.focus = 0  # the data rank (on a mesh, the data-parallel group) whose shard a root-cause pass looks at
+        self.rank_losses: dict[int, list[float]] = {}  # step -> each data rank's replayed loss
         if mixed_precision(self.world):
             raise BadInput(run.path / "manifest.json", "the run's FSDP2 MixedPrecisionPolicy computes in other dtypes than "
                                                        "the parameters', which one process cannot emulate: replay it at "
@@ -86,7 +95,9 @@ class EmulatedSession(Session):
 
     def reset(self) -> None:
         super().reset()
-        self.rank_rng = list(_rank_rng(self, self.world))
+        # one RNG state per data rank: its lead's (the ranks of a tensor-parallel group draw alike)
+        states = _rank_rng(self, self.world)
+        self.rank_rng = [states[self.world.lead(d)] for d in range(self.world.data_ranks)]
         self.stepped = emulated(self.model, self.world)
         self.lengths = rows(self.model)
         _restore(self, self.rank_rng[self.focus])
@@ -99,7 +110,7 @@ class EmulatedSession(Session):
 
     @contextmanager
     def focused(self, rank: int | None) -> Iterator[Session | None]:
-        before, self.focus = self.focus, rank or 0
+        before, self.focus = self.focus, self.world.data_rank(rank) if rank is not None else 0
         try:
             yield self
         finally:
@@ -123,7 +134,7 @@ class EmulatedSession(Session):
                  batch: Any = None) -> tuple[float, list[Event]]:
         """Every rank's pass at this step, the rank in focus first; the last one steps the optimizer on the mean of
         the local gradients. Returns the mean loss over ranks and every rank's events."""
-        step, size = self.step, self.world.world_size
+        step, size = self.step, self.world.data_ranks
         order = [self.focus] + [r for r in range(size) if r != self.focus]
         before = self.snapshot() if size > 1 else None
         local: dict[int, dict[torch.Tensor, torch.Tensor]] = {}
@@ -143,7 +154,7 @@ class EmulatedSession(Session):
             losses[rank] = loss_value(loss, self.run.code_file)
             self.rank_rng[rank] = rng_state()
             if monitor:
-                events += tag(monitor.end(loss), rank, self.world, self.lengths, shared=last)
+                events += tag(monitor.end(loss), self.world.lead(rank), self.world, self.lengths, shared=last)
             if rank == 0 and not last:
                 rank0_buffers = [b.detach().clone() for b in self.model.buffers()]
         # The next forward starts from rank 0's buffers: DDP broadcasts them. (FSDP2 leaves each rank its own; the
@@ -190,7 +201,7 @@ class _Averaging:
         self.local[self.rank] = {p: p.grad.detach().clone() for p in self.params if p.grad is not None}
         if not self.last:
             return
-        size = self.session.world.world_size
+        size = self.session.world.data_ranks
         ddp = self.session.world.kind == DDP
         with torch.no_grad():
             for p in self.params:
@@ -227,8 +238,11 @@ class RankSession(Session):
             raise
 
     def rebuild(self) -> Rebuilt:
-        """FSDP2's ``fully_shard`` applied before the optimizer is built over the (sharded) parameters."""
-        shard = (lambda model: shard_fsdp2(model, self.world, self.device)) if self.world.kind != DDP else None
+        """FSDP2's ``fully_shard`` (on a mesh, after the tensor-parallel plan) or the tensor-parallel plan alone,
+        applied before the optimizer is built over the (sharded) parameters."""
+        world, device = self.world, self.device
+        shard = (lambda model: shard_fsdp2(model, world, device)) if world.kind == FSDP2 else (
+            (lambda model: parallelize(model, world, device)) if world.kind != DDP else None)
         return self.code.build(self.run, self.checkpoint, self.device, wrap=shard)
 
     def reset(self) -> None:
@@ -239,17 +253,17 @@ class RankSession(Session):
         _restore(self, _rank_rng(self, self.world)[self.rank])
 
     def logged_batch(self, step: int) -> Any:
-        return self.run.batch(step, self.rank)
+        return self.run.batch(step, self.world.data_rank(self.rank))
 
     def run_step(self, monitor: StepMonitor | None = None, locate: bool = False,
                  batch: Any = None) -> tuple[float, list[Event]]:
         """This rank's step; returns the mean loss over ranks and every rank's events, the same on every rank."""
         step = self.step
         loss, events = super().run_step(monitor, locate, batch)
-        mine = tag(events, self.rank, self.world, self.lengths, shared=self.rank == 0)
+        mine = tag(events, self.rank, self.world, self.lengths, shared=self.rank == 0, own=True)
         gathered: list[Any] = [None] * self.world.world_size
         dist.all_gather_object(gathered, (loss, mine), group=object_group())
-        self.rank_losses[step] = [g[0] for g in gathered]
+        self.rank_losses[step] = [gathered[self.world.lead(d)][0] for d in range(self.world.data_ranks)]
         return mean_loss(self.rank_losses[step]), merge(e for _, rank_events in gathered for e in rank_events)
 
     @contextmanager

@@ -6,6 +6,7 @@ sharded anything pays nothing for these checks.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -17,10 +18,27 @@ def is_dtensor(t: Any) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def local_part(t: Any) -> tuple[Any, list[int] | None]:
+    """This rank's shard of a DTensor and where it lies in the whole tensor (the offset of its first element, per
+    dimension), so that a coordinate in the shard is turned into the DTensor's own; anything else as it is, None.
+    Nothing is communicated: each rank checks its own values, before any collective reads them."""
+    if not is_dtensor(t):
+        return t, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), list(offset)
+
+
 def whole(t: Any) -> Any:
     """A sharded tensor gathered whole (a collective: every rank checks the same tensors in the same order), so that
     coordinates and counts are the tensor's own, whichever rank holds them; anything else as it is."""
-    return t.full_tensor() if is_dtensor(t) else t
+    if not is_dtensor(t):
+        return t
+    # a parameter sharded on two mesh dimensions (FSDP2 over tensor parallelism) is gathered in two steps, which torch
+    # warns about on every rank: said once in the documentation, not on every check
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return t.full_tensor()
 
 
 def shard_like(full: torch.Tensor, target: Any) -> torch.Tensor:

@@ -3,8 +3,9 @@
 DDP replicates the model and all-reduces (averages) gradients; FSDP2 (``fully_shard``) shards parameters, gradients
 and optimizer state along dimension 0 and reduce-scatters (averages) gradients. Both leave each rank's forward and
 backward a function of its own shard alone, and both average the local gradients: the two facts the single-process
-emulation rests on. Tensor and pipeline parallelism split one sample's computation across ranks, so neither holds
-for them; they are refused when recording.
+emulation rests on. Tensor parallelism splits one sample's computation across the ranks of a group that share one
+batch: its plan is read off the hooks ``parallelize_module`` leaves (``describe_mesh``) and applied again for replay
+(``parallelize``), and the emulation runs its layers whole.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from torch import nn
 
 from ..words import every
-from .layout import DDP, DTYPES, FSDP2, World
+from .layout import DDP, DTYPES, FSDP2, STYLES, TP, Mesh, World
+from .tensors import is_dtensor
 
 
 def _fsdp_module_class() -> type | None:
@@ -48,23 +50,96 @@ def describe(model: nn.Module, world_size: int) -> tuple[str, nn.Module, dict[st
         raise ValueError("FSDP1 (FullyShardedDataParallel) is not supported; shard with FSDP2's fully_shard")
     fsdp = _fsdp_module_class()
     sharded = [(name, m) for name, m in model.named_modules() if fsdp is not None and isinstance(m, fsdp)]
+    mesh = describe_mesh(model, world_size)
     if sharded:
-        return FSDP2, model, {"modules": [_fsdp_options(name, m, world_size) for name, m in reversed(sharded)]}
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        raise ValueError("the model's parameters are DTensors but no module is fully_shard-ed: tensor parallelism "
-                         "splits each sample's computation across ranks, which replay cannot attribute to one rank")
+        return FSDP2, model, {"modules": [_fsdp_options(name, m, world_size, mesh) for name, m in reversed(sharded)]}
+    if mesh is not None:
+        if mesh.data_ranks != 1:
+            raise ValueError(f"the model is tensor-parallel over {mesh.tp_dim!r} of a {mesh.shape} mesh but nothing "
+                             f"averages its gradients over {', '.join(mesh.data_dims)}: shard it with fully_shard on "
+                             "the data-parallel dimensions, or train tensor-parallel over every rank")
+        return TP, model, {}
     raise ValueError(f"under torch.distributed with {world_size} ranks, pass the model wrapped by "
                      "DistributedDataParallel or fully_shard (FSDP2), as the loop trains it")
 
 
-def _fsdp_options(name: str, module: nn.Module, world_size: int) -> dict[str, Any]:
+def describe_mesh(model: nn.Module, world_size: int) -> Mesh | None:
+    """The DeviceMesh the model's DTensor parameters live on, when it is not one dimension of every rank sharded by
+    FSDP2 alone: its shape and names, the tensor-parallel dimension and plan, each parameter's placements. ValueError
+    for a layout replay could not rebuild."""
+    params = {n: p for n, p in model.named_parameters() if is_dtensor(p)}
+    plan = _tp_plan(model)
+    # meshes compared by what they are (a mesh made again, or a root looked up twice, is another object)
+    roots = {(tuple(r.mesh.flatten().tolist()), r.mesh_dim_names): r
+             for r in (p.device_mesh._get_root_mesh() for p in params.values())}
+    if not plan and all(m.ndim == 1 and m.size() == world_size for m in roots.values()):
+        return None
+    if len(roots) != 1:
+        raise ValueError("the model's DTensor parameters live on more than one DeviceMesh")
+    root = next(iter(roots.values()))
+    names = root.mesh_dim_names
+    if names is None or root.mesh.flatten().tolist() != list(range(world_size)):
+        raise ValueError("nanforensics replays meshes made by init_device_mesh(device, shape, mesh_dim_names=...) over "
+                         f"every one of the {world_size} ranks in order")
+    tp_dims = {m.mesh_dim_names for _, _, m in plan}
+    if len(tp_dims) > 1 or any(dims is None or len(dims) != 1 for dims in tp_dims):
+        raise ValueError("the tensor-parallel plan spans more than one named mesh dimension")
+    tp_dim = next(iter(tp_dims))[0] if tp_dims else None
+    placements = {}
+    for n, p in params.items():
+        dims = p.device_mesh.mesh_dim_names or ()
+        placements[n] = {d: repr(pl) for d, pl in zip(dims, p.placements)}
+    return Mesh(tuple(root.shape), tuple(names), tp_dim, tuple(spec for _, spec, _ in plan), placements)
+
+
+def _tp_plan(model: nn.Module) -> list[tuple[str, dict[str, Any], Any]]:
+    """(module name, its ``parallelize_module`` style as the manifest writes it, its mesh) for every module a
+    ColwiseParallel, RowwiseParallel or SequenceParallel style distributed: read off the hooks ``distribute_module``
+    registers, whose closures hold the style's layouts. ValueError for another style."""
+    import functools
+
+    wanted = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence"}
+    out = []
+    for name, module in model.named_modules():
+        found: dict[str, Any] = {}
+        for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
+            cells = [c.cell_contents for c in getattr(hook, "__closure__", None) or ()]
+            fn = next((c for c in cells if isinstance(c, functools.partial)), None)
+            mesh = next((c for c in cells if type(c).__name__ == "DeviceMesh"), None)
+            if fn is None or mesh is None:
+                continue
+            owner, _, role = getattr(fn.func, "__qualname__", "").partition(".")
+            if owner not in wanted:
+                raise ValueError(f"module {name!r} is distributed by {owner or fn.func!r}; nanforensics rebuilds "
+                                 f"{', '.join(wanted)}")
+            found["style"], found["mesh"] = wanted[owner], mesh
+            found[role] = fn.args
+        if found:
+            style = found["style"]
+            inputs, outputs = found.get("_prepare_input_fn", ()), found.get("_prepare_output_fn", ())
+            if style == "sequence":
+                layout = repr(inputs[0][0]) if inputs else "Shard(dim=1)"
+                spec = {"input_layouts": layout, "output_layouts": layout, "use_local_output": bool(outputs[0])}
+            else:
+                spec = {"input_layouts": repr(inputs[0][0]), "output_layouts": repr(outputs[0][0]),
+                        "use_local_output": bool(outputs[1])}
+            out.append((name, {"module": name, "style": style, **spec}, found["mesh"]))
+    assert all(s["style"] in STYLES for _, s, _ in out)
+    return out
+
+
+def _fsdp_options(name: str, module: nn.Module, world_size: int, layout: Mesh | None) -> dict[str, Any]:
     state = module._get_fsdp_state()  # type: ignore[operator]
     groups = state._fsdp_param_groups
     for group in groups:
         mesh = group.mesh_info.mesh
-        if mesh.ndim != 1 or mesh.size() != world_size:
+        dims = tuple(mesh.mesh_dim_names or ())
+        if layout is None and (mesh.ndim != 1 or mesh.size() != world_size):
             raise ValueError(f"module {name or '<root>'!r} is sharded over a {tuple(mesh.shape)} mesh; nanforensics "
-                             f"replays FSDP2 over one dimension of {every(world_size, 'rank')} (no HSDP, no 2-D parallelism)")
+                             f"replays FSDP2 over one dimension of {every(world_size, 'rank')} or a named DeviceMesh")
+        if layout is not None and dims != layout.data_dims:
+            raise ValueError(f"module {name or '<root>'!r} is sharded over mesh dimensions {dims}; nanforensics "
+                             f"replays fully_shard over every data-parallel dimension, {layout.data_dims}")
     mp = state._mp_policy
     odd = [d for d in (mp.param_dtype, mp.reduce_dtype, mp.output_dtype) if d is not None and _dtype_name(d) not in DTYPES]
     if odd:
@@ -107,7 +182,7 @@ def shard_fsdp2(module: nn.Module, world: World, device: torch.device) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world.world_size,))
+    mesh = init_device_mesh(device.type, (world.world_size,)) if world.mesh is None else parallelize(module, world, device)
     for spec in world.wrapping["modules"]:
         policy = {k: getattr(torch, v) if k.endswith("dtype") and v is not None else v
                   for k, v in spec["mp_policy"].items()}
@@ -117,6 +192,39 @@ def shard_fsdp2(module: nn.Module, world: World, device: torch.device) -> None:
         if isinstance(m, FSDPModule):
             m.unshard()
             m.reshard()
+
+
+def parallelize(module: nn.Module, world: World, device: torch.device) -> Any:
+    """The run's DeviceMesh made again, its tensor-parallel plan applied to ``module``; returns the mesh of its
+    data-parallel dimensions (the one ``fully_shard`` shards over: HSDP where it has two)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    layout = world.mesh
+    assert layout is not None
+    root = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.dim_names)
+    if layout.plan:
+        parallelize_module(module, root[layout.tp_dim], {spec["module"]: _style(spec) for spec in layout.plan})
+    dims = layout.data_dims
+    return root[dims if len(dims) > 1 else dims[0]] if dims else None
+
+
+def _placement(text: str) -> Any:
+    """A placement as the manifest writes it (``Mesh`` checked it against its pattern): Replicate() or Shard(dim=d)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Replicate() if text == "Replicate()" else Shard(int(text.removeprefix("Shard(dim=").rstrip(")")))
+
+
+def _style(spec: dict[str, Any]) -> Any:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if spec["style"] == "sequence":
+        return SequenceParallel(sequence_dim=_placement(spec["input_layouts"]).dim,
+                                use_local_output=spec["use_local_output"])
+    cls = ColwiseParallel if spec["style"] == "colwise" else RowwiseParallel
+    return cls(input_layouts=_placement(spec["input_layouts"]), output_layouts=_placement(spec["output_layouts"]),
+               use_local_output=spec["use_local_output"])
 
 
 def unsharded_params(model: nn.Module, names: dict[torch.Tensor, str]) -> dict[torch.Tensor, str]:

@@ -19,7 +19,7 @@ from ..checkpoints.soundness import resume_findings, start_soundness
 from ..distributed.findings import complete
 from ..distributed.findings import findings as rank_findings
 from ..distributed.pipeline_replay import replay_pipeline
-from ..distributed.sessions import open_session
+from ..distributed.sessions import open_session, regrouped
 from ..distributed.stages import PIPELINE
 from ..errors import BadInput
 from ..finite import value_name
@@ -150,9 +150,11 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     # and the losses are compared within a tolerance, as on another device type
     here = this_cpu() if device.type == "cpu" else None
     other_cpu = here is not None and str(run.device or "cpu").split(":")[0] == "cpu" and run.cpu != here
-    state_rtol = STATE_RTOL if other_cpu else 0.0
+    # so does a run on a DeviceMesh emulated on one process (sessions.regrouped)
+    inexact = other_cpu or regrouped(run)
+    state_rtol = STATE_RTOL if inexact else 0.0
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
-        0.0 if device.type == str(run.device or "cpu").split(":")[0] and not other_cpu else 1e-3)
+        0.0 if device.type == str(run.device or "cpu").split(":")[0] and not inexact else 1e-3)
 
     # Logged batches are checked over the whole window before replaying; batches a function computes (no logged
     # end, a --max-steps bound) where the replay ran them, not up to a bound the failure may lie far before.
@@ -286,6 +288,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                      logged_nan=logged_nan, loss_only=loss_only, compared=[compared[s] for s in sorted(compared)],
                      max_ulps=opts.loss_ulps)
     report.amp, report.what_if = amp.report(r.model, events), what_if
+    report.setup.loss_rtol = rtol or None
     report.data_defects, report.precursors, report.operation, report.samples, report.loaded = (
         data_defects, precursors, operation, samples, code.loaded)
     if run.world is not None:

@@ -27,7 +27,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .. import finite
-from ..distributed.tensors import whole
+from ..distributed.tensors import local_part
 from ..distributed.wrapping import unsharded_params
 from ..report import STAGES, Event
 from ..runs.batches import leaves
@@ -55,7 +55,8 @@ class StepMonitor:
         self._handles: list[Any] = []
         self.step = -1
         self.locate = False
-        self._pending: list[tuple[str, str, str | None, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._pending: list[tuple[str, str, str | None, int, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._checks: dict[str, int] = {}  # stage -> its checks made so far in this step: an event's order
         self._events: dict[tuple[str, str | None], Event] = {}
         self._grad_seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its grad, version) at backward
         # Buffers already non-finite before the first monitored step are constants (a -inf attention mask kept as a
@@ -134,6 +135,7 @@ class StepMonitor:
         if self.proof is not None and locate:
             self.proof.forget()  # locate mode reads everything and keeps no bound
         self._events = {}
+        self._checks.clear()
         for path, leaf in leaves(batch):
             self.check("batch", path, leaf)
 
@@ -163,46 +165,52 @@ class StepMonitor:
                 self.check("buffer", name, b)
         if self._pending:
             flags = finite.min_max_verdicts([pair for *_, pair in self._pending])
-            for (stage, name, key, _), good in zip(self._pending, flags):
+            for (stage, name, key, order, _), good in zip(self._pending, flags):
                 if not good:
-                    self._note(stage, name, key, index=[], value="", elements=0, dtype=None)
+                    self._note(stage, name, key, index=[], value="", elements=0, dtype=None, order=order)
             self._pending.clear()
         return sorted(self._events.values(), key=lambda e: (_RANK[e.stage], e.state_key or ""))
 
     def check(self, stage: str, name: str, t: Any, state_key: str | None = None) -> None:
-        if not finite.checkable(t):
+        # a sharded tensor (a DTensor at world size) is checked in this rank's shard, its coordinates the whole one's
+        t, offset = local_part(t)
+        if not finite.checkable(t):  # an empty shard too
             return
-        t = whole(t)  # a sharded tensor (FSDP2 at world size) is checked whole, its coordinates its own
+        self._checks[stage] = self._checks.get(stage, 0) + 1
         if not self.locate and (self.defer or (self.defer is None and t.device.type != "cpu")):
-            self._pending.append((stage, name, state_key, finite.min_max(t)))
+            self._pending.append((stage, name, state_key, self._checks[stage], finite.min_max(t)))
         elif not finite.is_finite(t):
             if self.locate:
-                self._add(stage, name, state_key, t)
+                self._add(stage, name, state_key, t, offset)
             else:
                 self._note(stage, name, state_key, index=[], value="", elements=0, dtype=None)
 
     def _max_abs(self, stage: str, name: str, t: Any, state_key: str | None = None) -> float:
         """Detect mode on CPU, keeping a proof: ``check`` by ``aminmax``, which also gives the largest magnitude
         the proof needs; inf when ``t`` holds a non-finite value."""
+        t, _ = local_part(t)
         if not finite.checkable(t):
             return math.inf
+        self._checks[stage] = self._checks.get(stage, 0) + 1
         lo, hi = (float(x) for x in finite.min_max(t))
         if math.isfinite(lo) and math.isfinite(hi):
             return max(-lo, hi)
         self._note(stage, name, state_key, index=[], value="", elements=0, dtype=None)
         return math.inf
 
-    def _add(self, stage: str, name: str, key: str | None, t: torch.Tensor) -> None:
+    def _add(self, stage: str, name: str, key: str | None, t: torch.Tensor, offset: list[int] | None = None) -> None:
         where = finite.locate(t)
         assert where is not None
-        self._note(stage, name, key, index=where.index, value=where.value,
+        index = where.index if offset is None else [i + o for i, o in zip(where.index, offset)]
+        self._note(stage, name, key, index=index, value=where.value,
                    elements=finite.count_nonfinite(t), dtype=str(t.dtype).removeprefix("torch."))
 
     def _note(self, stage: str, name: str, key: str | None, *, index: list[int], value: str, elements: int,
-              dtype: str | None) -> None:
+              dtype: str | None, order: int | None = None) -> None:
         event = self._events.get((stage, key))
         if event is None:
-            self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype)
+            self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype,
+                                               order=order or self._checks.get(stage, 0))
         else:
             event.tensors_nonfinite += 1
             event.elements_nonfinite += elements

@@ -44,12 +44,13 @@ def check_batches(run: StepSource, steps: Iterable[int], max_abs: float = DEFAUL
     """Every floating-point tensor of the batches of ``steps``; a missing batch is the replay's error, not ours."""
     defects: list[DataDefect] = []
     for step in steps:
-        for rank in range(run.world.world_size) if run.world is not None else [None]:  # each rank's shard
+        for rank in range(run.world.data_ranks) if run.world is not None else [None]:  # each data rank's shard
             origin = run.batch_origin(step, rank)
             if origin is None:
                 continue
+            lead = run.world.lead(rank) if run.world is not None and rank is not None else None  # the rank recording it
             for name, leaf in leaves(run.batch(step, rank)):
                 if finite.checkable(leaf):
                     for kind, count, index, value in check_tensor(leaf, max_abs):
-                        defects.append(DataDefect(step, origin, name, kind, count, index, value, rank))
+                        defects.append(DataDefect(step, origin, name, kind, count, index, value, lead))
     return defects

@@ -138,15 +138,16 @@ class Run:
 
     @property
     def ranks(self) -> list[int | None]:
-        """The ranks whose batches and losses the run holds: ``[None]`` for a single-process run."""
-        return list(range(self.world.world_size)) if self.world else [None]
+        """The ranks whose batches and losses the run holds (on a DeviceMesh, its data-parallel groups): ``[None]`` for a
+        single-process run."""
+        return list(range(self.world.data_ranks)) if self.world else [None]
 
     def data_dir(self, rank: int | None = None) -> Path:
         """The folder of a rank's step log and batches (the run directory itself for a single-process run)."""
         if self.world is None:
             return self.path
-        if rank is None or not 0 <= rank < self.world.world_size:
-            raise ValueError(f"a distributed run of {self.world.world_size} ranks keeps batches per rank, not {rank!r}")
+        if rank is None or not 0 <= rank < self.world.data_ranks:
+            raise ValueError(f"a distributed run of {self.world.data_ranks} data ranks keeps batches per rank, not {rank!r}")
         return rank_dir(self.path, rank)
 
     def rank_steps(self, rank: int | None) -> list[LoggedStep]:
@@ -214,7 +215,7 @@ class Run:
         """The file of the batch of ``step`` (of ``rank``'s shard); for a distributed run without a rank, every
         rank's file as one pattern, when each is present."""
         if self.world is not None and rank is None:
-            present = all(self.batch_file(step, r).is_file() for r in range(self.world.world_size))
+            present = all(self.batch_file(step, r).is_file() for r in self.ranks)
             return str(self.path / RANKS / "rank_*" / "batches" / batch_path(Path(), step).name) if present else None
         path = self.batch_file(step, rank)
         return str(path) if path.is_file() else None

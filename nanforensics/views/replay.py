@@ -149,9 +149,12 @@ def loaded_rows(r: ReplayReport) -> list[tuple[str, str]]:
 
 
 def world_text(r: ReplayReport) -> str:
-    """``, 2 ranks (ddp, emulated)`` for a distributed run; nothing for a single process."""
+    """``, 2 ranks (ddp, emulated)`` for a distributed run, ``, 4 ranks (fsdp2 on mesh dp=2 x tp=2, torchrun)`` on a
+    DeviceMesh; nothing for a single process."""
     s = r.setup
-    return f", {s.world_size} ranks ({s.wrapping}, {s.ranks_replayed})" if s.world_size is not None else ""
+    mesh = "" if s.mesh_shape is None or s.mesh_dim_names is None else \
+        " on mesh " + " x ".join(f"{name}={size}" for name, size in zip(s.mesh_dim_names, s.mesh_shape))
+    return f", {s.world_size} ranks ({s.wrapping}{mesh}, {s.ranks_replayed})" if s.world_size is not None else ""
 
 
 def shard_text(rank: int | None, r: ReplayReport | None = None) -> str:

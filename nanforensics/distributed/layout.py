@@ -86,8 +86,9 @@ class World:
         fits = mesh is None if kind in (DDP, PIPELINE) else (mesh is not None and mesh.tp_dim is not None and mesh.data_ranks == 1
                                                  if kind == TP else mesh is None or len(mesh.shape) > 1)
         if not fits:
-            raise BadInput(where, f"distributed.mesh does not fit a {kind} run: DDP and pipelines have none, tensor parallelism alone "
-                                  "one tensor-parallel dimension and no other, FSDP2 none or two dimensions or more")
+            raise BadInput(where, f"distributed.mesh does not fit a {kind} run: DDP and pipelines have none, tensor "
+                                  "parallelism alone one tensor-parallel dimension and no other, FSDP2 none or two "
+                                  "dimensions or more")
         return cls(size, kind, backend, options, mesh)
 
     @property

@@ -18,6 +18,7 @@ from ..schema import load
 from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
+from .compiled import eager
 from .paths import MANIFEST, run_directory
 from .steplog import LoggedStep, is_step, read_steps
 
@@ -66,6 +67,7 @@ class Manifest:
     scheduler_factory: str | None = None
     world: World | None = None  # None: a single-process run
     cpu: CpuIdentity | None = None  # None: recorded before manifests named the CPU
+    compiled: str | None = None  # the torch.compile backend the loop's model ran under; None: not compiled
 
     @classmethod
     def read(cls, path: Path) -> "Manifest":
@@ -92,7 +94,8 @@ class Manifest:
                 start_step=start, num_threads=threads, raw=raw,
                 scaler_enabled=get("scaler.enabled", bool) if raw.get("scaler") is not None else None,
                 scheduler_factory=get("scheduler.factory", str) if raw.get("scheduler") is not None else None,
-                cpu=load(CpuIdentity, raw["cpu"], path, "cpu") if raw.get("cpu") is not None else None)
+                cpu=load(CpuIdentity, raw["cpu"], path, "cpu") if raw.get("cpu") is not None else None,
+                compiled=get("compiled.backend", str) if raw.get("compiled") is not None else None)
         if fmt == DISTRIBUTED_FORMAT:
             m.world = World.read(raw.get("distributed"), path)
         return m
@@ -177,6 +180,10 @@ class Run:
     @property
     def cpu(self) -> CpuIdentity | None:
         return self.manifest.cpu
+
+    @property
+    def compiled(self) -> str | None:
+        return self.manifest.compiled
 
     @property
     def checkpoint_folder(self) -> Path:
@@ -274,6 +281,7 @@ class UserCode:
             raise BadInput(where, f"model factory {run.manifest.model_factory} raised {e.__class__.__name__}: {e}") from None
         if not isinstance(model, torch.nn.Module):
             raise BadInput(where, f"model factory {run.manifest.model_factory} returned {type(model).__name__}, not a Module")
+        model = eager(model)  # replay's hooks see every module and operation only in eager execution
         model.to(device)
         if wrap is not None:
             wrap(model)

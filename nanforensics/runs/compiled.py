@@ -1,0 +1,50 @@
+"""Models under ``torch.compile``: the module they wrap, and the backend they were compiled with.
+
+The recorder names a compiled model's parameters by the module it compiled (no ``_orig_mod.`` prefix) and writes the
+backend into the manifest; replay runs that module eagerly, because its hooks must see every module's output and
+every operation, which a compiled graph hides (docs: README, "Recurrent and compiled models").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Backends that run the very aten kernels eager mode runs, in the same order: a replay that runs eagerly computes
+# what they computed, bit for bit. Any other backend (inductor) generates fused kernels of its own.
+EAGER_KERNELS = ("eager", "aot_eager")
+
+
+def compiled_backend(model: torch.nn.Module) -> str | None:
+    """The backend ``model`` was compiled with (``torch.compile(module)`` or ``module.compile()``); None when it was
+    not compiled."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return _backend(getattr(model, "dynamo_ctx", None))
+    call = getattr(model, "_compiled_call_impl", None)
+    return _backend(call) if call is not None else None
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(module)`` wraps, whose names carry no ``_orig_mod.``; any other model itself."""
+    return model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
+
+
+def eager(model: torch.nn.Module) -> torch.nn.Module:
+    """A model replay built, to run eagerly: the module a compiled one wraps, a module compiled in place without its
+    compiled call. Only for a model replay owns: the recorder never changes how the loop's model runs."""
+    model = unwrapped(model)
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        model._compiled_call_impl = None
+    return model
+
+
+def _backend(compiled: Any) -> str:
+    """The backend's registered name, found along dynamo's wrappers of it; "unknown" where none says."""
+    node, seen = getattr(compiled, "callback", compiled), 0
+    while node is not None and seen < 16:
+        for attr in ("compiler_name", "name"):
+            if isinstance(value := getattr(node, attr, None), str):
+                return value
+        node, seen = getattr(node, "_torchdynamo_orig_backend", None), seen + 1
+    return "unknown"

@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 from ..finite import value_name
-from ..replay.reproduction import LOSS_ULPS
+from ..replay.reproduction import LOSS_ULPS, STATE_RTOL
 from ..replay.spread import from_replay
 from ..report import CheckpointComparison, CheckpointLoad, Event, OperationCulprit, OpSite, Precursor, ReplayReport
 from ..runs.compiled import EAGER_KERNELS
@@ -426,18 +426,18 @@ def _compiled(r: ReplayReport) -> list[str]:
     backend = r.setup.compiled
     if backend is None:
         return []
-    kernels = ("runs the kernels eager mode runs" if backend in EAGER_KERNELS else
-               "generates kernels of its own, which round otherwise than eager mode's")
     judged = [c for c in r.checkpoints_compared if c.error is None]
-    if not judged:
-        state = "no recorded checkpoint in the replayed window was compared with the replayed state"
-    else:
-        c = judged[-1]
-        state = (f"the replayed state is bit-exact at step {c.step}" if c.exact else
-                 f"the replayed state matches the recorded one within rtol {c.tolerance:g} at step {c.step}"
-                 if c.matched else f"the replayed state differs from the recorded one at step {c.step}")
+    c = judged[-1] if judged else None
+    how = (f"{backend} runs the kernels eager mode runs" + (", so the state is compared bit for bit" if c is None or
+                                                             not c.tolerance else "")
+           if backend in EAGER_KERNELS else
+           f"{backend} generates kernels of its own, which may round otherwise than eager mode's, so the state is "
+           f"compared within rtol {c.tolerance if c is not None else STATE_RTOL:g}")
+    state = ("no recorded checkpoint in the replayed window was compared" if c is None else
+             f"it is bit-exact at step {c.step}" if c.exact else
+             f"it matches within rtol {c.tolerance:g} at step {c.step}" if c.matched else f"it differs at step {c.step}")
     return [f"The run trained under torch.compile (backend {backend}); the replay ran the module it compiled eagerly, "
-            f"where its hooks see every module's output and every operation. {backend} {kernels}: {state}."]
+            f"where its hooks see every module's output and every operation. {how}: {state}."]
 
 
 def _other_cpu(r: ReplayReport) -> list[str]:

@@ -190,6 +190,15 @@ def test_compiled_run_is_recorded_under_the_module_it_compiled(recorded):
     assert compiled_backend(model) == "aot_eager" and compiled_backend(eager(model)) is None
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_a_module_compiled_in_place_names_its_backend_and_replays_eagerly(backend):
+    model = scenarios.build_model()
+    model.compile(backend=backend)  # compiles lazily, at the first call: nothing is compiled here
+    assert compiled_backend(model) == backend
+    assert eager(model) is model and compiled_backend(model) is None
+    assert compiled_backend(torch.compile(scenarios.build_model(), backend=backend)) == backend
+
+
 def test_compiled_replay_runs_eagerly_and_names_the_origin(recorded):
     run = recorded["compiled"]
     result = run_cli("replay", run, "--json", "-")

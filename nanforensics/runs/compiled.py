@@ -22,7 +22,11 @@ def compiled_backend(model: torch.nn.Module) -> str | None:
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         return _backend(getattr(model, "dynamo_ctx", None))
     call = getattr(model, "_compiled_call_impl", None)
-    return _backend(call) if call is not None else None
+    if call is None:
+        return None
+    # module.compile() keeps torch.compile's function, whose closure holds the context that names the backend
+    held = [c.cell_contents for c in getattr(call, "__closure__", None) or () if hasattr(c.cell_contents, "callback")]
+    return _backend(held[0] if held else None)
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -230,3 +230,36 @@ def test_a_run_compiled_with_generated_kernels_is_compared_within_a_tolerance(re
     [sentence] = [f for f in r.findings if "torch.compile" in f]
     assert "generates kernels of its own" in sentence and f"rtol {compared[-1].tolerance:g}" in sentence
     assert not any(f.startswith("Recorded on") for f in r.findings)
+
+
+def _as_recorded_before_unwrapping(run: Path) -> None:
+    """Rewrite a compiled run as the recorder wrote one before it named a compiled model's tensors by the module it
+    compiled: every name under ``_orig_mod.``, and no ``compiled`` in the manifest."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    manifest = json.loads((run / "manifest.json").read_text())
+    del manifest["compiled"]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    for folder in (run / "checkpoints").iterdir():
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            with safe_open(folder / name, "pt") as f:
+                tensors, metadata = {f"_orig_mod.{k}": f.get_tensor(k) for k in f.keys()}, f.metadata()
+            save_file(tensors, folder / name, metadata=metadata)
+        meta = json.loads((folder / "meta.json").read_text())
+        for key in ("param_names", "buffer_names"):
+            meta[key] = [f"_orig_mod.{n}" for n in meta[key]]
+        for group in meta["param_groups"]:
+            group["params"] = [f"_orig_mod.{n}" for n in group["params"]]
+        (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_compiled_run_whose_checkpoints_carry_the_wrapper_prefix_replays(recorded, tmp_path):
+    run = tmp_path / "prefixed"
+    shutil.copytree(recorded["compiled"], run)
+    _as_recorded_before_unwrapping(run)
+    r = replay_run(run, ReplayOptions(device="cpu", explain=False))
+    assert r.responsible_step == DEFECT and r.reproduced and r.setup.compiled is None
+    assert r.origin.tensor == "features.gain" and r.origin.index == [scenarios.DEFECT_FEATURE]
+    compared = [c for c in r.checkpoints_compared if c.error is None]
+    assert compared and all(c.exact for c in compared)

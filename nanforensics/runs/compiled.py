@@ -7,13 +7,23 @@ every operation, which a compiled graph hides (docs: README, "Recurrent and comp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 # Backends that run the very aten kernels eager mode runs, in the same order: a replay that runs eagerly computes
 # what they computed, bit for bit. Any other backend (inductor) generates fused kernels of its own.
 EAGER_KERNELS = ("eager", "aot_eager")
+
+
+ORIG_MOD = "_orig_mod."  # the prefix of a compiled wrapper's names for the module's tensors
+
+
+def wrapped_names(names: Iterable[str]) -> bool:
+    """Whether a checkpoint's names are a compiled wrapper's (every one under ``_orig_mod.``): as the recorder wrote
+    them before it named a compiled model's tensors by the module it compiled."""
+    names = list(names)
+    return bool(names) and all(n.startswith(ORIG_MOD) for n in names)
 
 
 def compiled_backend(model: torch.nn.Module) -> str | None:

@@ -156,6 +156,23 @@ def test_a_nonfinite_leaf_of_any_nested_output_is_named_by_its_place(shape, data
     assert event.tensor == ("block" if k == 0 else f"block{places[k]}") and event.index == [1]
 
 
+class _Pair:
+    """An output type registered with pytree without names for its children (no flatten_with_keys_fn)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+
+
+torch.utils._pytree.register_pytree_node(_Pair, lambda p: ([p.a, p.b], None), lambda xs, _: _Pair(*xs))
+
+
+def test_an_output_type_pytree_cannot_name_the_children_of_is_checked_by_leaf_number():
+    module = torch.nn.Sequential()
+    module.add_module("block", _Emit(_Pair(torch.ones(2), torch.tensor([1.0, math.nan]))))
+    [event] = _forward_events(module, lambda: module.block())
+    assert event.tensor == "block[1]" and event.index == [1]
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_lstm_cell_state_is_named_the_same_whether_the_output_is_packed(packed):
     """c_n is ``rnn[1][1]`` beside a padded tensor or a PackedSequence (of four leaves: data, batch_sizes, indices),

@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
 from .. import finite
 from ..distributed.tensors import whole
@@ -42,8 +42,11 @@ def output_tensors(name: str, output: Any) -> list[tuple[str, Any]]:
     a Hugging Face ModelOutput) with its name: the module's for the first leaf, the module's and the leaf's place in
     the output for the others (``rnn[1][0]``: h_n of an LSTM's ``(output, (h_n, c_n))``, whether ``output`` is a
     tensor or a PackedSequence of four)."""
-    return [(name if i == 0 else f"{name}{keystr(path)}", t)
-            for i, (path, t) in enumerate(tree_flatten_with_path(output)[0])]
+    try:
+        places = [keystr(path) for path, _ in tree_flatten_with_path(output)[0]]
+    except ValueError:  # a type registered with pytree without a way to name its children: their leaf numbers
+        places = [f"[{i}]" for i in range(len(tree_leaves(output)))]
+    return [(name if i == 0 else f"{name}{place}", t) for i, (place, t) in enumerate(zip(places, tree_leaves(output)))]
 
 
 def output_module(model: torch.nn.Module, label: str) -> tuple[str, torch.nn.Module] | None:

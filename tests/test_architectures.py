@@ -174,24 +174,23 @@ def test_an_output_type_pytree_cannot_name_the_children_of_is_checked_by_leaf_nu
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_lstm_cell_state_is_named_the_same_whether_the_output_is_packed(packed):
-    """c_n is ``rnn[1][1]`` beside a padded tensor or a PackedSequence (of four leaves: data, batch_sizes, indices),
-    not its leaf number (``rnn[2]``, ``rnn[5]``). (h_n can share the output's memory: c_n is the LSTM's alone.)"""
+@pytest.mark.parametrize("state", [0, 1])
+def test_lstm_states_are_named_the_same_whether_the_output_is_packed(packed, state):
+    """h_n is ``rnn[1][0]`` and c_n ``rnn[1][1]`` beside a padded tensor or a PackedSequence (of four leaves: data,
+    batch_sizes and two index tensors), never a leaf number (``rnn[4]``, ``rnn[5]``)."""
     torch.manual_seed(0)
     model = sm.SequenceRegressor()
     x, lengths = torch.randn(4, sm.SEQ, sm.FEATURES), torch.tensor([6, 2, 4, 3])
 
     def run():
         with torch.no_grad():
-            inputs = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False) if packed else x
-            out = model.rnn(inputs)
-        return out
-    # poison c_n as the LSTM hands it on, before the monitor's hook reads it (hooks run in registration order)
-    def poison(module, args, out) -> None:  # a hook returning a value would replace the output
-        out[1][1].view(-1)[3] = math.nan
-    model.rnn.register_forward_hook(poison)
+            return model.rnn(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False) if packed else x)
+
+    def poison(module, args, out) -> None:  # returns None: a hook's value would replace the output
+        out[1][state].view(-1)[3] = math.nan
+    model.rnn.register_forward_hook(poison)  # runs before the monitor's hooks: hooks run in registration order
     [event] = _forward_events(model, run)
-    assert event.tensor == "rnn[1][1]" and event.index == [0, 0, 3] and event.tensors_nonfinite == 1
+    assert event.tensor == f"rnn[1][{state}]" and event.index == [0, 0, 3] and event.tensors_nonfinite == 1
 
 
 # -- compiled -------------------------------------------------------------------------------------------------

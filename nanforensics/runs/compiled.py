@@ -11,11 +11,10 @@ from typing import Any, Iterable
 
 import torch
 
-# Backends that run the very aten kernels eager mode runs, in the same order: a replay that runs eagerly computes
-# what they computed, bit for bit. Any other backend (inductor) generates fused kernels of its own.
+# Backends that run the aten kernels eager mode runs: an eager replay is held to the recorded state bit for bit (the
+# comparison with the recorded checkpoints says whether it was). Any other backend (inductor) generates kernels of its
+# own, and the state is compared within a tolerance.
 EAGER_KERNELS = ("eager", "aot_eager")
-
-
 ORIG_MOD = "_orig_mod."  # the prefix of a compiled wrapper's names for the module's tensors
 
 

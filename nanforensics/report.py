@@ -339,6 +339,8 @@ class ReplaySetup:
     # a replay on the CPU: the CPU the run names (None: its manifest does not say) and this one
     recorded_cpu: CpuIdentity | None = None
     replay_cpu: CpuIdentity | None = None
+    # the torch.compile backend the run trained under (the manifest's); the replay ran the compiled module eagerly
+    compiled: str | None = None
 
 
 @dataclass

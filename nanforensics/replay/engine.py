@@ -44,6 +44,7 @@ from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe
 from ..rootcause.samples import attribute_samples, batch_size, sample_hint
 from ..runs.batches import data_leaves
+from ..runs.compiled import EAGER_KERNELS
 from ..runs.cpu import this_cpu
 from ..runs.run import Run, UserCode
 from ..runs.source import StartPoint, StepCode, StepSource
@@ -150,8 +151,10 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     # and the losses are compared within a tolerance, as on another device type
     here = this_cpu() if device.type == "cpu" else None
     other_cpu = here is not None and str(run.device or "cpu").split(":")[0] == "cpu" and run.cpu != here
-    # so does a run on a DeviceMesh emulated on one process (sessions.regrouped)
-    inexact = other_cpu or regrouped(run)
+    # so does a run on a DeviceMesh emulated on one process (sessions.regrouped), and a run compiled with a backend of
+    # its own kernels (inductor), replayed eagerly: rounded otherwise, compared so too
+    fused = run.compiled is not None and run.compiled not in EAGER_KERNELS
+    inexact = other_cpu or regrouped(run) or fused
     state_rtol = STATE_RTOL if inexact else 0.0
     rtol = opts.loss_rtol if opts.loss_rtol is not None else (
         0.0 if device.type == str(run.device or "cpu").split(":")[0] and not inexact else 1e-3)
@@ -369,7 +372,8 @@ def _report(run: StepSource, checkpoint: StartPoint, device: torch.device, threa
                              dict(data_leaves(batch, size=batch_size(batch))))
     setup = ReplaySetup(str(run.path), checkpoint.step, spread[0].step if spread else checkpoint.step,
                         spread[-1].step if spread else checkpoint.step, str(device), threads, code.imported,
-                        **({"recorded_cpu": run.cpu, "replay_cpu": this_cpu()} if device.type == "cpu" else {}))
+                        **({"recorded_cpu": run.cpu, "replay_cpu": this_cpu()} if device.type == "cpu" else {}),
+                        compiled=run.compiled)
     report = ReplayReport(
         verdict=verdict, responsible_step=origin.step if origin else None, responsible_batch=batch_ref,
         first_nonfinite_loss_step=replayed_first, logged_first_nonfinite_loss_step=logged_first, origin=origin,

@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
 from .. import finite
 from ..distributed.tensors import local_part
@@ -35,6 +35,25 @@ from ..runs.checkpoint import optimizer_params
 from .proof import StateProof, provable
 
 _RANK = {s: i for i, s in enumerate(STAGES)}
+
+
+def output_tensors(name: str, output: Any) -> list[tuple[str, Any]]:
+    """Each leaf of module ``name``'s output (any nested structure pytree flattens: tuples, dicts, a PackedSequence,
+    a Hugging Face ModelOutput) with its name: the module's for the first leaf, the module's and the leaf's place in
+    the output for the others (``rnn[1][0]``: h_n of an LSTM's ``(output, (h_n, c_n))``, whether ``output`` is a
+    tensor or a PackedSequence of four)."""
+    try:
+        places = [keystr(path) for path, _ in tree_flatten_with_path(output)[0]]
+    except ValueError:  # a type registered with pytree without a way to name its children: their leaf numbers
+        places = [f"[{i}]" for i in range(len(tree_leaves(output)))]
+    return [(name if i == 0 else f"{name}{place}", t) for i, (place, t) in enumerate(zip(places, tree_leaves(output)))]
+
+
+def output_module(model: torch.nn.Module, label: str) -> tuple[str, torch.nn.Module] | None:
+    """The module whose output ``output_tensors`` named ``label``: the longest module name it starts with."""
+    modules = {"<root>": model, **{n: m for n, m in model.named_modules() if n}}
+    named = [n for n in modules if label == n or label.startswith((f"{n}[", f"{n}."))]
+    return (max(named, key=len), modules[max(named, key=len)]) if named else None
 
 
 class StepMonitor:
@@ -85,8 +104,8 @@ class StepMonitor:
 
     def _forward_hook(self, name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            for i, t in enumerate(tree_leaves(output)):
-                self.check("forward", name if i == 0 else f"{name}[{i}]", t)
+            for label, t in output_tensors(name, output):
+                self.check("forward", label, t)
         return hook
 
     def _grad_hook(self, name: str) -> Any:

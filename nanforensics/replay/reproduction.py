@@ -24,6 +24,7 @@ from ..errors import BadInput
 from ..inputs import TensorFile
 from ..report import CheckpointComparison, StepRecord, TensorMismatch
 from ..runs.checkpoint import Checkpoint, optimizer_params, param_names
+from ..runs.compiled import ORIG_MOD, wrapped_names
 
 LOSS_ULPS = 8  # a logged and a replayed loss this close (float32 ulps) match: rounding, not divergence
 STATE_RTOL = 1e-3  # across CPUs a state value this close (relative) to the recorded one matches, as a loss does
@@ -146,9 +147,11 @@ def _recorded(checkpoint: Checkpoint) -> tuple[_Tensors, _Tensors]:
 def _with_missing(file: _Tensors, replayed: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
     """The recorded tensors one at a time, then the replayed names the file lacks (recorded as None)."""
     keys = list(file.keys())
+    # a run recorded before the recorder unwrapped torch.compile: the file's names are the wrapper's, the replay's the module's
+    strip = len(ORIG_MOD) if wrapped_names(keys) and not wrapped_names(replayed) else 0
     for key in keys:
-        yield key, file.get(key)
-    for key in sorted(set(replayed) - set(keys)):
+        yield key[strip:], file.get(key)
+    for key in sorted(set(replayed) - {k[strip:] for k in keys}):
         yield key, None
 
 

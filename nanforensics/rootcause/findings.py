@@ -6,9 +6,10 @@ import math
 from dataclasses import replace
 
 from ..finite import value_name
-from ..replay.reproduction import LOSS_ULPS
+from ..replay.reproduction import LOSS_ULPS, STATE_RTOL
 from ..replay.spread import from_replay
 from ..report import CheckpointComparison, CheckpointLoad, Event, OperationCulprit, OpSite, Precursor, ReplayReport
+from ..runs.compiled import EAGER_KERNELS
 from ..runs.cpu import describe as describe_cpu
 from ..words import count, numbered
 
@@ -394,7 +395,7 @@ def _reproduction(r: ReplayReport) -> list[str]:
                  "within them is not reproduced from the supplied batches") if r.verdict == "clean" else ""
         return [f"No losses were logged and no recorded checkpoint lies in the replayed window: whether the replay "
                 f"reproduces the run cannot be judged{clean}."]
-    cpus = _other_cpu(r)
+    cpus = _compiled(r) + _other_cpu(r)
     if not r.reproduced:
         text = reproduction(r)
         return [f"{text[0].upper()}{text[1:]}. The replay is not an exact copy of the run: non-deterministic kernels, "
@@ -412,17 +413,38 @@ def _reproduction(r: ReplayReport) -> list[str]:
     else:
         close = [c.step for c in r.checkpoints_compared if c.matched]
         why = ("few enough to be the loss's own rounding (its reduction summed in another order)" if rounding else
-               "within the tolerance for a replay on another device type or CPU") + \
+               ("within the tolerance for an eager replay of a run compiled with kernels of its own"
+                if r.setup.compiled not in (None, *EAGER_KERNELS) else
+                "within the tolerance for a replay on another device type or CPU")) + \
             (f"; the state matches the recorded one within tolerance at step {close[-1]}" if close else
              "; no recorded checkpoint in the replayed window confirms the state")
     return cpus + [f"Replayed losses differ from the logged ones by up to {r.loss_max_ulps} float32 ulp: {why}."]
+
+
+def _compiled(r: ReplayReport) -> list[str]:
+    """A run trained under torch.compile: the replay ran its module eagerly, and what the recorded state says of that."""
+    backend = r.setup.compiled
+    if backend is None:
+        return []
+    judged = [c for c in r.checkpoints_compared if c.error is None]
+    c = judged[-1] if judged else None
+    how = (f"{backend} runs the kernels eager mode runs" + (", so the state is compared bit for bit" if c is None or
+                                                             not c.tolerance else "")
+           if backend in EAGER_KERNELS else
+           f"{backend} generates kernels of its own, which may round otherwise than eager mode's, so the state is "
+           f"compared within rtol {c.tolerance if c is not None else STATE_RTOL:g}")
+    state = ("no recorded checkpoint in the replayed window was compared" if c is None else
+             f"it is bit-exact at step {c.step}" if c.exact else
+             f"it matches within rtol {c.tolerance:g} at step {c.step}" if c.matched else f"it differs at step {c.step}")
+    return [f"The run trained under torch.compile (backend {backend}); the replay ran the module it compiled eagerly, "
+            f"where its hooks see every module's output and every operation. {how}: {state}."]
 
 
 def _other_cpu(r: ReplayReport) -> list[str]:
     """Why the state was compared within a tolerance: the run was recorded on another kind of CPU, or on one its
     manifest does not name."""
     tolerant = [c for c in r.checkpoints_compared if c.error is None and c.tolerance > 0]
-    if not tolerant:
+    if not tolerant or (r.setup.compiled not in (None, *EAGER_KERNELS) and r.setup.recorded_cpu == r.setup.replay_cpu):
         return []
     known = r.setup.recorded_cpu is not None
     rounded = [c.max_ulps for c in tolerant if c.max_ulps is not None]

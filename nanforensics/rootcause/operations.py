@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import finite
+from ..replay.monitor import output_module, output_tensors
 from ..report import Event, InfSource, OperationCulprit, OpSite
 from .findings import describe
 
@@ -693,11 +694,9 @@ class _Origin:
         self._handles: list[Any] = []
         params = dict(model.named_parameters(remove_duplicate=False))
         if event.stage == "forward":
-            name, _, leaf = event.tensor.partition("[")
-            modules = dict(model.named_modules())
-            module = model if name == "<root>" else modules.get(name)
-            if module is not None:
-                self._handles.append(module.register_forward_hook(self._module_hook(int(leaf[:-1] or 0))))
+            found = output_module(model, event.tensor)
+            if found is not None:
+                self._handles.append(found[1].register_forward_hook(self._module_hook(*found)))
         elif event.stage == "grad" and event.tensor in params:
             self._handles.append(params[event.tensor].register_post_accumulate_grad_hook(
                 lambda p: self._catch(p.grad)))
@@ -705,11 +704,11 @@ class _Origin:
             p = params[event.tensor]
             self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._catch(p.grad)))
 
-    def _module_hook(self, leaf: int) -> Callable[..., None]:
+    def _module_hook(self, name: str, module: torch.nn.Module) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            leaves = tree_leaves(output)
-            if leaf < len(leaves):
-                self._catch(leaves[leaf])
+            for label, t in output_tensors(name, output):
+                if label == self.event.tensor:
+                    self._catch(t)
         return hook
 
     def _catch(self, t: Any) -> None:

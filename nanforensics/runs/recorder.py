@@ -20,6 +20,7 @@ from ..distributed.pipeline import pipeline_world
 from ..distributed.record import recording_world
 from .batches import encoded_bytes, snapshot
 from .checkpoint import checkpoint_name, save_checkpoint
+from .compiled import compiled_backend, unwrapped
 from .cpu import this_cpu
 from .files import write_bytes_atomic, write_json_atomic
 from .guard import Guard, GuardPolicy, ring_nbytes
@@ -175,6 +176,8 @@ class Recorder:
                 raise FileExistsError(f"{self.path} is not empty; pass overwrite=True to replace it")
             shutil.rmtree(self.path)
         model = self.world.module if self.world is not None else model  # names are the model's own, unwrapped
+        backend = compiled_backend(model)  # torch.compile's: its names are the compiled module's, no _orig_mod.
+        model = unwrapped(model)
         self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
         self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
         self.start_step = start_step
@@ -196,6 +199,8 @@ class Recorder:
             "device": str(next(model.parameters()).device),
             "cpu": dataclasses.asdict(this_cpu()),  # a replay on another kind of CPU sums in another order
         }
+        if backend is not None:
+            manifest["compiled"] = {"backend": backend}
         if scaler is not None:
             manifest["scaler"] = {"enabled": scaler.is_enabled()}
         if scheduler_factory is not None:

@@ -19,6 +19,7 @@ from ..schema import load
 from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
+from .compiled import eager, wrapped_names
 from .paths import MANIFEST, run_directory
 from .steplog import LoggedStep, is_step, read_steps
 
@@ -67,6 +68,7 @@ class Manifest:
     scheduler_factory: str | None = None
     world: World | None = None  # None: a single-process run
     cpu: CpuIdentity | None = None  # None: recorded before manifests named the CPU
+    compiled: str | None = None  # the torch.compile backend the loop's model ran under; None: not compiled
 
     @classmethod
     def read(cls, path: Path) -> "Manifest":
@@ -93,7 +95,8 @@ class Manifest:
                 start_step=start, num_threads=threads, raw=raw,
                 scaler_enabled=get("scaler.enabled", bool) if raw.get("scaler") is not None else None,
                 scheduler_factory=get("scheduler.factory", str) if raw.get("scheduler") is not None else None,
-                cpu=load(CpuIdentity, raw["cpu"], path, "cpu") if raw.get("cpu") is not None else None)
+                cpu=load(CpuIdentity, raw["cpu"], path, "cpu") if raw.get("cpu") is not None else None,
+                compiled=get("compiled.backend", str) if raw.get("compiled") is not None else None)
         if fmt == DISTRIBUTED_FORMAT:
             m.world = World.read(raw.get("distributed"), path)
         return m
@@ -183,6 +186,10 @@ class Run:
     @property
     def cpu(self) -> CpuIdentity | None:
         return self.manifest.cpu
+
+    @property
+    def compiled(self) -> str | None:
+        return self.manifest.compiled
 
     @property
     def checkpoint_folder(self) -> Path:
@@ -280,21 +287,26 @@ class UserCode:
             raise BadInput(where, f"model factory {run.manifest.model_factory} raised {e.__class__.__name__}: {e}") from None
         if not isinstance(model, torch.nn.Module):
             raise BadInput(where, f"model factory {run.manifest.model_factory} returned {type(model).__name__}, not a Module")
+        built, model = model, eager(model)  # replay's hooks see every module and operation only in eager execution
         model.to(device)
         if wrap is not None:
             wrap(model)
         meta = checkpoint.meta()
+        # a run recorded before the recorder unwrapped torch.compile names its tensors "_orig_mod.x": they load through
+        # the compiled wrapper, whose parameters are the module's own
+        holder = built if built is not model and wrapped_names(n for g in meta["param_groups"] for n in g["params"]) \
+            else model
         if self.optimizer_factory is not None:
             factory = run.manifest.optimizer_factory
             try:
-                optimizer = self.optimizer_factory(model)
+                optimizer = self.optimizer_factory(holder)
             except Exception as e:
                 raise BadInput(where, f"optimizer.factory {factory} raised {e.__class__.__name__}: {e}") from None
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise BadInput(where, f"optimizer.factory {factory} returned {type(optimizer).__name__}, not a "
                                       "torch.optim.Optimizer")
         else:
-            named = dict(model.named_parameters(remove_duplicate=False))
+            named = dict(holder.named_parameters(remove_duplicate=False))
             missing = [n for g in meta["param_groups"] for n in g["params"] if n not in named]
             if missing:
                 raise BadInput(checkpoint.path / "meta.json", f"optimizer parameters {missing[:3]} are not in the model")
@@ -315,5 +327,5 @@ class UserCode:
                                       f"{type(scheduler).__name__}, not an LR scheduler")
         enabled = run.manifest.scaler_enabled
         scaler = torch.amp.GradScaler(device.type, enabled=enabled) if enabled is not None else None
-        checkpoint.load_into(model, optimizer, scaler=scaler, scheduler=scheduler)
+        checkpoint.load_into(holder, optimizer, scaler=scaler, scheduler=scheduler)
         return Rebuilt(model, optimizer, scaler, scheduler, meta)

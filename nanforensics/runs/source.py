@@ -46,6 +46,9 @@ class StepSource(Protocol):
     def cpu(self) -> CpuIdentity | None: ...  # the CPU the run was recorded on, when known
 
     @property
+    def compiled(self) -> str | None: ...  # the torch.compile backend the run trained under, when known
+
+    @property
     def checkpoint_folder(self) -> Path: ...  # named by errors about its checkpoints
 
     @property

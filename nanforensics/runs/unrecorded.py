@@ -86,6 +86,7 @@ class UnrecordedRun:
     num_threads: int | None = None
     device: str | None = None
     cpu: None = None  # nor on which CPU
+    compiled: None = None  # nor whether under torch.compile
     world: None = None  # one process: the user's batch function gives the whole batch
 
     def __init__(self, checkpoint: UserCheckpoint, batch_fn: Callable[[int], Any], batch_name: str,

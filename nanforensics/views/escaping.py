@@ -43,12 +43,23 @@ def visible(text: object) -> str:
     return "".join(ch if _allowed(ch) else _escape(ch) for ch in text)
 
 
-def markup(text: object) -> str:
-    """``visible(text)`` for a string rich parses as markup: a sample id ``[red]x[/red]`` or ``[link=...]`` stays
-    text."""
-    from rich.markup import escape
+# rich.markup's tag (RE_TAGS without its leading backslashes): where one starts, rich reads k backslashes before
+# it as k // 2 literal ones and an odd one as the tag's escape; elsewhere it reads a backslash before "[" as nothing.
+_RICH_TAG = re.compile(r"\[[a-z#/@][^[]*?]")
+_BEFORE_BRACKET = re.compile(r"(\\*)(\[|\Z)")
 
-    return escape(visible(text))
+
+def _rich_bracket(m: re.Match[str]) -> str:
+    k = len(m.group(1))
+    if not m.group(2):  # the end: the tag a view writes next (``[/dim]``) must not be escaped by these
+        return "\\" * (2 * k)
+    return "\\" * (2 * k + 1 if _RICH_TAG.match(m.string, m.end(1)) else k + 1) + "["
+
+
+def markup(text: object) -> str:
+    """``visible(text)`` for a string rich parses as markup, rendered as itself: a sample id ``[red]x[/red]`` or
+    ``[link=...]`` stays text, and so do backslashes before a bracket (``rich.markup.escape`` drops them)."""
+    return _BEFORE_BRACKET.sub(_rich_bracket, visible(text))
 
 
 # ---- Markdown ----------------------------------------------------------------------------------

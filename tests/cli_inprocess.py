@@ -313,11 +313,21 @@ def _status(code: object) -> int:
     return 1
 
 
+class _Expired(BaseException):
+    """The call ran past its timeout (raised by SIGALRM wherever it waits, a FIFO's open included)."""
+
+
+def _expire(signum: int, frame: object) -> None:
+    raise _Expired()
+
+
 def _main(main: Any) -> int:
     """``sys.exit(main())`` as the console script runs it, ended as the interpreter ends it."""
     try:
         main()
         return 0
+    except _Expired:
+        raise
     except SystemExit as e:
         return _status(e.code)
     except BaseException as e:  # uncaught: the interpreter prints the traceback (of the script's frames)
@@ -328,9 +338,9 @@ def _main(main: Any) -> int:
 _lock = threading.Lock()
 
 
-def call(script: str, args: list[str], env: dict[str, str], cwd: Path | None) -> tuple[int, str, str]:
+def call(script: str, args: list[str], env: dict[str, str], cwd: Path | None, timeout: float) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of ``script args`` run in ``env`` and ``cwd``, as ``subprocess.run(text=True)``
-    returns them, from ``nanforensics.cli.main`` called here."""
+    returns them, from ``nanforensics.cli.main`` called here; ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("the in-process CLI sets signal handlers: call it on the main thread (or process=True)")
     from nanforensics.distributed.env import torchrun_env
@@ -352,6 +362,8 @@ def call(script: str, args: list[str], env: dict[str, str], cwd: Path | None) ->
             stack.enter_context(_streams(fresh, out.fileno(), err.fileno()))
             stack.enter_context(_handlers(fresh))
             sys.argv, sys.modules["__main__"] = [script, *args], main_module
+            signal.signal(signal.SIGALRM, _expire)  # put back by _handlers
+            signal.setitimer(signal.ITIMER_REAL, timeout)
             try:
                 from nanforensics.cli import main
 
@@ -359,7 +371,10 @@ def call(script: str, args: list[str], env: dict[str, str], cwd: Path | None) ->
                 for thread in set(threading.enumerate()) - threads:  # the interpreter waits for them at exit
                     if not thread.daemon:
                         thread.join(60)
+            except _Expired:
+                raise subprocess.TimeoutExpired([script, *args], timeout) from None
             finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
                 sys.argv, sys.modules["__main__"] = argv, main_before
         leaks.check()
         encoding = locale.getpreferredencoding(False)

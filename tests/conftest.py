@@ -66,17 +66,18 @@ def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] =
         return run_cli_process(*args, cwd=cwd, wrapper=wrapper, columns=columns)
     from cli_inprocess import call
 
-    return Result(*call(cli_command()[0], [str(a) for a in args], cli_env(columns), cwd))
+    return Result(*call(cli_command()[0], [str(a) for a in args], cli_env(columns), cwd, timeout=TIMEOUT_S))
 
 
 def run_cli_process(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = (), columns: int = 160) -> Result:
     """The installed console script (or ``python -m nanforensics``) as a process, as a user runs it."""
     p = subprocess.run([*wrapper, *cli_command(), *map(str, args)], capture_output=True, text=True,
-                       env=cli_env(columns), cwd=cwd, timeout=300)
+                       env=cli_env(columns), cwd=cwd, timeout=TIMEOUT_S)
     return Result(p.returncode, p.stdout, p.stderr)
 
 
 ALL_PROCESSES = False  # --cli-process
+TIMEOUT_S = 300  # a CLI call that runs longer (a hang) fails its test
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -61,8 +61,9 @@ def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] =
     process would write and its exit code. ``process``: the installed console script as a process instead, for tests
     of what only a process has (signals, hangs, sys.path at start-up); ``wrapper`` prefixes its command line
     (``setpriv ...``: the CLI without root's permission override) and implies it; ``columns`` is $COLUMNS, the width
-    of the log the output goes to. ``--cli-process`` runs every call as a process."""
-    if process or wrapper or ALL_PROCESSES:
+    of the log the output goes to. ``--cli-process`` runs every call as a process. Under torchrun's variables (a test
+    that sets RANK and WORLD_SIZE) the CLI ends its process itself (``os._exit``): a process too."""
+    if process or wrapper or ALL_PROCESSES or {"RANK", "WORLD_SIZE"} <= os.environ.keys():
         return run_cli_process(*args, cwd=cwd, wrapper=wrapper, columns=columns)
     from cli_inprocess import call
 

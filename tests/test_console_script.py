@@ -22,7 +22,7 @@ def calls(saved: Path) -> dict[str, tuple[str | Path, ...]]:
         "scan": ("scan", SAMPLE / "checkpoints" / "step_00000020"),
         "bisect": ("bisect", SAMPLE, "--markdown", "bisect.md"),
         "replay": ("replay", SAMPLE, "--code-path", CODE, "--json", "replay.json"),
-        "postmortem": ("postmortem", SAMPLE, "--code-path", CODE, "--json", "-"),
+        "postmortem": ("postmortem", SAMPLE, "--code-path", CODE),  # its JSON holds each analysis' seconds
         "repair": ("repair", SAMPLE, "--code-path", CODE, "--out", "repaired", "--verify-steps", "2"),
         "report": ("report", saved, "--markdown", "-"),
         "version": ("--version",),

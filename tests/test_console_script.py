@@ -4,12 +4,17 @@ the same exit code, stdout and stderr. The rest of the suite calls the CLI in-pr
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
+from cli_inprocess import _user_code
 from conftest import ROOT, Result, cli_command, run_cli, tree_digest
 
 SAMPLE, CODE = ROOT / "sample_runs" / "seed_adam", ROOT / "sample_runs" / "code"
@@ -66,3 +71,18 @@ def test_in_process_call_is_the_process(both, name):
            sorted(p.relative_to(process_dir) for p in process_dir.rglob("*"))
     expected = {"scan": 0, "version": 0, "report": 0, "usage": 2, "bad input": 2}
     assert process.code == expected.get(name, 1 if name != "repair" else 0), process.stderr
+
+
+def test_an_in_process_call_leaves_the_process_as_it_was(tmp_path):
+    """A replay sets torch's threads and RNG from the run and imports the run's code: none of it outlives the call."""
+    def state() -> tuple[object, ...]:
+        return (torch.get_num_threads(), torch.get_rng_state().tolist(), os.getcwd(), dict(os.environ), sys.path[:],
+                sorted(n for n, m in list(sys.modules.items()) if _user_code(m)), signal.getsignal(signal.SIGINT),
+                sys.stdout, sys.stderr, sys.argv, sys.modules["__main__"])
+
+    before = state()
+    result = run_cli("replay", SAMPLE, "--code-path", CODE, "--quiet", "--no-explain", cwd=tmp_path)
+    assert result.code == 1 and "responsible step 27" in result.stdout, result.stderr
+    after = state()
+    assert [i for i, (a, b) in enumerate(zip(before, after)) if a != b] == [], (before, after)
+    assert sys.modules["regressor"].__file__ == str(CODE / "regressor.py")  # the tests' own, imported by scenarios

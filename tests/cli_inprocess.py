@@ -251,7 +251,8 @@ def _handlers(fresh: dict[str, Any]) -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filters[:] = _filters(fresh)
-            warnings._filters_mutated()  # type: ignore[attr-defined]
+            warnings.filterwarnings("default", message="\x00never")  # invalidates the modules' warning registries
+            warnings.filters.pop(0)
             warnings.showwarning = _show
             yield
     finally:

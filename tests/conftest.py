@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny real runs recorded by the project's own recorder, and the CLI as a subprocess."""
+"""Shared fixtures: tiny real runs recorded by the project's own recorder, and the CLI through its real entry point."""
 
 from __future__ import annotations
 
@@ -46,17 +46,50 @@ class Result:
         return json.loads(self.stdout)
 
 
-def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = (), columns: int = 160) -> Result:
-    """``wrapper`` prefixes the command line (``setpriv ...``: the CLI without root's permission override);
-    ``columns`` is $COLUMNS, the width of the log the output goes to."""
-    # The scenarios the test runs were recorded with (``scenarios:build_model``) are the user's code here: on the
-    # path, as a user's installed package would be.
+def cli_env(columns: int = 160, **extra: str) -> dict[str, str]:
+    """The environment a CLI call runs in: this one, with the scenarios the test runs were recorded with
+    (``scenarios:build_model``) on the path as a user's installed package would be, no colours, the log's width."""
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "COLUMNS": str(columns), "NO_COLOR": "1", "PYTHONPATH": path}
+    env = {**os.environ, "COLUMNS": str(columns), "NO_COLOR": "1", "PYTHONPATH": path, **extra}
     env.pop("NANFORENSICS_DEBUG", None)
-    p = subprocess.run([*wrapper, *cli_command(), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd,
-                       timeout=300)
+    return env
+
+
+def run_cli(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = (), columns: int = 160,
+            process: bool = False) -> Result:
+    """The CLI through its real entry point, ``nanforensics.cli.main``, in this process (``cli_inprocess``): what a
+    process would write and its exit code. ``process``: the installed console script as a process instead, for tests
+    of what only a process has (signals, hangs, sys.path at start-up); ``wrapper`` prefixes its command line
+    (``setpriv ...``: the CLI without root's permission override) and implies it; ``columns`` is $COLUMNS, the width
+    of the log the output goes to. ``--cli-process`` runs every call as a process. Under torchrun's variables (a test
+    that sets RANK and WORLD_SIZE) the CLI ends its process itself (``os._exit``): a process too."""
+    if process or wrapper or ALL_PROCESSES or {"RANK", "WORLD_SIZE"} <= os.environ.keys():
+        return run_cli_process(*args, cwd=cwd, wrapper=wrapper, columns=columns)
+    from cli_inprocess import call
+
+    return Result(*call(cli_command()[0], [str(a) for a in args], cli_env(columns), cwd, timeout=TIMEOUT_S))
+
+
+def run_cli_process(*args: str | Path, cwd: Path | None = None, wrapper: Sequence[str] = (), columns: int = 160) -> Result:
+    """The installed console script (or ``python -m nanforensics``) as a process, as a user runs it."""
+    p = subprocess.run([*wrapper, *cli_command(), *map(str, args)], capture_output=True, text=True,
+                       env=cli_env(columns), cwd=cwd, timeout=TIMEOUT_S)
     return Result(p.returncode, p.stdout, p.stderr)
+
+
+ALL_PROCESSES = False  # --cli-process
+TIMEOUT_S = 300  # a CLI call that runs longer (a hang) fails its test
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cli-process", action="store_true",
+                     help="run every CLI call of the tests as a process of the console script (slower; the "
+                          "in-process calls' check)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global ALL_PROCESSES
+    ALL_PROCESSES = bool(config.getoption("--cli-process"))
 
 
 def tree_digest(root: Path) -> dict[str, str]:

@@ -14,5 +14,6 @@ if __name__ == "__main__":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         limit = int(sys.argv[3])
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    scenarios.record(run_dir, "adam_near_zero", steps=steps, defect_step=10**9, checkpoint_every=3)
+    every = int(sys.argv[4]) if len(sys.argv) > 4 else 3  # often enough that a kill lands between checkpoints
+    scenarios.record(run_dir, "adam_near_zero", steps=steps, defect_step=10**9, checkpoint_every=every)
     print("finished", flush=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -157,13 +156,12 @@ def test_cli(ck, tmp_path):
     run, pt = ck.runs["params"], ck.folders["params", "pt"]
     before = {p: tree_digest(p) for p in (run, pt, ck.runs["clean"])}
 
-    with ThreadPoolExecutor(4) as pool:  # four interpreter start-ups at once: most of their time is importing torch
-        found, glob, clean, replayed = pool.map(lambda args: run_cli(*args), [
-            ("bisect", run, "--json", "-"),
-            ("bisect", f"{pt}/ckpt_*.pt", "--markdown", tmp_path / "b.md"),
-            ("bisect", ck.runs["clean"]),
-            ("bisect", run, "--replay"),
-        ])
+    found, glob, clean, replayed = (run_cli(*args) for args in [
+        ("bisect", run, "--json", "-"),
+        ("bisect", f"{pt}/ckpt_*.pt", "--markdown", tmp_path / "b.md"),
+        ("bisect", ck.runs["clean"]),
+        ("bisect", run, "--replay"),
+    ])
     assert found.code == 1, found.stderr
     r = found.json()
     assert r["schema"] == "nanforensics.bisect/1"

@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 from nanforensics.errors import BadInput
 from nanforensics.runs.imports import ROLES, TOOL_MODULES, load_callable
 
+# the command line's cases run as processes: what a fresh interpreter imports at start-up (torch, then sympy's
+# gmpy2 and flint) and from which sys.path is what they test
 from conftest import ROOT, assert_one_line_error, run_cli, tree_digest
 
 # CPython's own tests, which some distributions package apart (found without importing anything)
@@ -278,7 +280,7 @@ def test_cpython_test_package_cannot_run_code_or_delete_batches(tmp_path):
     calls = [("replay", code, "--no-explain"), ("replay", rmtree, "--no-explain"),
              ("postmortem", rmtree, "--json", tmp_path / "pm.json")]
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda args: run_cli(*args, cwd=ROOT), calls))
+        results = list(pool.map(lambda args: run_cli(*args, cwd=ROOT, process=True), calls))
     assert_one_line_error(results[0], "manifest.json", "test.support:run_in_subinterp' is refused", "standard library")
     assert_one_line_error(results[1], "manifest.json", "test.support.os_helper:rmtree' is refused", "standard library")
     assert not marker.exists(), "the payload ran"
@@ -295,7 +297,7 @@ def test_a_module_file_in_the_run_directory_is_never_imported_later(tmp_path):
     marker = tmp_path / "payload-ran"
     for name in ("gmpy2", "flint"):
         (run / f"{name}.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nraise ImportError('no')\n")
-    result = run_cli("replay", ".", "--no-explain", "--code-path", SAMPLE_CODE, cwd=run)
+    result = run_cli("replay", ".", "--no-explain", "--code-path", SAMPLE_CODE, cwd=run, process=True)
     assert result.code == 1, result.stderr
     assert not marker.exists(), "a module file of the run directory ran"
 
@@ -305,10 +307,11 @@ def test_a_venv_package_through_the_command_line(tmp_path, monkeypatch):
     project, site = _project(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
     run = _sample(tmp_path, model_factory="venvpkg:build_model")
-    refused = run_cli("replay", run, "--no-explain", "--code-path", SAMPLE_CODE, cwd=project)
+    refused = run_cli("replay", run, "--no-explain", "--code-path", SAMPLE_CODE, cwd=project, process=True)
     assert_one_line_error(refused, "manifest.json", "venvpkg:build_model' is refused", "--trust-package NAME")
     assert not (site / "venvpkg" / "imported").exists()
-    trusted = run_cli("replay", run, "--no-explain", "--code-path", SAMPLE_CODE, "--trust-package", "venvpkg", cwd=project)
+    trusted = run_cli("replay", run, "--no-explain", "--code-path", SAMPLE_CODE, "--trust-package", "venvpkg", cwd=project,
+                      process=True)
     assert_one_line_error(trusted, "model factory venvpkg:build_model raised RuntimeError: admitted and called")
     assert (site / "venvpkg" / "imported").exists()
     # the post-mortem takes the same choice: refused without it (checkpoints only), admitted with it

@@ -59,8 +59,9 @@ def test_killed_recording_leaves_a_readable_run(tmp_path, kill_after):
 
 
 def test_full_disk_raises_in_the_training_loop(tmp_path):
-    # checkpoints (largest file 22 kB) fit; the step log outgrows the limit after some 700 steps
-    job = _job(tmp_path / "run", 2000, 30_000)
+    # checkpoints (largest file 22 kB) fit; the step log outgrows the limit after some 700 steps. A checkpoint every
+    # 500 steps: the steps, not some 230 checkpoints, are what fills the disk here
+    job = _job(tmp_path / "run", 2000, 30_000, 500)
     out, err = job.communicate(timeout=120)
     assert job.returncode != 0 and "finished" not in out
     assert f"nanforensics recorder could not write {tmp_path / 'run' / 'steps.jsonl'}: File too large" in err, \

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -382,8 +381,7 @@ def test_no_output_over_the_checkpoint_the_script_or_into_a_checkpoint_folder(pl
         (["replay", "--checkpoint", folder, "--code", PLAIN, "--json", folder / "r.json"], ["lies inside"]),
         (["bisect", plain, "--code", PLAIN, "--markdown", PLAIN], ["--markdown", "an input"]),
     ]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(lambda call: run_cli(*call[0], cwd=ROOT), calls))
+    results = [run_cli(*call[0], cwd=ROOT) for call in calls]
     for result, (_, needles) in zip(results, calls):
         assert_one_line_error(result, *needles)
     assert (checkpoint.read_bytes(), (ROOT / PLAIN).read_bytes()) == before

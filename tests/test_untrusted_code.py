@@ -6,10 +6,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -152,8 +150,7 @@ def test_every_command_refuses_and_shows_the_code_first_and_trust_code_opts_in(c
         "refused": ("replay", beyond, "--no-explain"),
         "trusted": ("replay", beyond, "--no-explain", "--trust-code", "--json", "-"),
     }
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = dict(zip(calls, pool.map(lambda args: run_cli(*args), calls.values())))
+    results = {name: run_cli(*args) for name, args in calls.items()}
     for command in ("replay", "repair"):
         r = results[command]
         assert r.stderr.startswith(ANNOUNCEMENT + "model_factory=os:system, step_fn=scenarios:train_step"), r.stderr

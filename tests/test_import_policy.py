@@ -317,7 +317,7 @@ def test_a_venv_package_through_the_command_line(tmp_path, monkeypatch):
     # the post-mortem takes the same choice: refused without it (checkpoints only), admitted with it
     (site / "venvpkg" / "imported").unlink()
     for extra, said in (((), "is refused"), (("--trust-package", "venvpkg"), "admitted and called")):
-        pm = run_cli("postmortem", run, "--json", "-", "--code-path", SAMPLE_CODE, *extra, cwd=project)
+        pm = run_cli("postmortem", run, "--json", "-", "--code-path", SAMPLE_CODE, *extra, cwd=project, process=True)
         replay = next(a for a in pm.json()["analyses"] if a["name"] == "replay")
         assert said in replay["detail"], (extra, replay)
         assert (site / "venvpkg" / "imported").exists() == bool(extra)

@@ -27,7 +27,7 @@ from nanforensics.errors import BadInput
 from nanforensics.formats.discover import open_checkpoint
 
 import mesh_job as job
-from conftest import tree_digest
+from conftest import run_cli, tree_digest
 from distributed_job import DEFECT_STEP, EVERY
 from test_distributed import exit_codes, launch, replayed, torchrun
 
@@ -113,6 +113,10 @@ def test_replay_at_world_size(runs, tmp_path, name):
                       and e["rank"] != 0)
         assert second["tensor"] == "features.gain" and second["index"][0] >= 8, second
     assert result.stdout.count("NON-FINITE") == 1
+    # the views name the shard's rank with its mesh coordinate, from the report's words for it
+    assert report["responsible_batch"]["owner"] == f"rank {rank} ({coordinate})"
+    markdown = run_cli("report", out, "--markdown", "-").stdout
+    assert f"step {DEFECT_STEP}, rank {rank} ({coordinate})'s shard" in markdown, markdown
     assert tree_digest(run) == before
 
 

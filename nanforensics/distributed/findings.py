@@ -76,7 +76,8 @@ def _responsible(run: Run, origin: Event) -> BatchRef:
         group = run.world.data_rank(origin.rank)  # on a mesh, the rank's data-parallel group
         batch = run.batch(origin.step, group)
         return BatchRef(origin.step, str(run.batch_file(origin.step, group)),
-                        dict(data_leaves(batch, size=batch_size(batch))), origin.rank)
+                        dict(data_leaves(batch, size=batch_size(batch))), origin.rank,
+                        run.world.where(origin.rank))
     leaves = {}
     for rank in run.ranks:
         batch = run.batch(origin.step, rank)

@@ -148,6 +148,9 @@ def test_one_process_replays_within_a_tolerance(runs, name):
     else:
         assert "in the group's computation, its tensor-parallel layers rebuilt whole" in chain, chain
         assert "tensor-parallel rank" not in chain  # the emulation holds no rank's local computation
+    # each entry of the logged losses is a data-parallel group's (on a mesh a group logs one loss), never "every rank"
+    losses = [f for f in report["findings"] if "logged loss" in f.lower() and f.startswith(("Every ", "Logged losses first"))]
+    assert losses and all("data-parallel group" in f and "rank's logged" not in f for f in losses), report["findings"]
     assert tree_digest(run) == before
 
 

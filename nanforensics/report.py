@@ -56,6 +56,7 @@ class BatchRef:
     file: str
     leaves: dict[str, Any]  # the batch's non-tensor leaves, such as sample ids
     rank: int | None = None  # distributed runs: the rank whose shard this is
+    owner: str | None = None  # that rank in words, with its mesh coordinate on a DeviceMesh: "rank 2 (dp=1, tp=0)"
 
 
 @dataclass

@@ -103,6 +103,7 @@ def check_attribution(report: dict[str, Any], wrapping: str, ranks_replayed: str
     assert chain.startswith(f"Rank 1's shard (sample {job.DEFECT_SAMPLE}: batch['id'] = ['{DEFECT_ID}']) made grad "
                             f"features.gain[3] = inf at step {job.DEFECT_STEP}; the {collective}"), chain
     assert [c["logged_first_nonfinite_loss_step"] for c in report["ranks"]] == [job.DEFECT_STEP + 1] * job.WORLD
+    assert f"Every rank's logged loss is non-finite from step {job.DEFECT_STEP + 1}." in report["findings"]  # no mesh
 
 
 def test_layout(runs):

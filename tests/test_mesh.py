@@ -27,7 +27,7 @@ from nanforensics.errors import BadInput
 from nanforensics.formats.discover import open_checkpoint
 
 import mesh_job as job
-from conftest import tree_digest
+from conftest import run_cli, tree_digest
 from distributed_job import DEFECT_STEP, EVERY
 from test_distributed import exit_codes, launch, replayed, torchrun
 
@@ -113,6 +113,10 @@ def test_replay_at_world_size(runs, tmp_path, name):
                       and e["rank"] != 0)
         assert second["tensor"] == "features.gain" and second["index"][0] >= 8, second
     assert result.stdout.count("NON-FINITE") == 1
+    # the views name the shard's rank with its mesh coordinate, from the report's words for it
+    assert report["responsible_batch"]["owner"] == f"rank {rank} ({coordinate})"
+    markdown = run_cli("report", out, "--markdown", "-").stdout
+    assert f"step {DEFECT_STEP}, rank {rank} ({coordinate})'s shard" in markdown, markdown
     assert tree_digest(run) == before
 
 
@@ -144,6 +148,9 @@ def test_one_process_replays_within_a_tolerance(runs, name):
     else:
         assert "in the group's computation, its tensor-parallel layers rebuilt whole" in chain, chain
         assert "tensor-parallel rank" not in chain  # the emulation holds no rank's local computation
+    # each entry of the logged losses is a data-parallel group's (on a mesh a group logs one loss), never "every rank"
+    losses = [f for f in report["findings"] if "logged loss" in f.lower() and f.startswith(("Every ", "Logged losses first"))]
+    assert losses and all("data-parallel group" in f and "rank's logged" not in f for f in losses), report["findings"]
     assert tree_digest(run) == before
 
 
@@ -218,6 +225,36 @@ def test_a_damaged_mesh_section_is_one_line_bad_input(key, value, nested):
         assert str(e).startswith("manifest.json: distributed.") and "\n" not in str(e), str(e)
     else:
         assert world.mesh is not None and world.mesh.to_json() == mesh
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(LAYOUTS), pick=st.integers(0, 99), other=st.sampled_from(["Replicate()", "Shard(dim=0)",
+                                                                                      "Shard(dim=1)", None]))
+def test_rebuilt_placements_must_be_the_recorded_ones(runs, name, pick, other):
+    """The placements replay rebuilds are compared with the recorded manifest's before any step: the real recorded
+    placements pass; any one parameter's placement on one dimension changed (or the parameter dropped) is one line of
+    BadInput naming manifest.json, the parameter, the recorded and the rebuilt placements."""
+    from nanforensics.distributed.wrapping import check_placements
+    from nanforensics.runs.run import Run
+
+    run = Run(runs[name])
+    assert run.world is not None and run.world.mesh is not None
+    recorded = run.world.mesh.placements
+    check_placements(json.loads(json.dumps(recorded)), run.world, run.code_file)
+    rebuilt = json.loads(json.dumps(recorded))
+    param = sorted(rebuilt)[pick % len(rebuilt)]
+    dim = sorted(rebuilt[param])[pick % len(rebuilt[param])]
+    if other is None:
+        del rebuilt[param]
+    elif other == rebuilt[param][dim]:
+        return
+    else:
+        rebuilt[param][dim] = other
+    with pytest.raises(BadInput) as e:
+        check_placements(rebuilt, run.world, run.code_file)
+    line = str(e.value)
+    assert line.startswith(f"{run.code_file}: distributed.mesh.placements of {param!r} are ") and "\n" not in line, line
+    assert f"{dim}={recorded[param][dim]}" in line and (other is None or f"{dim}={other}" in line), line
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason=f"a 2x2 mesh on NCCL needs 4 CUDA devices; this machine "

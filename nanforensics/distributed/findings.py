@@ -76,7 +76,8 @@ def _responsible(run: Run, origin: Event) -> BatchRef:
         group = run.world.data_rank(origin.rank)  # on a mesh, the rank's data-parallel group
         batch = run.batch(origin.step, group)
         return BatchRef(origin.step, str(run.batch_file(origin.step, group)),
-                        dict(data_leaves(batch, size=batch_size(batch))), origin.rank)
+                        dict(data_leaves(batch, size=batch_size(batch))), origin.rank,
+                        run.world.where(origin.rank))
     leaves = {}
     for rank in run.ranks:
         batch = run.batch(origin.step, rank)
@@ -204,12 +205,13 @@ def findings(r: ReplayReport) -> list[str]:
                 parts.append(f"the next forward's all-gather handed it to {every(size, 'rank')}")
             out.append("; ".join(parts) + ".")
         shown = {c.rank: c.logged_first_nonfinite_loss_step for c in r.ranks}
+        entry = "data-parallel group" if _mesh(r) is not None else "rank"  # on a mesh, each group logs one loss
         if shown and len(set(shown.values())) == 1 and None not in shown.values():
-            out.append(f"Every rank's logged loss is non-finite from step {next(iter(shown.values()))}.")
+            out.append(f"Every {entry}'s logged loss is non-finite from step {next(iter(shown.values()))}.")
         elif any(step is not None for step in shown.values()):
             out.append("Logged losses first non-finite: " + "; ".join(
-                f"rank {rank} at step {step}" if step is not None else f"rank {rank} never" for rank, step in shown.items())
-                       + ".")
+                f"{entry} {rank} at step {step}" if step is not None else f"{entry} {rank} never"
+                for rank, step in shown.items()) + ".")
     out += _regrouped(r) + _checkpoint_shard(r) + _loss_only(r, size)
     parted = sorted((c for c in r.ranks if c.diverged_at_step is not None), key=lambda c: (c.diverged_at_step, c.rank))
     if parted:

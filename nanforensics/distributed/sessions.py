@@ -36,7 +36,7 @@ from .checkpoint import restore_rank_rng
 from .events import merge, rows, tag
 from .layout import DDP, FSDP2, SHARED_STAGES, World, mean_loss
 from .world import mismatch, object_group
-from .wrapping import emulated, mixed_precision, parallelize, shard_fsdp2, wrap_ddp
+from .wrapping import check_placements, emulated, mixed_precision, parallelize, placements, shard_fsdp2, wrap_ddp
 
 
 def open_session(run: StepSource, code: StepCode, checkpoint: StartPoint, device: torch.device) -> Session:
@@ -241,8 +241,16 @@ class RankSession(Session):
         """FSDP2's ``fully_shard`` (on a mesh, after the tensor-parallel plan) or the tensor-parallel plan alone,
         applied before the optimizer is built over the (sharded) parameters."""
         world, device = self.world, self.device
-        shard = (lambda model: shard_fsdp2(model, world, device)) if world.kind == FSDP2 else (
-            (lambda model: parallelize(model, world, device)) if world.kind != DDP else None)
+        if world.kind == DDP:
+            return self.code.build(self.run, self.checkpoint, self.device, wrap=None)
+
+        def shard(model: torch.nn.Module) -> None:
+            if world.kind == FSDP2:
+                shard_fsdp2(model, world, device)
+            else:
+                parallelize(model, world, device)
+            check_placements(placements(model), world, self.run.code_file)
+
         return self.code.build(self.run, self.checkpoint, self.device, wrap=shard)
 
     def reset(self) -> None:

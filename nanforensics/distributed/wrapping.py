@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from ..errors import BadInput
 from ..words import every
 from .layout import DDP, DTYPES, FSDP2, STYLES, TP, Mesh, World
 from .tensors import is_dtensor
@@ -85,11 +87,28 @@ def describe_mesh(model: nn.Module, world_size: int) -> Mesh | None:
     if len(tp_dims) > 1 or any(dims is None or len(dims) != 1 for dims in tp_dims):
         raise ValueError("the tensor-parallel plan spans more than one named mesh dimension")
     tp_dim = next(iter(tp_dims))[0] if tp_dims else None
-    placements = {}
-    for n, p in params.items():
-        dims = p.device_mesh.mesh_dim_names or ()
-        placements[n] = {d: repr(pl) for d, pl in zip(dims, p.placements)}
-    return Mesh(tuple(root.shape), tuple(names), tp_dim, tuple(spec for _, spec, _ in plan), placements)
+    return Mesh(tuple(root.shape), tuple(names), tp_dim, tuple(spec for _, spec, _ in plan), placements(model))
+
+
+def placements(model: nn.Module) -> dict[str, dict[str, str]]:
+    """Each DTensor parameter's placement on each named mesh dimension, as the manifest writes it."""
+    return {n: {d: repr(pl) for d, pl in zip(p.device_mesh.mesh_dim_names or (), p.placements)}
+            for n, p in model.named_parameters() if is_dtensor(p)}
+
+
+def check_placements(rebuilt: dict[str, dict[str, str]], world: World, manifest: Path) -> None:
+    """BadInput unless the placements replay rebuilt (the plan, then ``fully_shard``) are the recorded ones: another
+    placement shards another slice to each rank, so a replay over it would not be the run's."""
+    if world.mesh is None or rebuilt == world.mesh.placements:
+        return
+    recorded = world.mesh.placements
+    name = next(n for n in sorted(recorded.keys() | rebuilt.keys()) if recorded.get(n) != rebuilt.get(n))
+    raise BadInput(manifest, f"distributed.mesh.placements of {name!r} are {_shown(recorded.get(name))} but replay "
+                             f"rebuilt {_shown(rebuilt.get(name))} from the recorded plan and wrapping")
+
+
+def _shown(placed: dict[str, str] | None) -> str:
+    return "none (not a DTensor)" if placed is None else ", ".join(f"{d}={pl}" for d, pl in placed.items()) or "{}"
 
 
 def _tp_plan(model: nn.Module) -> list[tuple[str, dict[str, Any], Any]]:

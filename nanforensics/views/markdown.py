@@ -67,7 +67,7 @@ def render_replay(r: ReplayReport) -> Markdown:
     columns = ["step", "logged loss", "replayed loss", "parameters", "optimizer state"] + ["buffers"] * buffers
     return _render("replay.md.j2", r=r, s=r.setup, word=replay.verdict_word(r).lower(), world=replay.world_text(r),
                    loaded=replay.loaded_rows(r), batch_label=replay.batch_label(r).capitalize(),
-                   shard=replay.shard_text(r.responsible_batch.rank, r) if r.responsible_batch else "",
+                   shard=replay.shard_text(r.responsible_batch.rank, r, r.responsible_batch.owner) if r.responsible_batch else "",
                    origin=replay.origin_text(r) if r.origin else "",
                    defects=replay.defect_lines(r.data_defects), left_out=replay.left_out,
                    chain_head=chain(chain_head), chain_more=chain_more, chain_tail=chain(chain_tail),

@@ -157,11 +157,12 @@ def world_text(r: ReplayReport) -> str:
     return f", {s.world_size} ranks ({s.wrapping}{mesh}, {s.ranks_replayed})" if s.world_size is not None else ""
 
 
-def shard_text(rank: int | None, r: ReplayReport | None = None) -> str:
-    """Whose part of the batch: a rank's shard, or a pipeline's micro-batch."""
+def shard_text(rank: int | None, r: ReplayReport | None = None, owner: str | None = None) -> str:
+    """Whose part of the batch: a rank's shard (``owner``, the rank in the report's words, where it has them), or a
+    pipeline's micro-batch."""
     if r is not None and r.pipeline is not None:
         return r.pipeline.batch_text
-    return f", rank {rank}'s shard" if rank is not None else ""
+    return f", {owner or f'rank {rank}'}'s shard" if rank is not None else ""
 
 
 def origin_text(r: ReplayReport) -> str:
@@ -233,7 +234,7 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     if r.responsible_batch:
         b = r.responsible_batch
         extra = visible("  ".join(f"{k}: {_leaf_text(v)}" for k, v in b.leaves.items()))
-        facts.add_row(batch_label(r), Text(visible(f"step {b.step}{shard_text(b.rank, r)}  {b.file}")
+        facts.add_row(batch_label(r), Text(visible(f"step {b.step}{shard_text(b.rank, r, b.owner)}  {b.file}")
                                            + (f"\n{extra}" if extra else "")))
     if r.data_defects:
         facts.add_row("data", Text("\n".join(map(visible, defect_lines(r.data_defects)))))
@@ -244,7 +245,8 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         ids = "  ".join(f"{k}: {_leaf_text(v)}" for k, v in r.samples.sample_leaves.items())
         where = sample_positions(r.samples.samples, r.samples.micro_batch_samples)
         # a pipeline's micro-batch: the positions name it
-        shard = shard_text(r.responsible_batch.rank if r.responsible_batch and r.pipeline is None else None)
+        batch = r.responsible_batch if r.pipeline is None else None
+        shard = shard_text(batch.rank, owner=batch.owner) if batch else ""
         facts.add_row("samples", Text(visible(f"{where} of {r.samples.batch_size}{shard}"
                                               + (f"  ({ids})" if ids else ""))))
     elif r.samples is not None:

@@ -18,7 +18,7 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy
 import torch
@@ -185,10 +185,12 @@ def command(out: Path, names: list[str], *options: str) -> list[str]:
             str(Path(__file__).resolve()), str(out), *names, "--code", "tests/scenarios.py", *options]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main_for(doc: str, names: Iterable[str], record: Callable[[Path, str, str | None, torch.device], list[float]]
+             ) -> None:
+    """A job script's command line: on every rank of a torchrun job, record each run named, one after another."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("names", nargs="+", choices=sorted(RUNS))
+    parser.add_argument("names", nargs="+", choices=sorted(names))
     parser.add_argument("--code", help="name the scenarios by this path (relative to the checkout's root)")
     parser.add_argument("--cuda", action="store_true", help="train on this rank's GPU, NCCL between ranks")
     args = parser.parse_args()
@@ -205,6 +207,10 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"{name}: {len(losses)} steps, rank 0's last logged loss {losses[-1]:.4g}", flush=True)
     dist.destroy_process_group()
+
+
+def main() -> None:
+    main_for(__doc__, RUNS, record)
 
 
 if __name__ == "__main__":

@@ -18,19 +18,15 @@ In the others only data-parallel group 1's batch carries the defect: at step ``D
 
 from __future__ import annotations
 
-import argparse
-import os
-import random
 import sys
 from pathlib import Path
 
-import numpy
 import torch
-import torch.distributed as dist
 from nanforensics import Recorder
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+import distributed_job as job
 import scenarios
 from distributed_job import DEFECT_STEP, EVERY, SHARD, STEPS, Readings
 
@@ -102,25 +98,7 @@ def command(out: Path, names: list[str]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("names", nargs="+", choices=sorted(LAYOUTS))
-    parser.add_argument("--code", help="name the scenarios by this path (relative to the checkout's root)")
-    parser.add_argument("--cuda", action="store_true", help="train on this rank's GPU, NCCL between ranks")
-    args = parser.parse_args()
-    os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")
-    random.seed(0)
-    numpy.random.seed(0)
-    device = torch.device("cpu")
-    if args.cuda:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if args.cuda else "gloo")
-    for name in args.names:
-        losses = record(args.out, name, args.code, device)
-        if dist.get_rank() == 0:
-            print(f"{name}: {len(losses)} steps, rank 0's last logged loss {losses[-1]:.4g}", flush=True)
-    dist.destroy_process_group()
+    job.main_for(__doc__, LAYOUTS, record)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def child(args: list[str], env: dict[str, str]) -> tuple[float, float, str, floa
 PHASES = [("nanforensics.replay.engine", "open_session", "open the session (build, load the checkpoint)"),
           ("nanforensics.replay.engine", "_checkpoint_finite", "scan the start checkpoint"),
           ("nanforensics.replay.engine", "check_batches", "check the logged batches"),
-          ("nanforensics.replay.amp.AmpLog", "run_step", "monitored steps (and the located one)"),
+          ("nanforensics.replay.amp.AmpLog", "run_step", "monitored steps, detect mode"),
           ("nanforensics.replay.session.Session", "snapshot", "snapshots of the state before each step"),
           ("nanforensics.replay.session.Session", "restore", "restoring a snapshot"),
           ("nanforensics.replay.session.Session", "advance_to", "plain steps up to the origin (a fresh session)"),
@@ -161,6 +161,9 @@ PHASES = [("nanforensics.replay.engine", "open_session", "open the session (buil
           ("nanforensics.replay.engine", "compare_checkpoint", "comparing with a recorded checkpoint")]
 
 
+LOCATED = "monitored steps, locate mode (the flagged step again, and those after it)"
+
+
 def replay_child(run_dir: Path, report_path: Path, device: str, started: float) -> None:
     """The whole ``nanforensics replay`` through the CLI's entry point, each phase timed; prints the phases'
     seconds as JSON (``started``: when this process began, before torch was imported)."""
@@ -168,13 +171,15 @@ def replay_child(run_dir: Path, report_path: Path, device: str, started: float) 
 
     from nanforensics import cli
 
-    spent: dict[str, float] = {name: 0.0 for *_, name in PHASES}
+    spent: dict[str, float] = {name: 0.0 for *_, name in PHASES} | {LOCATED: 0.0}
     running: list[str] = []
 
-    def timed(fn: Any, name: str) -> Any:
+    def timed(fn: Any, phase: str) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if running:
                 return fn(*args, **kwargs)
+            # AmpLog.run_step(session, monitor, locate): a step re-run to read each first non-finite value apart
+            name = LOCATED if phase == "monitored steps, detect mode" and args[-1] is True else phase
             running.append(name)
             start = time.perf_counter()
             try:

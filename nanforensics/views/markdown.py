@@ -19,7 +19,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 from ..checkpoints.bisect import BisectReport
 from ..checkpoints.scan import ScanReport
 from ..postmortem import PostmortemReport
-from ..report import Event, ReplayReport, StepRecord
+from ..report import Event, ReplayReport
 from ..saved import SavedReport
 from . import checkpoints, heatmap, postmortem, replay
 from .escaping import Markdown, code, fenced, md_text
@@ -58,13 +58,7 @@ def render_replay(r: ReplayReport) -> Markdown:
     chain_head, chain_more, chain_tail = replay.elided(sorted({e.step for e in r.events}), *replay.CHAIN_STEPS)
     head, more, tail = replay.spread_rows(r)
     buffers = any(x.buffers_total for x in head + tail)
-
-    def spread(x: StepRecord) -> list[str]:
-        return [str(x.step), replay.loss_text(x.logged_loss), replay.loss_text(x.replayed_loss),
-                f"{x.params_nonfinite}/{x.params_total}", f"{x.state_nonfinite}/{x.state_total}"] + \
-            [f"{x.buffers_nonfinite}/{x.buffers_total}"] * buffers
-
-    columns = ["step", "logged loss", "replayed loss", "parameters", "optimizer state"] + ["buffers"] * buffers
+    columns = replay.spread_columns(buffers)
     return _render("replay.md.j2", r=r, s=r.setup, word=replay.verdict_word(r).lower(), world=replay.world_text(r),
                    loaded=replay.loaded_rows(r), batch_label=replay.batch_label(r).capitalize(),
                    shard=replay.shard_text(r.responsible_batch.rank, r, r.responsible_batch.owner) if r.responsible_batch else "",
@@ -72,7 +66,8 @@ def render_replay(r: ReplayReport) -> Markdown:
                    defects=replay.defect_lines(r.data_defects), left_out=replay.left_out,
                    chain_head=chain(chain_head), chain_more=chain_more, chain_tail=chain(chain_tail),
                    spread_columns=columns, spread_align=[":"] * len(columns), spread_more=more,
-                   spread_head=[spread(x) for x in head], spread_tail=[spread(x) for x in tail],
+                   spread_head=[replay.spread_cells(x, buffers, grouped=False) for x in head],
+                   spread_tail=[replay.spread_cells(x, buffers, grouped=False) for x in tail],
                    precursors=[(name, replay.sparkline(values), replay.last_finite(values))
                                for name, values in replay.precursor_rows(r)] if r.precursors else [],
                    rank_columns=replay.RANK_COLUMNS, ranks=replay.rank_rows(r),

@@ -98,6 +98,20 @@ def spread_rows(r: ReplayReport) -> tuple[list[StepRecord], int, list[StepRecord
     return elided([s for s in r.spread if s.step >= start], *SPREAD_ROWS)
 
 
+def spread_columns(buffers: bool) -> list[str]:
+    """The spread table's columns; the buffers' only where the run has any."""
+    return ["step", "logged loss", "replayed loss", "parameters", "optimizer state"] + ["buffers"] * buffers
+
+
+def spread_cells(x: StepRecord, buffers: bool, grouped: bool) -> list[str]:
+    """One step of the spread table: its losses, then non-finite of total per group (``grouped``: 1,649 not 1649)."""
+    number = "{:,}" if grouped else "{}"
+    counts = [(x.params_nonfinite, x.params_total), (x.state_nonfinite, x.state_total)] + \
+        [(x.buffers_nonfinite, x.buffers_total)] * buffers
+    return [str(x.step), loss_text(x.logged_loss), loss_text(x.replayed_loss)] + \
+        [f"{number.format(bad)}/{number.format(total)}" for bad, total in counts]
+
+
 def elided(items: list[Any], head: int, tail: int) -> tuple[list[Any], int, list[Any]]:
     """(the first ``head`` items, how many are left out, the last ``tail``), or (all, 0, []) when they fit."""
     if len(items) <= head + tail + 1:
@@ -276,15 +290,13 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     if first:
         table = Table(title="spread of non-finite values", title_justify="left", show_edge=False)
         buffers = any(x.buffers_total for x in first + last)
-        for col in ("step", "logged loss", "replayed loss", "parameters", "optimizer state") + ("buffers",) * buffers:
+        for col in spread_columns(buffers):
             table.add_column(col, justify="right")
         for i, x in enumerate(first + last):
             if more and i == len(first):
                 table.add_row("...", Text(left_out(more, "step"), style="dim", justify="left"))
             mark = "bold red" if x.params_nonfinite or x.state_nonfinite or x.buffers_nonfinite else ""
-            table.add_row(str(x.step), loss_text(x.logged_loss), loss_text(x.replayed_loss),
-                          f"{x.params_nonfinite:,}/{x.params_total:,}", f"{x.state_nonfinite:,}/{x.state_total:,}",
-                          *[f"{x.buffers_nonfinite:,}/{x.buffers_total:,}"] * buffers, style=mark)
+            table.add_row(*spread_cells(x, buffers, grouped=True), style=mark)
         parts += [Text(), table]
     if r.precursors:
         steps = f"{r.precursors[0].step}-{r.precursors[-1].step}"

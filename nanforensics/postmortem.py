@@ -15,7 +15,7 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from . import __version__
 from .checkpoints.bisect import BisectReport, bisect
@@ -119,7 +119,7 @@ def postmortem(directory: str | Path, progress: Progress = SILENT, trust_code: b
     checkpoints = timed("bisecting the checkpoints", _checkpoints,
                         path / "checkpoints" if run is None and (path / MANIFEST).exists() else path, run, analyses,
                         progress)
-    code = _CodeChoice(trust_code, code_paths, trust_packages)
+    code = ReplayOptions(trust_code=trust_code, code_paths=code_paths, trust_packages=trust_packages)
     replay, advice = timed("replaying", _replay, run, not_run, steps, analyses, progress, code)
     tensor_spread = timed("mapping the spread per tensor", _tensor_spread, run, replay, analyses, code, progress)
     if not any(a.status == DONE for a in analyses):
@@ -185,17 +185,10 @@ def _checkpoints(path: Path, run: Run | None, analyses: list[Analysis], progress
     return report
 
 
-class _CodeChoice(NamedTuple):
-    """Where the user let the run's code come from: the trust policy's options, passed on to every analysis."""
-
-    trust_code: bool
-    code_paths: Sequence[Path]
-    trust_packages: Sequence[str]
-
-
 def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, analyses: list[Analysis],
-            progress: Progress, code: _CodeChoice) -> tuple[ReplayReport | None, list[str]]:
-    """The replay, or None; and what would make it possible when it is the user's code that is missing here."""
+            progress: Progress, code: ReplayOptions) -> tuple[ReplayReport | None, list[str]]:
+    """The replay, or None; and what would make it possible when it is the user's code that is missing here.
+    ``code``: the replay's options, which carry where the user let the run's code come from."""
     if run is None:
         analyses.append(Analysis(REPLAY, SKIPPED, not_run.detail + CHECKPOINT_ONLY))
         return None, []
@@ -209,8 +202,7 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
                       f"repository's root), or give its folder: `nanforensics postmortem {shlex.quote(str(run.path))} "
                       "--code-path DIR`."]
     try:
-        report = replay_run(run.path, ReplayOptions(trust_code=code.trust_code, code_paths=code.code_paths,
-                                                    trust_packages=code.trust_packages), progress)
+        report = replay_run(run.path, code, progress)
     except BadInput as e:
         analyses.append(Analysis(REPLAY, FAILED, str(e)))
         return None, []
@@ -225,7 +217,7 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
     return report, []
 
 
-def _unimportable(run: Run, code: _CodeChoice) -> str | None:
+def _unimportable(run: Run, code: ReplayOptions) -> str | None:
     """Which of the run's callables cannot be imported here, or is refused by the trust policy, and why; None when
     all of them can be."""
     for role, spec in run.manifest.callables():
@@ -238,7 +230,7 @@ def _unimportable(run: Run, code: _CodeChoice) -> str | None:
     return None
 
 
-def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis], code: _CodeChoice,
+def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[Analysis], code: ReplayOptions,
                    progress: Progress) -> SpreadMap | None:
     if run is None or replay is None:
         analyses.append(Analysis(TENSOR_SPREAD, SKIPPED, "needs a replay"))

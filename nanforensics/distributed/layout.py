@@ -77,15 +77,11 @@ class World:
         if not isinstance(backend, str):
             raise BadInput(where, f"distributed.backend {shown(backend)} is not a string")
         options = {k: v for k, v in wrapping.items() if k != "kind"}
-        problem = _ddp_problem(options) if kind == DDP else _fsdp2_problem(options) if kind == FSDP2 else (
-            "of a tensor-parallel run has no options" if options else None) if kind == TP \
-            else pipeline_problem(options, size)
+        problem = _wrapping_problem(kind, options, size)
         if problem is not None:
             raise BadInput(where, f"distributed.wrapping {problem}")
         mesh = Mesh.read(raw["mesh"], where, size) if "mesh" in raw else None
-        fits = mesh is None if kind in (DDP, PIPELINE) else (mesh is not None and mesh.tp_dim is not None and mesh.data_ranks == 1
-                                                 if kind == TP else mesh is None or len(mesh.shape) > 1)
-        if not fits:
+        if not _mesh_fits(kind, mesh):
             raise BadInput(where, f"distributed.mesh does not fit a {kind} run: DDP and pipelines have none, tensor "
                                   "parallelism alone one tensor-parallel dimension and no other, FSDP2 none or two "
                                   "dimensions or more")
@@ -232,6 +228,27 @@ def _mesh_problem(raw: Any, world_size: int) -> str | None:
             return f"placements of {shown(name)}: {shown(placed)} is not a placement (Replicate(), Shard(dim=d)) " \
                    "per mesh dimension"
     return None
+
+
+def _wrapping_problem(kind: str, options: dict[str, Any], world_size: int) -> str | None:
+    """What is wrong with a wrapping's options, by its kind; None when nothing is."""
+    if kind == DDP:
+        return _ddp_problem(options)
+    if kind == FSDP2:
+        return _fsdp2_problem(options)
+    if kind == TP:
+        return "of a tensor-parallel run has no options" if options else None
+    return pipeline_problem(options, world_size)
+
+
+def _mesh_fits(kind: str, mesh: "Mesh | None") -> bool:
+    """DDP and pipelines have no mesh; tensor parallelism alone one tensor-parallel dimension and no data-parallel
+    one; FSDP2 none (one dimension of all ranks) or two dimensions or more."""
+    if kind in (DDP, PIPELINE):
+        return mesh is None
+    if kind == TP:
+        return mesh is not None and mesh.tp_dim is not None and mesh.data_ranks == 1
+    return mesh is None or len(mesh.shape) > 1
 
 
 def _ddp_problem(options: dict[str, Any]) -> str | None:

@@ -21,8 +21,12 @@ import torch
 import scenarios
 
 # Where a run blown up by its learning rate first overflows depends on the summation order, so on the thread
-# count: the runs recorded here use two threads on any machine (the replays restore what the manifest records).
-torch.set_num_threads(2)
+# count: the runs recorded here use one thread on any machine (the replays restore what the manifest records).
+# One thread a process also because the suite runs one pytest-xdist worker per core: two workers of two threads
+# each (and the CLI and torchrun processes they start) oversubscribe the cores, and the OpenMP threads that wait
+# for one spin. On 2 cores that took the suite from 6.8 to 8.7 minutes (README, Tests).
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"  # the processes the tests start (a replay still pins its manifest's count)
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent  # the repository: README, sample_runs/

@@ -5,12 +5,14 @@
 Model: 4 x Linear(1024) MLP (4.2M parameters), batch 64, Adam. Every round runs each variant for
 ``--steps`` steps in turn (interleaved); a ratio is the median over rounds of the variant's time
 over the plain step's in the same round (benchlib.py says why), with its interquartile range.
+- plain again: the plain step as a variant of its own, a control: its ratio is the bench's own noise
+  and order effect (1.000 where there is none);
 - monitored, monitored again: the replay's StepMonitor in detect mode (batch, every module output,
-  loss, gradients, optimizer gradients, parameters, and the optimizer state where its finiteness does
-  not follow from the gradients' magnitudes: replay/proof.py), two instances measured in the same
-  rounds (issue 25 asks for the figure twice in one run);
-- reading all state: the same monitor without the proof (``prove=False``), the optimizer state read
-  every step;
+  loss, gradients, optimizer gradients, and the optimizer state and parameters where their finiteness
+  does not follow from the gradients' magnitudes: replay/proof.py), two instances measured in the
+  same rounds (issue 25 asks for the figure twice in one run);
+- no proof: the same monitor without the proof (``prove=False``), the optimizer state and
+  the parameters read every step;
 - hooks only: the same hooks installed, doing nothing (the Python cost of the calls themselves);
 - read floor: the plain step, then one ``sum`` over every gradient, optimizer-state tensor and
   parameter: the memory any exact check of those stages must read, with no hook at all;
@@ -70,6 +72,15 @@ class ProfiledMonitor(StepMonitor):
     def check(self, stage: str, name: str, t: Any, state_key: str | None = None) -> None:
         start = self.clock()
         super().check(stage, name, t, state_key)
+        self._count(stage, t, start)
+
+    def _max_abs(self, stage: str, name: str, t: Any, state_key: str | None = None) -> float:
+        start = self.clock()
+        bound = super()._max_abs(stage, name, t, state_key)
+        self._count(stage, t, start)
+        return bound
+
+    def _count(self, stage: str, t: Any, start: float) -> None:
         self.seconds[stage] += self.clock() - start
         if isinstance(t, torch.Tensor):
             self.tensors[stage] += 1
@@ -170,9 +181,9 @@ def main() -> None:
         recorder._writer._queue.join()  # the writer's work is the recorder's cost: none left to the next variant
 
     variants: dict[str, Callable[[], None]] = {k: synced(device, fn) for k, fn in {
-        "plain": plain, "monitored": lambda: monitored_steps(monitor, model, optimizer, batches),
+        "plain": plain, "plain again": plain, "monitored": lambda: monitored_steps(monitor, model, optimizer, batches),
         "monitored again": lambda: monitored_steps(again, model, optimizer, batches),
-        "reading all state": lambda: monitored_steps(reading, model, optimizer, batches), "hooks only": hooks,
+        "no proof": lambda: monitored_steps(reading, model, optimizer, batches), "hooks only": hooks,
         "read floor": floor, "detect_anomaly": anomaly, "recorder": recorded}.items()}
     interleaved(variants, 2, args.steps)  # warm-up: allocator, optimizer state, page cache
     times = interleaved(variants, args.rounds, args.steps, args.clock)

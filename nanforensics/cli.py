@@ -248,6 +248,9 @@ def replay(
                                                               "drop-samples=I,J, drop-batch.")] = None,
     what_if_steps: Annotated[int, typer.Option(metavar="K", min=0, help="Steps after the responsible one a what-if must stay "
                                                            "finite for.")] = 5,
+    read_all: Annotated[bool, typer.Option(help="Read every parameter and optimizer-state tensor at every step, also where "
+                                                "the update rule proves them finite (for training code that writes "
+                                                "parameters through .data, which the proof cannot see).")] = False,
     create_dirs: CreateDirsOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -288,7 +291,7 @@ def replay(
                             code_paths=code_path or [], trust_run_dir=trust_run_dir, trust_code=trust_code,
                             trust_packages=trust_package or [], explain=explain,
                             data_max_abs=data_max_abs, what_if=[parse(spec) for spec in what_if or []],
-                            what_if_steps=what_if_steps)
+                            what_if_steps=what_if_steps, proof=not read_all)
     with joined(run_dir, resolve_device(device)) as world:
         with progress("replay", quiet, shown=world.writes) as view:
             if checkpoint is not None and code is not None:

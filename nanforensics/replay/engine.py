@@ -75,7 +75,7 @@ class ReplayOptions:
     data_max_abs: float = DEFAULT_MAX_ABS  # batch values beyond this magnitude are reported as data defects
     what_if: Sequence[whatif.Intervention] = ()  # each a replay from the checkpoint changing the responsible step
     what_if_steps: int = 5  # steps after the responsible one a what-if must stay finite for
-    state_proof: bool = True  # detect mode skips optimizer state proven finite (replay/proof.py); False reads it all
+    proof: bool = True  # detect mode skips optimizer state and parameters proven finite (replay/proof.py); False reads all
 
 
 def _start_checkpoint(run: StepSource, target: int | None, progress: Progress = SILENT) -> StartPoint:
@@ -189,7 +189,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         # checkpoint again. The precursor probe rides along from the start for the same reason.
         kept: dict[int, dict] = {}
         hooks = ExitStack()
-        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.state_proof))
+        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.proof))
         probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
         progress.phase(f"replaying steps {checkpoint.step}-{stop}", stop - checkpoint.step + 1)
         first = checkpoint.step  # of the phase under way, for its count
@@ -237,7 +237,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                                 progress.update(r.step - first)
                         kept = {step: r.snapshot()}  # root cause starts here too
                         hooks = ExitStack()
-                        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.state_proof))
+                        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.proof))
                         probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
                     stop = stop if stop >= step else last
                     progress.phase(f"locating: steps {step}-{stop}, reading each first non-finite value",

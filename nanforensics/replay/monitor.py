@@ -14,8 +14,8 @@ mask or an index that drops it), in the loss, in a gradient as accumulated, in a
 between backward and ``optimizer.step()`` (clipping, unscaling), in the optimizer state or in the
 parameters after the step. Values inside one module's forward that never reach its output are the
 operation trace's business (rootcause/operations.py). docs/performance.md has the cost of each part.
-In detect mode on CPU the optimizer state of Adam, AdamW and SGD is read only on the steps where its finiteness does
-not follow from the gradients' magnitudes read anyway (proof.py, and the assumption it states).
+In detect mode on CPU the optimizer state and the parameters of Adam, AdamW and SGD are read only on the steps where
+their finiteness does not follow from the gradients' magnitudes read anyway (proof.py, and the assumption it states).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..distributed.wrapping import unsharded_params
 from ..report import STAGES, Event
 from ..runs.batches import leaves
 from ..runs.checkpoint import optimizer_params
-from .proof import StateProof, provable
+from .proof import StepProof, provable
 
 _RANK = {s: i for i, s in enumerate(STAGES)}
 
@@ -63,13 +63,13 @@ class StepMonitor:
                  prove: bool = True) -> None:
         """``defer``: keep detect-mode verdicts on the device until ``end`` (the default off the CPU); True on a
         CPU model exercises that path where there is no accelerator. ``prove``: in detect mode on CPU, skip reading
-        optimizer state proven finite (proof.py); False reads it every step."""
+        optimizer state and parameters proven finite (proof.py); False reads them every step."""
         self.model, self.optimizer = model, optimizer
         self.defer = defer
         on_cpu = all(p.device.type == "cpu" for p in optimizer_params(optimizer))
-        self.proof = StateProof(optimizer) if prove and on_cpu and not defer and provable(optimizer) else None
+        self.proof = StepProof(optimizer) if prove and on_cpu and not defer and provable(optimizer) else None
         self._grad_max: dict[torch.Tensor, float] = {}  # param -> its gradient's largest magnitude, while proving
-        self.state_proven = 0  # state tensors of the step not read: proven finite
+        self.state_proven = self.params_proven = 0  # state tensors and parameters of the step not read: proven finite
         self.param_names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         self._handles: list[Any] = []
         self.step = -1
@@ -104,6 +104,9 @@ class StepMonitor:
 
     def _forward_hook(self, name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):  # the common case, without flattening
+                self.check("forward", name, output)
+                return
             for label, t in output_tensors(name, output):
                 self.check("forward", label, t)
         return hook
@@ -150,7 +153,7 @@ class StepMonitor:
         self._pending.clear()
         self._grad_seen.clear()
         self._grad_max.clear()
-        self.state_proven = 0
+        self.state_proven = self.params_proven = 0
         if self.proof is not None and locate:
             self.proof.forget()  # locate mode reads everything and keeps no bound
         self._events = {}
@@ -178,7 +181,14 @@ class StepMonitor:
                     if math.isfinite(bound):
                         self.proof.learn(p, key, value, bound)
         for p in optimizer_params(self.optimizer):
-            self.check("param", self._name(p), p)
+            if self.proof is None or not self._proving():
+                self.check("param", self._name(p), p)
+            elif self.proof.param_proven(p):
+                self.params_proven += 1
+            else:
+                bound = self._max_abs("param", self._name(p), p)
+                if math.isfinite(bound):
+                    self.proof.learn_param(p, bound)
         for name, b in self.model.named_buffers():  # looked up each step: a module may assign a new tensor
             if name not in self._constant_buffers:
                 self.check("buffer", name, b)
@@ -211,7 +221,8 @@ class StepMonitor:
         if not finite.checkable(t):
             return math.inf
         self._checks[stage] = self._checks.get(stage, 0) + 1
-        lo, hi = (float(x) for x in finite.min_max(t))
+        lo, hi = finite.min_max(t)
+        lo, hi = lo.item(), hi.item()
         if math.isfinite(lo) and math.isfinite(hi):
             return max(-lo, hi)
         self._note(stage, name, state_key, index=[], value="", elements=0, dtype=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -95,13 +96,15 @@ def test_what_is_proven_finite_is_finite(kind, dtype, h, exponents, seed, zeros)
         assert params_proven == 0  # 0 / 0 from finite state
 
 
-def _monitored_steps(optimizer_factory, steps: int = 4) -> list[tuple[int, int]]:
-    """The state tensors and the parameters proven (not read) at each monitored step of a small model."""
+def _monitored(optimizer_factory, steps: int = 4, prove: bool = True,
+               after_step: Callable[[int, torch.nn.Module], None] = lambda step, model: None) -> list[tuple[Any, ...]]:
+    """Each monitored step of a small model: (state tensors proven, parameters proven, its events as (step, stage,
+    tensor)); ``after_step`` runs between ``optimizer.step()`` and the monitor's end of the step."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = optimizer_factory(model.parameters())
-    proven = []
-    with StepMonitor(model, optimizer) as monitor:
+    out = []
+    with StepMonitor(model, optimizer, prove=prove) as monitor:
         for step in range(steps):
             x = torch.randn(16, 8)
             monitor.begin(step, {"x": x}, locate=False)
@@ -109,9 +112,17 @@ def _monitored_steps(optimizer_factory, steps: int = 4) -> list[tuple[int, int]]
             loss = model(x).square().mean()
             loss.backward()
             optimizer.step()
-            assert monitor.end(loss) == []
-            proven.append((monitor.state_proven, monitor.params_proven))
-    return proven
+            after_step(step, model)
+            events = [(e.step, e.stage, e.tensor) for e in monitor.end(loss)]
+            out.append((monitor.state_proven, monitor.params_proven, events))
+    return out
+
+
+def _monitored_steps(optimizer_factory) -> list[tuple[int, int]]:
+    """The state tensors and the parameters proven (not read) at each monitored step; no step flagged."""
+    steps = _monitored(optimizer_factory)
+    assert not any(events for *_, events in steps)
+    return [(state, params) for state, params, _ in steps]
 
 
 def test_the_monitor_reads_only_what_nothing_proves():
@@ -126,26 +137,30 @@ def test_the_monitor_reads_only_what_nothing_proves():
     assert not provable(torch.optim.RMSprop([torch.nn.Parameter(torch.zeros(1))]))
 
 
+def _poison(write: str) -> Callable[[int, torch.nn.Module], None]:
+    """At step 2, a write into the last layer's bias that makes it non-finite: in place, or through ``.data``."""
+    def after_step(step: int, model: torch.nn.Module) -> None:
+        if step == 2 and write == "in place":
+            with torch.no_grad():
+                model[2].bias.clamp_(min=math.inf)  # moves the version counter
+        elif step == 2:
+            model[2].bias.data.fill_(math.nan)  # a write through .data moves no version counter
+    return after_step
+
+
 def test_a_parameter_written_after_the_step_is_read():
-    """A write the optimizer did not make (``clamp_`` after the step moves the version counter) is read, and a
-    non-finite value it writes is the step's param event."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with StepMonitor(model, optimizer) as monitor:
-        for step in range(3):
-            x = torch.randn(8, 4)
-            monitor.begin(step, {"x": x}, locate=False)
-            optimizer.zero_grad()
-            loss = model(x).square().mean()
-            loss.backward()
-            optimizer.step()
-            if step == 2:
-                with torch.no_grad():
-                    model.bias.clamp_(min=math.inf)  # every element becomes +inf
-            events = monitor.end(loss)
-    assert monitor.params_proven == 1  # the weight; the bias was read
-    assert [(e.step, e.stage, e.tensor) for e in events] == [(2, "param", "bias")]
+    """A write the optimizer did not make, in place after the step, is read, and the non-finite value it writes is
+    the step's param event."""
+    *_, (_, params_proven, events) = _monitored(lambda ps: torch.optim.Adam(ps, lr=1e-3), 3, after_step=_poison("in place"))
+    assert params_proven == 3  # the other three; the bias was read
+    assert events == [(2, "param", "2.bias")]
+
+
+def test_a_write_through_data_is_seen_only_when_everything_is_read():
+    """The proof's stated assumption, held where it fails: ``--read-all`` (``proof=False``) is the way out."""
+    for prove, expected in ((False, [(2, "param", "2.bias")]), (True, [])):
+        *_, (_, _, events) = _monitored(lambda ps: torch.optim.Adam(ps, lr=1e-3), 3, prove, _poison(".data"))
+        assert events == expected
 
 
 @pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
@@ -156,29 +171,6 @@ def test_the_proof_changes_no_origin_coordinate_or_event(runs, name):
     assert with_proof.events == without.events
     assert [(s.step, s.params_nonfinite, s.state_nonfinite) for s in with_proof.spread] == \
         [(s.step, s.params_nonfinite, s.state_nonfinite) for s in without.spread]
-
-
-def _data_write_events(prove: bool) -> list[tuple[int, str, str]]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with StepMonitor(model, optimizer, prove=prove) as monitor:
-        for step in range(3):
-            x = torch.randn(8, 4)
-            monitor.begin(step, {"x": x}, locate=False)
-            optimizer.zero_grad()
-            model(x).square().mean().backward()
-            optimizer.step()
-            if step == 2:
-                model.bias.data.fill_(math.nan)  # a write through .data moves no version counter
-            events = monitor.end(None)
-    return [(e.step, e.stage, e.tensor) for e in events]
-
-
-def test_a_write_through_data_is_seen_only_when_everything_is_read():
-    """The proof's stated assumption, held where it fails: ``--read-all`` (``proof=False``) is the way out."""
-    assert _data_write_events(prove=False) == [(2, "param", "bias")]
-    assert _data_write_events(prove=True) == []
 
 
 def test_read_all_on_the_command_line_names_the_same_origin(runs, tmp_path):

@@ -29,7 +29,7 @@ from nanforensics.formats.discover import open_checkpoint
 import mesh_job as job
 from conftest import run_cli, tree_digest
 from distributed_job import DEFECT_STEP, EVERY
-from test_distributed import exit_codes, launch, replayed, torchrun
+from test_distributed import Ranks, at_world_size, launch, replayed, torchrun
 
 LAYOUTS = ["tp", "fsdp2_tp", "hsdp"]
 # the mesh, the rank whose local computation first makes the infinity and its coordinate (tensor parallelism alone:
@@ -48,6 +48,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name in LAYOUTS:
         assert f"{name}: " in result.stdout, result.stderr[-3000:]
     return {name: root / name for name in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def torchrun_replays(runs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
+    """``torchrun --nproc-per-node 4 -m nanforensics replay RUN --json OUT`` of every run, in one launch
+    (tests/replays_job.py): its ranks, its report's path, the run's digest from before the launch."""
+    root = tmp_path_factory.mktemp("mesh_at_world_size")
+    before = {name: tree_digest(runs[name]) for name in LAYOUTS}
+    done = at_world_size(root / "ranks", [["replay", runs[name], "--json", root / f"{name}.json"] for name in LAYOUTS],
+                         procs=job.WORLD)
+    return {name: (ranks, root / f"{name}.json", before[name]) for name, ranks in zip(LAYOUTS, done)}
 
 
 def sample_id(name: str) -> str:
@@ -76,14 +87,12 @@ def test_layout(runs):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_replay_at_world_size(runs, tmp_path, name):
+def test_replay_at_world_size(runs, torchrun_replays, name):
     """torchrun --nproc-per-node 4 -m nanforensics replay RUN: bit-exact, the step, the rank and its mesh coordinate,
     the global coordinate, the sample; rank 0 alone writes the report; the run untouched."""
     run = runs[name]
-    before = tree_digest(run)
-    out = tmp_path / "report.json"
-    result = torchrun("-m", "nanforensics", "replay", run, "--json", out, procs=job.WORLD)
-    assert exit_codes(result) == {} or set(exit_codes(result).values()) == {"1"}, result.stderr[-3000:]
+    result, out, before = torchrun_replays[name]
+    assert result.codes == [1] * job.WORLD, result.stderr[-3000:]
     report = json.loads(out.read_text())
     shape, names, rank, coordinate, (stage, tensor, index) = EXPECTED[name]
     assert (report["verdict"], report["reproduced"], report["setup"]["ranks_replayed"]) == ("nonfinite", True, "torchrun")

@@ -1,23 +1,26 @@
-"""Several command lines of the CLI at world size in ONE torchrun launch: each rank imports torch and the replay's
-modules once, then forks one child per command, which runs the real entry point (``nanforensics.cli.main``) as that
-rank of a fresh job and ends as the CLI ends a rank (``os._exit``). What the tests of a replay at world size read, per
-command: each rank's stdout, stderr and exit code, in OUT/N/rank_R.{out,err,code}.
+"""Several command lines run at world size by ONE torchrun launch: each rank imports torch and the replay's modules
+once, then forks one child per command, which runs as that rank of a job of its own and ends as the command ends a
+rank (the CLI: ``os._exit``). A command is the CLI's arguments (``["replay", RUN, "--json", PATH]``: the real entry
+point, ``nanforensics.cli.main``), a job script and its arguments (``["tests/mesh_job.py", OUT, ...]``: run as
+``__main__``, as torchrun runs it), or ``["digest", PATH...]``: rank 0 writes each folder's ``tree_digest`` (what the
+tests compare after a replay to find the run untouched), taken after the commands before it and before those after.
+Each command's ranks' stdout, stderr and exit code: OUT/N/rank_R.{out,err,code}.
 
-    python -m torch.distributed.run --standalone --nproc-per-node P tests/replays_job.py OUT ARGS_JSON
+    python -m torch.distributed.run --standalone --nproc-per-node P tests/replays_job.py OUT COMMANDS_JSON
 
-ARGS_JSON: a JSON list of argument lists (``[["replay", RUN, "--json", PATH], ...]``). A launch costs the launcher's
-and every rank's start and torch import (most of a small replay's seconds on 2 cores); the children share them. Each
-command's ranks meet on a store of their own, as torchrun gives each attempt of a job a new one: rank 0 hosts it here
-(in the parent, as torchrun's agent does), its port handed on through the launch's store.
+A launch costs the launcher's and every rank's start and torch import (most of a small replay's seconds on 2 cores);
+the children share them. Each command's ranks meet on a store of their own, as torchrun gives each attempt of a job a
+new one: rank 0 hosts it here (in the parent, as torchrun's agent does), its port handed on through the launch's store.
 
-What a child does not have that a torchrun worker has: torchrun watching it (a rank's non-zero exit stopping the
-others). The tests that check that (exit codes 2 and 4 on every rank) launch torchrun per command.
+What a child does not have that a torchrun worker has: torchrun watching it (a rank's exit stopping the others). The
+tests of that (a rank that dies, exit code 2 or 4 on every rank) launch torchrun per command.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +33,8 @@ import torch.distributed.tensor  # noqa: F401
 from nanforensics import cli
 from nanforensics.replay import engine  # noqa: F401
 
+from conftest import tree_digest
+
 
 def child(args: list[str], out: Path, rank: int, port: int) -> None:
     """This rank of the command ``args``, its output into ``out``; never returns."""
@@ -38,9 +43,14 @@ def child(args: list[str], out: Path, rank: int, port: int) -> None:
         for fd, name in ((1, "out"), (2, "err")):
             os.dup2(os.open(out / f"rank_{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
         os.environ["MASTER_PORT"] = str(port)
-        sys.argv = ["nanforensics", *args]
+        script = args[0] if args[0].endswith(".py") else None
+        sys.argv = [*args] if script else ["nanforensics", *args]
         try:
-            cli.main()
+            if script:
+                sys.path[0] = str(Path(script).resolve().parent)
+                runpy.run_path(script, run_name="__main__")
+            else:
+                cli.main()
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
@@ -59,6 +69,14 @@ def main() -> None:
     for n, args in enumerate(commands):
         folder = out / str(n)
         folder.mkdir(parents=True, exist_ok=True)
+        if args[0] == "digest":
+            if rank == 0:
+                (folder / "digest.json").write_text(json.dumps({path: tree_digest(Path(path)) for path in args[1:]}))
+            for name, text in (("out", ""), ("err", ""), ("code", "0")):  # a command of no process of its own
+                (folder / f"rank_{rank}.{name}").write_text(text)
+            launch.set(f"replays/{n}/done/{rank}", "1")
+            launch.wait([f"replays/{n}/done/{r}" for r in range(size)])
+            continue
         store = None
         if rank == 0:  # the job's store, as torchrun's agent hosts one: every rank a client of it
             store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, size, is_master=True, wait_for_workers=False,

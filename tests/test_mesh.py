@@ -2,9 +2,9 @@
 alone, FSDP2 over tensor parallelism and HSDP, replayed at world size through the real CLI under torchrun, emulated on
 one process, bisected and scanned.
 
-One launch records every run. The defect lies in one data-parallel group's shard at step 4 (for tensor parallelism
-alone, in the one batch every rank shares): each replay must name the step, the mesh coordinate, the global coordinate
-and the sample, and leave the run untouched.
+One launch records every run and replays each at world size (tests/replays_job.py). The defect lies in one data-parallel
+group's shard at step 4 (for tensor parallelism alone, in the one batch every rank shares): each replay must name the
+step, the mesh coordinate, the global coordinate and the sample, and leave the run untouched.
 """
 
 from __future__ import annotations
@@ -41,24 +41,32 @@ EXPECTED = {"tp": ([4], ["tp"], job.UNIT // 8, f"tp={job.UNIT // 8}", ("forward"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every run of this module, recorded by one launch of 4 processes."""
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Ranks]]:
+    """One launch of 4 processes (tests/replays_job.py): records every run of this module (tests/mesh_job.py), takes
+    their digests, then replays each at world size (``torchrun --nproc-per-node 4 -m nanforensics replay RUN --json
+    OUT``)."""
     root = tmp_path_factory.mktemp("mesh")
-    result = launch(job.command(root, LAYOUTS))
+    commands = [job.arguments(root, LAYOUTS), ["digest", *(root / name for name in LAYOUTS)],
+                *(["replay", root / name, "--json", root / f"{name}.json"] for name in LAYOUTS)]
+    return root, at_world_size(root / "ranks", commands, procs=job.WORLD)
+
+
+@pytest.fixture(scope="module")
+def runs(launched) -> dict[str, Path]:
+    """Every run of this module, recorded by one launch of 4 processes."""
+    root, (recorded, *_) = launched
+    assert recorded.codes == [0] * job.WORLD, recorded.stderr[-3000:]
     for name in LAYOUTS:
-        assert f"{name}: " in result.stdout, result.stderr[-3000:]
+        assert f"{name}: " in recorded.stdout, recorded.stderr[-3000:]
     return {name: root / name for name in LAYOUTS}
 
 
 @pytest.fixture(scope="module")
-def torchrun_replays(runs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
-    """``torchrun --nproc-per-node 4 -m nanforensics replay RUN --json OUT`` of every run, in one launch
-    (tests/replays_job.py): its ranks, its report's path, the run's digest from before the launch."""
-    root = tmp_path_factory.mktemp("mesh_at_world_size")
-    before = {name: tree_digest(runs[name]) for name in LAYOUTS}
-    done = at_world_size(root / "ranks", [["replay", runs[name], "--json", root / f"{name}.json"] for name in LAYOUTS],
-                         procs=job.WORLD)
-    return {name: (ranks, root / f"{name}.json", before[name]) for name, ranks in zip(LAYOUTS, done)}
+def torchrun_replays(runs, launched) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
+    """Each run's replay at world size: its ranks, its report's path, the run's digest from before the replays."""
+    root, (_, _, *replays) = launched
+    before = json.loads((root / "ranks" / "1" / "digest.json").read_text())
+    return {name: (ranks, root / f"{name}.json", before[str(runs[name])]) for name, ranks in zip(LAYOUTS, replays)}
 
 
 def sample_id(name: str) -> str:

@@ -1,6 +1,6 @@
 """Pipeline-parallel runs: a 2-stage MLP under torch.distributed.pipelining (GPipe and 1F1B, 4 micro-batches), recorded
-by the project's recorder on both ranks of ONE gloo torchrun launch (tests/pipeline_job.py), replayed at world size
-through the real command line.
+by the project's recorder on both ranks (tests/pipeline_job.py), replayed at world size through the real command line,
+all in ONE gloo torchrun launch (tests/replays_job.py).
 
 Only sample 1 of micro-batch 2 at step 3 carries the defect: in the GPipe run a near-zero reading in stage 0's input
 (finite losses, an infinite gradient of stage 0's ``0.gain[3]``), in the 1F1B run a glitch target on the last stage
@@ -29,29 +29,38 @@ from nanforensics.runs.run import Run
 
 import pipeline_job as job
 from conftest import assert_one_line_error, run_cli, tree_digest
-from test_distributed import Ranks, at_world_size, launch
+from test_distributed import Ranks, at_world_size
 
 DEFECT_ID = f"sample-{job.DEFECT_STEP * job.BATCH + job.defect_row():05d}"
 
 
+NAMES = ["gpipe", "1f1b"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both schedules' runs, recorded by one torchrun launch."""
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Ranks]]:
+    """One torchrun launch (tests/replays_job.py): records both schedules' runs (tests/pipeline_job.py), takes their
+    digests, then replays each at world size (``torchrun --nproc-per-node 2 -m nanforensics replay RUN --json OUT``)."""
     root = tmp_path_factory.mktemp("pipeline")
-    result = launch(job.command(root, ["gpipe", "1f1b"]))
-    assert result.code == 0 and "1f1b: 6 steps" in result.stdout, result.stderr[-3000:]
-    return {"gpipe": root / "gpipe", "1f1b": root / "1f1b"}
+    commands = [job.arguments(root, NAMES), ["digest", *(root / name for name in NAMES)],
+                *(["replay", root / name, "--json", root / f"{name}.json"] for name in NAMES)]
+    return root, at_world_size(root / "ranks", commands, procs=job.WORLD)
 
 
 @pytest.fixture(scope="module")
-def torchrun_replays(runs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
-    """``torchrun --nproc-per-node 2 -m nanforensics replay RUN --json OUT`` of both runs, in one launch
-    (tests/replays_job.py): its ranks, its report's path, the run's digest from before the launch."""
-    root = tmp_path_factory.mktemp("pipeline_at_world_size")
-    before = {name: tree_digest(run) for name, run in runs.items()}
-    done = at_world_size(root / "ranks", [["replay", run, "--json", root / f"{name}.json"] for name, run in runs.items()],
-                         procs=job.WORLD)
-    return {name: (ranks, root / f"{name}.json", before[name]) for name, ranks in zip(runs, done)}
+def runs(launched) -> dict[str, Path]:
+    """Both schedules' runs."""
+    root, (recorded, *_) = launched
+    assert recorded.codes == [0] * job.WORLD and "1f1b: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
+    return {name: root / name for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def torchrun_replays(runs, launched) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
+    """Each run's replay at world size: its ranks, its report's path, the run's digest from before the replays."""
+    root, (_, _, *replays) = launched
+    before = json.loads((root / "ranks" / "1" / "digest.json").read_text())
+    return {name: (ranks, root / f"{name}.json", before[str(runs[name])]) for name, ranks in zip(NAMES, replays)}
 
 
 def test_layout(runs):

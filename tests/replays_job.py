@@ -12,8 +12,9 @@ A launch costs the launcher's and every rank's start and torch import (most of a
 the children share them. Each command's ranks meet on a store of their own, as torchrun gives each attempt of a job a
 new one: rank 0 hosts it here (in the parent, as torchrun's agent does), its port handed on through the launch's store.
 
-What a child does not have that a torchrun worker has: torchrun watching it (a rank's exit stopping the others). The
-tests of that (a rank that dies, exit code 2 or 4 on every rank) launch torchrun per command.
+Each rank watches its child as torchrun watches a worker: once another rank's child has exited non-zero, its own is
+stopped, so a command never hangs on a rank that has gone. The tests of what torchrun itself does then (a rank that
+dies, the exit codes 2 and 4 every rank ends with) launch torchrun per command.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +37,8 @@ from nanforensics import cli
 from nanforensics.replay import engine  # noqa: F401
 
 from conftest import tree_digest
+
+MONITOR_S, STOP_S = 0.1, 30  # torchrun's defaults: its monitor interval, the grace after SIGTERM
 
 
 def child(args: list[str], out: Path, rank: int, port: int) -> None:
@@ -58,6 +63,26 @@ def child(args: list[str], out: Path, rank: int, port: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def watch(pid: int, launch: dist.Store, failed: str, rank: int, size: int) -> int:
+    """This rank's child's exit code, watched as torchrun watches its workers (every ``MONITOR_S``): once another
+    rank's child has exited non-zero, this one is stopped (SIGTERM, SIGKILL ``STOP_S`` later), so that no command
+    waits on a rank that has gone."""
+    stopped = None
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0:
+                launch.set(f"{failed}/{rank}", str(code))
+            return code
+        if stopped is None and any(launch.check([f"{failed}/{r}"]) for r in range(size) if r != rank):
+            stopped = time.monotonic()
+            os.kill(pid, signal.SIGTERM)
+        elif stopped is not None and time.monotonic() - stopped > STOP_S:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(MONITOR_S)
 
 
 def main() -> None:
@@ -88,8 +113,8 @@ def main() -> None:
         pid = os.fork()
         if pid == 0:
             child(args, folder, rank, port)
-        _, status = os.waitpid(pid, 0)
-        (folder / f"rank_{rank}.code").write_text(str(os.waitstatus_to_exitcode(status)))
+        code = watch(pid, launch, f"replays/{n}/failed", rank, size)
+        (folder / f"rank_{rank}.code").write_text(str(code))
         launch.set(f"replays/{n}/done/{rank}", "1")
         launch.wait([f"replays/{n}/done/{r}" for r in range(size)])  # the store outlives every rank's child
         del store

@@ -78,6 +78,28 @@ def at_world_size(root: Path, commands: list[list[str | Path]], procs: int = job
             for n in range(len(commands))]
 
 
+@dataclass
+class Launched:
+    """What ``record_and_replay``'s launch did: the recording's ranks, the runs, and each run's replay at world size
+    (its ranks, its report's path, the run's digest from before the replays)."""
+    recorded: Ranks
+    runs: dict[str, Path]
+    replays: dict[str, tuple[Ranks, Path, dict[str, str]]]
+
+
+def record_and_replay(root: Path, recording: list[str], names: list[str], procs: int) -> Launched:
+    """One torchrun launch (tests/replays_job.py): the job script and arguments ``recording`` record ``names`` into
+    ``root``, their digests are taken, then each is replayed: ``torchrun --nproc-per-node PROCS -m nanforensics
+    replay RUN --json OUT``."""
+    runs = {name: root / name for name in names}
+    commands = [recording, ["digest", *runs.values()],
+                *(["replay", run, "--json", root / f"{name}.json"] for name, run in runs.items())]
+    recorded, _, *replays = at_world_size(root / "ranks", commands, procs)
+    before = json.loads((root / "ranks" / "1" / "digest.json").read_text())
+    return Launched(recorded, runs, {name: (ranks, root / f"{name}.json", before[str(run)])
+                                     for (name, run), ranks in zip(runs.items(), replays)})
+
+
 def replayed(run: Path) -> dict[str, Any]:
     """The emulated replay, in this process, as JSON."""
     return to_jsonable(replay_run(run, ReplayOptions(code_paths=[TESTS])))

@@ -29,7 +29,7 @@ from nanforensics.formats.discover import open_checkpoint
 import mesh_job as job
 from conftest import run_cli, tree_digest
 from distributed_job import DEFECT_STEP, EVERY
-from test_distributed import Ranks, at_world_size, launch, replayed, torchrun
+from test_distributed import Launched, Ranks, launch, record_and_replay, replayed, torchrun
 
 LAYOUTS = ["tp", "fsdp2_tp", "hsdp"]
 # the mesh, the rank whose local computation first makes the infinity and its coordinate (tensor parallelism alone:
@@ -41,32 +41,24 @@ EXPECTED = {"tp": ([4], ["tp"], job.UNIT // 8, f"tp={job.UNIT // 8}", ("forward"
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Ranks]]:
-    """One launch of 4 processes (tests/replays_job.py): records every run of this module (tests/mesh_job.py), takes
-    their digests, then replays each at world size (``torchrun --nproc-per-node 4 -m nanforensics replay RUN --json
-    OUT``)."""
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """One launch of 4 processes: every run of this module recorded (tests/mesh_job.py), then replayed at world size."""
     root = tmp_path_factory.mktemp("mesh")
-    commands = [job.arguments(root, LAYOUTS), ["digest", *(root / name for name in LAYOUTS)],
-                *(["replay", root / name, "--json", root / f"{name}.json"] for name in LAYOUTS)]
-    return root, at_world_size(root / "ranks", commands, procs=job.WORLD)
+    return record_and_replay(root, job.arguments(root, LAYOUTS), LAYOUTS, job.WORLD)
 
 
 @pytest.fixture(scope="module")
 def runs(launched) -> dict[str, Path]:
-    """Every run of this module, recorded by one launch of 4 processes."""
-    root, (recorded, *_) = launched
+    recorded = launched.recorded
     assert recorded.codes == [0] * job.WORLD, recorded.stderr[-3000:]
     for name in LAYOUTS:
         assert f"{name}: " in recorded.stdout, recorded.stderr[-3000:]
-    return {name: root / name for name in LAYOUTS}
+    return launched.runs
 
 
 @pytest.fixture(scope="module")
 def torchrun_replays(runs, launched) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
-    """Each run's replay at world size: its ranks, its report's path, the run's digest from before the replays."""
-    root, (_, _, *replays) = launched
-    before = json.loads((root / "ranks" / "1" / "digest.json").read_text())
-    return {name: (ranks, root / f"{name}.json", before[str(runs[name])]) for name, ranks in zip(LAYOUTS, replays)}
+    return launched.replays
 
 
 def sample_id(name: str) -> str:

@@ -29,7 +29,7 @@ from nanforensics.runs.run import Run
 
 import pipeline_job as job
 from conftest import assert_one_line_error, run_cli, tree_digest
-from test_distributed import Ranks, at_world_size
+from test_distributed import Launched, Ranks, record_and_replay
 
 DEFECT_ID = f"sample-{job.DEFECT_STEP * job.BATCH + job.defect_row():05d}"
 
@@ -38,29 +38,22 @@ NAMES = ["gpipe", "1f1b"]
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Ranks]]:
-    """One torchrun launch (tests/replays_job.py): records both schedules' runs (tests/pipeline_job.py), takes their
-    digests, then replays each at world size (``torchrun --nproc-per-node 2 -m nanforensics replay RUN --json OUT``)."""
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """One torchrun launch: both schedules' runs recorded (tests/pipeline_job.py), then replayed at world size."""
     root = tmp_path_factory.mktemp("pipeline")
-    commands = [job.arguments(root, NAMES), ["digest", *(root / name for name in NAMES)],
-                *(["replay", root / name, "--json", root / f"{name}.json"] for name in NAMES)]
-    return root, at_world_size(root / "ranks", commands, procs=job.WORLD)
+    return record_and_replay(root, job.arguments(root, NAMES), NAMES, job.WORLD)
 
 
 @pytest.fixture(scope="module")
 def runs(launched) -> dict[str, Path]:
-    """Both schedules' runs."""
-    root, (recorded, *_) = launched
+    recorded = launched.recorded
     assert recorded.codes == [0] * job.WORLD and "1f1b: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
-    return {name: root / name for name in NAMES}
+    return launched.runs
 
 
 @pytest.fixture(scope="module")
 def torchrun_replays(runs, launched) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
-    """Each run's replay at world size: its ranks, its report's path, the run's digest from before the replays."""
-    root, (_, _, *replays) = launched
-    before = json.loads((root / "ranks" / "1" / "digest.json").read_text())
-    return {name: (ranks, root / f"{name}.json", before[str(runs[name])]) for name, ranks in zip(NAMES, replays)}
+    return launched.replays
 
 
 def test_layout(runs):

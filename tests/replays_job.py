@@ -25,6 +25,7 @@ import runpy
 import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,7 +59,10 @@ def child(args: list[str], out: Path, rank: int, port: int) -> None:
                 cli.main()
             code = 0
         except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException:  # what a process would print before it ends with 1
+        traceback.print_exc()
+        code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -98,27 +98,24 @@ def main() -> None:
     for n, args in enumerate(commands):
         folder = out / str(n)
         folder.mkdir(parents=True, exist_ok=True)
+        store = None
         if args[0] == "digest":
             if rank == 0:
                 (folder / "digest.json").write_text(json.dumps({path: tree_digest(Path(path)) for path in args[1:]}))
             for name, text in (("out", ""), ("err", ""), ("code", "0")):  # a command of no process of its own
                 (folder / f"rank_{rank}.{name}").write_text(text)
-            launch.set(f"replays/{n}/done/{rank}", "1")
-            launch.wait([f"replays/{n}/done/{r}" for r in range(size)])
-            continue
-        store = None
-        if rank == 0:  # the job's store, as torchrun's agent hosts one: every rank a client of it
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, size, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=300))
-            launch.set(f"replays/{n}", str(store.port))
-        port = int(launch.get(f"replays/{n}"))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            child(args, folder, rank, port)
-        code = watch(pid, launch, f"replays/{n}/failed", rank, size)
-        (folder / f"rank_{rank}.code").write_text(str(code))
+        else:
+            if rank == 0:  # the job's store, as torchrun's agent hosts one: every rank a client of it
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, size, is_master=True, wait_for_workers=False,
+                                      timeout=timedelta(seconds=300))
+                launch.set(f"replays/{n}", str(store.port))
+            port = int(launch.get(f"replays/{n}"))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                child(args, folder, rank, port)
+            (folder / f"rank_{rank}.code").write_text(str(watch(pid, launch, f"replays/{n}/failed", rank, size)))
         launch.set(f"replays/{n}/done/{rank}", "1")
         launch.wait([f"replays/{n}/done/{r}" for r in range(size)])  # the store outlives every rank's child
         del store

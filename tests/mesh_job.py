@@ -91,10 +91,15 @@ def record(out: Path, name: str, code: str | None = None, device: torch.device =
     return losses
 
 
+def arguments(out: Path, names: list[str]) -> list[str]:
+    """This script and its arguments, which record ``names`` into ``out`` on every rank (from the checkout's root)."""
+    return [str(Path(__file__).resolve()), str(out), *names, "--code", "tests/scenarios.py"]
+
+
 def command(out: Path, names: list[str]) -> list[str]:
     """The torchrun command line that records ``names`` into ``out`` (from the checkout's root)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-            str(Path(__file__).resolve()), str(out), *names, "--code", "tests/scenarios.py"]
+            *arguments(out, names)]
 
 
 def main() -> None:

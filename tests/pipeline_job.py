@@ -130,9 +130,14 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def arguments(out: Path, names: list[str]) -> list[str]:
+    """This script and its arguments, which record ``names`` into ``out`` on every rank."""
+    return [str(Path(__file__).resolve()), str(out), *names]
+
+
 def command(out: Path, names: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-            str(Path(__file__).resolve()), str(out), *names]
+            *arguments(out, names)]
 
 
 if __name__ == "__main__":

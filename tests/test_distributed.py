@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,46 @@ def exit_codes(result: Result) -> dict[str, str]:
     return dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", result.stderr))
 
 
+@dataclass
+class Ranks:
+    """One command of a launch of tests/replays_job.py: its ranks' stdout and stderr (in rank order), exit codes."""
+    stdout: str
+    stderr: str
+    codes: list[int]
+
+
+def at_world_size(root: Path, commands: list[list[str | Path]], procs: int = job.WORLD) -> list[Ranks]:
+    """The CLI's ``commands``, each at world size ``procs``, in one torchrun launch (tests/replays_job.py): the
+    launch's start and torch import paid once, not once per command."""
+    result = torchrun(TESTS / "replays_job.py", root, json.dumps([list(map(str, c)) for c in commands]), procs=procs)
+    assert result.code == 0, result.stderr[-3000:]
+    read = lambda n, kind: [(root / str(n) / f"rank_{r}.{kind}").read_text() for r in range(procs)]  # noqa: E731
+    return [Ranks("".join(read(n, "out")), "".join(read(n, "err")), [int(c) for c in read(n, "code")])
+            for n in range(len(commands))]
+
+
+@dataclass
+class Launched:
+    """What ``record_and_replay``'s launch did: the recording's ranks, the runs, and each run's replay at world size
+    (its ranks, its report's path, the run's digest from before the replays)."""
+    recorded: Ranks
+    runs: dict[str, Path]
+    replays: dict[str, tuple[Ranks, Path, dict[str, str]]]
+
+
+def record_and_replay(root: Path, recording: list[str], names: list[str], procs: int) -> Launched:
+    """One torchrun launch (tests/replays_job.py): the job script and arguments ``recording`` record ``names`` into
+    ``root``, their digests are taken, then each is replayed: ``torchrun --nproc-per-node PROCS -m nanforensics
+    replay RUN --json OUT``."""
+    runs = {name: root / name for name in names}
+    commands = [recording, ["digest", *runs.values()],
+                *(["replay", run, "--json", root / f"{name}.json"] for name, run in runs.items())]
+    recorded, _, *replays = at_world_size(root / "ranks", commands, procs)
+    before = json.loads((root / "ranks" / "1" / "digest.json").read_text())
+    return Launched(recorded, runs, {name: (ranks, root / f"{name}.json", before[str(run)])
+                                     for (name, run), ranks in zip(runs.items(), replays)})
+
+
 def replayed(run: Path) -> dict[str, Any]:
     """The emulated replay, in this process, as JSON."""
     return to_jsonable(replay_run(run, ReplayOptions(code_paths=[TESTS])))
@@ -73,6 +114,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert f"{name}: {job.STEPS} steps" in result.stdout, result.stderr[-3000:]
     assert "exitcode  : 9" in result.stderr, result.stderr[-3000:]  # rank 1 of the last run, killed mid-write
     return {name: root / name for name in RECORDED}
+
+
+AT_WORLD_SIZE = ["ddp", "fsdp2", "sample"]  # replayed under torchrun by one launch (the sample: the shipped one)
+
+
+@pytest.fixture(scope="module")
+def torchrun_replays(runs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
+    """``torchrun -m nanforensics replay RUN --json OUT`` of each of AT_WORLD_SIZE (tests/replays_job.py): its ranks,
+    its report's path, and the run's digest from before the launch."""
+    root = tmp_path_factory.mktemp("at_world_size")
+    dirs = {name: SAMPLE.relative_to(ROOT) if name == "sample" else runs[name] for name in AT_WORLD_SIZE}
+    before = {name: tree_digest(ROOT / run) for name, run in dirs.items()}
+    done = at_world_size(root / "ranks", [["replay", run, "--json", root / f"{name}.json"] for name, run in dirs.items()])
+    return {name: (ranks, root / f"{name}.json", before[name]) for name, ranks in zip(AT_WORLD_SIZE, done)}
 
 
 def check_attribution(report: dict[str, Any], wrapping: str, ranks_replayed: str, exact: bool = True) -> None:
@@ -259,13 +314,10 @@ def test_emulated_fsdp2_and_gradient_accumulation(runs, name):
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
-def test_torchrun_replay_at_world_size(runs, tmp_path, name):
-    before = tree_digest(runs[name])
-    out = tmp_path / "report.json"
-    result = torchrun("-m", "nanforensics", "replay", runs[name], "--json", out)
-    codes = exit_codes(result)
-    assert codes == {"0": "1", "1": "1"}, result.stderr[-3000:]  # every rank exits with the replay's code, 1: found
-    assert result.stdout.count("NON-FINITE") == 1  # rank 0 alone renders the report
+def test_torchrun_replay_at_world_size(runs, torchrun_replays, name):
+    ranks, out, before = torchrun_replays[name]
+    assert ranks.codes == [1] * job.WORLD, ranks.stderr[-3000:]  # every rank exits with the replay's code, 1: found
+    assert ranks.stdout.count("NON-FINITE") == 1  # rank 0 alone renders the report
     check_attribution(json.loads(out.read_text()), name, "torchrun")
     assert tree_digest(runs[name]) == before
 
@@ -370,13 +422,13 @@ def test_nccl_on_gpus(tmp_path):
             print(f"{name} {how}: reproduced {report['reproduced']}, diverged at {report['diverged_at_step']}")
 
 
-def test_torchrun_and_emulated_replays_of_the_sample_agree(tmp_path):
+def test_torchrun_and_emulated_replays_of_the_sample_agree(torchrun_replays):
     """Precursors are over every rank in both modes (rank 1's outlier activation too): the two JSON reports of the
     shipped sample are one but for the field that names the mode."""
-    out = tmp_path / "torchrun.json"
-    result = torchrun("-m", "nanforensics", "replay", "sample_runs/ddp_two_ranks", "--json", out)
-    assert "exitcode" not in result.stderr or exit_codes(result) == {"0": "1", "1": "1"}, result.stderr[-3000:]
+    ranks, out, before = torchrun_replays["sample"]
+    assert ranks.codes == [1] * job.WORLD, ranks.stderr[-3000:]
     at_size = json.loads(out.read_text())
+    assert tree_digest(SAMPLE) == before
     emulated = run_cli("replay", "sample_runs/ddp_two_ranks", "--json", "-", cwd=ROOT).json()
     assert (at_size["setup"].pop("ranks_replayed"), emulated["setup"].pop("ranks_replayed")) == ("torchrun", "emulated")
     largest = max(v for p in at_size["precursors"] if isinstance(v := p["activation_max_abs"], float))

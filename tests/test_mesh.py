@@ -2,9 +2,9 @@
 alone, FSDP2 over tensor parallelism and HSDP, replayed at world size through the real CLI under torchrun, emulated on
 one process, bisected and scanned.
 
-One launch records every run. The defect lies in one data-parallel group's shard at step 4 (for tensor parallelism
-alone, in the one batch every rank shares): each replay must name the step, the mesh coordinate, the global coordinate
-and the sample, and leave the run untouched.
+One launch records every run and replays each at world size (tests/replays_job.py). The defect lies in one data-parallel
+group's shard at step 4 (for tensor parallelism alone, in the one batch every rank shares): each replay must name the
+step, the mesh coordinate, the global coordinate and the sample, and leave the run untouched.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from nanforensics.formats.discover import open_checkpoint
 import mesh_job as job
 from conftest import run_cli, tree_digest
 from distributed_job import DEFECT_STEP, EVERY
-from test_distributed import exit_codes, launch, replayed, torchrun
+from test_distributed import Launched, Ranks, launch, record_and_replay, replayed, torchrun
 
 LAYOUTS = ["tp", "fsdp2_tp", "hsdp"]
 # the mesh, the rank whose local computation first makes the infinity and its coordinate (tensor parallelism alone:
@@ -41,13 +41,24 @@ EXPECTED = {"tp": ([4], ["tp"], job.UNIT // 8, f"tp={job.UNIT // 8}", ("forward"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every run of this module, recorded by one launch of 4 processes."""
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """One launch of 4 processes: every run of this module recorded (tests/mesh_job.py), then replayed at world size."""
     root = tmp_path_factory.mktemp("mesh")
-    result = launch(job.command(root, LAYOUTS))
+    return record_and_replay(root, job.arguments(root, LAYOUTS), LAYOUTS, job.WORLD)
+
+
+@pytest.fixture(scope="module")
+def runs(launched) -> dict[str, Path]:
+    recorded = launched.recorded
+    assert recorded.codes == [0] * job.WORLD, recorded.stderr[-3000:]
     for name in LAYOUTS:
-        assert f"{name}: " in result.stdout, result.stderr[-3000:]
-    return {name: root / name for name in LAYOUTS}
+        assert f"{name}: " in recorded.stdout, recorded.stderr[-3000:]
+    return launched.runs
+
+
+@pytest.fixture(scope="module")
+def torchrun_replays(runs, launched) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
+    return launched.replays
 
 
 def sample_id(name: str) -> str:
@@ -76,14 +87,12 @@ def test_layout(runs):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_replay_at_world_size(runs, tmp_path, name):
+def test_replay_at_world_size(runs, torchrun_replays, name):
     """torchrun --nproc-per-node 4 -m nanforensics replay RUN: bit-exact, the step, the rank and its mesh coordinate,
     the global coordinate, the sample; rank 0 alone writes the report; the run untouched."""
     run = runs[name]
-    before = tree_digest(run)
-    out = tmp_path / "report.json"
-    result = torchrun("-m", "nanforensics", "replay", run, "--json", out, procs=job.WORLD)
-    assert exit_codes(result) == {} or set(exit_codes(result).values()) == {"1"}, result.stderr[-3000:]
+    result, out, before = torchrun_replays[name]
+    assert result.codes == [1] * job.WORLD, result.stderr[-3000:]
     report = json.loads(out.read_text())
     shape, names, rank, coordinate, (stage, tensor, index) = EXPECTED[name]
     assert (report["verdict"], report["reproduced"], report["setup"]["ranks_replayed"]) == ("nonfinite", True, "torchrun")

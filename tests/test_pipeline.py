@@ -1,6 +1,6 @@
 """Pipeline-parallel runs: a 2-stage MLP under torch.distributed.pipelining (GPipe and 1F1B, 4 micro-batches), recorded
-by the project's recorder on both ranks of ONE gloo torchrun launch (tests/pipeline_job.py), replayed at world size
-through the real command line.
+by the project's recorder on both ranks (tests/pipeline_job.py), replayed at world size through the real command line,
+all in ONE gloo torchrun launch (tests/replays_job.py).
 
 Only sample 1 of micro-batch 2 at step 3 carries the defect: in the GPipe run a near-zero reading in stage 0's input
 (finite losses, an infinite gradient of stage 0's ``0.gain[3]``), in the 1F1B run a glitch target on the last stage
@@ -14,9 +14,6 @@ data-parallel layer this recorder does not combine with stages yet.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,27 +28,32 @@ from nanforensics.errors import BadInput
 from nanforensics.runs.run import Run
 
 import pipeline_job as job
-from conftest import ROOT, Result, assert_one_line_error, run_cli, tree_digest
-from test_distributed import exit_codes
+from conftest import assert_one_line_error, run_cli, tree_digest
+from test_distributed import Launched, Ranks, record_and_replay
 
 DEFECT_ID = f"sample-{job.DEFECT_STEP * job.BATCH + job.defect_row():05d}"
 
 
-def launch(argv: list[str]) -> Result:
-    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANFORENSICS_DEBUG"):
-        env.pop(key, None)
-    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    return Result(p.returncode, p.stdout, p.stderr)
+NAMES = ["gpipe", "1f1b"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both schedules' runs, recorded by one torchrun launch."""
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """One torchrun launch: both schedules' runs recorded (tests/pipeline_job.py), then replayed at world size."""
     root = tmp_path_factory.mktemp("pipeline")
-    result = launch(job.command(root, ["gpipe", "1f1b"]))
-    assert result.code == 0 and "1f1b: 6 steps" in result.stdout, result.stderr[-3000:]
-    return {"gpipe": root / "gpipe", "1f1b": root / "1f1b"}
+    return record_and_replay(root, job.arguments(root, NAMES), NAMES, job.WORLD)
+
+
+@pytest.fixture(scope="module")
+def runs(launched) -> dict[str, Path]:
+    recorded = launched.recorded
+    assert recorded.codes == [0] * job.WORLD and "1f1b: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
+    return launched.runs
+
+
+@pytest.fixture(scope="module")
+def torchrun_replays(runs, launched) -> dict[str, tuple[Ranks, Path, dict[str, str]]]:
+    return launched.replays
 
 
 def test_layout(runs):
@@ -77,19 +79,16 @@ def test_layout(runs):
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_replay_at_world_size(runs, tmp_path, name):
+def test_replay_at_world_size(runs, torchrun_replays, name):
     """torchrun -m nanforensics replay: step, stage (rank), micro-batch, sample and coordinate; the run untouched.
     GPipe: stage 0's input makes stage 0's gradient infinite (non-finite, exit 1). 1F1B, which interleaves one
     micro-batch's backward with the next one's forward: the last stage's target makes that micro-batch's loss
     infinite and nothing else (loss only, exit 4), the samples found from the last stage's targets."""
     run = runs[name]
-    before = tree_digest(run)
-    out = tmp_path / "report.json"
-    result = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                     "nanforensics", "replay", str(run), "--json", str(out)])
+    result, out, before = torchrun_replays[name]
     report = json.loads(out.read_text())
     if name == "gpipe":
-        assert exit_codes(result) == {"0": "1", "1": "1"}, result.stderr[-3000:]  # non-finite, on both ranks
+        assert result.codes == [1] * job.WORLD, result.stderr[-3000:]  # non-finite, on both ranks
         check(report, "ScheduleGPipe", stage=0, made="grad 0.gain[3] = inf", data=("batch['x']", job.DEFECT_FEATURE,
                                                                                    "subnormal"))
         origin = report["origin"]
@@ -101,7 +100,7 @@ def test_replay_at_world_size(runs, tmp_path, name):
         assert [(e["stage"], e["tensor"]) for e in at][:1] == [("grad", "0.gain")] and {e["rank"] for e in at} == {0}
         assert report["checkpoints_compared"][0]["step"] == job.DEFECT_STEP + 1
     else:
-        assert exit_codes(result) == {"0": "4", "1": "4"}, result.stderr[-3000:]  # loss only, on both ranks
+        assert result.codes == [4] * job.WORLD, result.stderr[-3000:]  # loss only, on both ranks
         check(report, "Schedule1F1B", stage=1, made="loss = inf", data=("batch['y']", 0, "extreme"),
               only="; no gradient, parameter or optimizer state turned non-finite")
         assert (report["origin"], report["events"], report["loss_only_steps"]) == (None, [], [job.DEFECT_STEP])

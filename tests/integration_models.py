@@ -1,6 +1,7 @@
-"""Tiny models for the integration tests, at module level so that replay can import them again.
+"""Tiny models for the integration tests, at module level so that replay can import them again. The
+LightningModule is lightning_training's, so that only the tests that fit one import Lightning (seconds).
 
-Both wrap the scenarios' regressor, whose log-features layer turns a near-zero reading into a finite loss
+They wrap the scenarios' regressor, whose log-features layer turns a near-zero reading into a finite loss
 and an infinite gradient: the loss is NaN a step after the defective batch.
 """
 
@@ -71,32 +72,3 @@ def accumulating_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict
         losses.append(loss.detach())
     optimizer.step()
     return sum(losses[1:], losses[0])
-
-
-try:
-    import lightning.pytorch as pl
-except ImportError:
-    pl = None
-
-if pl is not None:
-    class RegressorModule(pl.LightningModule):
-        """A LightningModule with a step-wise LR schedule: replay must follow it from the recorded batches."""
-
-        def __init__(self, lr: float = 1e-2) -> None:
-            super().__init__()
-            self.save_hyperparameters()
-            torch.manual_seed(0)
-            self.net = scenarios.Regressor()
-
-        def net_loss(self, batch: dict[str, Any]) -> torch.Tensor:
-            return F.mse_loss(self.net(batch["x"]), batch["y"])
-
-        def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-            loss = self.net_loss(batch)
-            self.log("train_loss", loss)  # replayed outside a Trainer, where Lightning warns about it
-            return loss
-
-        def configure_optimizers(self) -> Any:
-            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-            schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

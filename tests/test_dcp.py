@@ -18,8 +18,11 @@ from checkpoint_formats import ALL_STEPS, FIRST_POISONED, LAST_CLEAN, recorded_r
 from conftest import assert_one_line_error, run_cli, tree_digest
 from test_scan import Payload  # unpickling it creates a marker file
 
-dcp = pytest.importorskip("torch.distributed.checkpoint", reason="this torch has no torch.distributed")
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex  # noqa: E402
+
+def dcp():
+    """torch.distributed.checkpoint, imported where a test saves with it: with DTensor it takes seconds to import,
+    which a pytest-xdist worker that only collects this module does not spend."""
+    return pytest.importorskip("torch.distributed.checkpoint", reason="this torch has no torch.distributed")
 
 
 def save_dcp(run: Path, step: int, dest: Path) -> Path:
@@ -31,7 +34,7 @@ def save_dcp(run: Path, step: int, dest: Path) -> Path:
                        "param_groups": [{"params": names, "lr": 0.01}]}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process"
-        dcp.save(state, checkpoint_id=dest)
+        dcp().save(state, checkpoint_id=dest)
     return dest
 
 
@@ -78,6 +81,8 @@ def test_a_tensor_sharded_over_ranks_is_scanned_whole(dcp_folders, tmp_path):
     """Rewrite one checkpoint as two ranks would have saved fc1.weight: two row blocks in another file."""
     src = dcp_folders["params"] / f"ckpt-{FIRST_POISONED}"
     dest = save_dcp(dcp_folders["runs"]["params"], FIRST_POISONED, tmp_path / "sharded")
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
     md = pickle.loads((dest / ".metadata").read_bytes())
     fqn = "model.fc1.weight"
     whole = md.state_dict_metadata[fqn]

@@ -238,16 +238,22 @@ def scanned(hostile_run) -> ScanReport:
     return scan_checkpoint(open_checkpoint(hostile_run["run"] / "checkpoints" / "step_00000010"), full=True)
 
 
+@pytest.fixture(scope="module")
+def saved(hostile_run) -> Any:
+    """The post-mortem's saved report, read once: the examples below spell copies of it (``_spelled``)."""
+    return load_report(hostile_run["json_path"])
+
+
 def _console() -> Console:
     return Console(file=io.StringIO(), width=200, color_system=None, highlight=False, emoji=False)
 
 
 @settings(max_examples=20, deadline=None)
 @given(text=hostile)
-def test_every_string_of_a_report_leaves_escaped(hostile_run, scanned, text):
+def test_every_string_of_a_report_leaves_escaped(saved, scanned, text):
     """The post-mortem's report (its replay and bisection inside) and a scan's, with ``text`` in every string
     field, rendered by every view."""
-    report = _spelled(load_report(hostile_run["json_path"]), text)
+    report = _spelled(saved, text)
     console = _console()
     render_terminal(report, console)
     render_scan_terminal(_spelled(scanned, text), console)
@@ -279,19 +285,24 @@ def _heading(markdown: str) -> str:
                 for i, t in enumerate(tokens) if t.type == "heading_open")
 
 
+@pytest.fixture(scope="module")
+def plain_structures(saved, scanned) -> tuple[list[str], list[str]]:
+    """The structure of the post-mortem's and the scan's Markdown as the run wrote them, parsed once."""
+    return _structure(render(saved)), _structure(render_scan(scanned))
+
+
 @settings(max_examples=40, deadline=None)
 @given(text=hostile)
-def test_markdown_keeps_its_structure_whatever_the_run_says(hostile_run, scanned, text):
+def test_markdown_keeps_its_structure_whatever_the_run_says(saved, scanned, plain_structures, text):
     """Every string field of a post-mortem (its replay and bisection inside) and of a scan with ``text`` appended: the
     same headings, lists, tables (rows and cells), code spans and emphasis as without it, no HTML but the page's own,
     no link or image; and the heading shows the text as it is, made visible."""
-    report, scan = load_report(hostile_run["json_path"]), scanned
-    for plain, spelled in ((render(report), render(_spelled(report, text))),
-                           (render_scan(scan), render_scan(_spelled(scan, text)))):
-        assert _structure(spelled) == _structure(plain)
+    page = render(_spelled(saved, text))
+    for plain, spelled in zip(plain_structures, (page, render_scan(_spelled(scanned, text)))):
+        assert _structure(spelled) == plain
         assert printable(spelled, keep="\n")
-    assert _heading(render(_spelled(report, text))) == \
-        f"nanforensics post-mortem: non-finite - {visible(report.headline + text)}".rstrip()  # as CommonMark ends one
+    assert _heading(page) == \
+        f"nanforensics post-mortem: non-finite - {visible(saved.headline + text)}".rstrip()  # as CommonMark ends one
 
 
 @settings(max_examples=200, deadline=None)

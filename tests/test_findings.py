@@ -17,7 +17,7 @@ from nanforensics import Recorder
 from nanforensics.rootcause.samples import PROBES, probe_order, select, split_batch
 
 import scenarios
-from conftest import DEFECT_STEP, _record, run_cli
+from conftest import DEFECT_STEP, STEPS, run_cli
 
 S, F = scenarios.DEFECT_SAMPLE, scenarios.DEFECT_FEATURE
 HALF = list(range(0, scenarios.BATCH, 2))  # the samples spoiled in the half-bad run
@@ -29,6 +29,18 @@ def replay(run: Path, tmp_path: Path, *args: str) -> tuple[dict, str, str]:
     result = run_cli("replay", run, "--json", out, "--markdown", md, *args)
     assert result.code in (0, 1, 3), result.stderr
     return json.loads(out.read_text()), result.stdout, md.read_text()
+
+
+@pytest.fixture(scope="module")
+def replayed(runs, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[dict, str, str]]:
+    """``replay`` of a recorded run with the default options, once per run for the module's tests that read it."""
+    done: dict[str, tuple[dict, str, str]] = {}
+
+    def get(name: str) -> tuple[dict, str, str]:
+        if name not in done:
+            done[name] = replay(runs[name], tmp_path_factory.mktemp(name))
+        return done[name]
+    return get
 
 
 def one(findings: list[str], prefix: str) -> str:
@@ -76,8 +88,8 @@ def nested_ids(step: int) -> dict[str, Any]:
 # ---- 3. batch-wide failures ---------------------------------------------------------------------------------
 
 
-def test_lr_finder_blow_up_is_batch_wide_and_blames_the_step(runs, tmp_path):
-    r, terminal, md = replay(runs["decoder_lr_finder"], tmp_path)
+def test_lr_finder_blow_up_is_batch_wide_and_blames_the_step(replayed):
+    r, terminal, md = replayed("decoder_lr_finder")
     t = r["responsible_step"]
     assert r["verdict"] == "nonfinite" and r["origin"]["stage"] == "forward" and r["origin"]["tensor"].endswith("ln2")
     s = r["samples"]
@@ -307,23 +319,27 @@ def test_a_coupled_failure_after_a_drift_names_the_drift(tmp_path):
     assert not [f for f in r["findings"] if "not its data" in f]
 
 
-def test_the_lr_finder_fails_the_same_on_one_thread_and_the_drift_sentence_needs_a_coupled_failure(runs, tmp_path):
-    """The LR-finder run recorded on one thread fails as the two-thread run does: the same step, stage, tensor and
-    batch-wide spread, since its margins are orders of magnitude (tests/scenarios.py's ``lr_finder``), not rounding.
-    A batch-wide failure (its learning rate rose) and a coupled one where nothing rose before it (BatchNorm's
-    near-zero reading) do not get the coupled-drift sentence."""
+def test_the_lr_finder_fails_the_same_on_two_threads_and_the_drift_sentence_needs_a_coupled_failure(replayed,
+                                                                                                    tmp_path):
+    """The LR-finder run recorded on two threads fails as the one-thread run (the session's: tests/conftest.py) does:
+    the same step, stage, tensor and batch-wide spread, since its margins are orders of magnitude (tests/scenarios.py's
+    ``lr_finder``), not rounding. A batch-wide failure (its learning rate rose) and a coupled one where nothing rose
+    before it (BatchNorm's near-zero reading) do not get the coupled-drift sentence."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(2)
     try:
-        run = _record(tmp_path / "one_thread", "decoder_lr_finder")
+        run = tmp_path / "two_threads"  # to a step past its first NaN loss: a second thread costs its spinning
+        scenarios.record(run, "decoder_lr_finder", steps=STEPS, defect_step=DEFECT_STEP, checkpoint_every=10,
+                         stop_on_nan=True)
     finally:
         torch.set_num_threads(threads)
-    one_thread, _, _ = replay(run, tmp_path)
-    two_threads, _, _ = replay(runs["decoder_lr_finder"], tmp_path)
+    two_threads, _, _ = replay(run, tmp_path)
+    one_thread, _, _ = replayed("decoder_lr_finder")
+    assert json.loads((run / "manifest.json").read_text())["num_threads"] == 2
     for r in (one_thread, two_threads):
         assert (r["responsible_step"], r["origin"]["stage"], r["samples"]["status"]) == (5, "forward", "batch_wide")
     assert one_thread["origin"]["tensor"] == two_threads["origin"]["tensor"]
     for name, status in (("batchnorm_near_zero", "coupled"), ("decoder_lr_finder", "batch_wide")):
-        r, _, _ = replay(runs[name], tmp_path)
+        r, _, _ = replayed(name)
         assert r["samples"]["status"] == status
         assert not [f for f in r["findings"] if "failure needs samples together" in f], r["findings"]

@@ -66,6 +66,15 @@ def lightning_trainer(callbacks: list, steps: int = STEPS, **options):
                       enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **options)
 
 
+def regressor_module():
+    """lightning_training's LightningModule, imported where a test fits one: Lightning takes seconds to import,
+    which a pytest-xdist worker that only collects this module does not spend."""
+    pytest.importorskip("lightning.pytorch", reason="PyTorch Lightning is not installed (nanforensics[lightning])")
+    from lightning_training import RegressorModule
+
+    return RegressorModule()
+
+
 def loader(batches: list):
     return torch.utils.data.DataLoader(batches, batch_size=None)
 
@@ -81,7 +90,7 @@ def test_lightning_callback_fails_the_job_after_the_post_mortem(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="nanforensics"), warnings.catch_warnings(record=True) as seen, \
             pytest.raises(NonFiniteLoss, match="non-finite values began at step 6") as failed:
         warnings.simplefilter("always")
-        trainer.fit(models.RegressorModule(), loader(models.batches(STEPS)))
+        trainer.fit(regressor_module(), loader(models.batches(STEPS)))
     assert failed.value.report is callback.report and failed.value.report_dir == tmp_path / "lightning_run.postmortem"
     assert trainer.global_step == models.DEFECT_STEP + 2 < STEPS
     assert "post-mortem: non-finite values began at step 6" in caplog.text
@@ -101,7 +110,7 @@ def test_lightning_gradient_accumulation_names_the_micro_batch_and_sample(tmp_pa
     run = tmp_path / "accumulated"
     callback = NanForensicsCallback(run, checkpoint_every=4, on_nan="stop")
     trainer.callbacks.append(callback)
-    trainer.fit(models.RegressorModule(), loader(models.batches(STEPS, batch_size=16, accumulate=2)))
+    trainer.fit(regressor_module(), loader(models.batches(STEPS, batch_size=16, accumulate=2)))
     assert trainer.global_step == models.DEFECT_STEP + 2  # stopped, without an exception
     check(callback, run, "nanforensics.integrations.lightning:training_step", again=False)
     samples = callback.report.replay.samples
@@ -120,7 +129,7 @@ def test_lightning_accumulation_with_the_users_step_fn(tmp_path):
 
     run = tmp_path / "own_step"
     trainer.callbacks.append(NanForensicsCallback(run, checkpoint_every=2, step_fn=models.accumulating_step))
-    trainer.fit(models.RegressorModule(), loader(models.batches(4, batch_size=16, accumulate=2, defect=False)))
+    trainer.fit(regressor_module(), loader(models.batches(4, batch_size=16, accumulate=2, defect=False)))
     assert json.loads((run / "manifest.json").read_text())["step_fn"] == "integration_models:accumulating_step"
     report = replay_run(run)
     assert (report.verdict, report.reproduced, report.setup.last_step) == ("clean", True, 3)
@@ -259,7 +268,7 @@ def lightning_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     saving = pl.callbacks.ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)
     trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[saving])
-    trainer.fit(models.RegressorModule(), loader(models.batches(10)))
+    trainer.fit(regressor_module(), loader(models.batches(10)))
     return folder
 
 
@@ -361,7 +370,7 @@ def test_lightning_guard_trains_through_a_bad_batch_and_fails_at_k_in_a_row(tmp_
 
     callback = NanForensicsCallback(tmp_path / "one", checkpoint_every=4, guard=GuardPolicy(max_consecutive=3))
     trainer.callbacks.append(callback)
-    module = models.RegressorModule()
+    module = regressor_module()
     trainer.fit(module, loader(guarded_batches((models.DEFECT_STEP,))))
     assert trainer.global_step == STEPS and all(torch.isfinite(p).all() for p in module.parameters())
     assert [e["step"] for e in guard_events(tmp_path / "one") if e["event"] == "skip"] == [models.DEFECT_STEP]
@@ -370,7 +379,7 @@ def test_lightning_guard_trains_through_a_bad_batch_and_fails_at_k_in_a_row(tmp_
 
     callback = NanForensicsCallback(tmp_path / "three", checkpoint_every=4, guard=GuardPolicy(max_consecutive=3))
     with pytest.raises(NonFiniteLoss, match="3 consecutive steps skipped.*non-finite values began at step 6"):
-        lightning_trainer([callback], gradient_clip_val=1.0).fit(models.RegressorModule(),
+        lightning_trainer([callback], gradient_clip_val=1.0).fit(regressor_module(),
                                                                  loader(guarded_batches((4, 5, 6))))
     assert callback.report is not None and callback.report.replay.responsible_step == 6
     assert (tmp_path / "three.postmortem" / "postmortem.json").is_file()

@@ -21,9 +21,12 @@ from nanforensics import Recorder
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "sample_runs" / "code"))
+_writes, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ written into sample_runs/
 from regressor import N_FEATURES, Regressor  # noqa: E402, F401 - the shipped samples' model, one definition
 from regressor import build_model as _build_model  # noqa: E402
 from regressor import train_step as _train_step  # noqa: E402
+
+sys.dont_write_bytecode = _writes
 
 BATCH = 64
 DEFECT_SAMPLE, DEFECT_FEATURE = 5, 3

@@ -135,9 +135,33 @@ class _Leaks:
                                      "have: add it to tests/cli_inprocess.py's REGISTRIES")
 
 
+# nanforensics.outputs' map of the source files of imported modules is a cache, valid for a module while that module
+# object stays in sys.modules: rebuilt from empty it cost each call a realpath per module (thousands in a test
+# process) and was most of an in-process call's time. The entries a call built for modules still loaded afterwards
+# are given to the next call, for those modules it finds loaded, the same objects: what it would have computed.
+_IMPORTED: dict[str, tuple[Any, list[str]]] = {}  # module name -> (the module, outputs._sources' files for it)
+
+
+def _carry_imported(outputs: Any, keep: bool) -> None:
+    """Give the call ``_IMPORTED``'s entries of the modules loaded now; ``keep``: record the call's in it first."""
+    if keep:
+        files: dict[str, list[str]] = {}
+        for file, name in outputs._sources.items():
+            files.setdefault(name, []).append(file)
+        _IMPORTED.clear()
+        _IMPORTED.update((name, (module, files.get(name, []))) for name, module in outputs._seen.items()
+                         if sys.modules.get(name) is module)
+        return
+    for name, (module, files) in _IMPORTED.items():
+        if sys.modules.get(name) is module:
+            outputs._seen[name] = module
+            outputs._sources.update((file, name) for file in files)
+
+
 @contextlib.contextmanager
 def _registries() -> Iterator[None]:
-    """nanforensics' registries empty for the call, as a fresh process has them, and given back afterwards."""
+    """nanforensics' registries empty for the call, as a fresh process has them (but the cache ``_IMPORTED``
+    carries), and given back afterwards."""
     saved = {}
     for name, attrs in REGISTRIES.items():
         module = sys.modules.get(name)
@@ -145,9 +169,13 @@ def _registries() -> Iterator[None]:
             value = getattr(module, attr)
             saved[name, attr] = copy.copy(value)
             value.clear()
+    if "nanforensics.outputs" in sys.modules:
+        _carry_imported(sys.modules["nanforensics.outputs"], keep=False)
     try:
         yield
     finally:
+        if "nanforensics.outputs" in sys.modules:
+            _carry_imported(sys.modules["nanforensics.outputs"], keep=True)
         for name, attrs in REGISTRIES.items():  # modules the call imported first, too
             module = sys.modules.get(name)
             for attr in attrs if module is not None else ():

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import pytest
 import torch
@@ -34,7 +34,7 @@ from nanforensics.formats import open_checkpoint
 from nanforensics.inputs import SafetensorsFile, TensorFile
 from safetensors.torch import load_file, save_file
 
-from conftest import DEFECT_STEP, FAULT_CASE, Result, _record, error_lines, run_cli, tree_digest
+from conftest import DEFECT_STEP, FAULT_CASE, Result, error_lines, run_cli, tree_digest
 
 SCENARIO = "adam_near_zero"
 CK = Path("checkpoints") / "step_00000010"  # the last clean checkpoint before the defect: replay starts here
@@ -449,9 +449,9 @@ def _attempt(recorded: Path, root: Path, damage: Damage, command: str) -> Outcom
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One run of this module's own: the session's ``runs`` records every scenario, a minute for one."""
-    return _record(tmp_path_factory.mktemp("recorded") / SCENARIO, SCENARIO)
+def recorded(runs: Mapping[str, Path]) -> Path:
+    """The session's recorded run of the scenario (recorded once, when a module first asks): each case damages a copy."""
+    return runs[SCENARIO]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import shutil
 import sys
 import sysconfig
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,8 +24,9 @@ from hypothesis import strategies as st
 from nanforensics.errors import BadInput
 from nanforensics.runs.imports import ROLES, TOOL_MODULES, load_callable
 
-# the command line's cases run as processes: what a fresh interpreter imports at start-up (torch, then sympy's
-# gmpy2 and flint) and from which sys.path is what they test
+# the command line's cases run in-process (run_cli: sys.path as the console script's process has it, from a probe of
+# one), but the one about start-up, a process: what a fresh interpreter imports as torch loads (sympy's gmpy2, flint);
+# and those naming --trust-package, processes: a process looks a distribution up once (functools.cache)
 from conftest import ROOT, assert_one_line_error, run_cli, tree_digest
 
 # CPython's own tests, which some distributions package apart (found without importing anything)
@@ -279,8 +279,7 @@ def test_cpython_test_package_cannot_run_code_or_delete_batches(tmp_path):
     before = tree_digest(rmtree)
     calls = [("replay", code, "--no-explain"), ("replay", rmtree, "--no-explain"),
              ("postmortem", rmtree, "--json", tmp_path / "pm.json")]
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda args: run_cli(*args, cwd=ROOT, process=True), calls))
+    results = [run_cli(*args, cwd=ROOT) for args in calls]
     assert_one_line_error(results[0], "manifest.json", "test.support:run_in_subinterp' is refused", "standard library")
     assert_one_line_error(results[1], "manifest.json", "test.support.os_helper:rmtree' is refused", "standard library")
     assert not marker.exists(), "the payload ran"
@@ -307,9 +306,10 @@ def test_a_venv_package_through_the_command_line(tmp_path, monkeypatch):
     project, site = _project(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
     run = _sample(tmp_path, model_factory="venvpkg:build_model")
-    refused = run_cli("replay", run, "--no-explain", "--code-path", SAMPLE_CODE, cwd=project, process=True)
+    refused = run_cli("replay", run, "--no-explain", "--code-path", SAMPLE_CODE, cwd=project)
     assert_one_line_error(refused, "manifest.json", "venvpkg:build_model' is refused", "--trust-package NAME")
     assert not (site / "venvpkg" / "imported").exists()
+    # trusted: a process, since a process looks a distribution up once (an earlier test's venvpkg lay elsewhere)
     trusted = run_cli("replay", run, "--no-explain", "--code-path", SAMPLE_CODE, "--trust-package", "venvpkg", cwd=project,
                       process=True)
     assert_one_line_error(trusted, "model factory venvpkg:build_model raised RuntimeError: admitted and called")
@@ -317,7 +317,7 @@ def test_a_venv_package_through_the_command_line(tmp_path, monkeypatch):
     # the post-mortem takes the same choice: refused without it (checkpoints only), admitted with it
     (site / "venvpkg" / "imported").unlink()
     for extra, said in (((), "is refused"), (("--trust-package", "venvpkg"), "admitted and called")):
-        pm = run_cli("postmortem", run, "--json", "-", "--code-path", SAMPLE_CODE, *extra, cwd=project, process=True)
+        pm = run_cli("postmortem", run, "--json", "-", "--code-path", SAMPLE_CODE, *extra, cwd=project, process=bool(extra))
         replay = next(a for a in pm.json()["analyses"] if a["name"] == "replay")
         assert said in replay["detail"], (extra, replay)
         assert (site / "venvpkg" / "imported").exists() == bool(extra)

@@ -3,8 +3,11 @@
     python bench/bench_replay.py [--rounds 15] [--steps 3] [--threads 2] [--device cpu|cuda] [--clock wall|cpu]
 
 Model: 4 x Linear(1024) MLP (4.2M parameters), batch 64, Adam. Every round runs each variant for
-``--steps`` steps in turn (interleaved); a ratio is the median over rounds of the variant's time
-over the plain step's in the same round (benchlib.py says why), with its interquartile range.
+``--steps`` steps in turn (interleaved), each variant on a model and optimizer of its own (the same
+initial values): one variant's steps never write another's tensors, which would make a monitor
+re-read, at every round, the state and parameters its proof carries from step to step in a replay.
+A ratio is the median over rounds of the variant's time over the plain step's in the same round
+(benchlib.py says why), with its interquartile range.
 - plain again: the plain step as a variant of its own, a control: its ratio is the bench's own noise
   and order effect (1.000 where there is none);
 - monitored, monitored again: the replay's StepMonitor in detect mode (batch, every module output,
@@ -137,41 +140,63 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*Anomaly Detection has been enabled.*")
     device = torch.device(args.device)
-    model = build().to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     batches = [{"x": torch.randn(64, 1024, generator=g).to(device), "y": torch.randn(64, 1024, generator=g).to(device)}
                for _ in range(args.steps)]
     tmp = Path(tempfile.mkdtemp(prefix="nf-bench-"))
-    monitor, again, reading = (StepMonitor(model, optimizer), StepMonitor(model, optimizer),
-                               StepMonitor(model, optimizer, prove=False))
-    recorder = Recorder(tmp / "run", model, optimizer, model_factory=build, step_fn=step,
-                        checkpoint_every=10**9)
+
+    def own() -> tuple[nn.Module, torch.optim.Optimizer]:
+        """A variant's own model and optimizer (the same initial values for all): no variant's steps write another's
+        tensors, so a monitor's proof carries from one round to its next as it does from step to step in a replay."""
+        model = build().to(device)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def plain_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        def run() -> None:
+            for b in batches:
+                step(model, optimizer, b)
+        return run
+
+    def monitored(prove: bool) -> Callable[[], None]:
+        model, optimizer = own()
+        monitor = StepMonitor(model, optimizer, prove=prove)
+        return lambda: monitored_steps(monitor, model, optimizer, batches)
+
+    def hooks() -> Callable[[], None]:
+        model, optimizer = own()
+        install, run = hooks_only(model, optimizer), plain_steps(model, optimizer)
+
+        def hooked() -> None:
+            handles = install()
+            run()
+            for h in handles:
+                h.remove()
+        return hooked
+
+    def floor() -> Callable[[], None]:
+        model, optimizer = own()
+
+        def run() -> None:
+            for b in batches:
+                step(model, optimizer, b)
+                for p in model.parameters():
+                    p.sum()
+                    p.grad.sum()
+                    for value in optimizer.state[p].values():
+                        value.sum()
+        return run
+
+    def anomaly() -> Callable[[], None]:
+        run = plain_steps(*own())
+
+        def checked() -> None:
+            with torch.autograd.detect_anomaly(check_nan=True):
+                run()
+        return checked
+
+    model, optimizer = own()
+    recorder = Recorder(tmp / "run", model, optimizer, model_factory=build, step_fn=step, checkpoint_every=10**9)
     logged = [0]
-    install = hooks_only(model, optimizer)
-
-    def plain() -> None:
-        for b in batches:
-            step(model, optimizer, b)
-
-    def hooks() -> None:
-        handles = install()
-        plain()
-        for h in handles:
-            h.remove()
-
-    def floor() -> None:
-        for b in batches:
-            step(model, optimizer, b)
-            for p in model.parameters():
-                p.sum()
-                p.grad.sum()
-                for value in optimizer.state[p].values():
-                    value.sum()
-
-    def anomaly() -> None:
-        with torch.autograd.detect_anomaly(check_nan=True):
-            plain()
 
     def recorded() -> None:
         for b in batches:
@@ -181,10 +206,9 @@ def main() -> None:
         recorder._writer._queue.join()  # the writer's work is the recorder's cost: none left to the next variant
 
     variants: dict[str, Callable[[], None]] = {k: synced(device, fn) for k, fn in {
-        "plain": plain, "plain again": plain, "monitored": lambda: monitored_steps(monitor, model, optimizer, batches),
-        "monitored again": lambda: monitored_steps(again, model, optimizer, batches),
-        "no proof": lambda: monitored_steps(reading, model, optimizer, batches), "hooks only": hooks,
-        "read floor": floor, "detect_anomaly": anomaly, "recorder": recorded}.items()}
+        "plain": plain_steps(*own()), "plain again": plain_steps(*own()), "monitored": monitored(True),
+        "monitored again": monitored(True), "no proof": monitored(False), "hooks only": hooks(),
+        "read floor": floor(), "detect_anomaly": anomaly(), "recorder": recorded}.items()}
     interleaved(variants, 2, args.steps)  # warm-up: allocator, optimizer state, page cache
     times = interleaved(variants, args.rounds, args.steps, args.clock)
     recorder.close()
@@ -204,7 +228,7 @@ def main() -> None:
             text, met = targets[name](r)
             line += f" {text}: {verdict(met)}"
         print(line)
-    profile(model, optimizer, batches, max(3, args.rounds // 3), statistics.median(times["plain"]), args.clock)
+    profile(*own(), batches, max(3, args.rounds // 3), statistics.median(times["plain"]), args.clock)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,11 @@ import scenarios
 # for one spin. On 2 cores that took the suite from 6.8 to 8.7 minutes (README, Tests).
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"  # the processes the tests start (a replay still pins its manifest's count)
+# Each process a test starts (a CLI call, a torchrun rank, a recording job) imports the package: compiling it takes
+# 0.7 s of CPU where no bytecode is kept (PYTHONDONTWRITEBYTECODE, a fresh checkout), two minutes over the suite. Their
+# bytecode is kept under the temporary folder instead, never beside the sources (so never in sample_runs/ either).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ["PYTHONPYCACHEPREFIX"] = os.path.join(tempfile.gettempdir(), f"nanforensics-tests-bytecode-{os.getuid()}")
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent  # the repository: README, sample_runs/

@@ -79,12 +79,12 @@ def test_what_is_proven_finite_is_finite(kind, dtype, h, exponents, seed, zeros)
                 assert float(t.abs().max()) <= held[2], (key, held)
             elif bool(torch.isfinite(t).all()):
                 proof.learn(p, key, t, float(t.float().abs().max()))
-        if proof.param_proven(p):
+        if proof.proven(p, None, p):
             params_proven += 1
             assert bool(torch.isfinite(p).all()), p
-            assert float(p.detach().abs().max()) <= proof._params[p][1], proof._params[p]
+            assert float(p.detach().abs().max()) <= proof._known[p][None][2], proof._known[p][None]
         elif bool(torch.isfinite(p).all()):
-            proof.learn_param(p, float(p.detach().float().abs().max()))
+            proof.learn(p, None, p, float(p.detach().float().abs().max()))
         else:
             with torch.no_grad():
                 p.copy_(p.nan_to_num(0.0, 0.0, 0.0))  # a parameter gone non-finite would end the story
@@ -114,7 +114,7 @@ def _monitored(optimizer_factory, steps: int = 4, prove: bool = True,
             optimizer.step()
             after_step(step, model)
             events = [(e.step, e.stage, e.tensor) for e in monitor.end(loss)]
-            out.append((monitor.state_proven, monitor.params_proven, events))
+            out.append((monitor.proven["optimizer_state"], monitor.proven["param"], events))
     return out
 
 

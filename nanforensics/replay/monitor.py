@@ -69,7 +69,7 @@ class StepMonitor:
         on_cpu = all(p.device.type == "cpu" for p in optimizer_params(optimizer))
         self.proof = StepProof(optimizer) if prove and on_cpu and not defer and provable(optimizer) else None
         self._grad_max: dict[torch.Tensor, float] = {}  # param -> its gradient's largest magnitude, while proving
-        self.state_proven = self.params_proven = 0  # state tensors and parameters of the step not read: proven finite
+        self.proven = {"optimizer_state": 0, "param": 0}  # tensors of the step not read, by stage: proven finite
         self.param_names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         self._handles: list[Any] = []
         self.step = -1
@@ -153,7 +153,7 @@ class StepMonitor:
         self._pending.clear()
         self._grad_seen.clear()
         self._grad_max.clear()
-        self.state_proven = self.params_proven = 0
+        self.proven = {"optimizer_state": 0, "param": 0}
         if self.proof is not None and locate:
             self.proof.forget()  # locate mode reads everything and keeps no bound
         self._events = {}
@@ -171,24 +171,16 @@ class StepMonitor:
         elif isinstance(loss, (int, float)) and not math.isfinite(loss):
             self._add("loss", "loss", None, torch.tensor(float(loss)))
         for p in optimizer_params(self.optimizer):
-            for key, value in self.optimizer.state.get(p, {}).items():
-                if self.proof is None or not self._proving() or not finite.checkable(value):
-                    self.check("optimizer_state", self._name(p), value, state_key=key)
-                elif self.proof.proven(p, key, value):
-                    self.state_proven += 1
+            for key, t in [*self.optimizer.state.get(p, {}).items(), (None, p)]:  # its state, then p itself
+                stage = "param" if key is None else "optimizer_state"
+                if self.proof is None or not self._proving() or not finite.checkable(t):
+                    self.check(stage, self._name(p), t, state_key=key)
+                elif self.proof.proven(p, key, t):
+                    self.proven[stage] += 1
                 else:
-                    bound = self._max_abs("optimizer_state", self._name(p), value, key)
+                    bound = self._max_abs(stage, self._name(p), t, key)
                     if math.isfinite(bound):
-                        self.proof.learn(p, key, value, bound)
-        for p in optimizer_params(self.optimizer):
-            if self.proof is None or not self._proving():
-                self.check("param", self._name(p), p)
-            elif self.proof.param_proven(p):
-                self.params_proven += 1
-            else:
-                bound = self._max_abs("param", self._name(p), p)
-                if math.isfinite(bound):
-                    self.proof.learn_param(p, bound)
+                        self.proof.learn(p, key, t, bound)
         for name, b in self.model.named_buffers():  # looked up each step: a module may assign a new tensor
             if name not in self._constant_buffers:
                 self.check("buffer", name, b)

@@ -142,9 +142,9 @@ class StepProof:
         self.optimizer = optimizer
         self.rule = _RULES[type(optimizer)]
         self.decoupled = type(optimizer) is torch.optim.AdamW
-        # param -> key -> (the state tensor, its version counter, a bound on its magnitude) when last known
-        self._known: dict[torch.Tensor, dict[str, tuple[torch.Tensor, int, float]]] = {}
-        self._params: dict[torch.Tensor, tuple[int, float]] = {}  # param -> (its version counter, its bound)
+        # param -> key -> (the tensor, its version counter, a bound on its magnitude) when last known; key: a state
+        # key, or None for the parameter itself (an event's state_key for it)
+        self._known: dict[torch.Tensor, dict[str | None, tuple[torch.Tensor, int, float]]] = {}
         # the bounds of what the running step writes: its state by key, and the parameter (None: not bounded)
         self._expected: dict[torch.Tensor, tuple[dict[str, float], float | None]] = {}
 
@@ -168,8 +168,7 @@ class StepProof:
                 new = None if g is None or p.is_complex() or not math.isfinite(g) else \
                     self.rule(group, not self.optimizer.state.get(p), g, lambda key: self._bound(p, key), decoupled,
                               p.dtype)
-                self._known.pop(p, None)  # the step writes the state and the parameter: what held before no longer does
-                held = self._params.pop(p, None)
+                held = self._known.pop(p, {}).get(None)  # the step writes the state and the parameter: what held before
                 if new is None:
                     continue
                 limit = _limits(p.dtype)[0]
@@ -177,8 +176,8 @@ class StepProof:
                 if not all(b <= limit for b in [*bounds.values(), _up(new.peak, p.dtype)]):  # NaN fails too
                     continue
                 param = None
-                if new.scale is not None and held is not None and held[0] == p._version:
-                    param = _up(_up(held[1] * new.scale + new.move, p.dtype), p.dtype)  # decay, then the move
+                if new.scale is not None and held is not None and held[1] == p._version:
+                    param = _up(_up(held[2] * new.scale + new.move, p.dtype), p.dtype)  # decay, then the move
                 self._expected[p] = bounds, param if param is not None and param <= limit else None
 
     def after_step(self) -> None:
@@ -188,29 +187,20 @@ class StepProof:
             self._known[p] = {k: (state[k], state[k]._version, b) for k, b in bounds.items()
                               if isinstance(state.get(k), torch.Tensor)}
             if param is not None:
-                self._params[p] = (p._version, param)
+                self._known[p][None] = (p, p._version, param)
         self._expected = {}
 
-    def proven(self, p: torch.Tensor, key: str, t: torch.Tensor) -> bool:
-        """True when ``t``, ``p``'s state ``key``, is proven finite: need not be read."""
+    def proven(self, p: torch.Tensor, key: str | None, t: torch.Tensor) -> bool:
+        """True when ``t``, ``p``'s state ``key`` (``p`` itself where ``key`` is None), is proven finite: need not be
+        read."""
         held = self._known.get(p, {}).get(key)
         return held is not None and held[0] is t and t._version == held[1] and held[2] <= _limits(t.dtype)[0]
 
-    def param_proven(self, p: torch.Tensor) -> bool:
-        """True when parameter ``p`` is proven finite: need not be read."""
-        held = self._params.get(p)
-        return held is not None and held[0] == p._version
-
-    def learn(self, p: torch.Tensor, key: str, t: torch.Tensor, max_abs: float) -> None:
-        """An exact read of a finite state tensor: its bound from now on."""
+    def learn(self, p: torch.Tensor, key: str | None, t: torch.Tensor, max_abs: float) -> None:
+        """An exact read of a finite state tensor (of ``p`` itself where ``key`` is None): its bound from now on."""
         self._known.setdefault(p, {})[key] = (t, t._version, max_abs)
-
-    def learn_param(self, p: torch.Tensor, max_abs: float) -> None:
-        """An exact read of a finite parameter: its bound from now on."""
-        self._params[p] = (p._version, max_abs)
 
     def forget(self) -> None:
         """Nothing is known any more (a step checked in locate mode, where no bound is kept)."""
         self._known.clear()
-        self._params.clear()
         self._expected = {}

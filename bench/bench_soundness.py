@@ -17,7 +17,7 @@ from nanforensics.checkpoints.scan import scan_checkpoint
 from nanforensics.formats import open_checkpoint
 from nanforensics.runs.checkpoint import save_checkpoint
 
-TARGET = 4.0  # the soundness scan at most this many times the finiteness scan (it reads optimizer state again)
+TARGET = 2.5  # the soundness scan at most this many times the finiteness scan (it reads the optimizer state again)
 
 
 def main() -> None:

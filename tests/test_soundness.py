@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from nanforensics.checkpoints import soundness
 from nanforensics.checkpoints.scan import CLEAN, scan_checkpoint
@@ -97,6 +97,60 @@ def test_the_bound_is_the_least_one():
     assert 0.999 * limit < ratio <= limit
     assert not any(m.any() for m in soundness.flags(state, group).values())
     assert soundness.adam_bound(0.99, 0.9) is None and soundness.adam_bound(0.9, 1.0) is None  # b1^2 >= b2, b2 = 1
+
+
+# ---- the screen: a chunk it passes has nothing for the masks to flag ------------------------------------------------
+
+
+_MAGNITUDES = st.sampled_from([0.0, 2.0 ** -149, 1e-42, 1.2e-38, 1e-30, 1e-20, 1e-8, 1e-3, 1.0, 1e10, 1e19, 1e30,
+                               3e38])
+
+
+@st.composite
+def state_chunks(draw: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Finite float32 chunks of exp_avg, exp_avg_sq and (sometimes) max_exp_avg_sq, with m placed on, just inside and
+    just outside Adam's bound and its slack (ulps and rtol apart), at every scale from denormal to overflow."""
+    b2 = draw(st.sampled_from([0.95, 0.99, 0.999, 0.9999]))
+    b1 = draw(st.floats(0.0, math.sqrt(b2) - 1e-3))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+    limit = soundness.adam_bound(b1, b2)
+    rtol, atol = soundness._tolerance(dtype, b2, limit)
+    n = draw(st.integers(1, 3))  # few coordinates: any one found suspect makes the whole chunk so
+    v = [draw(_MAGNITUDES) * draw(st.sampled_from([1.0, 1.0, -1.0])) for _ in range(n)]
+    m = []
+    for x in v:
+        edge = limit * math.sqrt(max(x, 0.0)) * draw(st.sampled_from([1.0, 1 + rtol / 2, 1 + rtol])) + \
+            draw(st.sampled_from([0.0, atol / math.sqrt(2), atol]))
+        m.append(draw(st.sampled_from([1.0, -1.0])) * edge * (1 + draw(st.sampled_from([0.0, 1e-7, -1e-7, 1e-4,
+                                                                                             -1e-4, -1.0]))))
+    state = {"exp_avg": torch.tensor(m, dtype=torch.float64).float(), "exp_avg_sq": torch.tensor(v).float()}
+    if draw(st.booleans()):  # amsgrad's maximum: an ulp above v, equal, an ulp below, or of the other sign
+        towards = torch.tensor([draw(st.sampled_from([math.inf, -math.inf, math.nan])) for _ in range(n)])
+        step = torch.nextafter(state["exp_avg_sq"], towards.nan_to_num(0.0))
+        state["max_exp_avg_sq"] = torch.where(towards.isnan(), -state["exp_avg_sq"], step)
+    assume(all(bool(t.isfinite().all()) for t in state.values()))
+    return state, {"betas": (b1, b2), "_dtype": dtype}
+
+
+@settings(max_examples=400, deadline=None)
+@given(state_chunks())
+def test_the_screen_passes_no_chunk_the_masks_would_flag(chunk):
+    """The screen (reductions, no masks) is a sufficient condition for ``flags`` finding nothing: the class is a
+    cheap pre-check that must never call clean what the exact check flags."""
+    state, hyper = chunk
+    flagged = {name: mask.nonzero().flatten().tolist() for name, mask in soundness.flags(state, hyper).items()
+               if mask.any()}
+    if flagged:
+        assert soundness._suspect(state, hyper, torch.empty(len(state["exp_avg"]))), (flagged, state)
+
+
+def test_the_screen_passes_healthy_adam_state():
+    """Not vacuous: torch's own Adam state over ordinary gradients is passed without building a mask."""
+    grads = [torch.randn(4096, generator=torch.Generator().manual_seed(k)) for k in range(50)]
+    state, group = _adam_state(grads, torch.float32, amsgrad=True)
+    assert not soundness._suspect(state, {**group, "_dtype": torch.float32}, torch.empty(4096))
+    state["exp_avg"][7] = 8 * state["exp_avg_sq"][7].sqrt()  # past the bound (7.27 at these betas)
+    assert soundness._suspect(state, {**group, "_dtype": torch.float32}, torch.empty(4096))
 
 
 # ---- long healthy runs: no false alarm ---------------------------------------------------------------------------

@@ -271,23 +271,39 @@ def flags(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> dict[s
     return out
 
 
-def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> bool:
-    """Whether ``flags`` could flag anything in this chunk, by reductions that allocate no masks: a handful of
-    passes where the masks take a dozen (they are built only for a chunk found suspect)."""
+def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any], scratch: torch.Tensor) -> bool:
+    """Whether ``flags`` could flag anything in this chunk (finite float32 state), by reductions over one reused
+    ``scratch`` buffer: three passes over a chunk still in cache where the masks take a dozen, and fresh allocations
+    would fault in their pages every chunk (the masks are built only for a chunk found suspect).
+
+    Adam's bound is screened as min(v - m^2/K^2) >= -atol^2/(2K^2), K = k(1 + r/2) (half the slack ``flags``
+    allows): a coordinate that ``flags`` marks has |m| > k(1+r) sqrt(v) + atol, so v - m^2/K^2 < -r(k/K)^2 v -
+    atol^2/K^2, a margin float32's rounding (relative 2^-24 a product; r >= 1e-3) cannot close. An m^2/K^2 that
+    overflows gives -inf, suspect. The same pass stands in for v's own sign: a negative v leaves v - m^2/K^2
+    negative, so only a chunk whose minimum is negative has v read again. A slack below 2^-140 (float64 state) is not
+    screened: beside it, float32's underflow (2^-149) is no longer small."""
+    out = scratch[:next(iter(state.values())).numel()]
+    v = state.get("exp_avg_sq")
     betas = _betas(hyper)
-    limit = adam_bound(*betas) if betas is not None and "exp_avg" in state and "exp_avg_sq" in state else None
-    for key in NONNEGATIVE:
-        if key in state and not (limit is not None and key == "exp_avg_sq") and bool(state[key].amin() < 0):
-            return True
-    if "max_exp_avg_sq" in state and "exp_avg_sq" in state and bool(torch.lt(state["max_exp_avg_sq"],
-                                                                             state["exp_avg_sq"]).any()):
-        return True
+    limit = adam_bound(*betas) if betas is not None and v is not None and "exp_avg" in state else None
     if limit is not None and betas is not None:
         rtol, atol = _tolerance(hyper.get("_dtype", torch.float32), betas[1], limit)
-        # |m| - C(1+r) sqrt(v): NaN where v < 0 (sqrt), which the comparison below counts as suspect too
-        worst = torch.add(state["exp_avg"].abs(), state["exp_avg_sq"].sqrt(), alpha=-limit * (1 + rtol)).max()
-        return not bool(worst <= atol)
-    return False
+        k = limit * (1 + rtol / 2)
+        slack = atol * atol / (2 * k * k)
+        if slack < 2.0 ** -140:
+            return True
+        m = state["exp_avg"]
+        worst = float(torch.addcmul(v, m, m, value=-1 / (k * k), out=out).amin())
+        if worst < -slack or worst < 0 and bool(v.amin() < 0):
+            return True
+    # a negative max_exp_avg_sq is below v or leaves v negative: the amsgrad check and v's sign stand in for it
+    covered = {"exp_avg_sq"} if limit is not None else set()
+    covered |= {"max_exp_avg_sq"} if v is not None else set()
+    if any(bool(state[key].amin() < 0) for key in NONNEGATIVE if key in state and key not in covered):
+        return True
+    # exact: a finite x > y never rounds x - y to 0 (gradual underflow)
+    return "max_exp_avg_sq" in state and v is not None and bool(
+        torch.sub(v, state["max_exp_avg_sq"], out=out).amax() > 0)
 
 
 def _chunks(held: Mapping[str, _Held]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -430,8 +446,9 @@ class Checker:
         zeros = _Tally()
         nonzero = False
         typed = {**hyper, "_dtype": v_dtype}
+        scratch = torch.empty(min(CHUNK, next(iter(held.values())).tensor.numel()), dtype=torch.float32)
         for start, chunk in _chunks(held):
-            if _suspect(chunk, typed):
+            if _suspect(chunk, typed, scratch):
                 for name, mask in flags(chunk, typed).items():
                     _tally(tallies.setdefault(name, _Tally()), mask, start, chunk)
             if eps == 0 and denominator in chunk:

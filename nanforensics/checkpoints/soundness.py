@@ -313,9 +313,12 @@ def _chunks(held: Mapping[str, _Held]) -> Iterator[tuple[int, dict[str, torch.Te
     # tensors saved in different dtypes are compared at the coarsest one's precision: rounding is monotone, so an
     # order that held before the cast holds after it
     coarsest = max((h.tensor.dtype for h in held.values()), key=lambda d: torch.finfo(d).eps)
+    # float32 chunks of other dtypes land in buffers reused chunk after chunk: a fresh one would fault its pages in
+    widened = {k: torch.empty(min(CHUNK, n), dtype=torch.float32) for k, f in flat.items()
+               if f.dtype != torch.float32 or coarsest != torch.float32}
     for start in range(0, n, CHUNK):
         views = {k: f[start:start + CHUNK] for k, f in flat.items()}
-        yield start, {k: v.to(coarsest).float() for k, v in views.items()}
+        yield start, {k: widened[k][:v.numel()].copy_(v.to(coarsest)) if k in widened else v for k, v in views.items()}
         for k, v in views.items():
             if held[k].tensor.is_contiguous():
                 held[k].release(v)

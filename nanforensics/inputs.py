@@ -26,6 +26,7 @@ import stat
 import struct
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
@@ -290,22 +291,27 @@ class Entry:
 
 
 class SafetensorsFile:
-    """Header parsed and validated on open; tensors mapped on demand by ``read``."""
+    """Header parsed and validated on open; tensors mapped on demand by ``read``.
+
+    The file stays open while the object lives: each tensor is mapped from the file whose header was checked (a
+    file put in its place since is never read), without opening it again per tensor.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        f = self._file = open_input(path)
+        weakref.finalize(self, f.close)
         try:
-            with open_input(path) as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(8)
-                if len(head) < 8:
-                    raise BadInput(path, f"truncated: {size} bytes, too short for a safetensors header")
-                (n,) = struct.unpack("<Q", head)
-                if n > MAX_HEADER_BYTES:
-                    raise BadInput(path, f"not a safetensors file (header length {n})")
-                if 8 + n > size:
-                    raise BadInput(path, f"truncated: the header needs {8 + n} bytes, the file has {size}")
-                raw = f.read(n)
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise BadInput(path, f"truncated: {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise BadInput(path, f"not a safetensors file (header length {n})")
+            if 8 + n > size:
+                raise BadInput(path, f"truncated: the header needs {8 + n} bytes, the file has {size}")
+            raw = f.read(n)
         except OSError as e:
             raise BadInput(path, f"cannot read ({e.strerror or e})") from None
         try:  # an entry is an object: counting objects bounds the tensors before they are built
@@ -367,11 +373,10 @@ class SafetensorsFile:
             return torch.empty(entry.shape, dtype=entry.dtype)
         offset = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
         try:
-            with open_input(self.path) as f:
-                if os.fstat(f.fileno()).st_size < entry.end:
-                    raise BadInput(self.path, f"truncated while being read: tensor {entry.name!r} is past its end")
-                region = mmap.mmap(f.fileno(), entry.end - offset, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ,
-                                   offset=offset)
+            fd = self._file.fileno()
+            if os.fstat(fd).st_size < entry.end:
+                raise BadInput(self.path, f"truncated while being read: tensor {entry.name!r} is past its end")
+            region = mmap.mmap(fd, entry.end - offset, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=offset)
         except OSError as e:
             raise BadInput(self.path, f"cannot map tensor {entry.name!r} ({e.strerror or e})") from None
         with warnings.catch_warnings():

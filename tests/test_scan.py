@@ -214,6 +214,32 @@ def test_truncated_file_is_a_one_line_error_through_the_cli(ck, tmp_path):
     assert_one_line_error(run_cli("scan", cut), str(cut), "truncated")
 
 
+def test_a_file_changed_under_a_scan_is_read_as_checked_or_named(tmp_path):
+    """The class: the checkpoint's bytes change between its header's check and a tensor's read. A file put in its
+    place (here a symlink out of the tree) is never read: the tensors come from the file whose header was checked.
+    The same file cut short is a one-line error naming the tensor past its end, not a bus error."""
+    path = tmp_path / "ck.safetensors"
+    save_file({"a": torch.ones(4096), "b": torch.ones(4096)}, path)
+    outside = tmp_path.parent / f"{tmp_path.name}-elsewhere.safetensors"
+    save_file({"a": torch.full((4096,), float("nan")), "b": torch.full((4096,), float("nan"))}, outside)
+    stream = open_checkpoint(path).open()
+    tensors = stream.tensors()
+    assert bool(next(tensors)[1].isfinite().all())
+    path.unlink()
+    path.symlink_to(outside)
+    assert bool(next(tensors)[1].isfinite().all())  # the checked file's "b", not the NaNs it was replaced with
+    outside.unlink()
+
+    path.unlink()
+    save_file({"a": torch.ones(4096), "b": torch.ones(4096)}, path)
+    tensors = open_checkpoint(path).open().tensors()
+    next(tensors)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+    with pytest.raises(BadInput, match="truncated while being read: tensor 'b'"):
+        next(tensors)
+
+
 def _damaged(tmp_path: Path, ck: Checkpoints) -> list[tuple[Path, str]]:
     """(path to scan, the file the error must name) for each kind of damage."""
     st = checkpoint_path(ck.folders["params", "safetensors"], "safetensors", LAST_CLEAN)

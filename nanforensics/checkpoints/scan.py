@@ -30,7 +30,7 @@ from .soundness import Checker, Soundness
 
 SCAN_SCHEMA = "nanforensics.scan/1"
 DEFAULT_MARGIN = 1000.0
-CHUNK_BYTES = 128 << 20  # 128 MB read 0.89-0.91 of a sum's bandwidth where 32 MB read 0.74-0.78 (bench_scan_readers.py)
+CHUNK_BYTES = 32 << 20  # 32 and 128 MB read alike (bench_scan_readers.py); 128 MB put the peak RSS past its bound
 # POISONED_BUFFERS: the parameters finite, a registered buffer (BatchNorm statistics) not
 ScanVerdict = Literal["clean", "poisoned_parameters", "poisoned_optimizer_state", "poisoned_buffers"]
 CLEAN, POISONED_PARAMETERS, POISONED_STATE, POISONED_BUFFERS = get_args(ScanVerdict)

@@ -16,13 +16,16 @@
    (``TensorFile``) for comparison.
 3. The checkpoints read by ``bisect`` over 1000 tiny checkpoints against ``--linear``.
 
-Targets (issue 14): scan >= 0.80 of the sum's bandwidth; (issue 3) peak RSS < largest tensor + 200 MB.
+Targets (issue 25): scan >= 0.85 of the sum's bandwidth; (issue 3) peak RSS < largest tensor + 200 MB.
+The reader's share depends on the kernel's page cache: the faults a scan takes (printed) run from ~2,000 when the
+file's pages sit in large folios to ~14,000 when they do not, and its system time with them.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import resource
 import statistics
 import subprocess
 import sys
@@ -39,6 +42,7 @@ from nanforensics.formats import open_checkpoint
 from safetensors.torch import save_file
 
 MB = 1e6
+TARGET = 0.85  # of the sum's bandwidth
 
 
 def model_shapes(d: int = 1024, vocab: int = 32000, layers: int = 8) -> dict[str, tuple[int, ...]]:
@@ -104,10 +108,15 @@ def throughput(path: Path, tensors: list[torch.Tensor], rounds: int, clock: str)
           "   (the check's arithmetic alone)")
     print(f"  scan / memory bandwidth       {ratio:6.2f}      {best:6.2f}        (median of the per-round ratios; "
           f"best scan / best sum)")
-    print(f"    per round: {' '.join(f'{r:.2f}' for r in ratios)}   target >= 0.80: "
-          f"{verdict(ratio >= 0.8)} (median), {verdict(best >= 0.8)} (best)")
+    print(f"    per round: {' '.join(f'{r:.2f}' for r in ratios)}   target >= {TARGET}: "
+          f"{verdict(ratio >= TARGET)} (median), {verdict(best >= TARGET)} (best)")
     print(f"  the gap, per-round medians: aminmax / sum {arithmetic:.2f} (the arithmetic, the scan's ceiling), "
           f"scan / aminmax {reader:.2f} (the reader: mapping and handing back pages, Python)")
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    scan_checkpoint(source, full=True)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"  one more scan: {after.ru_minflt - before.ru_minflt} page faults, {after.ru_utime - before.ru_utime:.3f} s "
+          f"user, {after.ru_stime - before.ru_stime:.3f} s system (mapping, faulting, handing back)")
 
 
 _CHILD = """

@@ -252,6 +252,16 @@ class _Tally:
     values: dict[str, float] = field(default_factory=dict)
 
 
+def _adam_terms(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> tuple[float, float, float] | None:
+    """Adam's bound on |m| / sqrt(v) for these betas with its relative and absolute slack, where the state holds both
+    moments and the betas bound them: one place, so ``flags`` and its screen ``_suspect`` hold the same bound."""
+    betas = _betas(hyper)
+    limit = adam_bound(*betas) if betas is not None and "exp_avg" in state and "exp_avg_sq" in state else None
+    if betas is None or limit is None:
+        return None
+    return (limit, *_tolerance(hyper.get("_dtype", torch.float32), betas[1], limit))
+
+
 def flags(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The elementwise checks on one parameter's state (whole tensors or matching chunks, float32): a mask per
     ``check:key`` of the coordinates that break it."""
@@ -261,10 +271,9 @@ def flags(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> dict[s
             out[f"{NEGATIVE}:{key}"] = state[key] < 0
     if "max_exp_avg_sq" in state and "exp_avg_sq" in state:
         out[f"{AMSGRAD}:max_exp_avg_sq"] = state["max_exp_avg_sq"] < state["exp_avg_sq"]
-    betas = _betas(hyper)
-    limit = adam_bound(*betas) if betas is not None and "exp_avg" in state and "exp_avg_sq" in state else None
-    if limit is not None:
-        rtol, atol = _tolerance(hyper.get("_dtype", torch.float32), betas[1], limit)
+    bound = _adam_terms(state, hyper)
+    if bound is not None:
+        limit, rtol, atol = bound
         v = state["exp_avg_sq"]
         # a negative v is its own finding
         out[f"{BOUND}:exp_avg"] = (state["exp_avg"].abs() > limit * v.clamp(min=0).sqrt() * (1 + rtol) + atol) & (v >= 0)
@@ -284,10 +293,9 @@ def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any], scratc
     screened: beside it, float32's underflow (2^-149) is no longer small."""
     out = scratch[:next(iter(state.values())).numel()]
     v = state.get("exp_avg_sq")
-    betas = _betas(hyper)
-    limit = adam_bound(*betas) if betas is not None and v is not None and "exp_avg" in state else None
-    if limit is not None and betas is not None:
-        rtol, atol = _tolerance(hyper.get("_dtype", torch.float32), betas[1], limit)
+    bound = _adam_terms(state, hyper)
+    if bound is not None:
+        limit, rtol, atol = bound
         k = limit * (1 + rtol / 2)
         slack = atol * atol / (2 * k * k)
         if slack < 2.0 ** -140:
@@ -297,7 +305,7 @@ def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any], scratc
         if worst < -slack or worst < 0 and bool(v.amin() < 0):
             return True
     # a negative max_exp_avg_sq is below v or leaves v negative: the amsgrad check and v's sign stand in for it
-    covered = {"exp_avg_sq"} if limit is not None else set()
+    covered = {"exp_avg_sq"} if bound is not None else set()
     covered |= {"max_exp_avg_sq"} if v is not None else set()
     if any(bool(state[key].amin() < 0) for key in NONNEGATIVE if key in state and key not in covered):
         return True

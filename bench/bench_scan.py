@@ -1,6 +1,6 @@
 """Scan throughput against memory bandwidth, peak memory against the largest tensor, bisection's read count.
 
-    python bench/bench_scan.py [--gib 2] [--rounds 9] [--keep DIR] [--threads 2] [--clock wall|cpu]
+    python bench/bench_scan.py [--gib 2] [--rounds 9] [--keep DIR] [--threads 2] [--clock wall|cpu] [--cold]
 
 1. A ~2 GiB transformer-shaped fp32 safetensors checkpoint (weights and Adam moments; the
    embedding and its moments are the largest tensors). Each round warms the page cache by
@@ -16,6 +16,8 @@
    (``TensorFile``) for comparison.
 3. The checkpoints read by ``bisect`` over 1000 tiny checkpoints against ``--linear``.
 4. What a scan costs per tensor beyond reading it: 2,000 tensors of 4 KB, CPU time, best of 5.
+5. With ``--cold`` (root: it empties the page cache before each): the finiteness scan from disk against ``read()``
+   of the whole file in 16 MB blocks and against the scan's own loop with ``MADV_WILLNEED`` on each next chunk.
 
 Targets (issue 25): scan >= 0.85 of the sum's bandwidth; (issue 3) peak RSS < largest tensor + 200 MB.
 The reader's share depends on the kernel's page cache: the faults a scan takes (printed) run from ~2,000 when the
@@ -25,7 +27,10 @@ file's pages sit in large folios to ~14,000 when they do not, and its system tim
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
+import mmap
+import os
 import resource
 import statistics
 import subprocess
@@ -38,8 +43,9 @@ from typing import Callable
 import torch
 from benchlib import CLOCKS, verdict
 from nanforensics.checkpoints.bisect import bisect, scan_bound
-from nanforensics.checkpoints.scan import scan_checkpoint
+from nanforensics.checkpoints.scan import CHUNK_BYTES, scan_checkpoint
 from nanforensics.formats import open_checkpoint
+from nanforensics.formats.pages import span
 from safetensors.torch import save_file
 
 MB = 1e6
@@ -195,6 +201,45 @@ def per_tensor(n: int = 2000) -> None:
           f"{best[True] / n * 1e6:.0f} us with the soundness checks")
 
 
+def cold(path: Path, rounds: int = 2) -> None:
+    def drop() -> None:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+
+    def read_all() -> None:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def scan_willneed() -> None:
+        for _, t, release in open_checkpoint(path).open().tensors():
+            flat = t.reshape(-1)
+            step = CHUNK_BYTES // flat.element_size()
+            for start in range(0, flat.numel(), step):
+                if start + step < flat.numel():
+                    lo, hi = span(flat[start + step:start + 2 * step])
+                    madvise(lo, hi - lo, mmap.MADV_WILLNEED)
+                chunk = flat[start:start + step]
+                torch.aminmax(chunk)
+                release(chunk)
+
+    ways: dict[str, Callable[[], object]] = {
+        "scan_checkpoint (finiteness)": lambda: scan_checkpoint(open_checkpoint(path), full=True, soundness=False),
+        "read() in 16 MB blocks": read_all, "the scan, WILLNEED on the next chunk": scan_willneed}
+    print(f"\ncold page cache (emptied before each), wall, {rounds} rounds")
+    for name, way in ways.items():
+        seconds = []
+        for _ in range(rounds):
+            drop()
+            start = time.perf_counter()
+            way()
+            seconds.append(time.perf_counter() - start)
+        print(f"  {name:<38}" + " ".join(f"{path.stat().st_size / s / 1e9:5.2f} GB/s" for s in seconds))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0, help="checkpoint size")
@@ -202,6 +247,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="folder to keep (and reuse) the checkpoint in")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time (benchlib.py)")
+    ap.add_argument("--cold", action="store_true", help="also read from an emptied page cache (root)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = args.keep or Path(tempfile.mkdtemp(prefix="nf-bench-scan-"))
@@ -219,6 +265,8 @@ def main() -> None:
         memory(path, largest)
         bisection()
         per_tensor()
+        if args.cold:
+            cold(path)
     finally:
         if args.keep is None:
             path.unlink(missing_ok=True)

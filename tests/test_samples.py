@@ -112,12 +112,18 @@ def assert_close_tree(a: Any, b: Any, rtol: float, where: object) -> None:
         assert a == b, where
 
 
+def machine_rtol(run: Path) -> float:
+    """What a regenerated run may differ by from the shipped one: nothing where the shipped manifest names this
+    machine's kind of CPU; else (another CPU, whose kernels sum in another order, or a run recorded before manifests
+    named it) the replay's cross-CPU tolerance, STATE_RTOL (1e-3). What the generator controls is compared exactly."""
+    recorded = json.loads((run / "manifest.json").read_text()).get("cpu")
+    return 0.0 if recorded == dataclasses.asdict(this_cpu()) else STATE_RTOL
+
+
 def test_generator_reproduces_the_shipped_runs(tmp_path):
-    """Bit for bit where the shipped runs name this machine's kind of CPU; else (another CPU, or runs recorded before
-    manifests named it) within the replay's cross-CPU tolerance, STATE_RTOL (1e-3)."""
+    """Bit for bit where the shipped runs name this machine's kind of CPU, else within machine_rtol."""
     subprocess.run([sys.executable, str(SAMPLES / "generate.py"), "--out", str(tmp_path)], check=True,
                    capture_output=True)
-    recorded = json.loads((SAMPLES / "clean" / "manifest.json").read_text()).get("cpu")
-    rtol = 0.0 if recorded == dataclasses.asdict(this_cpu()) else STATE_RTOL
+    rtol = machine_rtol(SAMPLES / "clean")
     # scripts are not generated; ddp_two_ranks comes from generate_distributed.py, checked in test_distributed.py
     assert_same_run(SAMPLES, tmp_path, lambda rel: rel.suffix == ".py" or rel.parts[0] == "ddp_two_ranks", rtol)

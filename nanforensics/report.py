@@ -317,6 +317,9 @@ class SpreadMap:
     rows: list[TensorSpread]  # in the optimizer's parameter order
     responsible_step: int | None
     basis: str  # "per_tensor": measured per tensor; "totals": the replay report's whole-model totals
+    # the rows merged into layers for drawing (spread.layered): at most 24 for a terminal or Markdown, 48 for a page
+    text_rows: list[TensorSpread] = field(default_factory=list)
+    page_rows: list[TensorSpread] = field(default_factory=list)
 
 
 @dataclass

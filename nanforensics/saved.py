@@ -8,6 +8,7 @@ from .checkpoints.bisect import BISECT_SCHEMA, BisectReport
 from .errors import BadInput, shown
 from .inputs import examine, load_json
 from .postmortem import POSTMORTEM_SCHEMA, PostmortemReport
+from .replay.spread import layered
 from .report import REPLAY_SCHEMA, ReplayReport
 from .rootcause.findings import narrate
 from .schema import load
@@ -34,4 +35,8 @@ def load_report(path: Path) -> SavedReport:
         else report.replayed
     if replay is not None and not replay.headline:  # written before reports carried their sentences
         narrate(replay)
+    for m in (replay.spread_map if replay is not None else None,
+              report.tensor_spread if isinstance(report, PostmortemReport) else None):
+        if m is not None:
+            layered(m)  # the rows drawn are derived from the rows measured, never taken from the file
     return report

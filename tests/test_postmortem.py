@@ -13,7 +13,7 @@ from html.parser import HTMLParser
 
 import pytest
 from nanforensics.postmortem import CHECKPOINTS, DONE, FAILED, REPLAY, SKIPPED, STEP_LOG, TENSOR_SPREAD, postmortem
-from nanforensics.replay.spread import SpreadMap, TensorSpread, grouped
+from nanforensics.replay.spread import SpreadMap, TensorSpread, grouped, layered
 from nanforensics.views import heatmap
 from nanforensics.views.html import render_html
 from nanforensics.views.markdown import render_postmortem as render_markdown
@@ -201,8 +201,15 @@ def test_html_renders_in_a_headless_browser(runs, tmp_path):
 def test_heatmap_levels_and_layers():
     assert [heatmap.level(b, 100) for b in (0, 1, 2, 49, 50, 99, 100)] == [0, 1, 2, 2, 3, 3, 4]
     rows = [TensorSpread(f"layers.{i}.{p}", 10, 20, [0, i % 2], [0, 0]) for i in range(30) for p in ("w", "b")]
-    m = grouped(SpreadMap([5, 6], rows, 6, "per_tensor"), 24)  # 30 layers: runs of neighbours
-    assert [r.name for r in m.rows][:2] == ["layers.0 .. layers.1", "layers.2 .. layers.3"] and len(m.rows) == 15
-    m = grouped(SpreadMap([5, 6], rows[:20], 6, "per_tensor"), 12)
-    assert [r.name for r in m.rows] == [f"layers.{i}" for i in range(10)]
-    assert (m.rows[1].params_total, m.rows[1].params_nonfinite) == (20, [0, 2])
+    g = grouped(SpreadMap([5, 6], rows, 6, "per_tensor"), 24)  # 30 layers: runs of neighbours
+    assert [r.name for r in g][:2] == ["layers.0 .. layers.1", "layers.2 .. layers.3"] and len(g) == 15
+    g = grouped(SpreadMap([5, 6], rows[:20], 6, "per_tensor"), 12)
+    assert [r.name for r in g] == [f"layers.{i}" for i in range(10)]
+    assert (g[1].params_total, g[1].params_nonfinite) == (20, [0, 2])
+    # the library merges once (spread.layered); the views draw those rows and merge nothing themselves
+    m = layered(SpreadMap([5, 6], rows, 6, "per_tensor"))
+    assert (len(m.rows), len(m.text_rows), len(m.page_rows)) == (60, 15, 30)
+    text = heatmap.render_text(m)
+    assert "layers.0 .. layers.1" in text and "60 tensors shown as 15 layers" in text
+    m.text_rows = m.text_rows[:1]  # what a view draws is the report's rows, not a grouping of its own
+    assert "layers.2 .. layers.3" not in heatmap.render_text(m)

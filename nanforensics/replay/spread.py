@@ -23,6 +23,8 @@ from ..runs.run import Run, UserCode
 from .session import pinned_threads
 
 CONTEXT_STEPS = 2  # clean steps shown before the responsible one
+TEXT_ROWS = 24  # the most rows a terminal's or a Markdown block's heatmap draws
+PAGE_ROWS = 48  # the most an HTML page's draws
 
 
 def from_replay(r: ReplayReport) -> SpreadMap | None:
@@ -33,7 +35,7 @@ def from_replay(r: ReplayReport) -> SpreadMap | None:
         return None
     row = TensorSpread("whole model", records[-1].params_total, records[-1].state_total,
                        [s.params_nonfinite for s in records], [s.state_nonfinite for s in records])
-    return SpreadMap([s.step for s in records], [row], r.responsible_step, "totals")
+    return layered(SpreadMap([s.step for s in records], [row], r.responsible_step, "totals"))
 
 
 def trace(run: Run, code: UserCode, replay: ReplayReport, progress: Progress = SILENT) -> SpreadMap:
@@ -66,7 +68,7 @@ def trace(run: Run, code: UserCode, replay: ReplayReport, progress: Progress = S
         state_totals = [sum(v.numel() for v in session.optimizer.state.get(p, {}).values() if finite.checkable(v))
                         for p in params]
     rows = [TensorSpread(n, p.numel(), st, bp, bs) for n, p, st, (bp, bs) in zip(names, params, state_totals, counts)]
-    return SpreadMap(steps, rows, replay.responsible_step, "per_tensor")
+    return layered(SpreadMap(steps, rows, replay.responsible_step, "per_tensor"))
 
 
 def disagreement(m: SpreadMap, replay: ReplayReport) -> int | None:
@@ -79,11 +81,18 @@ def disagreement(m: SpreadMap, replay: ReplayReport) -> int | None:
     return None
 
 
-def grouped(m: SpreadMap, max_rows: int) -> SpreadMap:
+def layered(m: SpreadMap) -> SpreadMap:
+    """``m`` with the rows its views draw: merged here, once, so that a view only draws (and a saved report re-renders
+    what was shown)."""
+    m.text_rows, m.page_rows = grouped(m, TEXT_ROWS), grouped(m, PAGE_ROWS)
+    return m
+
+
+def grouped(m: SpreadMap, max_rows: int) -> list[TensorSpread]:
     """At most ``max_rows`` rows: tensors merged into their modules (fc1.weight, fc1.bias -> fc1), and when
     there are still too many, modules into runs of neighbours (layers.0 .. layers.3), in model order."""
     if len(m.rows) <= max_rows:
-        return m
+        return m.rows
     modules = [r.name.rpartition(".")[0] or r.name for r in m.rows]
     names = list(dict.fromkeys(modules))
     if len(names) > max_rows:
@@ -94,7 +103,7 @@ def grouped(m: SpreadMap, max_rows: int) -> SpreadMap:
     return _merged(m, modules)
 
 
-def _merged(m: SpreadMap, keys: list[str]) -> SpreadMap:
+def _merged(m: SpreadMap, keys: list[str]) -> list[TensorSpread]:
     out: dict[str, TensorSpread] = {}
     for key, r in zip(keys, m.rows):
         g = out.setdefault(key, TensorSpread(key, 0, 0, [0] * len(m.steps), [0] * len(m.steps)))
@@ -102,4 +111,4 @@ def _merged(m: SpreadMap, keys: list[str]) -> SpreadMap:
         g.state_total += r.state_total
         g.params_nonfinite = [a + b for a, b in zip(g.params_nonfinite, r.params_nonfinite)]
         g.state_nonfinite = [a + b for a, b in zip(g.state_nonfinite, r.state_nonfinite)]
-    return SpreadMap(m.steps, list(out.values()), m.responsible_step, m.basis)
+    return list(out.values())

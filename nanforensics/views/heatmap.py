@@ -6,12 +6,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from ..replay.spread import grouped
 from ..report import SpreadMap
 from ..words import count
 from .escaping import visible
 
-MAX_ROWS = 24
 SHADES = ("··", "░░", "▒▒", "▓▓", "██")
 STYLES = ("grey42", "yellow", "dark_orange", "red", "bold red")
 LEVEL_NAMES = ("none", "1% or less", "under half", "half or more", "all")
@@ -38,20 +36,20 @@ def columns(n: int, room: int) -> list[int | None]:
 def lines(m: SpreadMap, width: int | None = None) -> list[list[tuple[str, str]]]:
     """The heatmap as lines of (text, rich style) segments, at most ``width`` characters wide where the names allow:
     the steps in the middle of a long map are left out, marked ``…``."""
-    g = grouped(m, MAX_ROWS)
-    with_state = any(r.state_total for r in g.rows)
-    names = [visible(r.name) for r in g.rows]
+    rows = m.text_rows
+    with_state = any(r.state_total for r in rows)
+    names = [visible(r.name) for r in rows]
     label = max(map(len, names))  # whole names: a line runs past the width rather than cut one
     gap = "   "
     blocks = 2 if with_state else 1
-    room = len(g.steps) if width is None else max(3, (width - label - len(gap) * blocks) // (2 * blocks))
-    shown = columns(len(g.steps), room)
+    room = len(m.steps) if width is None else max(3, (width - label - len(gap) * blocks) // (2 * blocks))
+    shown = columns(len(m.steps), room)
     cells = 2 * len(shown)
     block = max(cells, len("parameters"))
     out: list[list[tuple[str, str]]] = []
     head = [(" " * label + gap, ""), ("parameters".ljust(block), "bold")]
     out.append(head + ([(gap + "optimizer state", "bold")] if with_state else []))
-    at = g.steps.index(g.responsible_step) if g.responsible_step in g.steps else None
+    at = m.steps.index(m.responsible_step) if m.responsible_step in m.steps else None
     if at is not None and at in shown:
         mark = (" " * (2 * shown.index(at)) + "▼").ljust(block)
         out.append([(" " * label + gap, ""), (mark, "bold red")] + ([(gap + mark, "bold red")] if with_state else []))
@@ -60,20 +58,20 @@ def lines(m: SpreadMap, width: int | None = None) -> list[list[tuple[str, str]]]
         return [("… ", "dim") if i is None else (SHADES[level(counts[i], total)], STYLES[level(counts[i], total)])
                 if present else ("  ", "") for i in shown]
 
-    for r, name in zip(g.rows, names):
+    for r, name in zip(rows, names):
         line = [(name.ljust(label) + gap, "")] + cells_of(r.params_nonfinite, r.params_total)
         line.append((" " * (block - cells), ""))
         if with_state:
             line += [(gap, "")] + cells_of(r.state_nonfinite, r.state_total, bool(r.state_total))
         out.append(line)
-    marked = f", ▼ the responsible step {g.responsible_step}" if at is not None and at in shown else ""
-    out.append([(f"non-finite values after each of steps {g.steps[0]}-{g.steps[-1]}{marked}", "dim")])
+    marked = f", ▼ the responsible step {m.responsible_step}" if at is not None and at in shown else ""
+    out.append([(f"non-finite values after each of steps {m.steps[0]}-{m.steps[-1]}{marked}", "dim")])
     if None in shown:
-        out.append([(f"… {count(len(g.steps) - len(shown) + 1, 'step')} in the middle left out (every one in the "
+        out.append([(f"… {count(len(m.steps) - len(shown) + 1, 'step')} in the middle left out (every one in the "
                      "JSON report)", "dim")])
     out.append([("  ".join(f"{s} {n}" for s, n in zip(SHADES, LEVEL_NAMES)), "dim")])
-    if len(g.rows) < len(m.rows):
-        out.append([(f"{count(len(m.rows), 'tensor')} shown as {count(len(g.rows), 'layer')}", "dim")])
+    if len(rows) < len(m.rows):
+        out.append([(f"{count(len(m.rows), 'tensor')} shown as {count(len(rows), 'layer')}", "dim")])
     return out
 
 

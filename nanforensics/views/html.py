@@ -17,7 +17,6 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 from ..checkpoints.bisect import BisectReport, CheckpointRef
 from ..finite import Located
 from ..postmortem import DONE, FAILED, SKIPPED, PostmortemReport, span
-from ..replay.spread import grouped
 from ..report import ReplayReport, SpreadMap
 from ..words import count, sample_positions
 from . import heatmap
@@ -27,7 +26,6 @@ from .replay import batch_label, counts, loaded_rows, precursor_rows, world_text
 
 LEVEL_FILLS = ("#e5e7eb", "#fcd34d", "#fb923c", "#dc2626", "#7f1d1d")
 PALETTE = ("#2563eb", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be123c", "#4d7c0f", "#a16207")
-MAX_HEATMAP_ROWS = 48
 _BADGE = {"nonfinite": "bad", "clean": "good", "not_reproduced": "warn", "loss_only": "warn", "poisoned": "bad",
           "non_monotonic": "warn"}
 _STATUS_CLASS = {DONE: "done", SKIPPED: "skipped", FAILED: "failed"}  # allow-listed: a class name is never run text
@@ -231,43 +229,43 @@ def _svg(title: str, width: int, height: int, elements: list[dict[str, Any]],
 def _heatmap(m: SpreadMap | None) -> Section | None:
     if m is None:
         return None
-    g = grouped(m, MAX_HEATMAP_ROWS)
+    rows = m.page_rows
     cell, gap, top = 20, 32, 46
-    label_w = 24 + round(7.5 * max(len(visible(r.name)) for r in g.rows))  # whole names: the picture scales to the page
-    with_state = any(r.state_total for r in g.rows)
-    panel_w = max(cell * len(g.steps), 130)
+    label_w = 24 + round(7.5 * max(len(visible(r.name)) for r in rows))  # whole names: the picture scales to the page
+    with_state = any(r.state_total for r in rows)
+    panel_w = max(cell * len(m.steps), 130)
     width = label_w + panel_w + (gap + panel_w if with_state else 0) + 8
-    height = top + cell * len(g.rows) + 8
-    every = max(1, math.ceil(len(g.steps) / 12))
+    height = top + cell * len(rows) + 8
+    every = max(1, math.ceil(len(m.steps) / 12))
     parts = []
     panels = [("parameters", label_w, "params")] + ([("optimizer state", label_w + panel_w + gap, "state")]
                                                     if with_state else [])
     for title, x0, kind in panels:
         parts.append(_el("text", {"x": x0, "y": 14, "font-weight": 600, "font-size": 13}, title))
-        for i, step in enumerate(g.steps):
+        for i, step in enumerate(m.steps):
             x = x0 + i * cell
-            if i % every == 0 or step == g.responsible_step:
+            if i % every == 0 or step == m.responsible_step:
                 parts.append(_el("text", {"x": x + cell / 2, "y": top - 4, "text-anchor": "middle", "font-size": 10,
                                           "fill": "#6b7280"}, str(step)))
-            if step == g.responsible_step:
+            if step == m.responsible_step:
                 parts.append(_el("path", {"d": f"M{x + 4} 21 L{x + cell - 4} 21 L{x + cell / 2} 29 Z",
                                           "fill": "#dc2626"}, title=f"responsible step {step}"))
-        for j, row in enumerate(g.rows):
+        for j, row in enumerate(rows):
             total = row.params_total if kind == "params" else row.state_total
             bads = row.params_nonfinite if kind == "params" else row.state_nonfinite
             if not total:
                 continue
-            for i, (step, bad) in enumerate(zip(g.steps, bads)):
+            for i, (step, bad) in enumerate(zip(m.steps, bads)):
                 parts.append(_el("rect", {"x": x0 + i * cell, "y": top + j * cell, "width": cell - 2,
                                           "height": cell - 2, "fill": LEVEL_FILLS[heatmap.level(bad, total)]},
                                  title=f"{row.name} after step {step}: {bad:,} of {total:,} {title} values non-finite"))
-    for j, row in enumerate(g.rows):
+    for j, row in enumerate(rows):
         parts.append(_el("text", {"x": label_w - 10, "y": top + j * cell + cell - 6, "text-anchor": "end",
                                   "font-family": "ui-monospace,Menlo,Consolas,monospace", "font-size": 12}, row.name))
     legend = [("swatch", fill, name) for fill, name in zip(LEVEL_FILLS, heatmap.LEVEL_NAMES)]
-    basis = "per tensor" if g.basis == "per_tensor" else "whole model (the replay report's totals)"
-    if len(g.rows) < len(m.rows):
-        basis += f"; {count(len(m.rows), 'tensor')} shown as {count(len(g.rows), 'layer')}"
+    basis = "per tensor" if m.basis == "per_tensor" else "whole model (the replay report's totals)"
+    if len(rows) < len(m.rows):
+        basis += f"; {count(len(m.rows), 'tensor')} shown as {count(len(rows), 'layer')}"
     return _svg("Spread of non-finite values", width, height, parts, legend,
                 f"non-finite values after each step, {basis}")
 

@@ -227,6 +227,12 @@ def count_nonfinite(t: torch.Tensor) -> int:
 
 
 @_outside_transforms
+def count_nan(t: torch.Tensor) -> int:
+    """Exact count of the NaN values; only called for tensors already known to be bad."""
+    return int(torch.isnan(_readable(t)).sum())
+
+
+@_outside_transforms
 def abs_max(t: torch.Tensor) -> torch.Tensor:
     """Largest |x| as a 0-dim tensor left on ``t``'s device: NaN or inf when ``t`` holds one (a precursor)."""
     return extremes(t).abs().max()

@@ -27,6 +27,7 @@ from nanforensics.rootcause.samples import batch_size, select, whole_leaves
 from torch.func import functionalize, grad, jacrev, jvp, vmap
 
 import class_models as cm
+import scenarios
 from conftest import run_cli
 
 
@@ -238,7 +239,7 @@ def test_a_per_batch_tensor_as_long_as_the_batch_is_split_unless_named_whole() -
 SPREAD = "Clipping spread it"
 
 
-@pytest.mark.parametrize("step_fn, said", [(cm.train_step_poisson_clipped, True), (cm.train_step_poisson, False)],
+@pytest.mark.parametrize("step_fn, said", [(cm.train_step_poisson_clipped, True), (scenarios.train_step_poisson, False)],
                          ids=["clipped", "not clipped"])
 def test_the_clipping_finding_is_said_where_its_evidence_is(tmp_path: Path, step_fn: Any, said: bool) -> None:
     """A Poisson regression whose backward leaves one -inf and one NaN gradient value: clip_grad_norm_'s factor is

@@ -111,17 +111,17 @@ def rating_batch(step: int) -> dict[str, Any]:
 # -- per-batch tensors beside per-sample rows -----------------------------------------------------------------
 
 class Classifier(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, classes: int = CLASSES) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
-def build_classifier() -> nn.Module:
-    return Classifier()
+def build_classifier(**kwargs: Any) -> nn.Module:
+    return Classifier(**kwargs)
 
 
 def adam(model: nn.Module) -> torch.optim.Optimizer:
@@ -139,15 +139,24 @@ def train_step_weighted(model: nn.Module, optimizer: torch.optim.Optimizer, batc
     return loss
 
 
-def class_batch(step: int, defect: str | None = None) -> dict[str, Any]:
+def train_step_weighted_named(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """``train_step_weighted``, its per-batch tensors named: with as many classes as samples, their shape cannot
+    tell them from rows."""
+    return train_step_weighted(model, optimizer, batch)
+
+
+train_step_weighted_named.nanforensics_whole = ["batch['label_mask']", "batch['class_weight']"]  # type: ignore[attr-defined]
+
+
+def class_batch(step: int, defect: str | None = None, classes: int = CLASSES) -> dict[str, Any]:
     """``weights``: the class weights all 0 (a weighted mean over no weight, 0/0); ``rows``: a feature of every
     sample missing (NaN), a defect of the rows."""
     g = torch.Generator().manual_seed(step)
     x = torch.randn(BATCH, 6, generator=g)
-    y = torch.randint(0, CLASSES - 1, (BATCH,), generator=g)
-    mask = torch.ones(CLASSES, dtype=torch.bool)
-    mask[CLASSES - 1] = step % 2 == 0  # the last class, which no sample holds, allowed every other step
-    weight = 1.0 / (torch.bincount(y, minlength=CLASSES).float() + 1.0)
+    y = torch.randint(0, classes - 1, (BATCH,), generator=g)
+    mask = torch.ones(classes, dtype=torch.bool)
+    mask[classes - 1] = step % 2 == 0  # the last class, which no sample holds, allowed every other step
+    weight = 1.0 / (torch.bincount(y, minlength=classes).float() + 1.0)
     if step == DEFECT_STEP and defect == "weights":
         weight.zero_()
     elif step == DEFECT_STEP and defect == "rows":
@@ -194,12 +203,14 @@ def count_batch(step: int) -> dict[str, Any]:
 
 # -- recording ------------------------------------------------------------------------------------------------
 
-def record(path: Path, factory: Callable[[], nn.Module], optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-           step_fn: Callable[..., torch.Tensor], batches: Callable[[int], dict[str, Any]], steps: int = STEPS) -> Path:
+def record(path: Path, factory: Callable[..., nn.Module], optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+           step_fn: Callable[..., torch.Tensor], batches: Callable[[int], dict[str, Any]], steps: int = STEPS,
+           model_kwargs: dict[str, Any] | None = None) -> Path:
     """Train ``steps`` steps under the recorder, as a user's loop would."""
-    model = factory()
+    model = factory(**(model_kwargs or {}))
     opt = optimizer(model)
-    with Recorder(path, model, opt, model_factory=factory, step_fn=step_fn, checkpoint_every=5) as rec:
+    with Recorder(path, model, opt, model_factory=factory, model_kwargs=model_kwargs or {}, step_fn=step_fn,
+                  checkpoint_every=5) as rec:
         for step in range(steps):
             batch = batches(step)
             rec.log(step, batch, step_fn(model, opt, batch))

@@ -188,6 +188,21 @@ def test_rows_that_fail_together_name_no_per_batch_tensor(weighted_runs: dict[st
     assert not any("through its per-batch" in f for f in r["findings"])
 
 
+@pytest.mark.parametrize("step_fn", [cm.train_step_weighted, cm.train_step_weighted_named], ids=["split", "named"])
+def test_per_batch_tensors_as_long_as_the_batch(tmp_path: Path, step_fn: Any) -> None:
+    """As many classes as samples: the mask and the weights are split like rows by the rule, the step function
+    raises on every subset, and the report says why and how to name them; named whole, the weights are found."""
+    run = cm.record(tmp_path / "run", cm.build_classifier, cm.adam, step_fn,
+                    functools.partial(cm.class_batch, defect="weights", classes=cm.BATCH),
+                    model_kwargs={"classes": cm.BATCH})
+    s = _replay(run)["samples"]
+    if step_fn is cm.train_step_weighted:
+        assert (s["status"], s["whole_leaves"], s["cause_leaves"]) == ("coupled", [], [])
+        assert "unless train_step.nanforensics_whole names it" in s["message"], s["message"]
+    else:
+        assert (s["status"], s["whole_leaves"], s["cause_leaves"]) == ("batch_wide", WHOLE, ["batch['class_weight']"])
+
+
 def _batch(rows: int, per_batch: list[int], ids: bool, extra_rows: int = 1) -> dict[str, Any]:
     """``rows`` samples in ``extra_rows`` tensors (and labels), per-batch tensors of the lengths ``per_batch``."""
     b: dict[str, Any] = {f"x{k}": torch.arange(rows * 2.0).reshape(rows, 2) + k for k in range(extra_rows)}

@@ -23,6 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nanforensics import finite
+from nanforensics.replay.monitor import StepMonitor
 from nanforensics.rootcause.samples import batch_size, select, whole_leaves
 from torch.func import functionalize, grad, jacrev, jvp, vmap
 
@@ -57,6 +58,22 @@ def test_per_sample_gradients_through_torch_func_replay_to_the_sample(tmp_path: 
         "aten::log.default", "forward", [cm.BAD_SAMPLE, 0, cm.BAD_FEATURE])
     assert (r["samples"]["status"], r["samples"]["samples"]) == ("attributed", [cm.BAD_SAMPLE])
     assert _events(r, cm.DEFECT_STEP)["optimizer_grad"]["value"] == "nan"  # the per-sample clip, as p.grad
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["read at once", "kept on the device"])
+def test_the_monitor_checks_a_step_under_vmap_in_both_modes(defer: bool) -> None:
+    """Detect mode's two paths: verdicts read at once, and (as on an accelerator) min/max pairs kept until the step
+    ends, computed inside the transforms and read after they returned; a clean step flags nothing."""
+    for step in (cm.DEFECT_STEP - 1, cm.DEFECT_STEP):
+        model = cm.build_log_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        batch = cm.dpsgd_batch(step)
+        with StepMonitor(model, optimizer, defer=defer) as monitor:
+            monitor.begin(step, batch, locate=False)
+            events = monitor.end(cm.train_step_dpsgd(model, optimizer, batch))
+        flagged = [(e.stage, e.tensor) for e in events]
+        assert flagged == ([] if step != cm.DEFECT_STEP else
+                           [("forward", "fc1"), ("optimizer_grad", "fc1.weight"), ("param", "fc1.weight")]), flagged
 
 
 def _log_at(x: torch.Tensor, seen: list[tuple[Any, ...]]) -> torch.Tensor:

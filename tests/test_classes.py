@@ -138,7 +138,8 @@ def test_sparse_embedding_gradients_replay_with_dense_coordinates(tmp_path: Path
 @st.composite
 def sparse_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense tensor with some NaN and ±inf values and zeros, and the same values held sparse: COO with a sparse
-    dimension count of its own (hybrid: dense rows), uncoalesced with duplicate entries, or CSR; real or complex."""
+    dimension count of its own (hybrid: dense rows), uncoalesced with duplicate entries out of order, or CSR; real or
+    complex."""
     shape = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
     n = math.prod(shape)
     values = draw(st.lists(st.sampled_from([0.0, 0.0, 1.5, -2.0, 3e38, math.nan, math.inf, -math.inf]),
@@ -146,7 +147,8 @@ def sparse_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     dense = torch.tensor(values, dtype=torch.float32).reshape(shape)
     if draw(st.booleans()):
         dense = torch.complex(dense, torch.flip(dense, [0]))
-    layout = draw(st.sampled_from(["coo", "duplicates", "csr"] if dense.ndim == 2 and not dense.is_complex()
+    # duplicates of real values only: torch sums a complex NaN's parts unevenly (index_add: nan+0j + 0 = nan+nanj)
+    layout = draw(st.sampled_from(["coo"] if dense.is_complex() else ["coo", "duplicates", "csr"] if dense.ndim == 2
                                   else ["coo", "duplicates"]))
     if layout == "csr":
         return dense, dense.to_sparse_csr()

@@ -19,15 +19,15 @@ Before any of that, the sample the failure's own coordinates point at (the origi
 the operation the trace found, when the tensor's first dimension is the batch's) is tried alone and the rest of
 the batch without it: when only it fails, three passes in all (the whole batch, the sample, the rest) name it.
 
-Which leaves are the samples' rows (``rows``): the batch size is the first dimension shared by the most tensors of
-the batch (of one dimension at least); a tie is broken by the length of the batch's per-sample lists (ids), and is
-otherwise unsplittable. A tensor whose first dimension is the batch size is split with the samples; every other leaf
-is kept whole: a 0-dim tensor, a tensor of another first dimension (a label mask over the vocabulary, a class-weight
-vector), a value that is no tensor. A per-batch tensor whose length happens to equal the batch size cannot be told
-from a per-sample one by its shape: it is split like one, unless the step function names it whole,
-``train_step.nanforensics_whole = ["batch['class_weight']"]`` (the paths the report writes). When a batch fails as a
-whole, each per-batch tensor is swapped for the step before's (one pass each): one whose swap leaves the batch finite
-is named as the cause, a batch-wide failure from a per-batch tensor rather than from the step's state.
+Which leaves are the samples' rows (``batch_size``, ``whole_leaves``): the batch size is the first dimension shared
+by the most tensors of the batch (of one dimension at least); a tie is broken by the length of the batch's per-sample
+lists (ids), and is otherwise unsplittable. A tensor whose first dimension is the batch size is split with the
+samples; every other leaf is kept whole: a 0-dim tensor, a tensor of another first dimension (a label mask over the
+vocabulary, a class-weight vector), a value that is no tensor. A per-batch tensor whose length happens to equal the
+batch size cannot be told from a per-sample one by its shape: it is split like one, unless the step function names
+it whole, ``train_step.nanforensics_whole = ["batch['class_weight']"]`` (the paths the report writes). When a batch
+fails as a whole, each per-batch tensor is swapped for the step before's (one pass each): one whose swap leaves the
+batch finite is named as the cause, a batch-wide failure from a per-batch tensor rather than from the step's state.
 
 A step function can opt out (its batch is not split along dimension 0) by setting
 ``train_step.nanforensics_splittable = False``. In an optimizer step recorded as several micro-batches
@@ -55,6 +55,11 @@ from ..words import count, sample_positions
 # With optimizer.step() disabled, a buffer still changes in the forward (BatchNorm's running statistics).
 _BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad", "buffer")
 PROBES = 8  # single samples tried, at most, before a batch is called batch-wide
+
+
+def named_whole(step_fn: Any) -> list[str]:
+    """The batch leaves the step function names per-batch (``nanforensics_whole``): kept whole whatever their shape."""
+    return [str(p) for p in getattr(step_fn, "nanforensics_whole", ())]
 
 
 def batch_size(batch: Any, whole: Collection[str] = ()) -> int | None:
@@ -287,7 +292,7 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
     if getattr(step_fn, "nanforensics_splittable", True) is False:
         return SampleAttribution("opted_out", None, [], {}, 0, [],
                                  "the step function opted out of batch splitting (nanforensics_splittable = False)")
-    named = [str(p) for p in getattr(step_fn, "nanforensics_whole", ())]
+    named = named_whole(step_fn)
     size = batch_size(batch, named)
     if size is None or size < 2:
         return SampleAttribution("unsplittable", size, [], {}, 0, [], _unsplittable(batch, named))
@@ -321,7 +326,7 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
                                  f"{batch_wide_message(found, size)}{follows} ({passes})", compared_step=compared,
                                  compared_fails=compared_fails, whole_leaves=kept, cause_leaves=causes)
     samples = found.samples
-    per_sample_leaves, located = _per_sample(logged, samples, size)
+    per_sample_leaves, located = _per_sample(logged, samples, size, named)
     alone = (f"{'samples' if len(samples) > 1 else 'sample'} {sample_positions(samples, located)} of {size} "
              f"{'produce' if len(samples) > 1 else 'produces'} the non-finite value alone")
     if found.coupled:
@@ -356,10 +361,11 @@ def _differs(batch: Any, donor: Any, path: str) -> bool:
             and mine.dtype == theirs.dtype and not torch.equal(mine, theirs))
 
 
-def _per_sample(logged: Any, samples: list[int], size: int) -> tuple[dict[str, list[Any]], list[list[int]]]:
+def _per_sample(logged: Any, samples: list[int], size: int,
+                whole: Collection[str]) -> tuple[dict[str, list[Any]], list[list[int]]]:
     """The logged non-tensor leaves (ids) of ``samples``, by path; and in a step of several micro-batches,
     [micro-batch, position in it] of each sample."""
-    spans = _spans(logged)
+    spans = _spans(logged, whole)
     if not spans:
         return {k: [v[i] for i in samples] for k, v in data_leaves(logged, size=size) if per_sample(v, size)}, []
     located = [[j, i - start] for i in samples for j, (start, n) in enumerate(spans) if start <= i < start + n]

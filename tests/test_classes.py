@@ -123,16 +123,18 @@ def test_the_reader_inside_a_transform_reads_what_the_real_tensor_holds(name: st
 def test_sparse_embedding_gradients_replay_with_dense_coordinates(tmp_path: Path) -> None:
     """A recommender with nn.Embedding(sparse=True) and SparseAdam, where the precursor probe called aminmax on a
     sparse gradient: the origin is the bad user's row, in the embedding's dense coordinates, traced to log's
-    backward, and the sample is named."""
+    backward, and the sample is named; the clip what-if clips sparse gradients too."""
     run = cm.record(tmp_path / "run", cm.build_recommender, cm.sparse_adam, cm.train_step_recommend, cm.rating_batch)
     user = int(cm.rating_batch(cm.DEFECT_STEP)["user"][cm.BAD_USER_SAMPLE])
-    r = _replay(run)
+    r = _replay(run, "--what-if", "clip=1.0")  # clip_grad_norm_ itself refuses sparse gradients
     o = r["origin"]
     assert (r["responsible_step"], o["stage"], o["tensor"], o["index"][0], o["value"]) == (
         cm.DEFECT_STEP, "grad", "users.weight", user, "-inf")
     assert (r["operation"]["site"]["op"], r["operation"]["site"]["phase"]) == ("aten::div.Tensor", "backward")
     assert (r["samples"]["status"], r["samples"]["samples"]) == ("attributed", [cm.BAD_USER_SAMPLE])
     assert all(p["grad_norm"] is not None for p in r["precursors"] if p["step"] < cm.DEFECT_STEP)
+    clip = next(w for w in r["what_if"] if w["intervention"] == "clip=1.0")
+    assert "clipping made 8 infinite gradient values NaN" in clip["detail"], clip  # the user's row of 8
 
 
 @st.composite

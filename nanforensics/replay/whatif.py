@@ -65,11 +65,14 @@ class Clip(Intervention):
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
         params = [p for p in optimizer_params(optimizer) if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_norm))
+        # clip_grad_norm_'s two halves, its norm over what each gradient holds: a sparse one's stored values
+        total_norm = torch.nn.utils.get_total_norm([finite.stored(p.grad).values for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total_norm)
+        norm = float(total_norm)
         grads = [p.grad for p in params]
         factor = f"the clip factor {self.max_norm:g}/{finite.value_name(norm)}"
         if math.isnan(norm):  # max_norm/NaN is NaN: every gradient times it is NaN
-            total = sum(g.numel() for g in grads)
+            total = sum(finite.count_nonfinite(g) for g in grads)
             self.detail = (f"total gradient norm nan: {factor} is NaN, so clipping made all "
                            f"{count(total, 'gradient value')} NaN")
         elif math.isinf(norm):  # max_norm/inf is 0: finite gradients are zeroed, an infinite one becomes 0*inf = NaN

@@ -195,6 +195,8 @@ def test_a_per_batch_tensor_behind_a_batch_wide_failure_is_named(weighted_runs: 
         "batch_wide", cm.BATCH, WHOLE, ["batch['class_weight']"])
     assert any("through its per-batch tensor batch['class_weight']" in f for f in r["findings"]), r["findings"]
     assert not any("not its data, is responsible" in f for f in r["findings"])
+    shown = run_cli("replay", weighted_runs["weights"], columns=200)
+    assert "batch-wide: most samples fail alone, through per-batch batch['class_weight']" in shown.stdout, shown.stdout
 
 
 def test_rows_that_fail_together_name_no_per_batch_tensor(weighted_runs: dict[str, Path]) -> None:

@@ -48,6 +48,10 @@ class Event:
     # the position of the check that met it among its stage's checks at this step, in hook order: ranks running the
     # same program check the same tensors in the same order, so across ranks the lower one was made first
     order: int | None = None
+    nan_elements: int = 0  # of elements_nonfinite, the NaN ones (located steps): where NaN was made of infinities
+    # optimizer_grad: the gradient tensors the step function rewrote (in place, or replaced) after backward had
+    # accumulated them and before optimizer.step() (clipping, unscaling): the code between the two stages
+    rewritten: int = 0
 
 
 @dataclass
@@ -205,6 +209,10 @@ class SampleAttribution:
     # (failing: the state is the cause; passing: what this batch's samples share, a length, a padding, is)
     compared_step: int | None = None
     compared_fails: bool | None = None
+    # the batch's tensors kept whole when it was split (per-batch ones: a label mask, class weights), by path; and of
+    # them, those that make a batch-wide failure: with the step before's in their place the batch stays finite
+    whole_leaves: list[str] = field(default_factory=list)
+    cause_leaves: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -78,6 +78,7 @@ class StepMonitor:
         self._checks: dict[str, int] = {}  # stage -> its checks made so far in this step: an event's order
         self._events: dict[tuple[str, str | None], Event] = {}
         self._grad_seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its grad, version) at backward
+        self._rewritten = 0  # gradients the step function rewrote between backward and optimizer.step() (located)
         # Buffers already non-finite before the first monitored step are constants (a -inf attention mask kept as a
         # non-persistent buffer), not state that went bad: the start checkpoint's persistent buffers are all finite.
         held = [(n, b) for n, b in model.named_buffers() if finite.checkable(b)]
@@ -130,8 +131,10 @@ class StepMonitor:
             # Detect mode skips a gradient nothing touched since backward (same tensor, same version
             # counter): the grad stage already checked those values. Clipping or unscaling bumps the version.
             seen = self._grad_seen.get(p)
-            if not self.locate and seen is not None and seen[0] is p.grad and seen[1] == p.grad._version:
+            untouched = seen is not None and seen[0] is p.grad and seen[1] == p.grad._version
+            if not self.locate and untouched:
                 continue
+            self._rewritten += seen is not None and not untouched
             if self._proving():
                 self._grad_max[p] = self._max_abs("optimizer_grad", self._name(p), p.grad)
             else:
@@ -152,6 +155,7 @@ class StepMonitor:
         self.step, self.locate = step, locate
         self._pending.clear()
         self._grad_seen.clear()
+        self._rewritten = 0
         self._grad_max.clear()
         self.proven = {"optimizer_state": 0, "param": 0}
         if self.proof is not None and locate:
@@ -190,6 +194,8 @@ class StepMonitor:
                 if not good:
                     self._note(stage, name, key, index=[], value="", elements=0, dtype=None, order=order)
             self._pending.clear()
+        if ("optimizer_grad", None) in self._events:
+            self._events[("optimizer_grad", None)].rewritten = self._rewritten
         return sorted(self._events.values(), key=lambda e: (_RANK[e.stage], e.state_key or ""))
 
     def check(self, stage: str, name: str, t: Any, state_key: str | None = None) -> None:
@@ -224,18 +230,19 @@ class StepMonitor:
         where = finite.locate(t)
         assert where is not None
         index = where.index if offset is None else [i + o for i, o in zip(where.index, offset)]
-        self._note(stage, name, key, index=index, value=where.value,
-                   elements=finite.count_nonfinite(t), dtype=str(t.dtype).removeprefix("torch."))
+        self._note(stage, name, key, index=index, value=where.value, elements=finite.count_nonfinite(t),
+                   dtype=str(t.dtype).removeprefix("torch."), nans=finite.count_nan(t))
 
     def _note(self, stage: str, name: str, key: str | None, *, index: list[int], value: str, elements: int,
-              dtype: str | None, order: int | None = None) -> None:
+              dtype: str | None, order: int | None = None, nans: int = 0) -> None:
         event = self._events.get((stage, key))
         if event is None:
             self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype,
-                                               order=order or self._checks.get(stage, 0))
+                                               order=order or self._checks.get(stage, 0), nan_elements=nans)
         else:
             event.tensors_nonfinite += 1
             event.elements_nonfinite += elements
+            event.nan_elements += nans
 
 
 def totals(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:

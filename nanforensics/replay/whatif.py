@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from ..errors import BadInput
 from ..progress import SILENT, Progress
 from ..report import Event, WhatIfResult
 from ..rootcause.findings import describe
-from ..rootcause.samples import batch_size, select
+from ..rootcause.samples import batch_size, named_whole, select
 from ..runs.checkpoint import optimizer_params
 from ..runs.source import StartPoint, StepCode, StepSource
 from ..words import count, numbered
@@ -42,7 +42,8 @@ class Intervention:
         self.spec, self.description = spec, description
         self.detail: str | None = None
 
-    def batch(self, batch: Any) -> Any | None:
+    def batch(self, batch: Any, whole: Collection[str] = ()) -> Any | None:
+        """``whole``: the leaves the step function names per-batch (``samples.named_whole``)."""
         return batch
 
     def at_start(self, optimizer: torch.optim.Optimizer) -> str | None:
@@ -64,11 +65,14 @@ class Clip(Intervention):
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
         params = [p for p in optimizer_params(optimizer) if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_norm))
+        # clip_grad_norm_'s two halves, its norm over what each gradient holds: a sparse one's stored values
+        total_norm = torch.nn.utils.get_total_norm([finite.stored(p.grad).values for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total_norm)
+        norm = float(total_norm)
         grads = [p.grad for p in params]
         factor = f"the clip factor {self.max_norm:g}/{finite.value_name(norm)}"
         if math.isnan(norm):  # max_norm/NaN is NaN: every gradient times it is NaN
-            total = sum(g.numel() for g in grads)
+            total = sum(finite.count_nonfinite(g) for g in grads)
             self.detail = (f"total gradient norm nan: {factor} is NaN, so clipping made all "
                            f"{count(total, 'gradient value')} NaN")
         elif math.isinf(norm):  # max_norm/inf is 0: finite gradients are zeroed, an infinite one becomes 0*inf = NaN
@@ -179,15 +183,15 @@ class DropSamples(Intervention):
         super().__init__(spec, f"{numbered('sample', sorted(set(samples)))} left out of the batch")
         self.samples = sorted(set(samples))
 
-    def batch(self, batch: Any) -> Any | None:
-        size = batch_size(batch)
+    def batch(self, batch: Any, whole: Collection[str] = ()) -> Any | None:
+        size = batch_size(batch, whole)
         if size is None:
             raise BadInput("--what-if", f"{self.spec}: the batch's tensors share no first dimension to drop along")
         outside = [i for i in self.samples if i >= size]
         if outside:
             raise BadInput("--what-if", f"{self.spec}: sample {outside[0]} is outside the batch of {size}")
         keep = [i for i in range(size) if i not in self.samples]
-        return select(batch, keep, size) if keep else None
+        return select(batch, keep, size, whole) if keep else None
 
 
 class DropBatch(Intervention):
@@ -196,7 +200,7 @@ class DropBatch(Intervention):
     def __init__(self, spec: str = "drop-batch") -> None:
         super().__init__(spec, "the batch left out: the step function not called for it")
 
-    def batch(self, batch: Any) -> Any | None:
+    def batch(self, batch: Any, whole: Collection[str] = ()) -> Any | None:
         return None
 
 
@@ -238,7 +242,7 @@ def parse(spec: str) -> Intervention:
 
 def _changed_step(session: Session, change: Intervention, monitor: StepMonitor) -> tuple[float | None, list[Event]]:
     """Run the session's next step with ``change``; no loss and no events when it drops the step."""
-    batch = change.batch(session.batch(session.step))
+    batch = change.batch(session.batch(session.step), named_whole(session.code.step_fn))
     if batch is None:
         session.step += 1  # the batch is left out: this step does not happen
         return None, []

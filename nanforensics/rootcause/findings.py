@@ -513,7 +513,7 @@ def step_not_data(r: ReplayReport) -> bool:
     """Most of the responsible batch fails sample by sample, and that batch holds no data defect: the step (its
     learning rate, loss scale, or weights grown over many steps), not its data, is responsible."""
     return (r.samples is not None and r.samples.status == "batch_wide" and r.samples.compared_fails is not False
-            and not any(d.step == r.responsible_step for d in r.data_defects))
+            and not r.samples.cause_leaves and not any(d.step == r.responsible_step for d in r.data_defects))
 
 
 # The precursors that show a step drifting towards overflow: (what, its value at a step, whether it is a fraction
@@ -583,6 +583,13 @@ def _batch_wide(r: ReplayReport) -> list[str]:
     if o is None or r.samples is None or r.samples.status != "batch_wide":
         return []
     c = r.samples.compared_step
+    if r.samples.cause_leaves:
+        leaves, several = r.samples.cause_leaves, len(r.samples.cause_leaves) > 1
+        return [f"Step {o.step}'s batch fails as a whole through its per-batch {'tensors' if several else 'tensor'} "
+                f"{', '.join(leaves)} (kept whole when the batch was split): with step {c}'s in "
+                f"{'their' if several else 'its'} place the same samples, from the same state, stay finite; "
+                f"{'they are' if several else 'it is'} the cause, not particular samples nor the state the run had "
+                "reached."]
     if any(d.step == o.step for d in r.data_defects):
         return [f"Most of step {o.step}'s batch fails sample by sample, and that batch holds data defects (see Data): "
                 "the batch as a whole is bad data, not particular samples of it."]
@@ -635,6 +642,22 @@ def _times_zero(value: str) -> str:
     return f"0*({value})" if value.startswith("-") else f"0*{value}"
 
 
+def _clipping_spread(grad: Event, opt_grad: Event | None) -> list[str]:
+    """The step function's code between backward and optimizer.step() (a clip) spread the non-finite gradients: it
+    rewrote gradients, and optimizer.step() saw more non-finite values, and more NaN, than backward had left."""
+    if (opt_grad is None or opt_grad.rewritten == 0 or opt_grad.elements_nonfinite <= grad.elements_nonfinite
+            or opt_grad.nan_elements <= grad.nan_elements):
+        return []
+    why = ("a NaN gradient makes the total norm NaN, and so the factor max_norm/NaN" if grad.nan_elements else
+           "the factor was not finite")
+    return [f"Clipping spread it: backward left {count(grad.elements_nonfinite, 'non-finite gradient value')} "
+            f"({grad.nan_elements:,} NaN) in {count(grad.tensors_nonfinite, 'tensor')}; the step function then rewrote "
+            f"{count(opt_grad.rewritten, 'gradient tensor')} before optimizer.step(), which saw "
+            f"{count(opt_grad.elements_nonfinite, 'non-finite value')} ({opt_grad.nan_elements:,} NaN) in "
+            f"{count(opt_grad.tensors_nonfinite, 'tensor')}. A total-norm clip (clip_grad_norm_) scales every gradient "
+            f"by one factor, max_norm/total norm: {why}, and every gradient it scaled became NaN."]
+
+
 def _clipping(r: ReplayReport) -> list[str]:
     """What gradient clipping did, or would have done, with this step's non-finite gradient."""
     o = r.origin
@@ -644,10 +667,16 @@ def _clipping(r: ReplayReport) -> list[str]:
     opt_grad = next((e for e in step_events if e.stage == "optimizer_grad"), None)
     if grad is None:
         return []
-    # the same coordinate, inf after backward and NaN at optimizer.step(): the step function changed it in between (the
-    # first non-finite gradient of backward and of the optimizer's order can be different tensors, made NaN by backward)
+    spread = _clipping_spread(grad, opt_grad)
+    if spread:
+        return spread
+    # The step function made NaN of the gradients between backward and optimizer.step() where the same coordinate went
+    # from inf to NaN, or where it rewrote gradients and the NaN values grew in number while the non-finite ones did
+    # not (the first non-finite gradient of backward and of the optimizer's order can be different tensors: NaN that
+    # backward made is no evidence of it)
     same = opt_grad is not None and (opt_grad.tensor, opt_grad.index) == (grad.tensor, grad.index)
-    if grad.value in ("inf", "-inf") and same and opt_grad is not None and opt_grad.value == "nan":
+    turned = opt_grad is not None and opt_grad.rewritten > 0 and opt_grad.nan_elements > grad.nan_elements
+    if grad.value in ("inf", "-inf") and (same or turned) and opt_grad is not None and opt_grad.value == "nan":
         return [f"The step function turned the {grad.value} gradient into NaN before optimizer.step(): that is what "
                 f"gradient clipping does to an infinity (total norm inf, clip factor max_norm/inf = 0, and "
                 f"{_times_zero(grad.value)} = NaN), so clipping cannot rescue it."]

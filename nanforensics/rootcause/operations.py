@@ -233,9 +233,9 @@ def _op_info(func: Any) -> _OpInfo:
 
 
 def _floating(t: Any) -> bool:
-    """A tensor the trace summarises: floating or complex, dense, with data (not on the meta device)."""
-    return (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided
-            and t.device.type != "meta")
+    """A tensor the trace summarises: floating or complex, with data (not on the meta device); a sparse one (an
+    ``nn.Embedding(sparse=True)`` gradient) by its stored values (``finite.stored``)."""
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.device.type != "meta"
 
 
 def _tensors(v: Any) -> Iterator[torch.Tensor]:
@@ -247,21 +247,19 @@ def _tensors(v: Any) -> Iterator[torch.Tensor]:
 
 def _storage_key(t: torch.Tensor) -> int | None:
     try:
-        return t.untyped_storage().data_ptr()
+        return finite.plain(t).untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # no storage: a wrapper subclass, a sparse tensor
         return None
 
 
 def _first(t: torch.Tensor, kind: str) -> tuple[list[int], str]:
-    """The first coordinate (row-major) of ``t`` holding ``kind``, and its value."""
-    flat = t.detach().reshape(-1)
+    """The first coordinate (row-major) of ``t`` holding ``kind``, and its value (of a complex element, the part
+    that holds it)."""
+    held = finite.stored(t)
+    flat = held.values.reshape(-1)
     mask = torch.isnan(flat) if kind == NAN else torch.isinf(flat)
     i = int(torch.argmax(mask.to(torch.uint8)))
-    index = [int(x) for x in torch.unravel_index(torch.tensor(i), tuple(t.shape))] if t.dim() else []
-    value = flat[i]
-    if value.is_complex():
-        value = value.real if not torch.isfinite(value.real) else value.imag
-    return index, finite.value_name(float(value))
+    return held.where(i), finite.value_name(float(flat[i]))
 
 
 def _row_dims(op: str, args: tuple, kwargs: dict, ndim: int) -> set[int]:
@@ -289,7 +287,7 @@ def _inputs_at(inputs: list[torch.Tensor], out: torch.Tensor, index: list[int], 
     ranges: list[list[str] | None] = []
     for i, t in enumerate(inputs):
         shape = tuple(t.shape)
-        if i in skip or len(shape) > len(out_shape):
+        if i in skip or len(shape) > len(out_shape) or t.layout != torch.strided:  # a sparse one: not by element
             ranges.append(None)
             continue
         offset = len(out_shape) - len(shape)

@@ -17,10 +17,6 @@ from ..report import Precursor
 from ..runs.checkpoint import optimizer_params
 
 
-def _max_abs(extremes: torch.Tensor) -> torch.Tensor:
-    return extremes.abs().max()
-
-
 def _norm(grads: list[torch.Tensor], largest: torch.Tensor) -> torch.Tensor:
     """The total 2-norm of ``grads``, never non-finite where every gradient is finite: summed in the gradients'
     own dtype (one pass), and again in float64 when that came out below the largest |gradient| it must bound, an
@@ -64,13 +60,13 @@ class PrecursorProbe:
     def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         for t in tree_leaves(output):
             if finite.checkable(t):
-                self._act.setdefault(t.dtype, []).append(_max_abs(finite.extremes(t)))
+                self._act.setdefault(t.dtype, []).append(finite.abs_max(t))  # inside torch.func transforms too
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # sharded tensors (FSDP2 at world size) are measured whole
-        grads = [whole(p.grad).detach() for p in optimizer_params(self.optimizer) if p.grad is not None]
+        # sharded tensors (FSDP2 at world size) are measured whole; a sparse gradient by its stored values
+        grads = [finite.stored(whole(p.grad)).values for p in optimizer_params(self.optimizer) if p.grad is not None]
         if grads:
-            self._grad_max = torch.stack([_max_abs(finite.extremes(g)) for g in grads]).max()
+            self._grad_max = torch.stack([finite.abs_max(g) for g in grads]).max()
             self._grad_norm = _norm(grads, self._grad_max)
         self._before = [whole(p).detach().clone() for p in optimizer_params(self.optimizer)]
         lrs = [float(g["lr"]) for g in optimizer.param_groups if "lr" in g]
@@ -87,7 +83,7 @@ class PrecursorProbe:
         for p in optimizer_params(self.optimizer):
             for key, value in optimizer.state.get(p, {}).items():
                 if finite.checkable(value) and value.ndim > 0:
-                    self._state.setdefault(key, []).append(_max_abs(finite.extremes(whole(value))))
+                    self._state.setdefault(key, []).append(finite.abs_max(whole(value)))
 
     def take(self, step: int) -> Precursor:
         value = lambda t: None if t is None else float(t)  # noqa: E731

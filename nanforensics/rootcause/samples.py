@@ -19,6 +19,16 @@ Before any of that, the sample the failure's own coordinates point at (the origi
 the operation the trace found, when the tensor's first dimension is the batch's) is tried alone and the rest of
 the batch without it: when only it fails, three passes in all (the whole batch, the sample, the rest) name it.
 
+Which leaves are the samples' rows (``batch_size``, ``whole_leaves``): the batch size is the first dimension shared
+by the most tensors of the batch (of one dimension at least); a tie is broken by the length of the batch's per-sample
+lists (ids), and is otherwise unsplittable. A tensor whose first dimension is the batch size is split with the
+samples; every other leaf is kept whole: a 0-dim tensor, a tensor of another first dimension (a label mask over the
+vocabulary, a class-weight vector), a value that is no tensor. A per-batch tensor whose length happens to equal the
+batch size cannot be told from a per-sample one by its shape: it is split like one, unless the step function names
+it whole, ``train_step.nanforensics_whole = ["batch['class_weight']"]`` (the paths the report writes). When a batch
+fails as a whole, each per-batch tensor is swapped for the step before's (one pass each): one whose swap leaves the
+batch finite is named as the cause, a batch-wide failure from a per-batch tensor rather than from the step's state.
+
 A step function can opt out (its batch is not split along dimension 0) by setting
 ``train_step.nanforensics_splittable = False``. In an optimizer step recorded as several micro-batches
 (gradient accumulation), positions count across the micro-batches in order, and each sample found is also
@@ -28,8 +38,9 @@ given as (micro-batch, position in it).
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -39,75 +50,117 @@ from ..replay.monitor import StepMonitor
 from ..replay.session import Session, no_optimizer_step
 from ..report import Event, OperationCulprit, SampleAttribution
 from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
-from ..words import sample_positions
+from ..words import count, sample_positions
 
 # With optimizer.step() disabled, a buffer still changes in the forward (BatchNorm's running statistics).
 _BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad", "buffer")
 PROBES = 8  # single samples tried, at most, before a batch is called batch-wide
 
 
-def batch_size(batch: Any) -> int | None:
-    """The common first dimension of the batch's tensors (summed over the micro-batches of a step made of
-    several), or None when they disagree."""
+def named_whole(step_fn: Any) -> list[str]:
+    """The batch leaves the step function names per-batch (``nanforensics_whole``): kept whole whatever their shape."""
+    return [str(p) for p in getattr(step_fn, "nanforensics_whole", ())]
+
+
+def batch_size(batch: Any, whole: Collection[str] = ()) -> int | None:
+    """The batch size by the rule of the module's docstring (summed over the micro-batches of a step made of
+    several), or None when the rule finds none; ``whole``: paths of leaves named per-batch, never counted."""
     parts = micro_batches(batch)
     if parts is None:
-        return _size(batch)
-    sizes = [_size(p) for p in parts]
+        return _size(batch, whole)
+    sizes = [_size(p, whole, _part(j)) for j, p in enumerate(parts)]
     return None if None in sizes else sum(sizes)  # type: ignore[arg-type]
 
 
-def _size(batch: Any) -> int | None:
-    sizes = {t.shape[0] for _, t in leaves(batch) if isinstance(t, torch.Tensor) and t.ndim >= 1}
-    return sizes.pop() if len(sizes) == 1 else None
+def _part(j: int) -> str:
+    return f"batch[{MICRO_BATCHES!r}][{j}]"
 
 
-def _spans(batch: Any) -> list[tuple[int, int]]:
+def _size(batch: Any, whole: Collection[str] = (), path: str = "batch") -> int | None:
+    """The first dimension shared by the most tensors, a tie broken by the per-sample lists' length."""
+    counts = Counter(t.shape[0] for p, t in leaves(batch, path) if isinstance(t, torch.Tensor) and t.ndim >= 1
+                     and p not in whole)
+    tied = [n for n, c in counts.items() if c == max(counts.values())]
+    if len(tied) > 1:
+        tied = [n for n in tied if any(per_sample(v, n) for _, v in data_leaves(batch, size=n))]
+    return tied[0] if len(tied) == 1 else None
+
+
+def whole_leaves(batch: Any, size: int, whole: Collection[str] = ()) -> list[str]:
+    """The paths of the tensors a split keeps whole: per-batch ones (named ``whole``, or of another first
+    dimension than the samples'), 0-dim ones excepted (a temperature, a scale: never a tensor of the data)."""
+    parts = micro_batches(batch)
+    spans = [(_part(j), p, n) for j, (p, (_, n)) in enumerate(zip(parts, _spans(batch, whole)))] if parts else \
+        [("batch", batch, size)]
+    return [p for at, part, n in spans for p, t in leaves(part, at)
+            if isinstance(t, torch.Tensor) and t.ndim >= 1 and not _split(p, t, n, whole)]
+
+
+def _split(path: str, t: torch.Tensor, size: int, whole: Collection[str]) -> bool:
+    """Whether tensor leaf ``path`` holds the samples' rows: its first dimension is theirs, and it is not named whole."""
+    return t.ndim >= 1 and t.shape[0] == size and path not in whole
+
+
+def _spans(batch: Any, whole: Collection[str] = ()) -> list[tuple[int, int]]:
     """(first position, size) of each micro-batch of a step made of several."""
     out, start = [], 0
-    for part in micro_batches(batch) or []:
-        n = _size(part) or 0
+    for j, part in enumerate(micro_batches(batch) or []):
+        n = _size(part, whole, _part(j)) or 0
         out.append((start, n))
         start += n
     return out
 
 
-def select(batch: Any, indices: list[int], size: int) -> Any:
+def select(batch: Any, indices: list[int], size: int, whole: Collection[str] = ()) -> Any:
     """The samples at ``indices`` (positions across the micro-batches of a step made of several, whose
-    micro-batches left without a sample are dropped)."""
+    micro-batches left without a sample are dropped); ``whole``: paths of leaves kept whole whatever their shape."""
     parts = micro_batches(batch)
     if parts is None:
-        return _select(batch, indices, size)
+        return _select(batch, indices, size, whole, "batch")
     kept = []
-    for part, (start, n) in zip(parts, _spans(batch)):
+    for j, (part, (start, n)) in enumerate(zip(parts, _spans(batch, whole))):
         mine = [i - start for i in indices if start <= i < start + n]
         if mine:
-            kept.append(_select(part, mine, n))
+            kept.append(_select(part, mine, n, whole, _part(j)))
     return {**batch, MICRO_BATCHES: kept}
 
 
-def _select(batch: Any, indices: list[int], size: int) -> Any:
-    """Tensors, and tensor-free lists of ``size`` items at any depth, are indexed; the rest is kept."""
+def _select(batch: Any, indices: list[int], size: int, whole: Collection[str], path: str) -> Any:
+    """Tensors that hold the samples' rows (``_split``), and tensor-free lists of ``size`` items at any depth, are
+    indexed; the rest is kept. ``path`` as ``leaves`` writes it."""
     if isinstance(batch, torch.Tensor):
-        return batch[torch.tensor(indices, device=batch.device)] if batch.ndim >= 1 and batch.shape[0] == size else batch
+        return batch[torch.tensor(indices, device=batch.device)] if _split(path, batch, size, whole) else batch
     if per_sample(batch, size):
         return type(batch)(batch[i] for i in indices)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_select(v, indices, size) for v in batch)
+        return type(batch)(_select(v, indices, size, whole, f"{path}[{i}]") for i, v in enumerate(batch))
     if isinstance(batch, dict):
-        return {k: _select(v, indices, size) for k, v in batch.items()}
+        return {k: _select(v, indices, size, whole, f"{path}[{k!r}]") for k, v in batch.items()}
+    return batch
+
+
+def swapped(batch: Any, donor: Any, path: str, at: str = "batch") -> Any:
+    """``batch`` with its leaf at ``path`` taken from ``donor`` (another step's batch, the same leaf there)."""
+    if at == path:
+        return dict(leaves(donor)).get(path, batch)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(swapped(v, donor, path, f"{at}[{i}]") for i, v in enumerate(batch))
+    if isinstance(batch, dict):
+        return {k: swapped(v, donor, path, f"{at}[{k!r}]") for k, v in batch.items()}
     return batch
 
 
 class _Tester:
-    def __init__(self, session: Session, batch: Any, size: int, progress: Progress = SILENT) -> None:
-        self.session, self.batch, self.size, self.progress = session, batch, size, progress
+    def __init__(self, session: Session, batch: Any, size: int, whole: Collection[str] = (),
+                 progress: Progress = SILENT) -> None:
+        self.session, self.batch, self.size, self.whole, self.progress = session, batch, size, whole, progress
         self.snapshot = session.snapshot(stepping=False)  # every pass runs under no_optimizer_step
         self.passes = 0
         self.errors: list[str] = []
 
     def fails(self, indices: list[int]) -> bool:
         """One forward/backward pass on the subset; True when a non-finite value appears before the optimizer."""
-        return self.fails_on(select(self.batch, indices, self.size))
+        return self.fails_on(select(self.batch, indices, self.size, self.whole))
 
     def fails_on(self, subset: Any) -> bool:
         """One forward/backward pass on ``subset`` (any batch) from the step's state."""
@@ -239,49 +292,80 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
     if getattr(step_fn, "nanforensics_splittable", True) is False:
         return SampleAttribution("opted_out", None, [], {}, 0, [],
                                  "the step function opted out of batch splitting (nanforensics_splittable = False)")
-    size = batch_size(batch)
+    named = named_whole(step_fn)
+    size = batch_size(batch, named)
     if size is None or size < 2:
-        return SampleAttribution("unsplittable", size, [], {}, 0, [],
-                                 "the batch's tensors share no first dimension to split along")
+        return SampleAttribution("unsplittable", size, [], {}, 0, [], _unsplittable(batch, named))
+    kept = whole_leaves(batch, size, named)
     progress.phase(f"attributing samples of step {session.step}: forward/backward passes", max_passes(size),
                    unit="pass", at_most=True)
-    tester = _Tester(session, batch, size, progress)
+    tester = _Tester(session, batch, size, named, progress)
     try:
         if not tester.fails(list(range(size))):
             return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
                                      "forward and backward on the whole batch stay finite: the failure needs the "
-                                     "update (optimizer.step() or the step function's code after it), not a sample")
+                                     "update (optimizer.step() or the step function's code after it), not a sample",
+                                     whole_leaves=kept)
         found = split_batch(size, tester.fails, hint=hint)
-        # "the step, not its data": tested, with the step before's batch run from this step's state
+        # "the step, not its data": tested, with the step before's batch run from this step's state; and each
+        # per-batch tensor, with the step before's in its place
         before = session.step - 1
         compared = before if found.status == "batch_wide" and session.run.batch_origin(before) is not None else None
-        compared_fails = tester.fails_on(session.batch(before)) if compared is not None else None
+        donor = session.batch(before) if compared is not None else None
+        compared_fails = tester.fails_on(donor) if compared is not None else None
+        causes = [p for p in kept if donor is not None and _differs(batch, donor, p)
+                  and not tester.fails_on(swapped(batch, donor, p))]
     finally:
         session.restore(tester.snapshot)
     passes = f"{tester.passes} forward/backward passes"
     if found.status == "batch_wide":
+        follows = (f"; it follows the batch's per-batch {'tensors' if len(causes) > 1 else 'tensor'} "
+                   f"{', '.join(causes)}: with step {before}'s in {'their' if len(causes) > 1 else 'its'} place the "
+                   "batch's forward and backward stay finite") if causes else ""
         return SampleAttribution("batch_wide", size, [], {}, tester.passes, [],
-                                 f"{batch_wide_message(found, size)} ({passes})", compared_step=compared,
-                                 compared_fails=compared_fails)
+                                 f"{batch_wide_message(found, size)}{follows} ({passes})", compared_step=compared,
+                                 compared_fails=compared_fails, whole_leaves=kept, cause_leaves=causes)
     samples = found.samples
-    per_sample_leaves, located = _per_sample(logged, samples, size)
+    per_sample_leaves, located = _per_sample(logged, samples, size, named)
     alone = (f"{'samples' if len(samples) > 1 else 'sample'} {sample_positions(samples, located)} of {size} "
              f"{'produce' if len(samples) > 1 else 'produces'} the non-finite value alone")
     if found.coupled:
-        why = f" (single samples could not be run: {tester.errors[0]})" if tester.errors else ""
+        why = (f" (single samples could not be run: {tester.errors[0]}; a per-batch tensor whose length equals the "
+               "batch size is split with the samples unless train_step.nanforensics_whole names it)"
+               if tester.errors else "")
         message = (f"no smaller subset reproduces the failure of samples {found.coupled[0]}: they fail only together "
                    f"(batch-coupled operations such as BatchNorm, or a loss normalised over the batch){why}"
                    + (f"; {alone}" if samples else ""))  # last, beside the ids the finding appends
         return SampleAttribution("coupled", size, samples, per_sample_leaves, tester.passes, found.coupled, message,
-                                 located)
+                                 located, whole_leaves=kept)
     return SampleAttribution("attributed", size, samples, per_sample_leaves, tester.passes, [], f"{alone} ({passes})",
-                             located)
+                             located, whole_leaves=kept)
 
 
-def _per_sample(logged: Any, samples: list[int], size: int) -> tuple[dict[str, list[Any]], list[list[int]]]:
+def _unsplittable(batch: Any, whole: Collection[str]) -> str:
+    """Why the rule finds no batch size: no tensor to split, or first dimensions tied."""
+    sizes = Counter(t.shape[0] for p, t in leaves(batch) if isinstance(t, torch.Tensor) and t.ndim >= 1
+                    and p not in whole)
+    if not sizes:
+        return "the batch holds no tensor of one dimension or more to split along"
+    tied = ", ".join(f"{n} ({count(c, 'tensor')})" for n, c in sorted(sizes.items()))
+    return (f"no first dimension is held by more of the batch's tensors than another ({tied}) and no per-sample list "
+            "(ids) is as long as one of them: name the per-batch tensors in train_step.nanforensics_whole")
+
+
+def _differs(batch: Any, donor: Any, path: str) -> bool:
+    """``donor`` holds a tensor at ``path`` that can stand in for ``batch``'s there: the same shape and dtype, other
+    values (an equal one would test nothing)."""
+    mine, theirs = dict(leaves(batch)).get(path), dict(leaves(donor)).get(path)
+    return (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and mine.shape == theirs.shape
+            and mine.dtype == theirs.dtype and not torch.equal(mine, theirs))
+
+
+def _per_sample(logged: Any, samples: list[int], size: int,
+                whole: Collection[str]) -> tuple[dict[str, list[Any]], list[list[int]]]:
     """The logged non-tensor leaves (ids) of ``samples``, by path; and in a step of several micro-batches,
     [micro-batch, position in it] of each sample."""
-    spans = _spans(logged)
+    spans = _spans(logged, whole)
     if not spans:
         return {k: [v[i] for i in samples] for k, v in data_leaves(logged, size=size) if per_sample(v, size)}, []
     located = [[j, i - start] for i in samples for j, (start, n) in enumerate(spans) if start <= i < start + n]

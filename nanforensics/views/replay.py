@@ -264,7 +264,9 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
         facts.add_row("samples", Text(visible(f"{where} of {r.samples.batch_size}{shard}"
                                               + (f"  ({ids})" if ids else ""))))
     elif r.samples is not None:
-        facts.add_row("samples", Text(visible("batch-wide: most samples fail alone" if r.samples.status == "batch_wide"
+        through = f", through per-batch {', '.join(r.samples.cause_leaves)}" if r.samples.cause_leaves else ""
+        facts.add_row("samples", Text(visible(f"batch-wide: most samples fail alone{through}"
+                                              if r.samples.status == "batch_wide"
                                               else r.samples.status.replace("_", " "))))
     if r.operation is not None:
         op = r.operation

@@ -65,9 +65,13 @@ class Clip(Intervention):
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
         params = [p for p in optimizer_params(optimizer) if p.grad is not None]
-        # clip_grad_norm_'s two halves, its norm over what each gradient holds: a sparse one's stored values
-        total_norm = torch.nn.utils.get_total_norm([finite.stored(p.grad).values for p in params])
-        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total_norm)
+        # clip_grad_norm_'s arithmetic, its norm over what each gradient holds (a sparse one's stored values); written
+        # out because torch names its two halves (get_total_norm, clip_grads_with_norm_) only from 2.6 on
+        norms = [torch.linalg.vector_norm(finite.stored(p.grad).values, 2.0) for p in params]
+        total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.tensor(0.0)
+        coefficient = torch.clamp(self.max_norm / (total_norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coefficient.to(p.grad.device, p.grad.dtype))
         norm = float(total_norm)
         grads = [p.grad for p in params]
         factor = f"the clip factor {self.max_norm:g}/{finite.value_name(norm)}"

@@ -23,6 +23,7 @@ DefectKind = Literal["nonfinite", "extreme", "subnormal"]
 # A step whose only non-finite values arose in these stages left the model's state intact: a non-finite loss with
 # zero (or finite) gradients, as from a batch with no valid target.
 LOSS_ONLY_STAGES = frozenset({"forward", "loss"})
+PARAM_STAGES = frozenset({"grad", "optimizer_grad", "optimizer_state", "param"})  # an event names a parameter
 
 
 @dataclass
@@ -48,6 +49,9 @@ class Event:
     # the position of the check that met it among its stage's checks at this step, in hook order: ranks running the
     # same program check the same tensors in the same order, so across ranks the lower one was made first
     order: int | None = None
+    # a run of several optimizers: the one that steps the parameter a grad, optimizer_grad, optimizer_state or param
+    # event names (its name, or its position when the loop passed a list); None for one optimizer
+    optimizer: str | None = None
 
 
 @dataclass

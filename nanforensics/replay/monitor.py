@@ -29,9 +29,10 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 from .. import finite
 from ..distributed.tensors import local_part
 from ..distributed.wrapping import unsharded_params
-from ..report import STAGES, Event
+from ..report import PARAM_STAGES, STAGES, Event
 from ..runs.batches import leaves
 from ..runs.checkpoint import optimizer_params
+from ..runs.optimizers import owners
 from .proof import StepProof, provable
 
 _RANK = {s: i for i, s in enumerate(STAGES)}
@@ -71,6 +72,8 @@ class StepMonitor:
         self._grad_max: dict[torch.Tensor, float] = {}  # param -> its gradient's largest magnitude, while proving
         self.proven = {"optimizer_state": 0, "param": 0}  # tensors of the step not read, by stage: proven finite
         self.param_names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        # several optimizers: the one stepping each parameter, by the parameter's name, for the events that name it
+        self._owners = {self._name(p): o for p, o in owners(optimizer).items()}
         self._handles: list[Any] = []
         self.step = -1
         self.locate = False
@@ -124,7 +127,7 @@ class StepMonitor:
         return self.proof is not None and not self.locate
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for p in optimizer_params(self.optimizer):
+        for p in optimizer_params(optimizer):  # of several optimizers, the one stepping now
             if p.grad is None:
                 continue
             # Detect mode skips a gradient nothing touched since backward (same tensor, same version
@@ -232,7 +235,8 @@ class StepMonitor:
         event = self._events.get((stage, key))
         if event is None:
             self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype,
-                                               order=order or self._checks.get(stage, 0))
+                                               order=order or self._checks.get(stage, 0),
+                                               optimizer=self._owners.get(name) if stage in PARAM_STAGES else None)
         else:
             event.tensors_nonfinite += 1
             event.elements_nonfinite += elements

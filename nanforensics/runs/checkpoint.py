@@ -318,6 +318,14 @@ class Checkpoint:
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
         return {"state": state, "param_groups": groups}
 
+    def check_owners(self, meta: dict[str, Any], owners: list[str] | None) -> None:
+        """That the optimizers the groups were recorded in (``group_optimizers``, absent for one) are those
+        ``owners`` names, group by group: else a state would load into another optimizer's parameters."""
+        if meta.get("group_optimizers") != owners:
+            raise BadInput(self.path / "meta.json", f"its parameter groups belong to optimizers "
+                                                    f"{meta.get('group_optimizers') or 'one'}, the run's are "
+                                                    f"{owners or 'one'}")
+
     def load_into(self, model: torch.nn.Module, optimizer: Any, *, scaler: Any = None,
                   scheduler: Any = None) -> dict[str, Any]:
         """Restore model and optimizer state (and the scaler's and scheduler's, when the run recorded them);
@@ -339,10 +347,7 @@ class Checkpoint:
         except RuntimeError as e:
             raise BadInput(self.model_file, f"does not fit the model built by the manifest's factory: "
                                             f"{' '.join(str(e).split())[:300]}") from None
-        if meta.get("group_optimizers") != group_owners(optimizer):
-            raise BadInput(self.path / "meta.json", f"its parameter groups belong to optimizers "
-                                                    f"{meta.get('group_optimizers') or 'one'}, the run's are "
-                                                    f"{group_owners(optimizer) or 'one'}")
+        self.check_owners(meta, group_owners(optimizer))
         try:
             optimizer.load_state_dict(self.optimizer_state(meta, optimizer_params(optimizer)))
         except (ValueError, KeyError, RuntimeError) as e:

@@ -359,6 +359,7 @@ class UserCode:
                 kind, factory, holder, [g for g, o in zip(meta["param_groups"], owners) if o == name], run, checkpoint,
                 f"{MEMBERS}.{i}", (recorded[i].optimizer_class, recorded[i].factory))
                 for i, (name, kind, factory) in enumerate(self.members)}
+            checkpoint.check_owners(meta, [name for name, o in members.items() for _ in o.param_groups])
             try:
                 optimizer = OptimizerSet(members, run.manifest.optimizers_given or "list")
             except (TypeError, ValueError) as e:  # the factories built optimizers sharing a parameter

@@ -1,0 +1,196 @@
+"""Several optimizers in one step (issue 31): a GAN recorded and replayed, and a run of one optimizer unchanged."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import pytest
+import torch
+from nanforensics import Recorder
+from nanforensics.runs.checkpoint import Checkpoint, save_checkpoint
+from nanforensics.runs.optimizers import OptimizerSet, optimizer_set
+from nanforensics.runs.run import RUN_FORMAT, Manifest, Run
+from torch import nn
+
+import gan
+from conftest import ROOT, assert_one_line_error, run_cli
+
+
+@pytest.fixture(scope="module")
+def gan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The GAN recorded three ways: the fault with a dict of optimizers, the same without it, the fault with a list
+    that puts the discriminator's first."""
+    root = tmp_path_factory.mktemp("gan")
+    return {"dict": gan.record_gan(root / "dict"), "clean": gan.record_gan(root / "clean", fault=False),
+            "list": gan.record_gan(root / "list", as_list=True)}
+
+
+def _replay(run: Path, *args: str, code: int = 1) -> dict[str, Any]:
+    """The JSON report of the CLI's replay; exit code 1 where it found a non-finite value, 0 where clean."""
+    result = run_cli("replay", run, "--json", "-", *args)
+    assert result.code == code, result.stderr
+    return result.json()
+
+
+@pytest.mark.parametrize("kind, optimizer", [("dict", "discriminator"), ("list", "0")])
+def test_replay_names_step_optimizer_tensor_and_coordinate(gan_runs: Mapping[str, Path], kind: str,
+                                                           optimizer: str) -> None:
+    """The fault makes the discriminator's exp_avg_sq overflow in the faulty feature's column and nothing else
+    (tests/gan.py): the report names that step, that optimizer (by name, or by position in a list), tensor, key and
+    column, though the logged loss never went NaN."""
+    report = _replay(gan_runs[kind])
+    origin = report["origin"]
+    assert report["verdict"] == "nonfinite" and report["responsible_step"] == gan.FAULT_STEP
+    assert (origin["stage"], origin["tensor"], origin["state_key"]) == ("optimizer_state", "discriminator.0.weight",
+                                                                        "exp_avg_sq")
+    assert origin["index"][1] == gan.FAULT_FEATURE and origin["value"] == "inf"
+    assert origin["optimizer"] == optimizer and f"(optimizer {optimizer})" in origin["text"]
+    # every event naming a parameter names the optimizer that steps it, and only those
+    for e in report["events"]:
+        assert e["optimizer"] == ((optimizer if e["tensor"].startswith("discriminator.") else
+                                   {"dict": "generator", "list": "1"}[kind])
+                                  if e["stage"] in ("grad", "optimizer_grad", "optimizer_state", "param") else None)
+    assert report["samples"] is not None and report["operation"]["site"]["phase"] == "optimizer"
+
+
+def test_healthy_gan_replays_clean_from_the_start(gan_runs: Mapping[str, Path]) -> None:
+    report = _replay(gan_runs["clean"], "--from-step", "0", code=0)
+    assert report["verdict"] == "clean" and report["origin"] is None and report["reproduced"] is True
+    assert report["setup"]["first_step"] == 0 and report["setup"]["last_step"] == gan.STEPS - 1
+
+
+def test_gan_manifest_and_checkpoints_name_every_optimizer(gan_runs: Mapping[str, Path]) -> None:
+    manifest = json.loads((gan_runs["dict"] / "manifest.json").read_text())
+    assert manifest["format"] == "nanforensics.run/1+optimizers" and "optimizer" not in manifest
+    assert manifest["optimizers"] == {"given": "dict", "members": [
+        {"name": "generator", "class": "torch.optim.adam:Adam", "factory": "gan:generator_adam"},
+        {"name": "discriminator", "class": "torch.optim.adam:Adam", "factory": None}]}
+    meta = json.loads((gan_runs["dict"] / "checkpoints" / "step_00000004" / "meta.json").read_text())
+    assert meta["group_optimizers"] == ["generator", "discriminator"]
+    assert [n.split(".")[0] for n in meta["param_names"]] == ["generator"] * 4 + ["discriminator"] * 4
+
+
+def test_a_run_of_one_optimizer_reads_as_before(tmp_path: Path, runs: Mapping[str, Path]) -> None:
+    """Every shipped sample and a freshly recorded run of one optimizer: the format, manifest keys and checkpoint
+    meta of before; replay names no optimizer."""
+    for manifest in sorted(ROOT.glob("sample_runs/*/manifest.json")):
+        if json.loads(manifest.read_text())["format"] == RUN_FORMAT:
+            read = Manifest.read(manifest)
+            assert read.optimizers is None and read.optimizer_class is not None, manifest
+    run = runs["adam_state_overflow"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["format"] == RUN_FORMAT and "optimizers" not in manifest and set(manifest["optimizer"]) == {
+        "class", "factory"}
+    assert all("group_optimizers" not in json.loads((c.path / "meta.json").read_text()) for c in Run(run).checkpoints())
+    report = _replay(run)
+    assert report["origin"]["stage"] == "optimizer_state" and report["origin"]["optimizer"] is None
+    assert "(optimizer" not in report["origin"]["text"]
+
+
+# ---- the state of several optimizers through a checkpoint, on generated sets ----------------------------------------
+
+_KINDS = [lambda ps: torch.optim.Adam(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+          lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+          lambda ps: torch.optim.Adagrad(ps, lr=1e-2), lambda ps: torch.optim.Adamax(ps, lr=1e-2)]
+
+
+def _generated(seed: int) -> tuple[nn.Module, Any]:
+    """A model of several layers and optimizers over a random split of its parameters (each optimizer one or two
+    groups, a random class), as a list or a dict: the same seed builds the same again."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(rng.randint(2, 4))])
+    params = list(model.parameters())
+    cuts = sorted(rng.sample(range(1, len(params)), rng.randint(1, min(3, len(params) - 1))))
+    shares = [params[a:b] for a, b in zip([0, *cuts], [*cuts, len(params)])]
+    opts = []
+    for share in shares:
+        groups = [{"params": share[:1]}, {"params": share[1:], "lr": 3e-3}] if len(share) > 1 and rng.random() < 0.5 \
+            else share
+        opts.append(rng.choice(_KINDS)(groups))
+    return model, ({f"opt{i}": o for i, o in enumerate(opts)} if rng.random() < 0.5 else opts)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_optimizers_state_survives_a_checkpoint(tmp_path: Path, seed: int) -> None:
+    """Written as one state dict of every member's parameters in turn, read back into freshly built optimizers of
+    the same shape: each member's state and groups are its own again, none shifted onto another's parameters."""
+    model, given = _generated(seed)
+    opts = optimizer_set(given)
+    assert isinstance(opts, OptimizerSet)
+    for _ in range(2):
+        opts.zero_grad()
+        model(torch.randn(4, 3)).square().sum().backward()
+        opts.step()
+    folder = save_checkpoint(tmp_path, 2, model, opts)
+    fresh_model, fresh = _generated(seed)
+    Checkpoint(folder, 2).load_into(fresh_model, fresh)
+    for (name, before), after in zip(opts.members.items(), optimizer_set(fresh).members.values()):
+        a, b = before.state_dict(), after.state_dict()
+        as_json = json.loads(json.dumps(a["param_groups"]))  # JSON keeps a tuple (Adam's betas) as a list, as for one
+        assert as_json == b["param_groups"], name
+        assert a["state"].keys() == b["state"].keys(), name
+        for i in a["state"]:
+            for key, value in a["state"][i].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][i][key])), (name, i, key)
+
+
+# ---- what a run of several optimizers cannot be, refused up front ----------------------------------------------------
+
+def _gan_parts() -> tuple[nn.Module, dict[str, torch.optim.Optimizer]]:
+    model = gan.build_gan()
+    return model, {"generator": gan.generator_adam(model), "discriminator": torch.optim.Adam(
+        model["discriminator"].parameters())}
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"scaler": torch.amp.GradScaler("cpu")}, "scaler"),
+    ({"scheduler": object(), "scheduler_factory": gan.generator_adam}, "scheduler"),
+    ({"guard": True}, "guard")])
+def test_recorder_refuses_what_several_optimizers_do_not_support(tmp_path: Path, extra: dict[str, Any],
+                                                                 needle: str) -> None:
+    model, opts = _gan_parts()
+    with pytest.raises(ValueError, match=f"{needle} is not supported with several optimizers"):
+        Recorder(tmp_path / "run", model, opts, model_factory=gan.build_gan, step_fn=gan.train_step_gan, **extra)
+    assert not (tmp_path / "run").exists()
+
+
+def test_recorder_refuses_a_parameter_in_two_optimizers_and_misshaped_factories(tmp_path: Path) -> None:
+    model, opts = _gan_parts()
+    with pytest.raises(ValueError, match="stepped by optimizers generator and everything"):
+        Recorder(tmp_path / "a", model, {**opts, "everything": torch.optim.SGD(model.parameters(), lr=0.1)},
+                 model_factory=gan.build_gan, step_fn=gan.train_step_gan)
+    with pytest.raises(TypeError, match="shaped like optimizer="):
+        Recorder(tmp_path / "b", model, opts, model_factory=gan.build_gan, step_fn=gan.train_step_gan,
+                 optimizer_factory=[gan.generator_adam, None])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda m: m.update(scheduler={"factory": "gan:generator_adam"}), "scheduler is not supported with several"),
+    (lambda m: m.update(distributed={"world_size": 2}), "distributed is not supported with several"),
+    (lambda m: m["optimizers"]["members"][1].update(name="generator"), "are not distinct non-empty names"),
+    (lambda m: m["optimizers"].update(given="set"), "optimizers.given 'set' is not one of"),
+    (lambda m: m["optimizers"]["members"][0].pop("class"), "field optimizers.members.0.class is missing")])
+def test_a_damaged_manifest_of_several_optimizers_is_one_line(gan_runs: Mapping[str, Path], tmp_path: Path,
+                                                              damage: Any, needle: str) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(gan_runs["dict"], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    damage(manifest)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert_one_line_error(run_cli("replay", run), "manifest.json", needle)
+
+
+def test_a_checkpoint_of_other_optimizers_is_one_line(gan_runs: Mapping[str, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(gan_runs["dict"], run)
+    for meta_file in (run / "checkpoints").glob("*/meta.json"):
+        meta = json.loads(meta_file.read_text())
+        meta["group_optimizers"] = ["discriminator", "generator"]
+        meta_file.write_text(json.dumps(meta))
+    assert_one_line_error(run_cli("replay", run, "--from-step", "0"), "meta.json", "belong to optimizers")

@@ -22,11 +22,12 @@ from conftest import ROOT, assert_one_line_error, run_cli
 
 @pytest.fixture(scope="module")
 def gan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The GAN recorded three ways: the fault with a dict of optimizers, the same without it, the fault with a list
-    that puts the discriminator's first."""
+    """The GAN recorded four ways (tests/gan.py): the huge reading with a dict of optimizers and with a list that puts
+    the discriminator's first, the near-zero reading, and no fault."""
     root = tmp_path_factory.mktemp("gan")
-    return {"dict": gan.record_gan(root / "dict"), "clean": gan.record_gan(root / "clean", fault=False),
-            "list": gan.record_gan(root / "list", as_list=True)}
+    return {"dict": gan.record_gan(root / "dict"), "clean": gan.record_gan(root / "clean", fault=None),
+            "list": gan.record_gan(root / "list", as_list=True),
+            "near_zero": gan.record_gan(root / "near_zero", fault="near_zero")}
 
 
 def _replay(run: Path, *args: str, code: int = 1) -> dict[str, Any]:
@@ -55,6 +56,20 @@ def test_replay_names_step_optimizer_tensor_and_coordinate(gan_runs: Mapping[str
                                    {"dict": "generator", "list": "1"}[kind])
                                   if e["stage"] in ("grad", "optimizer_grad", "optimizer_state", "param") else None)
     assert report["samples"] is not None and report["operation"]["site"]["phase"] == "optimizer"
+
+
+def test_the_origin_is_the_first_pass_not_the_first_stage(gan_runs: Mapping[str, Path]) -> None:
+    """The near-zero reading: the discriminator's gradient is inf in its own pass, its step makes its gain NaN, and the
+    generator's pass in the same step runs forward through it. The origin is that gradient, not the later forward
+    (which comes first by stage), and the events follow the passes: the discriminator's update before the forward."""
+    report = _replay(gan_runs["near_zero"])
+    origin = report["origin"]
+    assert report["responsible_step"] == gan.FAULT_STEP == report["logged_first_nonfinite_loss_step"]
+    assert (origin["stage"], origin["tensor"], origin["index"], origin["optimizer"]) == (
+        "grad", "discriminator.0.gain", [gan.FAULT_FEATURE], "discriminator")
+    at_fault = [(e["stage"], e["tensor"]) for e in report["events"] if e["step"] == gan.FAULT_STEP]
+    assert at_fault.index(("param", "discriminator.0.gain")) < at_fault.index(("forward", "discriminator.0"))
+    assert report["operation"]["site"]["phase"] == "backward"
 
 
 def test_healthy_gan_replays_clean_from_the_start(gan_runs: Mapping[str, Path]) -> None:

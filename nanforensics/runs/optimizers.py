@@ -9,7 +9,7 @@ work on it unchanged. The step function is given the members as the loop gave th
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -64,8 +64,9 @@ class OptimizerSet(torch.optim.Optimizer):
         return [g for opt in self.members.values() for g in opt.param_groups]
 
     @property
-    def state(self) -> dict[torch.Tensor, Any]:  # type: ignore[override]
-        return {p: s for opt in self.members.values() for p, s in opt.state.items()}
+    def state(self) -> "_States":  # type: ignore[override]
+        """Every member's state, read through (not copied: the monitor looks each parameter up)."""
+        return _States(self)
 
     def group_owners(self) -> list[str]:
         """The name of the member each of ``param_groups`` belongs to (checkpoints' ``group_optimizers``)."""
@@ -111,6 +112,38 @@ class OptimizerSet(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"OptimizerSet({', '.join(f'{n}={type(o).__name__}' for n, o in self.members.items())})"
+
+
+class _States(Mapping[torch.Tensor, Any]):
+    """A set's state by parameter: each looked up in the member that steps it, as in that member's own ``state``
+    (indexing a parameter without state yet gives it an empty one there, as torch does; ``get`` adds nothing)."""
+
+    def __init__(self, optimizers: OptimizerSet) -> None:
+        self.optimizers = optimizers
+
+    def _own(self, p: Any) -> Any:
+        owner = self.optimizers.owners.get(p) if isinstance(p, torch.Tensor) else None
+        return self.optimizers.members[owner].state if owner is not None else None
+
+    def __getitem__(self, p: torch.Tensor) -> Any:
+        own = self._own(p)
+        if own is None:
+            raise KeyError(p)
+        return own[p]
+
+    def get(self, p: torch.Tensor, default: Any = None) -> Any:
+        own = self._own(p)
+        return own.get(p, default) if own is not None else default
+
+    def __contains__(self, p: object) -> bool:
+        own = self._own(p)
+        return own is not None and p in own
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for opt in self.optimizers.members.values() for p in opt.state)
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self.optimizers.members.values())
 
 
 def member_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -140,7 +140,8 @@ def test_every_optimizers_state_survives_a_checkpoint(tmp_path: Path, seed: int)
     for _ in range(2):
         opts.zero_grad()
         model(torch.randn(4, 3)).square().sum().backward()
-        opts.step()
+        for member in opts.members.values():  # as a step function steps them, in turn
+            member.step()
     folder = save_checkpoint(tmp_path, 2, model, opts)
     fresh_model, fresh = _generated(seed)
     Checkpoint(folder, 2).load_into(fresh_model, fresh)

@@ -19,7 +19,7 @@ from ..finite import decode_float, encode_float
 from ..inputs import TensorFile, load_json, one_line
 from ..schema import load
 from .files import make_build_dir, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic, write_json_atomic
-from .optimizers import group_owners, optimizer_set
+from .optimizers import group_owners, optimizer_params, optimizer_set
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
 EXTRAS_FILE = "extras.safetensors"  # tensors of the scaler's and scheduler's state, when they hold any
@@ -52,11 +52,6 @@ class CheckpointMeta:
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every parameter the optimizer steps, in its order (the indices of its state dict)."""
-    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

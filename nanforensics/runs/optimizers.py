@@ -35,7 +35,8 @@ class _Handles:
 class OptimizerSet(torch.optim.Optimizer):
     """Named optimizers over disjoint parameters, one optimizer to everything that inspects the run's state.
 
-    ``torch.optim.Optimizer.__init__`` is not called: the groups and state live in the members, read through."""
+    ``torch.optim.Optimizer.__init__`` is not called: the groups and state live in the members, read through. The set
+    itself is never stepped: the step function steps each member, and the hooks registered here run on each."""
 
     def __init__(self, members: Mapping[str, torch.optim.Optimizer], given: str) -> None:
         if given not in GIVEN:
@@ -45,7 +46,7 @@ class OptimizerSet(torch.optim.Optimizer):
         for name, opt in self.members.items():
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizer {name} is a {type(opt).__name__}, not a torch.optim.Optimizer")
-            for p in member_params(opt):
+            for p in optimizer_params(opt):
                 if p in seen:
                     raise ValueError(f"a parameter is stepped by optimizers {seen[p]} and {name}: each parameter must "
                                      "belong to one optimizer")
@@ -80,7 +81,7 @@ class OptimizerSet(torch.optim.Optimizer):
             sd = opt.state_dict()
             state.update({offset + i: s for i, s in sd["state"].items()})
             groups += [{**g, "params": [offset + i for i in g["params"]]} for g in sd["param_groups"]]
-            offset += len(member_params(opt))
+            offset += len(optimizer_params(opt))
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -99,19 +100,12 @@ class OptimizerSet(torch.optim.Optimizer):
         for opt in self.members.values():
             opt.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
-        for opt in self.members.values():
-            opt.step()
-
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:  # type: ignore[override]
         """On every member: the hook runs before each member's ``step()``, given that member."""
         return _Handles([opt.register_step_pre_hook(hook) for opt in self.members.values()])
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:  # type: ignore[override]
         return _Handles([opt.register_step_post_hook(hook) for opt in self.members.values()])
-
-    def __repr__(self) -> str:
-        return f"OptimizerSet({', '.join(f'{n}={type(o).__name__}' for n, o in self.members.items())})"
 
 
 class _States(Mapping[torch.Tensor, Any]):
@@ -146,7 +140,8 @@ class _States(Mapping[torch.Tensor, Any]):
         return sum(len(opt.state) for opt in self.optimizers.members.values())
 
 
-def member_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter the optimizer steps, in its order (the indices of its state dict)."""
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 

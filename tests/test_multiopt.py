@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 from pathlib import Path
@@ -210,3 +211,42 @@ def test_a_checkpoint_of_other_optimizers_is_one_line(gan_runs: Mapping[str, Pat
         meta["group_optimizers"] = ["discriminator", "generator"]
         meta_file.write_text(json.dumps(meta))
     assert_one_line_error(run_cli("replay", run, "--from-step", "0"), "meta.json", "belong to optimizers")
+
+
+# ---- the monitor over passes: what a pass checked is read again only when written since ----------------------------
+
+@pytest.mark.parametrize("locate", [False, True])
+@pytest.mark.parametrize("fault", [None, "after_step", "lr"])
+def test_each_update_is_checked_once(locate: bool, fault: str | None) -> None:
+    """Two optimizers step in turn. ``after_step``: both update finite values, then the step function rescales the
+    first network's weight by a norm that is 0 (weight normalisation of an all-zero row): its 4 entries turn
+    non-finite after the pass that checked them, and the step's end reads the weight again since it was written.
+    ``lr``: the first optimizer's learning rate is inf, its own update makes the weight non-finite, found right
+    after that pass and not counted again at the end, which finds it unchanged."""
+    from nanforensics.replay.monitor import StepMonitor
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 1, bias=False), "b": nn.Linear(1, 1)})
+    opts = optimizer_set([torch.optim.SGD(model["a"].parameters(), lr=math.inf if fault == "lr" else 0.1),
+                          torch.optim.SGD(model["b"].parameters(), lr=0.1)])
+    x = torch.ones(2, 4)
+    with StepMonitor(model, opts) as monitor:
+        monitor.begin(0, x, locate)
+        member = opts.members["0"]
+        member.zero_grad()
+        model["b"](model["a"](x)).square().mean().backward()
+        member.step()
+        member = opts.members["1"]
+        member.zero_grad()
+        loss = model["b"](torch.ones(2, 1)).square().mean()  # the second network on its own input: it stays finite
+        loss.backward()
+        member.step()
+        if fault == "after_step":
+            with torch.no_grad():
+                w = model["a"].weight
+                w.div_(w.mul(0).norm())  # the row's norm, 0: every entry 0/0 or x/0
+        events = monitor.end(loss)
+    params = [e for e in events if e.stage == "param"]
+    assert [(e.tensor, e.optimizer) for e in params] == ([("a.weight", "0")] if fault else [])
+    if locate and fault:
+        assert params[0].elements_nonfinite == 4 and params[0].tensors_nonfinite == 1

@@ -250,3 +250,42 @@ def test_each_update_is_checked_once(locate: bool, fault: str | None) -> None:
     assert [(e.tensor, e.optimizer) for e in params] == ([("a.weight", "0")] if fault else [])
     if locate and fault:
         assert params[0].elements_nonfinite == 4 and params[0].tensors_nonfinite == 1
+
+
+_RATES = [lambda ps, lr: torch.optim.SGD(ps, lr=lr), lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9),
+          lambda ps, lr: torch.optim.Adam(ps, lr=lr), lambda ps, lr: torch.optim.RMSprop(ps, lr=lr)]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_origin_is_the_pass_that_made_it_on_generated_steps(seed: int) -> None:
+    """Generated steps of 2-4 optimizers, each owning one layer of a chain; every pass runs the whole chain forward
+    and backward and steps one optimizer. Optimizer ``k``'s learning rate is inf: its own update makes its layer
+    non-finite, and every later pass runs forward through it. The origin, in locate and in detect mode, is that
+    layer's update (stage ``param``, optimizer ``k``), never a later pass's forward, which ranks first by stage."""
+    from nanforensics.replay.monitor import StepMonitor
+
+    for locate in (True, False):
+        rng = random.Random(seed)  # the same step for each mode, from scratch
+        torch.manual_seed(seed)
+        n = rng.randint(2, 4)
+        k = rng.randrange(n - 1)  # a later pass runs through the broken layer
+        model = nn.ModuleDict({f"l{i}": nn.Linear(3, 3) for i in range(n)})
+        members = [rng.choice(_RATES)(model[f"l{i}"].parameters(), math.inf if i == k else 1e-2) for i in range(n)]
+        names = [f"net{i}" for i in range(n)] if rng.random() < 0.5 else [str(i) for i in range(n)]
+        opts = optimizer_set(dict(zip(names, members)) if names[0] == "net0" else members)
+        x = torch.randn(5, 3)
+        with StepMonitor(model, opts) as monitor:
+            monitor.begin(0, x, locate)
+            for member in members:
+                member.zero_grad()
+                h = x
+                for i in range(n):
+                    h = model[f"l{i}"](h)
+                loss = h.square().mean()
+                loss.backward()
+                member.step()
+            events = monitor.end(loss)
+        origin = events[0]
+        assert (origin.stage, origin.tensor.split(".")[0], origin.optimizer) == ("param", f"l{k}", names[k]), (
+            locate, [(e.stage, e.tensor) for e in events])
+        assert any(e.stage == "forward" for e in events)  # the later passes did run through it

@@ -62,8 +62,10 @@ def test_replay_names_step_optimizer_tensor_and_coordinate(gan_runs: Mapping[str
 def test_the_origin_is_the_first_pass_not_the_first_stage(gan_runs: Mapping[str, Path]) -> None:
     """The near-zero reading: the discriminator's gradient is inf in its own pass, its step makes its gain NaN, and the
     generator's pass in the same step runs forward through it. The origin is that gradient, not the later forward
-    (which comes first by stage), and the events follow the passes: the discriminator's update before the forward."""
-    report = _replay(gan_runs["near_zero"])
+    (which comes first by stage), and the events follow the passes: the discriminator's update before the forward.
+    A what-if acts at each optimizer's step() and says what it did at each: resetting the discriminator's one
+    non-finite coordinate (the gain's update NaN-ed it) saves the run; the generator's state had nothing to reset."""
+    report = _replay(gan_runs["near_zero"], "--what-if", "reset-state")
     origin = report["origin"]
     assert report["responsible_step"] == gan.FAULT_STEP == report["logged_first_nonfinite_loss_step"]
     assert (origin["stage"], origin["tensor"], origin["index"], origin["optimizer"]) == (
@@ -71,6 +73,10 @@ def test_the_origin_is_the_first_pass_not_the_first_stage(gan_runs: Mapping[str,
     at_fault = [(e["stage"], e["tensor"]) for e in report["events"] if e["step"] == gan.FAULT_STEP]
     assert at_fault.index(("param", "discriminator.0.gain")) < at_fault.index(("forward", "discriminator.0"))
     assert report["operation"]["site"]["phase"] == "backward"
+    reset = next(w for w in report["what_if"] if w["intervention"] == "reset-state")
+    assert reset["finite"] is True and reset["detail"] == (
+        "optimizer discriminator: zeroed the optimizer state of 1 coordinate, put back 1 parameter value; "
+        "optimizer generator: zeroed the optimizer state of 0 coordinates, put back 0 parameter values")
 
 
 def test_healthy_gan_replays_clean_from_the_start(gan_runs: Mapping[str, Path]) -> None:

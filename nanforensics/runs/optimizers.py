@@ -73,6 +73,11 @@ class OptimizerSet(torch.optim.Optimizer):
         """The name of the member each of ``param_groups`` belongs to (checkpoints' ``group_optimizers``)."""
         return [name for name, opt in self.members.items() for _ in opt.param_groups]
 
+    def accounts(self, said: list[tuple[torch.optim.Optimizer, str | None]]) -> str | None:
+        """What was done at each member's ``step()`` (a what-if's detail), each under the member's name."""
+        names = {id(o): n for n, o in self.members.items()}
+        return "; ".join(f"optimizer {names[id(o)]}: {text}" for o, text in said if text) or None
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         state: dict[int, Any] = {}
         groups: list[dict[str, Any]] = []

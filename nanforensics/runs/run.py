@@ -120,11 +120,6 @@ class Manifest:
                 raise BadInput(path, why)
         return m
 
-    @property
-    def optimizer_names(self) -> list[str] | None:
-        """The names of a run's several optimizers; None for a run of one."""
-        return [o.name for o in self.optimizers] if self.optimizers is not None else None
-
     def callables(self) -> list[tuple[str, str]]:
         """(field, import string) of every callable the run names, in the order they are imported."""
         named = [("model_factory", self.model_factory), ("step_fn", self.step_fn),

@@ -78,10 +78,10 @@ def train_step_gan_list(model: nn.Module, optimizers: list[torch.optim.Optimizer
     return _step(model, g_opt, d_opt, batch)
 
 
-def gan_batch(step: int, fault: str | None) -> dict[str, Any]:
+def gan_batch(step: int, fault: str) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1000 + step)
     real = torch.rand(BATCH, FEATURES, generator=gen) + 0.5  # positive readings
-    if fault is not None and step == FAULT_STEP:
+    if step == FAULT_STEP:
         real[FAULT_ROW, FAULT_FEATURE] = FAULTS[fault]
     return {"real": real, "noise": torch.randn(BATCH, NOISE, generator=gen), "ids": list(range(step * BATCH,
                                                                                                (step + 1) * BATCH))}
@@ -96,7 +96,7 @@ def generator_adam(model: nn.Module) -> torch.optim.Optimizer:
     return _adam(model["generator"])
 
 
-def record_gan(run_dir: Path, *, fault: str | None = "huge", as_list: bool = False, steps: int = STEPS) -> Path:
+def record_gan(run_dir: Path, *, fault: str = "huge", as_list: bool = False, steps: int = STEPS) -> Path:
     """Record the GAN: as a dict of two optimizers (the generator's by a factory, the discriminator's by its class
     and recorded groups), or as a list ``[d_opt, g_opt]`` rebuilt from their classes."""
     model_kwargs = {"log_input": fault == "near_zero"}

@@ -126,6 +126,32 @@ def test_a_run_of_one_optimizer_reads_as_before(tmp_path: Path, runs: Mapping[st
     assert "(optimizer" not in report["origin"]["text"]
 
 
+def test_scan_bisect_and_repair_of_a_run_of_several_optimizers(gan_runs: Mapping[str, Path], tmp_path: Path) -> None:
+    """The checkpoints of several optimizers read as any: scan and bisect find the discriminator's exp_avg_sq at the
+    first checkpoint after the fault; repair leaves the batch out and writes a checkpoint that resumes into the
+    loop's own dict of optimizers, each with its own state, finite."""
+    run = gan_runs["dict"]
+    scan = run_cli("scan", run / "checkpoints" / "step_00000008", "--json", "-").json()
+    bad = [t for t in scan["tensors"] if t["nonfinite"]]
+    assert scan["verdict"] == "poisoned_optimizer_state"
+    assert bad[0]["name"] == "discriminator.0.weight/exp_avg_sq" and bad[0]["first_nonfinite"]["index"][1] == 2
+    bisect = run_cli("bisect", run, "--json", "-").json()
+    assert (bisect["last_clean"]["step"], bisect["first_poisoned"]["step"]) == (4, 8)
+    repaired = run_cli("repair", run, "--out", tmp_path / "repaired", "--json", "-")
+    assert repaired.code == 0, repaired.stderr
+    report = repaired.json()
+    assert report["responsible_step"] == gan.FAULT_STEP and report["verification"]["finite"] is True
+    model = gan.build_gan()
+    optimizers = {"generator": gan.generator_adam(model), "discriminator": torch.optim.Adam(
+        model["discriminator"].parameters())}
+    Checkpoint(Path(report["checkpoint"]), report["resume_step"]).load_into(model, optimizers)
+    for name, opt in optimizers.items():
+        held = [t for s in opt.state.values() for t in s.values()]
+        assert held and all(torch.isfinite(t).all() for t in held), name
+        assert {n for n, p in model.named_parameters() if p in opt.state} == {
+            n for n, _ in model.named_parameters() if n.startswith(name)}
+
+
 # ---- the state of several optimizers through a checkpoint, on generated sets ----------------------------------------
 
 _KINDS = [lambda ps: torch.optim.Adam(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2),

@@ -229,7 +229,11 @@ def test_recorder_refuses_a_parameter_in_two_optimizers_and_misshaped_factories(
     with pytest.raises(TypeError, match="shaped like optimizer="):
         Recorder(tmp_path / "b", model, opts, model_factory=gan.build_gan, step_fn=gan.train_step_gan,
                  optimizer_factory=[gan.generator_adam, None])
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    for given, needle in (([], "not an empty list"), ({}, "needs at least one"), ((opts["generator"], "adam"),
+                                                                                  "optimizer 1 is a str")):
+        with pytest.raises(TypeError, match=needle):
+            Recorder(tmp_path / "c", model, given, model_factory=gan.build_gan, step_fn=gan.train_step_gan)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize("damage, needle", [

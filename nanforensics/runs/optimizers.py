@@ -160,9 +160,10 @@ def optimizer_set(optimizer: Any) -> torch.optim.Optimizer:
             raise TypeError("a dict of optimizers needs at least one, each under a non-empty string name")
         return OptimizerSet(optimizer, "dict")
     if isinstance(optimizer, (list, tuple)) and optimizer:
-        return OptimizerSet({str(i): o for i, o in enumerate(optimizer)}, type(optimizer).__name__)
-    raise TypeError(f"optimizer must be a torch.optim.Optimizer, or a list, tuple or dict of them, not "
-                    f"{type(optimizer).__name__}")
+        return OptimizerSet({str(i): o for i, o in enumerate(optimizer)}, "tuple" if isinstance(optimizer, tuple)
+                            else "list")
+    what = f"an empty {type(optimizer).__name__}" if isinstance(optimizer, (list, tuple)) else type(optimizer).__name__
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer, or a list, tuple or dict of them, not {what}")
 
 
 def members_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

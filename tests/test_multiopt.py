@@ -126,11 +126,18 @@ def test_a_run_of_one_optimizer_reads_as_before(tmp_path: Path, runs: Mapping[st
     assert "(optimizer" not in report["origin"]["text"]
 
 
-def test_scan_bisect_and_repair_of_a_run_of_several_optimizers(gan_runs: Mapping[str, Path], tmp_path: Path) -> None:
+def test_scan_bisect_repair_and_postmortem_of_a_run_of_several_optimizers(gan_runs: Mapping[str, Path],
+                                                                         tmp_path: Path) -> None:
     """The checkpoints of several optimizers read as any: scan and bisect find the discriminator's exp_avg_sq at the
-    first checkpoint after the fault; repair leaves the batch out and writes a checkpoint that resumes into the
-    loop's own dict of optimizers, each with its own state, finite."""
+    first checkpoint after the fault; the post-mortem's headline names the step and the optimizer; repair leaves the
+    batch out and writes a checkpoint that resumes into the loop's own dict of optimizers, each with its own state,
+    finite."""
     run = gan_runs["dict"]
+    postmortem = run_cli("postmortem", run, "--json", "-")
+    # every unit reads the huge feature: the whole column overflows, and row 0 is its first coordinate
+    assert postmortem.code == 1 and postmortem.json()["headline"] == (
+        f"non-finite values began at step {gan.FAULT_STEP}: optimizer_state exp_avg_sq of "
+        f"discriminator.0.weight[0, {gan.FAULT_FEATURE}] = inf (optimizer discriminator)")
     scan = run_cli("scan", run / "checkpoints" / "step_00000008", "--json", "-").json()
     bad = [t for t in scan["tensors"] if t["nonfinite"]]
     assert scan["verdict"] == "poisoned_optimizer_state"

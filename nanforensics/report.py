@@ -23,6 +23,7 @@ DefectKind = Literal["nonfinite", "extreme", "subnormal"]
 # A step whose only non-finite values arose in these stages left the model's state intact: a non-finite loss with
 # zero (or finite) gradients, as from a batch with no valid target.
 LOSS_ONLY_STAGES = frozenset({"forward", "loss"})
+PARAM_STAGES = frozenset({"grad", "optimizer_grad", "optimizer_state", "param"})  # an event names a parameter
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Event:
     # optimizer_grad: the gradient tensors the step function rewrote (in place, or replaced) after backward had
     # accumulated them and before optimizer.step() (clipping, unscaling): the code between the two stages
     rewritten: int = 0
+    # a run of several optimizers: the one that steps the parameter a grad, optimizer_grad, optimizer_state or param
+    # event names (its name, or its position when the loop passed a list); None for one optimizer
+    optimizer: str | None = None
 
 
 @dataclass

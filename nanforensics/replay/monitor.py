@@ -29,9 +29,10 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 from .. import finite
 from ..distributed.tensors import local_part
 from ..distributed.wrapping import unsharded_params
-from ..report import STAGES, Event
+from ..report import PARAM_STAGES, STAGES, Event
 from ..runs.batches import leaves
 from ..runs.checkpoint import optimizer_params
+from ..runs.optimizers import owners
 from .proof import StepProof, provable
 
 _RANK = {s: i for i, s in enumerate(STAGES)}
@@ -71,6 +72,14 @@ class StepMonitor:
         self._grad_max: dict[torch.Tensor, float] = {}  # param -> its gradient's largest magnitude, while proving
         self.proven = {"optimizer_state": 0, "param": 0}  # tensors of the step not read, by stage: proven finite
         self.param_names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        # Several optimizers stepping in turn (a GAN): the one stepping each parameter, by the parameter's name, for the
+        # events that name it. A step is then several passes, each ending in one optimizer's step(): that optimizer's
+        # state and parameters are checked right after it (a later pass reads them), and the step's events are
+        # ordered by the pass they arose in before their stage. ``_updated``: what a pass checked, (tensor, version).
+        self._owners = {self._name(p): o for p, o in owners(optimizer).items()}
+        self._passes = 0
+        self._pass_of: dict[tuple[str, str | None], int] = {}
+        self._updated: dict[tuple[torch.Tensor, str | None], tuple[torch.Tensor, int]] = {}
         self._handles: list[Any] = []
         self.step = -1
         self.locate = False
@@ -96,6 +105,8 @@ class StepMonitor:
         self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre_hook))
         if self.proof is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
+        if self._owners:
+            self._handles.append(self.optimizer.register_step_post_hook(self._pass_end_hook))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -125,7 +136,7 @@ class StepMonitor:
         return self.proof is not None and not self.locate
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for p in optimizer_params(self.optimizer):
+        for p in optimizer_params(optimizer):  # of several optimizers, the one stepping now
             if p.grad is None:
                 continue
             # Detect mode skips a gradient nothing touched since backward (same tensor, same version
@@ -146,6 +157,11 @@ class StepMonitor:
         if self.proof is not None and self._proving():
             self.proof.after_step()
 
+    def _pass_end_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Several optimizers: after one of them stepped, its state and parameters, as this pass left them."""
+        self._check_updated(optimizer_params(optimizer), optimizer.state)
+        self._passes += 1
+
     # -- one step -------------------------------------------------------------------------------
 
     def _name(self, p: torch.Tensor) -> str:
@@ -156,6 +172,9 @@ class StepMonitor:
         self._pending.clear()
         self._grad_seen.clear()
         self._rewritten = 0
+        self._passes = 0
+        self._pass_of.clear()
+        self._updated.clear()
         self._grad_max.clear()
         self.proven = {"optimizer_state": 0, "param": 0}
         if self.proof is not None and locate:
@@ -174,17 +193,7 @@ class StepMonitor:
             self.check("loss", "loss", loss)
         elif isinstance(loss, (int, float)) and not math.isfinite(loss):
             self._add("loss", "loss", None, torch.tensor(float(loss)))
-        for p in optimizer_params(self.optimizer):
-            for key, t in [*self.optimizer.state.get(p, {}).items(), (None, p)]:  # its state, then p itself
-                stage = "param" if key is None else "optimizer_state"
-                if self.proof is None or not self._proving() or not finite.checkable(t):
-                    self.check(stage, self._name(p), t, state_key=key)
-                elif self.proof.proven(p, key, t):
-                    self.proven[stage] += 1
-                else:
-                    bound = self._max_abs(stage, self._name(p), t, key)
-                    if math.isfinite(bound):
-                        self.proof.learn(p, key, t, bound)
+        self._check_updated(optimizer_params(self.optimizer), self.optimizer.state)
         for name, b in self.model.named_buffers():  # looked up each step: a module may assign a new tensor
             if name not in self._constant_buffers:
                 self.check("buffer", name, b)
@@ -196,7 +205,29 @@ class StepMonitor:
             self._pending.clear()
         if ("optimizer_grad", None) in self._events:
             self._events[("optimizer_grad", None)].rewritten = self._rewritten
-        return sorted(self._events.values(), key=lambda e: (_RANK[e.stage], e.state_key or ""))
+        return sorted(self._events.values(),
+                      key=lambda e: (self._pass_of.get((e.stage, e.state_key), 0), _RANK[e.stage], e.state_key or ""))
+
+    def _check_updated(self, params: list[torch.Tensor], state: Any) -> None:
+        """Each parameter's optimizer state, then the parameter itself, after the update. Of several optimizers, a
+        tensor a pass already checked is read again at the step's end only if something wrote it since (a clamp after
+        ``step()``)."""
+        for p in params:
+            for key, t in [*state.get(p, {}).items(), (None, p)]:  # its state, then p itself
+                stage = "param" if key is None else "optimizer_state"
+                if self._owners and isinstance(t, torch.Tensor):
+                    seen = self._updated.get((p, key))
+                    if seen is not None and seen[0] is t and seen[1] == t._version:
+                        continue
+                    self._updated[(p, key)] = (t, t._version)
+                if self.proof is None or not self._proving() or not finite.checkable(t):
+                    self.check(stage, self._name(p), t, state_key=key)
+                elif self.proof.proven(p, key, t):
+                    self.proven[stage] += 1
+                else:
+                    bound = self._max_abs(stage, self._name(p), t, key)
+                    if math.isfinite(bound):
+                        self.proof.learn(p, key, t, bound)
 
     def check(self, stage: str, name: str, t: Any, state_key: str | None = None) -> None:
         # a sharded tensor (a DTensor at world size) is checked in this rank's shard, its coordinates the whole one's
@@ -238,7 +269,10 @@ class StepMonitor:
         event = self._events.get((stage, key))
         if event is None:
             self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype,
-                                               order=order or self._checks.get(stage, 0), nan_elements=nans)
+                                               order=order or self._checks.get(stage, 0), nan_elements=nans,
+                                               optimizer=self._owners.get(name) if stage in PARAM_STAGES else None)
+            if self._owners:
+                self._pass_of[(stage, key)] = self._passes
         else:
             event.tensors_nonfinite += 1
             event.elements_nonfinite += elements

@@ -14,6 +14,7 @@ from ..errors import BadInput
 from ..report import Event
 from ..runs.batches import map_tensors
 from ..runs.checkpoint import restore_rng, rng_state
+from ..runs.optimizers import as_given, members_of
 from ..runs.source import StartPoint, StepCode, StepSource
 from .monitor import StepMonitor
 
@@ -53,19 +54,23 @@ def loss_value(loss: Any, where: Path) -> float:
 
 @contextmanager
 def no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing.
+    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing (each of several,
+    whose own ``step()`` the step function calls).
 
     An LR scheduler may already have put its own wrapper there; it is put back as it was.
     """
-    own = vars(optimizer).get("step")
-    optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    members = members_of(optimizer)
+    own = [vars(o).get("step") for o in members]
+    for o in members:
+        o.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         yield
     finally:
-        if own is None:
-            del optimizer.step
-        else:
-            optimizer.step = own  # type: ignore[method-assign]
+        for o, step in zip(members, own):
+            if step is None:
+                del o.step
+            else:
+                o.step = step  # type: ignore[method-assign]
 
 
 class Session:
@@ -114,7 +119,7 @@ class Session:
         run recorded them; what it raises becomes a one-line error."""
         extras = {k: v for k, v in (("scaler", self.scaler), ("scheduler", self.scheduler)) if v is not None}
         try:
-            return self.code.step_fn(self.stepped, self.optimizer, batch, **extras)
+            return self.code.step_fn(self.stepped, as_given(self.optimizer), batch, **extras)
         except BadInput:
             raise
         except Exception as e:

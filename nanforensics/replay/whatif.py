@@ -24,6 +24,7 @@ from ..report import Event, WhatIfResult
 from ..rootcause.findings import describe
 from ..rootcause.samples import batch_size, named_whole, select
 from ..runs.checkpoint import optimizer_params
+from ..runs.optimizers import OptimizerSet
 from ..runs.source import StartPoint, StepCode, StepSource
 from ..words import count, numbered
 from .monitor import StepMonitor
@@ -256,13 +257,20 @@ def _changed_step(session: Session, change: Intervention, monitor: StepMonitor) 
         fired.append(True)
         change.before(optimizer)
 
-    handles = [session.optimizer.register_step_pre_hook(before),
-               session.optimizer.register_step_post_hook(lambda o, *_: change.after(o))]
+    done: list[tuple[torch.optim.Optimizer, str | None]] = []  # each optimizer stepped, and what the change did there
+
+    def after(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        change.after(optimizer)
+        done.append((optimizer, change.detail))
+
+    handles = [session.optimizer.register_step_pre_hook(before), session.optimizer.register_step_post_hook(after)]
     try:
         result = session.run_step(monitor, batch=batch)
     finally:
         for h in handles:
             h.remove()
+    if isinstance(session.optimizer, OptimizerSet):  # the change acted at each one's step(): say what, at which
+        change.detail = session.optimizer.accounts(done)
     if change.acts_on_optimizer and not fired:
         change.detail = "optimizer.step() did not run at this step (the scaler skipped it): nothing to change"
     return result

@@ -15,14 +15,15 @@ from ..words import count, numbered
 
 
 def describe(e: Event) -> str:
-    """``grad fc2.weight[3, 7] = inf`` (``exp_avg_sq of ...`` for optimizer state; ``... on rank 1`` for a value of
-    one rank of a distributed run)."""
+    """``grad fc2.weight[3, 7] = inf`` (``exp_avg_sq of ...`` for optimizer state; ``... (optimizer discriminator)``
+    in a run of several optimizers; ``... on rank 1`` for a value of one rank of a distributed run)."""
     where = f"[{', '.join(map(str, e.index))}]" if e.index else ""
     subject = f"{e.state_key} of {e.tensor}" if e.state_key else e.tensor
     value = f" = {e.value}" if e.value else ""
     head = e.stage if subject == e.stage else f"{e.stage} {subject}"
     on = f" on rank {e.rank}" if e.rank is not None else ""
-    return f"{head}{where}{value}{on}"
+    of = f" (optimizer {e.optimizer})" if e.optimizer is not None else ""
+    return f"{head}{where}{value}{of}{on}"
 
 
 def describe_site(op: OpSite) -> str:

@@ -19,6 +19,7 @@ from ..finite import decode_float, encode_float
 from ..inputs import TensorFile, load_json, one_line
 from ..schema import load
 from .files import make_build_dir, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic, write_json_atomic
+from .optimizers import group_owners, optimizer_params, optimizer_set
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
 EXTRAS_FILE = "extras.safetensors"  # tensors of the scaler's and scheduler's state, when they hold any
@@ -46,15 +47,11 @@ class CheckpointMeta:
     rank_rng: list[dict[str, Any]] | None = None
     scaler: Any = None
     scheduler: Any = None
+    group_optimizers: list[str] | None = None  # several optimizers: the one each of param_groups belongs to
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every parameter the optimizer steps, in its order (the indices of its state dict)."""
-    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -200,6 +197,8 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     names, model_sd, tensors = state_meta(model, optimizer)
     meta = {"format": CHECKPOINT_FORMAT, "step": step, **{k: names[k] for k in ("param_names", "param_groups",
             "state_scalars")}, "rng": rng_state(), "buffer_names": names["buffer_names"]}  # the shipped files' order
+    if (owners := group_owners(optimizer)) is not None:
+        meta["group_optimizers"] = owners
     if merge_meta is not None:
         merge_meta(meta)
     if rank_rng is not None:
@@ -314,10 +313,20 @@ class Checkpoint:
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
         return {"state": state, "param_groups": groups}
 
-    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any = None,
+    def check_owners(self, meta: dict[str, Any], owners: list[str] | None) -> None:
+        """That the optimizers the groups were recorded in (``group_optimizers``, absent for one) are those
+        ``owners`` names, group by group: else a state would load into another optimizer's parameters."""
+        if meta.get("group_optimizers") != owners:
+            raise BadInput(self.path / "meta.json", f"its parameter groups belong to optimizers "
+                                                    f"{meta.get('group_optimizers') or 'one'}, the run's are "
+                                                    f"{owners or 'one'}")
+
+    def load_into(self, model: torch.nn.Module, optimizer: Any, *, scaler: Any = None,
                   scheduler: Any = None) -> dict[str, Any]:
         """Restore model and optimizer state (and the scaler's and scheduler's, when the run recorded them);
-        returns the meta (for the RNG states)."""
+        returns the meta (for the RNG states). Several optimizers may be given as the Recorder took them (a list or a
+        dict), to resume a run of several."""
+        optimizer = optimizer_set(optimizer)
         meta = self.meta()
         model_sd = self.model_tensors()
         # load_state_dict casts silently: a float16 file would replay a run that never was
@@ -333,6 +342,7 @@ class Checkpoint:
         except RuntimeError as e:
             raise BadInput(self.model_file, f"does not fit the model built by the manifest's factory: "
                                             f"{' '.join(str(e).split())[:300]}") from None
+        self.check_owners(meta, group_owners(optimizer))
         try:
             optimizer.load_state_dict(self.optimizer_state(meta, optimizer_params(optimizer)))
         except (ValueError, KeyError, RuntimeError) as e:

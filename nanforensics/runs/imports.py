@@ -179,6 +179,8 @@ ROLES: dict[str, Role] = {
     "--optimizer": Role("a function", None, True),
     "--scheduler": Role("a scheduler class of torch.optim.lr_scheduler or a function", _is_torch_scheduler, True),
 }
+# each of a run's several optimizers (manifest "optimizers.members.<i>") stands where a run's one optimizer does
+_MEMBER = re.compile(r"^optimizers\.members\.\d+\.")
 TRUST_HINT = "--trust-code calls it anyway (README, Security)"
 PACKAGE_HINT = "name its distribution with --trust-package NAME to allow it"
 
@@ -387,7 +389,7 @@ def check_callable(role: str, spec: str, obj: Any = NOT_IMPORTED, *, where: Path
     trusted; a class only of the kind the role names; of torch and nanforensics only what ``TOOL_MODULES`` gives.
     ``places.trust_code`` (``--trust-code``) lets anything through that does not lie inside the run directory.
     """
-    problem = None if places.trust_code else _refusal(ROLES[role], spec, obj, places)
+    problem = None if places.trust_code else _refusal(ROLES[_MEMBER.sub("optimizer.", role)], spec, obj, places)
     if problem is not None:
         _refuse(role, spec, where, problem)
 

@@ -25,7 +25,8 @@ from .cpu import this_cpu
 from .files import write_bytes_atomic, write_json_atomic
 from .guard import Guard, GuardPolicy, ring_nbytes
 from .imports import import_string_of
-from .run import MANIFEST, RUN_FORMAT, STEPS, batch_path
+from .optimizers import OptimizerSet, matched, optimizer_set, unsupported
+from .run import MANIFEST, RUN_FORMAT, SEVERAL_OPTIMIZERS_FORMAT, STEPS, batch_path
 from .steplog import step_line
 
 
@@ -100,6 +101,21 @@ def _write_error(path: Path, error: BaseException) -> OSError:
     return OSError(f"nanforensics recorder could not write {path}: {why}")
 
 
+def _optimizer_entry(optimizer: torch.optim.Optimizer, factory: Any) -> dict[str, Any]:
+    """The manifest's account of one optimizer: its class and the factory that builds it again, if any."""
+    return {"class": import_string_of(type(optimizer), "optimizer class"),
+            "factory": import_string_of(factory, "optimizer_factory") if factory else None}
+
+
+def _optimizer_fields(optimizer: torch.optim.Optimizer, factory: Any) -> dict[str, Any]:
+    """The manifest's ``optimizer`` (one) or ``optimizers`` (a set: how the loop passed them, and each by name)."""
+    if not isinstance(optimizer, OptimizerSet):
+        return {"optimizer": _optimizer_entry(optimizer, factory)}
+    factories = matched(factory, list(optimizer.members), optimizer.given)
+    return {"optimizers": {"given": optimizer.given, "members": [
+        {"name": name, **_optimizer_entry(member, f)} for (name, member), f in zip(optimizer.members.items(), factories)]}}
+
+
 def _created() -> _dt.datetime:
     """Now, or SOURCE_DATE_EPOCH where set, so that regenerated sample runs are byte-identical."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
@@ -128,6 +144,12 @@ class Recorder:
     go: ``"disk"`` (every batch, the default without a guard) or ``"memory"`` (the steps since the newest checkpoint,
     the default with one; only the newest checkpoint is kept).
 
+    Several optimizers stepping in turn in one step (a GAN's generator and discriminator) are passed together as
+    ``optimizer=[g_opt, d_opt]`` (a list or tuple, named ``"0"``, ``"1"`` by position) or ``optimizer={"generator":
+    g_opt, "discriminator": d_opt}``, over the parameters of the one ``model`` that holds both networks;
+    ``optimizer_factory`` is then None or shaped alike. Replay calls the step function with them as given (README,
+    "Several optimizers").
+
     Each callable may be given as its import string instead (``"pkg.models:build_model"``,
     ``"train.py:train_step"``), when replay should reach it under another name than this process does.
     """
@@ -136,12 +158,13 @@ class Recorder:
         self,
         run_dir: str | os.PathLike[str],
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
+        | dict[str, torch.optim.Optimizer],
         *,
         model_factory: Callable[..., torch.nn.Module] | str,
         step_fn: Callable[..., Any] | str,
         model_kwargs: dict[str, Any] | None = None,
-        optimizer_factory: Callable[[torch.nn.Module], torch.optim.Optimizer] | str | None = None,
+        optimizer_factory: Any = None,
         checkpoint_every: int = 50,
         keep_checkpoints: int | None = None,
         start_step: int = 0,
@@ -166,9 +189,15 @@ class Recorder:
             raise ValueError("checkpoint_every must be at least 1")
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be at least 1 (or None to keep all)")
+        optimizer = optimizer_set(optimizer)
+        optimizer_fields = _optimizer_fields(optimizer, optimizer_factory)
         self.path = Path(run_dir)
         # Under torchrun, every rank records its own batches and losses; rank 0 the rest (docs/run-format.md).
         self.world = pipeline_world(model, guard=guard, scaler=scaler, scheduler=scheduler) or recording_world(model)
+        if isinstance(optimizer, OptimizerSet) and (why := unsupported(
+                k for k, v in (("scaler", scaler), ("scheduler", scheduler), ("guard", guard),
+                               ("distributed", self.world)) if v)):
+            raise ValueError(why)
         if self.world is not None:
             self.world.prepare(self.path, overwrite)
         elif self.path.exists() and any(self.path.iterdir()):
@@ -190,8 +219,7 @@ class Recorder:
             "model_factory": import_string_of(model_factory, "model_factory"),
             "model_kwargs": model_kwargs or {},
             "step_fn": import_string_of(step_fn, "step_fn"),
-            "optimizer": {"class": import_string_of(type(optimizer), "optimizer class"),
-                          "factory": import_string_of(optimizer_factory, "optimizer_factory") if optimizer_factory else None},
+            **optimizer_fields,
             "checkpoint_every": checkpoint_every,
             "keep_checkpoints": keep_checkpoints,
             "start_step": start_step,
@@ -199,6 +227,8 @@ class Recorder:
             "device": str(next(model.parameters()).device),
             "cpu": dataclasses.asdict(this_cpu()),  # a replay on another kind of CPU sums in another order
         }
+        if isinstance(optimizer, OptimizerSet):
+            manifest["format"] = SEVERAL_OPTIMIZERS_FORMAT
         if backend is not None:
             manifest["compiled"] = {"backend": backend}
         if scaler is not None:

@@ -20,10 +20,13 @@ from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
 from .compiled import eager, wrapped_names
+from .optimizers import GIVEN, UNSUPPORTED, OptimizerSet, unsupported
 from .paths import MANIFEST, run_directory
 from .steplog import LoggedStep, is_step, read_steps
 
 RUN_FORMAT = "nanforensics.run/1"
+# A run of several optimizers: a reader of RUN_FORMAT alone would look for its one "optimizer" and refuse it half-way
+SEVERAL_OPTIMIZERS_FORMAT = "nanforensics.run/1+optimizers"
 STEPS = "steps.jsonl"
 _CHECKPOINT_DIR = re.compile(r"^step_(\d{8})$")
 MAX_THREADS = 4096  # num_threads beyond any machine's cores is damage, not a setting to pin
@@ -54,11 +57,20 @@ def batch_gaps(run_dir: Path, first: int, end: int) -> list[tuple[int, int]]:
 
 
 @dataclass
+class OptimizerMember:
+    """One optimizer of a run of several: its name, class and factory (import strings)."""
+
+    name: str
+    optimizer_class: str
+    factory: str | None
+
+
+@dataclass
 class Manifest:
     model_factory: str
     step_fn: str
     model_kwargs: dict[str, Any]
-    optimizer_class: str
+    optimizer_class: str | None  # None: a run of several optimizers (``optimizers``)
     optimizer_factory: str | None
     checkpoint_every: int
     start_step: int
@@ -69,6 +81,8 @@ class Manifest:
     world: World | None = None  # None: a single-process run
     cpu: CpuIdentity | None = None  # None: recorded before manifests named the CPU
     compiled: str | None = None  # the torch.compile backend the loop's model ran under; None: not compiled
+    optimizers: list[OptimizerMember] | None = None  # several optimizers, in the order the loop passed them
+    optimizers_given: str | None = None  # how it passed them (optimizers.GIVEN): what the step function is given
 
     @classmethod
     def read(cls, path: Path) -> "Manifest":
@@ -76,7 +90,7 @@ class Manifest:
         if not isinstance(raw, dict):
             raise BadInput(path, "manifest is not a JSON object")
         fmt = raw.get("format")
-        if fmt not in (RUN_FORMAT, DISTRIBUTED_FORMAT):
+        if fmt not in (RUN_FORMAT, DISTRIBUTED_FORMAT, SEVERAL_OPTIMIZERS_FORMAT):
             if isinstance(fmt, str) and fmt.startswith("nanforensics.run/"):
                 raise BadInput(path, f"format {fmt!r} is newer than this nanforensics reads ({RUN_FORMAT}); upgrade it")
             raise BadInput(path, f"not a nanforensics run manifest (format {fmt!r})")
@@ -88,10 +102,11 @@ class Manifest:
         for name, value, low in (("checkpoint_every", every, 1), ("start_step", start, 0)):
             if not (is_step(value) and value >= low):
                 raise BadInput(path, f"{name} {shown(value)} is not an integer from {low} to 2^63-1")
+        several = fmt == SEVERAL_OPTIMIZERS_FORMAT
         m = cls(model_factory=get("model_factory", str), step_fn=get("step_fn", str),
                 model_kwargs=get("model_kwargs", dict, optional=True) or {},
-                optimizer_class=get("optimizer.class", str),
-                optimizer_factory=get("optimizer.factory", str, optional=True), checkpoint_every=every,
+                optimizer_class=None if several else get("optimizer.class", str),
+                optimizer_factory=None if several else get("optimizer.factory", str, optional=True), checkpoint_every=every,
                 start_step=start, num_threads=threads, raw=raw,
                 scaler_enabled=get("scaler.enabled", bool) if raw.get("scaler") is not None else None,
                 scheduler_factory=get("scheduler.factory", str) if raw.get("scheduler") is not None else None,
@@ -99,19 +114,45 @@ class Manifest:
                 compiled=get("compiled.backend", str) if raw.get("compiled") is not None else None)
         if fmt == DISTRIBUTED_FORMAT:
             m.world = World.read(raw.get("distributed"), path)
+        if several:
+            m.optimizers_given, m.optimizers = _members(path, raw)
+            if why := unsupported(k for k in UNSUPPORTED if raw.get(k) is not None):
+                raise BadInput(path, why)
         return m
 
     def callables(self) -> list[tuple[str, str]]:
         """(field, import string) of every callable the run names, in the order they are imported."""
         named = [("model_factory", self.model_factory), ("step_fn", self.step_fn),
                  ("optimizer.class", self.optimizer_class), ("optimizer.factory", self.optimizer_factory),
+                 *[(f"{MEMBERS}.{i}.{part}", spec) for i, o in enumerate(self.optimizers or ())
+                   for part, spec in (("class", o.optimizer_class), ("factory", o.factory))],
                  ("scheduler.factory", self.scheduler_factory)]
         if self.world is not None and self.world.kind == PIPELINE:  # the loss function the schedule was built with
             named.append(("distributed.wrapping.loss_fn", self.world.wrapping["loss_fn"]))
         return [(f, spec) for f, spec in named if spec is not None]
 
 
-_KINDS = {str: "an import string", dict: "a JSON object", int: "an integer", bool: "true or false"}
+_KINDS = {str: "an import string", dict: "a JSON object", int: "an integer", bool: "true or false", list: "a list"}
+MEMBERS = "optimizers.members"  # the manifest's list of several optimizers
+
+
+def _members(path: Path, raw: dict[str, Any]) -> tuple[str, list[OptimizerMember]]:
+    """A run of several optimizers: how the loop passed them, and each by name, class and factory."""
+    get = partial(_field, path, raw)
+    given = get("optimizers.given", str)
+    if given not in GIVEN:
+        raise BadInput(path, f"optimizers.given {shown(given)} is not one of {', '.join(GIVEN)}")
+    listed = get(MEMBERS, list)
+    if not listed:
+        raise BadInput(path, f"{MEMBERS} is empty")
+    members = [OptimizerMember(get(f"{MEMBERS}.{i}.name", str), get(f"{MEMBERS}.{i}.class", str),
+                               get(f"{MEMBERS}.{i}.factory", str, optional=True)) for i in range(len(listed))]
+    names = [o.name for o in members]
+    expected = names if given == "dict" else [str(i) for i in range(len(names))]
+    if len(set(names)) != len(names) or names != expected or not all(names):
+        raise BadInput(path, f"{MEMBERS} names {shown(names)} are not distinct non-empty names (positions for a "
+                             f"{given})")
+    return given, members
 
 
 def _field(path: Path, raw: dict[str, Any], name: str, kind: type, optional: bool = False) -> Any:
@@ -119,7 +160,10 @@ def _field(path: Path, raw: dict[str, Any], name: str, kind: type, optional: boo
     naming the field."""
     node: Any = raw
     for part in name.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, list):  # a list's entry by its position
+            node = node[int(part)] if part.isdigit() and int(part) < len(node) else None
+        else:
+            node = node.get(part) if isinstance(node, dict) else None
     if node is None:
         if optional:
             return None
@@ -254,11 +298,13 @@ class UserCode:
     model_factory: Callable[..., torch.nn.Module]
     step_fn: Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None
-    optimizer_class: type
+    optimizer_class: type | None
     imported: list[str]
     scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
     step_name: str = ""  # the step function's import string, for its errors
     loaded: None = None  # a run's own checkpoints need no account of how they were loaded
+    # several optimizers: (name, class, factory) each, in the manifest's order; None for a run of one
+    members: list[tuple[str, type, Callable[..., torch.optim.Optimizer] | None]] | None = None
 
     @classmethod
     def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False,
@@ -270,9 +316,11 @@ class UserCode:
                                            forbidden=None if trust_run_dir else run.path, trust_code=trust_code,
                                            trust_packages=trust_packages)
                   for f, spec in run.manifest.callables()}
+        members = [(o.name, loaded[f"{MEMBERS}.{i}.class"], loaded.get(f"{MEMBERS}.{i}.factory"))
+                   for i, o in enumerate(run.manifest.optimizers or ())]
         return cls(loaded["model_factory"], loaded["step_fn"], loaded.get("optimizer.factory"),
-                   loaded["optimizer.class"], [spec for _, spec in run.manifest.callables()],
-                   loaded.get("scheduler.factory"), step_name=run.manifest.step_fn)
+                   loaded.get("optimizer.class"), [spec for _, spec in run.manifest.callables()],
+                   loaded.get("scheduler.factory"), step_name=run.manifest.step_fn, members=members or None)
 
     def build(self, run: Run, checkpoint: Checkpoint, device: torch.device,
               wrap: Callable[[torch.nn.Module], None] | None = None) -> Rebuilt:
@@ -296,25 +344,21 @@ class UserCode:
         # the compiled wrapper, whose parameters are the module's own
         holder = built if built is not model and wrapped_names(n for g in meta["param_groups"] for n in g["params"]) \
             else model
-        if self.optimizer_factory is not None:
-            factory = run.manifest.optimizer_factory
-            try:
-                optimizer = self.optimizer_factory(holder)
-            except Exception as e:
-                raise BadInput(where, f"optimizer.factory {factory} raised {e.__class__.__name__}: {e}") from None
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise BadInput(where, f"optimizer.factory {factory} returned {type(optimizer).__name__}, not a "
-                                      "torch.optim.Optimizer")
+        if self.members is None:
+            optimizer = _optimizer(self.optimizer_class, self.optimizer_factory, holder, meta["param_groups"], run,
+                                   checkpoint, "optimizer", (run.manifest.optimizer_class, run.manifest.optimizer_factory))
         else:
-            named = dict(holder.named_parameters(remove_duplicate=False))
-            missing = [n for g in meta["param_groups"] for n in g["params"] if n not in named]
-            if missing:
-                raise BadInput(checkpoint.path / "meta.json", f"optimizer parameters {missing[:3]} are not in the model")
-            groups = [{**g, "params": [named[n] for n in g["params"]]} for g in meta["param_groups"]]
+            owners = meta.get("group_optimizers") or []
+            recorded = run.manifest.optimizers or []
+            members = {name: _optimizer(
+                kind, factory, holder, [g for g, o in zip(meta["param_groups"], owners) if o == name], run, checkpoint,
+                f"{MEMBERS}.{i}", (recorded[i].optimizer_class, recorded[i].factory))
+                for i, (name, kind, factory) in enumerate(self.members)}
+            checkpoint.check_owners(meta, [name for name, o in members.items() for _ in o.param_groups])
             try:
-                optimizer = self.optimizer_class(groups)
-            except Exception as e:
-                raise BadInput(where, f"cannot rebuild optimizer {run.manifest.optimizer_class}: {e}") from None
+                optimizer = OptimizerSet(members, run.manifest.optimizers_given or "list")
+            except (TypeError, ValueError) as e:  # the factories built optimizers sharing a parameter
+                raise BadInput(where, str(e)) from None
         scheduler = None
         if self.scheduler_factory is not None:  # before the state is loaded: building a scheduler sets the groups' lr
             try:
@@ -329,3 +373,28 @@ class UserCode:
         scaler = torch.amp.GradScaler(device.type, enabled=enabled) if enabled is not None else None
         checkpoint.load_into(holder, optimizer, scaler=scaler, scheduler=scheduler)
         return Rebuilt(model, optimizer, scaler, scheduler, meta)
+
+
+def _optimizer(kind: Any, factory: Callable[..., torch.optim.Optimizer] | None, holder: torch.nn.Module,
+               groups: list[dict[str, Any]], run: Run, checkpoint: Checkpoint, field: str,
+               specs: tuple[str | None, str | None]) -> torch.optim.Optimizer:
+    """One optimizer of the run, built by its factory over ``holder``, else its class over the checkpoint's groups
+    (``field``: the manifest's, ``specs`` its class's and factory's import strings, named by its errors)."""
+    where = run.path / MANIFEST
+    if factory is not None:
+        try:
+            optimizer = factory(holder)
+        except Exception as e:
+            raise BadInput(where, f"{field}.factory {specs[1]} raised {e.__class__.__name__}: {e}") from None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise BadInput(where, f"{field}.factory {specs[1]} returned {type(optimizer).__name__}, not a "
+                                  "torch.optim.Optimizer")
+        return optimizer
+    named = dict(holder.named_parameters(remove_duplicate=False))
+    missing = [n for g in groups for n in g["params"] if n not in named]
+    if missing:
+        raise BadInput(checkpoint.path / "meta.json", f"optimizer parameters {missing[:3]} are not in the model")
+    try:
+        return kind([{**g, "params": [named[n] for n in g["params"]]} for g in groups])
+    except Exception as e:
+        raise BadInput(where, f"cannot rebuild {field} {specs[0]}: {e}") from None

@@ -1,0 +1,206 @@
+"""Several optimizers in one training step (a GAN's generator and discriminator, each stepping its own parameters of
+one model), seen by recording and replay as one optimizer.
+
+An ``OptimizerSet`` is an ``Optimizer`` whose parameter groups are its members' groups in order, whose state is theirs,
+and whose state dict numbers every member's parameters one after the other (torch's own layout, as one optimizer
+over all the groups would): the checkpoint writer and reader, the monitor's hooks, snapshots and the operation trace
+work on it unchanged. The step function is given the members as the loop gave them to the ``Recorder`` (``given``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+GIVEN = ("list", "tuple", "dict")  # the container the loop passed, and the step function gets again
+
+# What a run of several optimizers may not be recorded with (README, "Several optimizers"): refused when the Recorder
+# is built and when a manifest that names them is read, before anything runs.
+UNSUPPORTED = ("scaler", "scheduler", "guard", "distributed")
+
+
+class _Handles:
+    """One removable handle for a hook registered on every member."""
+
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class OptimizerSet(torch.optim.Optimizer):
+    """Named optimizers over disjoint parameters, one optimizer to everything that inspects the run's state.
+
+    ``torch.optim.Optimizer.__init__`` is not called: the groups and state live in the members, read through. The set
+    itself is never stepped: the step function steps each member, and the hooks registered here run on each."""
+
+    def __init__(self, members: Mapping[str, torch.optim.Optimizer], given: str) -> None:
+        if given not in GIVEN:
+            raise ValueError(f"given must be one of {GIVEN}, not {given!r}")
+        self.members, self.given, self.defaults = dict(members), given, {}
+        seen: dict[torch.Tensor, str] = {}
+        for name, opt in self.members.items():
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"optimizer {name} is a {type(opt).__name__}, not a torch.optim.Optimizer")
+            for p in optimizer_params(opt):
+                if p in seen:
+                    raise ValueError(f"a parameter is stepped by optimizers {seen[p]} and {name}: each parameter must "
+                                     "belong to one optimizer")
+                seen[p] = name
+        self.owners = seen  # parameter -> the name of the optimizer stepping it
+
+    def as_given(self) -> Any:
+        """The members as the training loop passed them: what the step function receives."""
+        if self.given == "dict":
+            return dict(self.members)
+        values = list(self.members.values())
+        return tuple(values) if self.given == "tuple" else values
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [g for opt in self.members.values() for g in opt.param_groups]
+
+    @property
+    def state(self) -> "_States":  # type: ignore[override]
+        """Every member's state, read through (not copied: the monitor looks each parameter up)."""
+        return _States(self)
+
+    def group_owners(self) -> list[str]:
+        """The name of the member each of ``param_groups`` belongs to (checkpoints' ``group_optimizers``)."""
+        return [name for name, opt in self.members.items() for _ in opt.param_groups]
+
+    def accounts(self, said: list[tuple[torch.optim.Optimizer, str | None]]) -> str | None:
+        """What was done at each member's ``step()`` (a what-if's detail), each under the member's name."""
+        names = {id(o): n for n, o in self.members.items()}
+        return "; ".join(f"optimizer {names[id(o)]}: {text}" for o, text in said if text) or None
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for opt in self.members.values():
+            sd = opt.state_dict()
+            state.update({offset + i: s for i, s in sd["state"].items()})
+            groups += [{**g, "params": [offset + i for i in g["params"]]} for g in sd["param_groups"]]
+            offset += len(optimizer_params(opt))
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the state holds {len(groups)} parameter groups, the optimizers {len(self.param_groups)}")
+        start = 0
+        for opt in self.members.values():
+            own = groups[start:start + len(opt.param_groups)]
+            start += len(opt.param_groups)
+            local = {i: n for n, i in enumerate(i for g in own for i in g["params"])}
+            opt.load_state_dict({"state": {local[i]: s for i, s in state_dict["state"].items() if i in local},
+                                 "param_groups": [{**g, "params": [local[i] for i in g["params"]]} for g in own]})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.members.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:  # type: ignore[override]
+        """On every member: the hook runs before each member's ``step()``, given that member."""
+        return _Handles([opt.register_step_pre_hook(hook) for opt in self.members.values()])
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:  # type: ignore[override]
+        return _Handles([opt.register_step_post_hook(hook) for opt in self.members.values()])
+
+
+class _States(Mapping[torch.Tensor, Any]):
+    """A set's state by parameter: each looked up in the member that steps it, as in that member's own ``state``
+    (indexing a parameter without state yet gives it an empty one there, as torch does; ``get`` adds nothing)."""
+
+    def __init__(self, optimizers: OptimizerSet) -> None:
+        self.optimizers = optimizers
+
+    def _own(self, p: Any) -> Any:
+        owner = self.optimizers.owners.get(p) if isinstance(p, torch.Tensor) else None
+        return self.optimizers.members[owner].state if owner is not None else None
+
+    def __getitem__(self, p: torch.Tensor) -> Any:
+        own = self._own(p)
+        if own is None:
+            raise KeyError(p)
+        return own[p]
+
+    def get(self, p: torch.Tensor, default: Any = None) -> Any:
+        own = self._own(p)
+        return own.get(p, default) if own is not None else default
+
+    def __contains__(self, p: object) -> bool:
+        own = self._own(p)
+        return own is not None and p in own
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for opt in self.optimizers.members.values() for p in opt.state)
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self.optimizers.members.values())
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter the optimizer steps, in its order (the indices of its state dict)."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def optimizer_set(optimizer: Any) -> torch.optim.Optimizer:
+    """What the ``Recorder`` was given as its optimizer: one ``Optimizer`` as it is; a list or tuple of them (named
+    by index, ``"0"``, ``"1"``) or a dict of them by name as an ``OptimizerSet``."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if isinstance(optimizer, Mapping):
+        if not optimizer or not all(isinstance(k, str) and k for k in optimizer):
+            raise TypeError("a dict of optimizers needs at least one, each under a non-empty string name")
+        return OptimizerSet(optimizer, "dict")
+    if isinstance(optimizer, (list, tuple)) and optimizer:
+        return OptimizerSet({str(i): o for i, o in enumerate(optimizer)}, "tuple" if isinstance(optimizer, tuple)
+                            else "list")
+    what = f"an empty {type(optimizer).__name__}" if isinstance(optimizer, (list, tuple)) else type(optimizer).__name__
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer, or a list, tuple or dict of them, not {what}")
+
+
+def members_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers whose ``step()`` the step function calls: a set's members, else the optimizer itself."""
+    return list(optimizer.members.values()) if isinstance(optimizer, OptimizerSet) else [optimizer]
+
+
+def as_given(optimizer: torch.optim.Optimizer) -> Any:
+    """What the step function is called with: a set's members as the loop passed them, else the optimizer."""
+    return optimizer.as_given() if isinstance(optimizer, OptimizerSet) else optimizer
+
+
+def owners(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, str]:
+    """Each parameter's optimizer by name, for a set (a report names which one); empty for one optimizer."""
+    return optimizer.owners if isinstance(optimizer, OptimizerSet) else {}
+
+
+def group_owners(optimizer: torch.optim.Optimizer) -> list[str] | None:
+    """meta.json's ``group_optimizers``: None for one optimizer (the key is then absent)."""
+    return optimizer.group_owners() if isinstance(optimizer, OptimizerSet) else None
+
+
+def matched(factories: Any, names: Sequence[str], given: str) -> list[Any]:
+    """The factories the ``Recorder`` got for a set, one per member in its order: None, or the same container
+    shape as the optimizers (a list of the same length, a dict with the same names)."""
+    if factories is None:
+        return [None] * len(names)
+    if given == "dict" and isinstance(factories, Mapping) and set(factories) == set(names):
+        return [factories[n] for n in names]
+    if given != "dict" and isinstance(factories, (list, tuple)) and len(factories) == len(names):
+        return list(factories)
+    raise TypeError("optimizer_factory for several optimizers must be None or shaped like optimizer= (a list of as "
+                    "many, or a dict with the same names)")
+
+
+def unsupported(features: Iterable[str]) -> str | None:
+    """Why a run of several optimizers cannot have ``features`` (the first of them ``UNSUPPORTED`` holds); None when
+    it can. The one statement of the limit, for the recorder's error and the reader's."""
+    refused = [f for f in features if f in UNSUPPORTED]
+    return f"{refused[0]} is not supported with several optimizers (README, Several optimizers)" if refused else None

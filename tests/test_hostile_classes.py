@@ -1,0 +1,76 @@
+"""Classes of hostile artifacts closed by construction (issue 32), each by a generator of its members, with the side
+that must keep working beside the side refused: run directories around the one examined, the working directory of
+``python -m nanforensics``, pickles nested deep or referenced many times, structures of attacker-chosen size, text
+that the output's encoding cannot hold or that runs to megabytes, memory a file claims, options and messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nanforensics.errors import BadInput
+from nanforensics.runs.imports import load_callable
+
+from conftest import ROOT, assert_one_line_error, run_cli
+
+SOME = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                       HealthCheck.too_slow])
+
+# ---- 1. every run directory on the way up is the run's, not the user's ------------------------------------------
+
+
+@SOME
+@given(manifests=st.lists(st.booleans(), min_size=1, max_size=4), level=st.integers(0, 4), n=st.integers(0, 10**9))
+def test_code_in_any_run_directory_around_the_examined_one_is_refused(tmp_path_factory, manifests, level, n):
+    """The examined folder lies ``len(manifests)`` folders below the project (the working directory); the folder
+    ``i`` levels up holds a run manifest where ``manifests[i - 1]``. A script at ``level`` levels up is refused exactly
+    when a folder at or above its own, below the project, holds a manifest (or it lies in the examined folder itself),
+    and is never run; else it is the project's own code and admitted."""
+    level = min(level, len(manifests))
+    project = tmp_path_factory.mktemp("project")
+    folders = [project]
+    for i in range(len(manifests)):
+        folders.insert(0, folders[0] / f"d{i}")
+    folders[0].mkdir(parents=True)
+    examined = folders[0]  # folders[i]: i levels above the examined folder; folders[-1] the project
+    for i, has in enumerate(manifests, start=1):
+        if has:
+            (folders[i] / "manifest.json").write_text("{}")
+    marker = project / f"ran{n}"
+    script = folders[level] / f"evil{n}.py"
+    script.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef build(**kwargs):\n    return 0\n")
+    refused = level == 0 or any(manifests[level - 1:])
+    before = os.getcwd()
+    os.chdir(project)
+    try:
+        spec = f"{script.relative_to(project)}:build"
+        if refused:
+            with pytest.raises(BadInput, match="lies inside the run directory"):
+                load_callable("model_factory", spec, where=examined / "manifest.json", forbidden=examined)
+            assert not marker.exists(), "code from a run directory ran"
+        else:
+            assert load_callable("model_factory", spec, where=examined / "manifest.json", forbidden=examined)() == 0
+    finally:
+        os.chdir(before)
+
+
+def test_an_incident_inside_a_run_cannot_name_the_runs_code_through_the_command_line(tmp_path):
+    """The reported case: a replayed folder inside another run (``RUN/incidents/step_N``) names a file of that run,
+    which lies under the working directory."""
+    outer = tmp_path / "runs" / "exp1"
+    inner = outer / "incidents" / "step_5"
+    shutil.copytree(ROOT / "sample_runs" / "seed_adam", inner)
+    (outer / "manifest.json").write_text((inner / "manifest.json").read_text())
+    marker = tmp_path / "payload-ran"
+    (outer / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                   "from regressor import build_model as build\n")
+    data = json.loads((inner / "manifest.json").read_text())
+    (inner / "manifest.json").write_text(json.dumps({**data, "model_factory": "runs/exp1/evil.py:build"}))
+    result = run_cli("replay", inner, "--no-explain", "--code-path", ROOT / "sample_runs" / "code", cwd=tmp_path)
+    assert_one_line_error(result, "manifest.json", "lies inside the run directory", str(outer.resolve()))
+    assert not marker.exists(), "the enclosing run's code ran"

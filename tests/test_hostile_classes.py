@@ -74,3 +74,36 @@ def test_an_incident_inside_a_run_cannot_name_the_runs_code_through_the_command_
     result = run_cli("replay", inner, "--no-explain", "--code-path", ROOT / "sample_runs" / "code", cwd=tmp_path)
     assert_one_line_error(result, "manifest.json", "lies inside the run directory", str(outer.resolve()))
     assert not marker.exists(), "the enclosing run's code ran"
+
+
+# ---- 2. python -m nanforensics imports nothing from the working directory ----------------------------------------
+
+
+def test_python_m_imports_nothing_from_the_working_directory_but_the_code_the_policy_admits(tmp_path):
+    """The class: every module name the interpreter, the package or a library it loads might import (the whole
+    standard library, every top-level module of the platform, sympy's optional ``gmpy2``), left as a file in the
+    working directory that ``python -m nanforensics`` (torchrun's workers start so) runs in. None is imported, from
+    the first import on (the package's own ``__init__`` runs before its ``__main__``), and no bytecode is written there;
+    the other side: the project's own code in that folder, which the manifest names, is imported and replayed."""
+    import subprocess
+    import sys
+
+    from nanforensics.runs.imports import platform
+
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "sample_runs" / "code", project / "sample_runs" / "code")
+    names = {n for n in {*sys.stdlib_module_names, *platform(), "gmpy2", "flint"} if n.isidentifier()}
+    names -= {"__main__", "sample_runs", "nanforensics"}  # -m finds the package itself in the working directory first
+    for name in names:
+        (project / f"{name}.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'a').write({name!r} + ' ')\n"
+                                            "raise ImportError('a module of the working directory')\n")
+    before = sorted(p.name for p in project.iterdir())
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONPYCACHEPREFIX", "PYTHONSAFEPATH")}
+    out = subprocess.run([sys.executable, "-m", "nanforensics", "replay", str(ROOT / "sample_runs" / "seed_adam"),
+                          "--no-explain", "--json", str(tmp_path / "r.json")], cwd=project, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert not (tmp_path / "imported").exists(), (tmp_path / "imported").read_text()
+    assert out.returncode == 1, out.stderr  # found and attributed: the project's model and step function ran
+    assert json.loads((tmp_path / "r.json").read_text())["verdict"] == "nonfinite"
+    assert sorted(p.name for p in project.iterdir()) == before  # no __pycache__
+    assert not list((project / "sample_runs").rglob("__pycache__"))

@@ -42,6 +42,7 @@ MAX_NESTING = 100  # no file this tool reads nests deeper; past it, recursive re
 MAX_JSON_OBJECTS = 1_000_000  # objects in one JSON document (a long run's report holds some thousands)
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header: the format's own limit
 MAX_TENSORS = 100_000  # tensors in one file (a safetensors header, a PyTorch pickle, a DCP checkpoint)
+MAX_PICKLE_OBJECTS = 10_000_000  # objects a pickle stands for, every shared (memo) reference followed
 MAX_EXPANDED_BYTES = 64 << 20  # how far a view (a stride of 0) may claim more bytes than its storage holds
 MAX_STRIDE = (1 << 63) - 1  # a shape whose contiguous strides (in bytes) pass int64 cannot be laid out
 

@@ -11,14 +11,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from nanforensics.errors import BadInput
 from nanforensics.runs.imports import load_callable
 
 from conftest import ROOT, assert_one_line_error, run_cli
 
-SOME = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+SOME = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                        HealthCheck.too_slow])
 
 # ---- 1. every run directory on the way up is the run's, not the user's ------------------------------------------
@@ -107,3 +107,106 @@ def test_python_m_imports_nothing_from_the_working_directory_but_the_code_the_po
     assert json.loads((tmp_path / "r.json").read_text())["verdict"] == "nonfinite"
     assert sorted(p.name for p in project.iterdir()) == before  # no __pycache__
     assert not list((project / "sample_runs").rglob("__pycache__"))
+
+
+# ---- 3. every pickle is checked for depth and size on its opcode stream, before any unpickler runs ----------------
+
+def _nested_stream(kind: str, depth: int) -> bytes:
+    """A protocol-2 pickle of one container nested ``depth`` deep, written op by op (the pickler itself would
+    recurse): the stream a hostile file holds."""
+    if kind == "tuple1":
+        body = b")" + b"\x85" * depth
+    elif kind == "tuple_mark":
+        body = b"(" * depth + b")" + b"t" * depth
+    elif kind == "list_append":
+        body = b"]" * (depth + 1) + b"a" * depth
+    elif kind == "list_appends":
+        body = b"]" + b"](" * depth + b"e" * depth
+    elif kind == "dict_setitem":
+        body = b"}K\x01" * depth + b"}" + b"s" * depth
+    else:  # "reduce": OrderedDict(((1, <inner>),)) all the way down, the class memoized once
+        body = b"ccollections\nOrderedDict\nq\x00K\x01" + b"h\x00K\x01" * (depth - 1) + b"}" + b"\x86\x85\x85R" * depth
+    return b"\x80\x02" + body + b"."
+
+
+def _zip_of(tmp: Path, stream: bytes) -> Path:
+    """A torch.save zip file whose ``data.pkl`` is ``stream``."""
+    import io
+    import zipfile
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(0, buffer)
+    path = tmp / "model.pt"
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, stream if info.filename.endswith("data.pkl") else src.read(info))
+    return path
+
+
+KINDS = st.sampled_from(["tuple1", "tuple_mark", "list_append", "list_appends", "dict_setitem", "reduce"])
+
+
+@SOME
+@given(kind=KINDS, depth=st.integers(100, 3000))  # depth + 1 containers, the innermost empty
+@example(kind="tuple1", depth=300_000)  # the reported file: a segmentation fault
+def test_a_pickle_nested_too_deep_is_refused_before_any_unpickler_runs(tmp_path_factory, kind, depth):
+    """A container nested past the limit, as a torch zip file, a legacy ``.pth`` of the bare stream and a DCP
+    ``.metadata``: one error naming the file, never a crash."""
+    from nanforensics.formats import dcp, torch_file
+
+    tmp = tmp_path_factory.mktemp("deep")
+    stream = _nested_stream(kind, depth)
+    (tmp / "legacy.pth").write_bytes(stream)
+    (tmp / ".metadata").write_bytes(stream)
+    for path, read in ((_zip_of(tmp, stream), torch_file.load), (tmp / "legacy.pth", torch_file.load),
+                       (tmp / ".metadata", dcp.Layout)):
+        with pytest.raises(BadInput, match="nests more than 100 deep: refused before unpickling") as refused:
+            read(path)
+        assert refused.value.where == str(path)
+
+
+@SOME
+@given(kind=KINDS, depth=st.integers(1, 60))
+def test_a_pickle_nested_within_the_limit_is_read(tmp_path_factory, kind, depth):
+    """The other side: the same containers within the limit are unpickled as they are (weights-only). The walk
+    counts the values of the stream, argument tuples included: each level of ``reduce`` holds a tuple of pairs."""
+    import pickle
+
+    from nanforensics.formats import torch_file
+
+    depth = depth // 2 if kind == "reduce" else depth
+    stream = _nested_stream(kind, depth)
+    expected = pickle.loads(stream)
+    obj, _ = torch_file.load(_zip_of(tmp_path_factory.mktemp("shallow"), stream))
+    assert obj == expected
+
+
+@pytest.mark.parametrize("refs", [1_000, 1_000_000])
+def test_a_container_referenced_many_times_is_bounded_by_what_it_expands_to(tmp_path, refs):
+    """One param group memo-referenced ``refs`` times: a thousand groups are a checkpoint, a million are refused
+    before unpickling (processed, they took more than 2 GiB)."""
+    import pickle
+
+    from nanforensics.formats import torch_file
+
+    group = {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": [0]}
+    stream = pickle.dumps({"state": {}, "param_groups": [group] * refs}, protocol=2)
+    path = _zip_of(tmp_path, stream)
+    if refs > 1_000:
+        with pytest.raises(BadInput, match="more than 10000000 objects once its shared references are followed"):
+            torch_file.load(path)
+    else:
+        obj, _ = torch_file.load(path)
+        assert len(obj["param_groups"]) == refs
+
+
+@pytest.mark.parametrize("stream", [b"\x80\x02]q\x00(h\x00h\x00e.",  # a list holding itself twice
+                                    b"\x80\x02](]q\x00h\x00h\x00eh\x00K\x01a0."])  # filled after two references
+def test_a_container_changed_after_it_was_referenced_is_refused(tmp_path, stream):
+    """What a count taken at each reference would miss: a list referenced a million times while empty, then filled."""
+    from nanforensics.formats import torch_file
+
+    with pytest.raises(BadInput, match="changes a container after referring to it"):
+        torch_file.load(_zip_of(tmp_path, stream))

@@ -25,6 +25,7 @@ import torch
 from ..errors import BadInput
 from ..inputs import check_tensors, open_input, shape_problem
 from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS, Entry, TensorInfo, group_of_key
+from .pickles import check_pickle, check_torch_file
 
 METADATA = ".metadata"
 _LAYOUT_MODULE = "torch.distributed.checkpoint.metadata"
@@ -73,7 +74,11 @@ class Layout:
         self.folder = metadata.parent
         try:
             with open_input(metadata) as f:
+                check_pickle(f, os.fstat(f.fileno()).st_size, metadata)  # before the unpickler runs
+                f.seek(0)
                 md = _LayoutUnpickler(f).load()
+        except BadInput:
+            raise
         except OSError as e:
             raise BadInput(metadata, f"cannot read ({e.strerror or e})") from None
         except pickle.UnpicklingError as e:
@@ -265,6 +270,7 @@ class _Blob:
 
 
 def _load(f: io.BufferedReader, file: Path, fqn: str) -> Any:
+    check_torch_file(f, file)
     try:
         value = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

@@ -121,7 +121,7 @@ def _nested_stream(kind: str, depth: int) -> bytes:
     elif kind == "list_append":
         body = b"]" * (depth + 1) + b"a" * depth
     elif kind == "list_appends":
-        body = b"]" + b"](" * depth + b"e" * depth
+        body = b"](" * depth + b"]" + b"e" * depth
     elif kind == "dict_setitem":
         body = b"}K\x01" * depth + b"}" + b"s" * depth
     else:  # "reduce": OrderedDict(((1, <inner>),)) all the way down, the class memoized once
@@ -210,3 +210,90 @@ def test_a_container_changed_after_it_was_referenced_is_refused(tmp_path, stream
 
     with pytest.raises(BadInput, match="changes a container after referring to it"):
         torch_file.load(_zip_of(tmp_path, stream))
+
+
+# ---- 4. structures read from a file are processed in time linear in their size -----------------------------------
+
+
+def _dcp_metadata(folder: Path, size: tuple[int, int], boxes: list[tuple[tuple[int, int], tuple[int, int]]],
+                  paths: dict[str, object] | None = None) -> Path:
+    """A DCP ``.metadata`` laying the float32 tensor ``w`` of ``size`` out as ``boxes`` (offsets, sizes), each chunk's
+    blob as large as its bytes; ``paths``: the planner's paths in the saved state dict."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
+    storage = {MetadataIndex("w", torch.Size(o)): _StorageInfo("__0_0.distcp", 0, 4 * s[0] * s[1]) for o, s in boxes}
+    md = Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), chunks)},
+                  storage_data=storage, planner_data=paths)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    return folder / ".metadata"
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 20), cols=st.integers(1, 20), flaw=st.sampled_from([None, "duplicate", "shifted"]))
+@example(rows=200, cols=100, flaw=None)  # the reported size: 20,000 chunks (the pairwise check ran past a minute)
+def test_chunks_of_a_dcp_tensor_are_checked_by_sort_and_sweep(tmp_path_factory, rows, cols, flaw):
+    """A grid of ``rows`` x ``cols`` chunks tiles the tensor and is read; one chunk given twice, or one shifted onto
+    its neighbour, is an overlap, named."""
+    from nanforensics.formats import dcp
+
+    boxes = [((2 * i, 3 * j), (2, 3)) for i in range(rows) for j in range(cols)]
+    if flaw == "duplicate":
+        boxes.append(boxes[len(boxes) // 2])
+    elif flaw == "shifted" and len(boxes) > 1:
+        (r, c), s = boxes[-1]
+        boxes[-1] = ((r, max(0, c - 1)) if cols > 1 else (r - 1, c), s)
+    else:
+        flaw = None
+    metadata = _dcp_metadata(tmp_path_factory.mktemp("dcp"), (2 * rows, 3 * cols), boxes)
+    if flaw is None:
+        [tensor] = dcp.Layout(metadata).tensors
+        assert len(tensor.chunks) == rows * cols
+    else:
+        with pytest.raises(BadInput, match="overlap"):
+            dcp.Layout(metadata)
+
+
+def _group_by_prefixes(path: tuple[object, ...], paths: list[tuple[object, ...]]) -> bool:
+    """The planner's grouping as it was defined, every prefix built: the reference for small paths."""
+    state = {p[:i] for p in paths for i, k in enumerate(p) if k == "state"}
+    groups = {p[:i] for p in paths for i, k in enumerate(p) if k == "param_groups"}
+    return any(path[:len(p) + 1] == (*p, "state") for p in state & groups)
+
+
+KEYS = st.sampled_from(["state", "param_groups", "model", "opt", 0, 1, "w"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(paths=st.lists(st.lists(KEYS, max_size=6).map(tuple), min_size=1, max_size=6))
+def test_planner_paths_are_walked_as_a_tree_not_as_prefixes(paths):
+    """Whether a tensor's path goes through an optimizer's ``state``: the tree decides as every prefix built did."""
+    from nanforensics.formats.dcp import _PathTree
+
+    tree = _PathTree(paths)
+    assert [tree.in_optimizer_state(p) for p in paths] == [_group_by_prefixes(p, paths) for p in paths]
+
+
+def test_a_planner_path_of_300000_keys_is_read(tmp_path):
+    """The reported size: a path of 300,000 keys (every prefix built ran past a minute); and a path that is no
+    sequence of keys is one error."""
+    from nanforensics.formats import dcp
+
+    long = ("opt", *(["state", "param_groups"] * 150_000), "state", "w")
+    metadata = _dcp_metadata(tmp_path / "long", (2, 3), [((0, 0), (2, 3))], {"w": long, "g": ("opt", "param_groups")})
+    [entry] = dcp.dcp_entries(metadata, None)
+    assert entry.info.group == "optimizer"
+    odd = _dcp_metadata(tmp_path / "odd", (2, 3), [((0, 0), (2, 3))], {"w": 7})
+    with pytest.raises(BadInput, match="planner's path of 'w' is not a sequence"):
+        dcp.Layout(odd)

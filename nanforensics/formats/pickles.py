@@ -3,11 +3,11 @@
 An unpickler builds what the stream says: a tuple nested 300,000 deep (300 KB) is built without complaint, and then
 hashing it, printing it or freeing it recurses until the C stack is gone (a segmentation fault, no error line); one
 container memo-referenced a million times is one object to the unpickler, and a million to whatever walks it (a
-param group so referenced took more than 2 GiB to process). ``check_pickle`` walks the opcodes once
-(``pickletools.genops``: a loop, no recursion), keeping for each value on the unpickler's stack how deep it nests and
-how many objects it stands for once every memo reference is followed, and refuses the file past ``MAX_NESTING`` or
-``MAX_PICKLE_OBJECTS`` (README, Security). Every PyTorch file (the ``.pkl`` records of a zip file, the pickles of a
-legacy one) and DCP's ``.metadata`` pass here first (``formats.torch_file``, ``formats.dcp``).
+param group so referenced took more than 2 GiB to process). ``check_pickle`` walks the opcodes once (one loop over
+the bytes, no recursion, by pickletools' own table of opcodes), keeping for each value on the unpickler's stack how
+deep it nests and how many objects it stands for once every memo reference is followed, and refuses the file past
+``MAX_NESTING`` or ``MAX_PICKLE_OBJECTS`` (README, Security). Every PyTorch file (the ``.pkl`` records of a zip
+file, the pickles of a legacy one) and DCP's ``.metadata`` pass here first (``formats.torch_file``, ``formats.dcp``).
 
 A stream the walk cannot follow (damage, an unknown opcode) is left to the unpickler, which stops at the same place
 and says so in its own words: the walk refuses only what it has proved too deep or too large.
@@ -15,120 +15,161 @@ and says so in its own words: the walk refuses only what it has proved too deep 
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickletools
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from ..errors import BadInput
 from ..inputs import MAX_NESTING, MAX_PICKLE_OBJECTS, MAX_TEXT_BYTES
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_PICKLES = 5  # a legacy torch.save file: magic number, protocol, sys info, the object, its storage keys
-_IN_PLACE = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"})  # change the value below
-_BUILT = frozenset({"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"})  # an object made of its argument tuple's items
-_CONTAINERS = (pickletools.pylist, pickletools.pydict, pickletools.pytuple, pickletools.pyset, pickletools.pyfrozenset)
-_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
-_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
 
 
-@dataclass
 class _Value:
     """One value of the unpickler's stack; the memo holds the same record, so what an in-place op (``SETITEMS``)
     adds to a container counts wherever it is referenced."""
 
-    depth: int  # containers nested in it, itself included
-    objects: int  # objects it stands for, every memo reference followed (capped past the limit)
-    shared: bool = False  # referenced again (GET, DUP): changed after that, a count taken before would be short
+    __slots__ = ("depth", "objects", "shared")
 
-
-def _atom() -> _Value:
-    return _Value(0, 1)
+    def __init__(self, depth: int, objects: int) -> None:
+        self.depth = depth  # containers nested in it, itself included
+        self.objects = objects  # objects it stands for, every memo reference followed (capped past the limit)
+        self.shared = False  # referenced again (GET, DUP): changed after that, a count taken before would be short
 
 
 class _Unfollowable(Exception):
     """The stream is damaged where the walk got to: the unpickler will say so."""
 
 
-class _Bounded:
-    """A stream of ``size`` bytes: a read that claims more than is left is damage, never an allocation of its claim (a
-    string op may claim 2^62 bytes). No ``tell``: genops asks for none then."""
-
-    def __init__(self, f: BinaryIO, size: int) -> None:
-        self._f, self._left = f, size
-
-    def read(self, n: int = -1) -> bytes:
-        if n > self._left:
-            raise _Unfollowable
-        data = self._f.read(self._left if n < 0 else n)
-        self._left -= len(data)
-        return data
-
-    def readline(self, limit: int = -1) -> bytes:
-        data = self._f.readline(self._left)
-        self._left -= len(data)
-        return data
+# What each opcode does, from pickletools' own table: how its argument is laid out, and its effect on the stack.
+_ATOM, _EMPTY, _MARK, _PUT, _GET, _NOTHING, _STOP, _POP, _DUP, _OTHER = range(10)
+_IN_PLACE = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"})  # change the value below
+_BUILT = frozenset({"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST"})  # an object made of its argument tuple's items
+_CONTAINERS = (pickletools.pylist, pickletools.pydict, pickletools.pytuple, pickletools.pyset, pickletools.pyfrozenset)
 
 
-def check_pickle(f: BinaryIO, size: int, where: Path) -> None:
-    """Refuse, naming ``where``, the pickle at ``f``'s position (at most ``size`` bytes) when a value in it nests
-    deeper than ``MAX_NESTING`` or stands for more than ``MAX_PICKLE_OBJECTS`` objects; leaves ``f`` after its STOP."""
+class _Op(NamedTuple):
+    name: str
+    arg: int  # pickletools' ArgumentDescriptor.n: a fixed size, or how the size is given (negative)
+    lines: int  # text arguments: how many lines
+    effect: int
+    below: int  # values popped below the mark (or all popped, where no mark)
+    mark: bool
+    after: int
+    container: bool
+
+
+def _op(op: pickletools.OpcodeInfo) -> _Op:
+    before, after = op.stack_before, op.stack_after
+    mark = pickletools.markobject in before
+    below = before.index(pickletools.markobject) if mark else len(before)
+    effect = {"MARK": _MARK, "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT, "MEMOIZE": _PUT, "GET": _GET,
+              "BINGET": _GET, "LONG_BINGET": _GET, "STOP": _STOP, "POP": _POP, "DUP": _DUP}.get(op.name, _OTHER)
+    if effect == _OTHER and not before:
+        effect = _NOTHING if not after else _EMPTY if after[0] in _CONTAINERS else _ATOM
+    lines = 2 if op.arg is not None and op.arg.name.endswith("_pair") else 1
+    return _Op(op.name, op.arg.n if op.arg is not None else 0, lines, effect, below, mark, len(after),
+               bool(after) and after[0] in _CONTAINERS)
+
+
+_WIDTHS = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
+           pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}  # bytes of a length
+_OPS: list[_Op | None] = [None] * 256
+for _info in pickletools.opcodes:
+    _OPS[ord(_info.code)] = _op(_info)
+
+
+def check_pickle(data: bytes | mmap.mmap, start: int, where: Path) -> int:
+    """Refuse, naming ``where``, the pickle at ``data[start:]`` when a value in it nests deeper than ``MAX_NESTING``
+    or stands for more than ``MAX_PICKLE_OBJECTS`` objects; the offset after its STOP (``start`` when the walk cannot
+    follow it: damage is the unpickler's to say)."""
     try:
-        _walk(_Bounded(f, size), where)
-    except _Unfollowable:
-        return
+        return _walk(data, start, where)
+    except (_Unfollowable, IndexError, ValueError):
+        return start
 
 
-def _walk(stream: _Bounded, where: Path) -> None:
+def _walk(data: bytes | mmap.mmap, i: int, where: Path) -> int:
     stack: list[_Value] = []
     marks: list[int] = []
-    memo: dict[object, _Value] = {}
-    try:
-        for op, arg, _ in pickletools.genops(stream):
-            name = op.name
-            if name == "MARK":
-                marks.append(len(stack))
-                continue
-            if name in _PUT:
-                if not stack:
+    memo: dict[int, _Value] = {}
+    end = len(data)
+    while True:
+        op = _OPS[data[i]]
+        if op is None:
+            raise _Unfollowable
+        i += 1
+        arg, n = i, op.arg
+        if n > 0:
+            i += n
+        elif n == pickletools.UP_TO_NEWLINE:
+            for _ in range(op.lines):
+                i = data.find(b"\n", i) + 1
+                if i == 0:
                     raise _Unfollowable
-                memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
-                continue
-            if name in _GET:
-                stack.append(memo.get(arg) or _atom())
-                stack[-1].shared = True
-            elif name == "DUP":
-                stack.append(stack[-1] if stack else _atom())
-                stack[-1].shared = True
-            else:
-                _apply(op, stack, marks, where)
-            top = stack[-1] if stack else _atom()
+        elif n < 0:
+            width = _WIDTHS[n]
+            size = int.from_bytes(data[i:i + width], "little", signed=n == pickletools.TAKEN_FROM_ARGUMENT4)
+            if size < 0:
+                raise _Unfollowable
+            i += width + size
+        if i > end:
+            raise _Unfollowable
+        effect = op.effect
+        if effect == _ATOM:
+            stack.append(_Value(0, 1))
+            continue
+        if effect == _EMPTY:
+            stack.append(_Value(1, 1))
+        elif effect == _MARK:
+            marks.append(len(stack))
+            continue
+        elif effect == _PUT:
+            memo[len(memo) if op.name == "MEMOIZE" else _key(data[arg:i], n)] = stack[-1]
+            continue
+        elif effect == _GET:
+            stack.append(memo.get(_key(data[arg:i], n)) or _Value(0, 1))
+            stack[-1].shared = True
+        elif effect == _DUP:
+            stack.append(stack[-1])
+            stack[-1].shared = True
+        elif effect == _STOP:
+            return i
+        elif effect == _POP:
+            stack.pop()
+            continue
+        elif effect == _OTHER:
+            _apply(op, stack, marks, where)
+        else:
+            continue
+        if stack:
+            top = stack[-1]
             if top.depth > MAX_NESTING:
                 raise BadInput(where, f"its pickle nests more than {MAX_NESTING} deep: refused before unpickling")
             if top.objects > MAX_PICKLE_OBJECTS:
                 raise BadInput(where, f"its pickle stands for more than {MAX_PICKLE_OBJECTS} objects once its shared "
                                       "references are followed: refused before unpickling")
-    except (ValueError, IndexError):  # an unknown opcode, a truncated argument, a stack the stream empties
-        raise _Unfollowable from None
 
 
-def _apply(op: pickletools.OpcodeInfo, stack: list[_Value], marks: list[int], where: Path) -> None:
+def _key(arg: bytes, n: int) -> int:
+    """A memo index: text (``GET``), or a little-endian integer (``BINGET``, ``LONG_BINGET``)."""
+    return int(arg) if n == pickletools.UP_TO_NEWLINE else int.from_bytes(arg, "little")
+
+
+def _apply(op: _Op, stack: list[_Value], marks: list[int], where: Path) -> None:
     """The stack effect of ``op`` on what its values nest and stand for."""
-    before = op.stack_before
     popped: list[_Value] = []
-    if pickletools.markobject in before:
+    if op.mark:
         mark = marks.pop()
         popped, stack[mark:] = stack[mark:], []
-        below = before.index(pickletools.markobject)
-    else:
-        below = len(before)
-    if below > len(stack):
+    if op.below > len(stack):
         raise _Unfollowable
-    base = stack[len(stack) - below:] if below else []
-    del stack[len(stack) - below:]
-    children = base + popped
+    children = (stack[len(stack) - op.below:] if op.below else []) + popped
+    del stack[len(stack) - op.below:]
     if op.name in _IN_PLACE:
         container, others = children[0], children[1:]
         if container.shared:  # the pickler fills a container before it refers to it; a cycle, or a hostile stream
@@ -138,11 +179,10 @@ def _apply(op: pickletools.OpcodeInfo, stack: list[_Value], marks: list[int], wh
         container.objects = min(MAX_PICKLE_OBJECTS + 1, container.objects + sum(c.objects for c in others))
         stack.append(container)
         return
-    for kind in op.stack_after:
-        # a container is a level, empty too; an object built from an argument tuple holds its items, one level less
-        depth = max((c.depth for c in children), default=0) + (op.name not in _BUILT and (bool(children) or
-                                                                                          kind in _CONTAINERS))
-        stack.append(_Value(depth, min(MAX_PICKLE_OBJECTS + 1, 1 + sum(c.objects for c in children))))
+    # a container is a level, empty too; an object built from an argument tuple holds its items, one level less
+    depth = max((c.depth for c in children), default=0) + (op.name not in _BUILT and (bool(children) or op.container))
+    objects = min(MAX_PICKLE_OBJECTS + 1, 1 + sum(c.objects for c in children))
+    stack.extend(_Value(depth, objects) for _ in range(op.after))
 
 
 def check_torch_file(f: BinaryIO, where: Path) -> None:
@@ -154,13 +194,23 @@ def check_torch_file(f: BinaryIO, where: Path) -> None:
     if f.read(4) == _ZIP_MAGIC:
         f.seek(start)
         _check_zip(f, where)
-    else:
+    elif end > start:
         f.seek(start)
-        for _ in range(_LEGACY_PICKLES):
-            before = f.tell()
-            check_pickle(f, end - before, where)
-            if f.tell() == before:
-                break
+        try:  # a file on disk is mapped, not read: its pickles lead, its tensors' bytes follow
+            data: bytes | mmap.mmap = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if start == 0 else b""
+        except (OSError, ValueError):
+            data = b""
+        data = data or f.read(min(end - start, MAX_TEXT_BYTES))  # a window on a blob: read, at most so much
+        try:
+            at = 0
+            for _ in range(_LEGACY_PICKLES):
+                following = check_pickle(data, at, where)
+                if following == at:
+                    break
+                at = following
+        finally:
+            if isinstance(data, mmap.mmap):
+                data.close()
     f.seek(start)
 
 
@@ -176,7 +226,7 @@ def _check_zip(f: BinaryIO, where: Path) -> None:
                 raise BadInput(where, f"its pickle {info.filename} claims {info.file_size} bytes, more than the "
                                       f"{MAX_TEXT_BYTES} this nanforensics reads of one")
             try:
-                with archive.open(info) as record:
-                    check_pickle(record, info.file_size, where)  # type: ignore[arg-type]
+                data = archive.read(info)
             except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
                 return
+            check_pickle(data, 0, where)

@@ -297,3 +297,41 @@ def test_a_planner_path_of_300000_keys_is_read(tmp_path):
     odd = _dcp_metadata(tmp_path / "odd", (2, 3), [((0, 0), (2, 3))], {"w": 7})
     with pytest.raises(BadInput, match="planner's path of 'w' is not a sequence"):
         dcp.Layout(odd)
+
+
+# ---- 7. every option is used or refused; every error names what the user gave -----------------------------------
+
+REPLAY_ONLY = [("--code-path", "{code}"), ("--trust-run-dir",), ("--trust-package", "torch"), ("--trust-code",),
+               ("--device", "cpu"), ("--max-steps", "5")]
+
+
+@pytest.mark.parametrize("option", REPLAY_ONLY, ids=lambda o: o[0])
+def test_bisect_refuses_a_replay_option_without_a_replay(option):
+    """An option of the replay given to a bisection that replays nothing was accepted and ignored."""
+    args = [a.format(code=ROOT / "sample_runs" / "code") for a in option]
+    result = run_cli("bisect", ROOT / "sample_runs" / "seed_adam", *args)
+    assert_one_line_error(result, f"{option[0]}: is for the replay that follows the bisection")
+
+
+def test_bisect_replay_takes_the_code_path_it_accepts(tmp_path):
+    """The reported case: ``bisect RUN --replay --code-path DIR`` from a folder where the run's code is not found ignored
+    ``--code-path``, then advised passing it. The other side of the refusal above: given with ``--replay``, it is used."""
+    result = run_cli("bisect", ROOT / "sample_runs" / "seed_adam", "--replay", "--code-path", ROOT / "sample_runs" / "code",
+                     "--quiet", cwd=tmp_path)
+    assert result.code == 1 and "error" not in result.stderr, result.stderr
+    assert "features.gain" in result.stdout  # the replay's diagnosis, from the code --code-path names
+
+
+def test_repair_names_out_when_a_write_fails(tmp_path):
+    """Under a file-size limit (``ulimit -f``) repair's write fails inside the folder it builds under a temporary name:
+    the error names ``--out`` and the folder given, which is not created."""
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_runs" / "seed_adam", run)
+    out = tmp_path / "repaired"
+    limit = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384)); "
+             "os.execvp(sys.argv[1], sys.argv[1:])")
+    result = run_cli("repair", run, "--out", out, "--quiet", cwd=ROOT, wrapper=[sys.executable, "-c", limit])
+    assert_one_line_error(result, f"--out: cannot write {out} (File too large)")
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["run"]

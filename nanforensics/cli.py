@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Iterator, Mapping, Optional
@@ -613,7 +614,9 @@ def main() -> None:
     with the traceback behind NANFORENSICS_DEBUG=1.
     """
     from .distributed.env import exit_on_stop, leave, reporting
+    from .views.escaping import unencodable_escaped
 
+    unencodable_escaped(sys.stdout, sys.stderr)
     # Under torchrun, until the ranks agree on the replay's exit code a rank ends early only over an error (exit 2),
     # and torchrun then stops the others: they end with 2 as well.
     exit_on_stop(EXIT_BAD_INPUT)

@@ -330,8 +330,61 @@ def test_repair_names_out_when_a_write_fails(tmp_path):
     run = tmp_path / "run"
     shutil.copytree(ROOT / "sample_runs" / "seed_adam", run)
     out = tmp_path / "repaired"
+    # no bytecode written under the limit: CPython keeps a .pyc cut at the limit, and the tests share their cache
     limit = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384)); "
-             "os.execvp(sys.argv[1], sys.argv[1:])")
+             "os.environ['PYTHONDONTWRITEBYTECODE'] = '1'; os.execvp(sys.argv[1], sys.argv[1:])")
     result = run_cli("repair", run, "--out", out, "--quiet", cwd=ROOT, wrapper=[sys.executable, "-c", limit])
     assert_one_line_error(result, f"--out: cannot write {out} (File too large)")
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+# ---- 5. text on its way out: encodable in the output's encoding, bounded in length -------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(), repeat=st.sampled_from([1, 1000, 100_000]),
+       encoding=st.sampled_from(["ascii", "latin-1", "utf-8", "cp1252", "iso8859-5"]))
+def test_any_text_reaches_a_stream_of_any_encoding_escaped_and_cut(text, repeat, encoding):
+    """Whatever a run supplies (any code point, surrogates too, up to megabytes), through ``visible`` onto a stream
+    of any encoding: written, never ``UnicodeEncodeError``; at most ``MAX_SHOWN`` characters of it, the rest counted;
+    and text within the bound, printable and encodable, comes out as it went in."""
+    import io
+
+    from nanforensics.views.escaping import MAX_SHOWN, unencodable_escaped, visible
+
+    whole = text * repeat
+    stream = io.TextIOWrapper(io.BytesIO(), encoding=encoding)
+    unencodable_escaped(stream)
+    shown = visible(whole)
+    stream.write(shown)
+    stream.flush()
+    if len(whole) > MAX_SHOWN:
+        assert shown.endswith(f"... ({len(whole) - MAX_SHOWN} more characters)")
+        assert len(shown) <= 10 * MAX_SHOWN + 40  # an escape is at most 10 characters
+    elif whole.isprintable():
+        try:
+            whole.encode(encoding)
+        except UnicodeEncodeError:
+            return
+        assert stream.buffer.getvalue().decode(encoding) == whole  # type: ignore[attr-defined]
+
+
+def test_a_non_ascii_and_a_huge_tensor_name_on_an_ascii_terminal(tmp_path):
+    """The reported case through the command line, as a process under ``LANG=C PYTHONIOENCODING=ascii``: tensor names
+    in other scripts and one of 4 MiB, each poisoned, are printed escaped and cut; exit 1, the diagnosis."""
+    import subprocess
+
+    import torch
+    from safetensors.torch import save_file
+
+    from conftest import cli_command, cli_env
+
+    names = ["poids.é", "вес", "权重", "w\u202egnp.exe", "emoji😀", "x" * (4 << 20)]
+    save_file({name: torch.tensor([float("nan"), 1.0]) for name in names}, str(tmp_path / "model.safetensors"))
+    env = {**cli_env(), "LANG": "C", "LC_ALL": "C", "PYTHONIOENCODING": "ascii"}
+    out = subprocess.run([*cli_command(), "scan", str(tmp_path / "model.safetensors"), "--full"], env=env,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 1, out.stderr.decode("ascii", "replace")
+    text = out.stdout.decode("ascii")  # ASCII through and through
+    assert "poids.\\xe9" in text and "\\u0432\\u0435\\u0441" in text and "\\u202e" in text
+    assert "more characters)" in text and len(out.stdout) < 100_000

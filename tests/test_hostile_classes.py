@@ -388,3 +388,45 @@ def test_a_non_ascii_and_a_huge_tensor_name_on_an_ascii_terminal(tmp_path):
     text = out.stdout.decode("ascii")  # ASCII through and through
     assert "poids.\\xe9" in text and "\\u0432\\u0435\\u0441" in text and "\\u202e" in text
     assert "more characters)" in text and len(out.stdout) < 100_000
+
+
+# ---- 6. memory a file claims, met under a limit, names the file and the claim ------------------------------------
+
+
+def _sparse_claim(path: Path, tensor: str, nbytes: int) -> None:
+    """Rewrite the safetensors file ``path`` so that its tensor ``tensor`` claims ``nbytes`` (float32), laid last, in a
+    sparse file as long as the claim: the header checks hold, the bytes are holes."""
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+    header[tensor] = {"dtype": "F32", "shape": [nbytes // 4], "data_offsets": [end, end + nbytes]}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data[8 + n:8 + n + end])
+        f.truncate(8 + len(raw) + end + nbytes)
+
+
+@pytest.mark.parametrize("reader", ["batch", "checkpoint"])
+def test_a_claim_beyond_the_memory_limit_names_the_file_and_the_claim(tmp_path, reader):
+    """A batch read by the replay (``TensorFile``) and a checkpoint read by the scan (``SafetensorsFile``), each
+    claiming a 10 GiB tensor in a sparse file, under an address-space limit of 6 GiB: one line naming the file and the
+    bytes claimed (a ``MemoryError`` through the catch-all, naming nothing, before)."""
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_runs" / "seed_adam", run)
+    if reader == "batch":
+        target, args = run / "batches" / "step_00000020.safetensors", ("replay", run, "--no-explain", "--quiet")
+    else:
+        target = run / "checkpoints" / "step_00000020" / "model.safetensors"
+        args = ("scan", target.parent, "--quiet")
+    _sparse_claim(target, "0" if reader == "batch" else "features.gain", 10 << 30)
+    limit = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)); "
+             "os.execvp(sys.argv[1], sys.argv[1:])")
+    result = run_cli(*args, cwd=ROOT, wrapper=[sys.executable, "-c", limit])
+    claimed = 10 << 30 if reader == "checkpoint" else (10 << 30) + 256  # the batch: its other tensor (y) too
+    assert_one_line_error(result, str(target), f": {claimed} bytes claimed, more memory than this process may take")

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import BadInput, shown
-from ..inputs import check_tensors, open_input, read_input, shape_problem
+from ..inputs import check_tensors, claiming, open_input, read_input, shape_problem
 from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS, Entry, TensorInfo, group_of_key
 from .pickles import check_pickle, check_torch_file
 
@@ -253,7 +253,9 @@ def assemble(t: _Tensor) -> torch.Tensor:
     """The whole tensor: its only chunk as loaded, or its chunks copied into place."""
     if len(t.chunks) == 1 and t.chunks[0].sizes == t.size:
         return _chunk(t, t.chunks[0])
-    out = torch.empty(t.size, dtype=t.dtype)  # every element written: the layout tiles it (_tiling_problem)
+    with claiming(t.chunks[0].file if t.chunks else Path(t.fqn), f"tensor {t.fqn!r}",
+                  math.prod(t.size) * t.dtype.itemsize):
+        out = torch.empty(t.size, dtype=t.dtype)  # every element written: the layout tiles it (_tiling_problem)
     for c in t.chunks:
         view = out
         for dim, (o, s) in enumerate(zip(c.offsets, c.sizes)):

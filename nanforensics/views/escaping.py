@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import re
 import unicodedata
-import xml.etree.ElementTree as ET
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:  # the command line imports this module at start-up, before any report needs XML
+    import xml.etree.ElementTree as ET
 
 # Allowed as they are: letters, marks, numbers, punctuation, symbols and spaces (Zs). Everything else - controls
 # (C0, DEL, C1), format characters (bidi overrides, zero-width joiners), line and paragraph separators, surrogates
@@ -149,6 +151,8 @@ def unencodable_escaped(*streams: TextIO) -> None:
 def xml_document(root: ET.Element) -> str:
     """The one writer of XML: every attribute becomes one visible line, every text node legal XML 1.0; then
     ElementTree's own escaping of ``<``, ``&`` and quotes."""
+    import xml.etree.ElementTree as ET
+
     for element in root.iter():
         element.attrib = {key: visible(value) for key, value in element.attrib.items()}
         if element.text is not None:

@@ -244,7 +244,7 @@ def _dcp_metadata(folder: Path, size: tuple[int, int], boxes: list[tuple[tuple[i
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 20), cols=st.integers(1, 20), flaw=st.sampled_from([None, "duplicate", "shifted"]))
-@example(rows=200, cols=100, flaw=None)  # the reported size: 20,000 chunks (the pairwise check ran past a minute)
+@example(rows=1, cols=20_000, flaw=None)  # the reported size: 20,000 chunks side by side (pairs: past a minute)
 def test_chunks_of_a_dcp_tensor_are_checked_by_sort_and_sweep(tmp_path_factory, rows, cols, flaw):
     """A grid of ``rows`` x ``cols`` chunks tiles the tensor and is read; one chunk given twice, or one shifted onto
     its neighbour, is an overlap, named."""

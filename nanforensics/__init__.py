@@ -4,12 +4,33 @@ Library first: ``Recorder`` in the training loop; ``replay_run`` (and ``scan_che
 after it died; ``replay_checkpoint`` for a run nobody recorded (its checkpoint and the training
 script). The command line is a thin layer over these. The names below are imported on first use,
 so that ``import nanforensics`` (and the CLI's start-up) costs only what is used.
+
+Its first statements are the bootstrap of ``python -m nanforensics`` (and of torchrun's workers, started so): Python
+put the working directory first on ``sys.path``, and this package is imported before its ``__main__``, so the working
+directory comes off before this package imports anything: ``cd RUN && python -m nanforensics replay .`` must not
+import a ``typing.py`` of the run. Only modules every interpreter has loaded before (``sys``, ``os``) come first.
 """
 
-from __future__ import annotations
+import os
+import sys
 
-import importlib
-from typing import TYPE_CHECKING, Any
+
+def _drop_working_directory() -> None:
+    """Under ``python -m nanforensics`` (``sys.argv[0]`` is ``-m`` while the package is imported), the working
+    directory Python put first on ``sys.path`` comes off. The trust policy puts it back for the import of a run's code
+    it allows, and only then (``runs.imports``)."""
+    argv = sys.orig_argv
+    named = any(a == "-m" and argv[i + 1:i + 2] == ["nanforensics"] or (a.startswith("-") and a.endswith("mnanforensics"))
+                for i, a in enumerate(argv))
+    if sys.argv[:1] == ["-m"] and named and not sys.flags.safe_path and sys.path and \
+            os.path.realpath(sys.path[0] or os.curdir) == os.path.realpath(os.getcwd()):
+        del sys.path[0]
+
+
+_drop_working_directory()
+
+import importlib  # noqa: E402 - after the working directory is off sys.path
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Iterator, Mapping, Optional
@@ -419,14 +420,15 @@ def bisect(
     batches: BatchesOption = None,
     optimizer: OptimizerOption = None,
     scheduler: SchedulerOption = None,
-    max_steps: Annotated[int, typer.Option(metavar="N", min=1, help="With --code and no poisoned checkpoint: steps "
-                                                                    "replayed from the last one.")] = 100,
-    device: Annotated[str, typer.Option(metavar="DEVICE", help="With --code: auto (cuda when present), cpu or "
-                                                               "cuda.")] = "auto",
-    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="With --code: folder to import it from "
-                                                                                "(repeatable).")] = None,
-    trust_run_dir: Annotated[bool, typer.Option(help="With --code: allow importing it from inside the checkpoint's "
-                                                     "folder.")] = False,
+    max_steps: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="With --code and no poisoned checkpoint: "
+                                                                              "steps replayed from the last one "
+                                                                              "[default: 100].")] = None,
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="With --code or --replay: auto (cuda when present), "
+                                                               "cpu or cuda.")] = "auto",
+    code_path: Annotated[Optional[list[Path]], typer.Option(metavar="DIR", help="With --code or --replay: folder to "
+                                                                                "import the code from (repeatable).")] = None,
+    trust_run_dir: Annotated[bool, typer.Option(help="With --code or --replay: allow importing code from inside the "
+                                                     "checkpoint's folder or the run directory.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Write the report as JSON to PATH (- for "
                                                                    "stdout, which silences the terminal view).")] = None,
     markdown: Annotated[Optional[str], typer.Option(metavar="PATH", help=_MARKDOWN_HELP)] = None,
@@ -444,6 +446,14 @@ def bisect(
     loss only.
     """
     names = code_names(code, model=model, step=step, batches=batches, optimizer=optimizer, scheduler=scheduler)
+    for option, given, wanted in (("--max-steps", max_steps is not None, code is not None),
+                                  *((o, g, code is not None or run_replay) for o, g in (
+                                      ("--code-path", bool(code_path)), ("--trust-run-dir", trust_run_dir),
+                                      ("--trust-package", bool(trust_package)), ("--trust-code", trust_code),
+                                      ("--device", device != "auto")))):
+        if given and not wanted:  # every option a command accepts is used, or refused: never ignored
+            raise BadInput(option, "is for the replay that follows the bisection: give it with "
+                                   f"{'--code' if option == '--max-steps' else '--code or --replay'}")
     if code is not None and run_replay:
         raise BadInput("--code", "replays checkpoints written without the recorder; --replay is for runs of "
                                  "nanforensics: give one of the two")
@@ -466,7 +476,7 @@ def bisect(
             from .replay.unrecorded import bisect_and_replay
 
             report = bisect_and_replay(checkpoints, code, names, ReplayOptions(
-                device=device, max_steps=max_steps, code_paths=code_path or [], trust_run_dir=trust_run_dir,
+                device=device, max_steps=max_steps or 100, code_paths=code_path or [], trust_run_dir=trust_run_dir,
                 trust_code=trust_code, trust_packages=trust_package or []), linear=linear, full=full, margin=margin,
                 scan_progress=BytesRead(view), progress=view)
     emit_json(report, json_out)
@@ -484,10 +494,9 @@ def bisect(
 
         announce_code(run_code(Path(report.replay.run)))
         with progress("bisect --replay", quiet) as view:
-            replayed = replay_run(report.replay.run, ReplayOptions(from_step=report.replay.from_step,
-                                                                   trust_code=trust_code,
-                                                                   trust_packages=trust_package or []),
-                                  progress=view)
+            replayed = replay_run(report.replay.run, ReplayOptions(
+                from_step=report.replay.from_step, device=device, code_paths=code_path or [],
+                trust_run_dir=trust_run_dir, trust_code=trust_code, trust_packages=trust_package or []), progress=view)
         if terminal_view(json_out, markdown):
             render_terminal(replayed, stdout_console())
     raise typer.Exit(EXIT_FOUND if report.first_poisoned is not None else
@@ -605,7 +614,9 @@ def main() -> None:
     with the traceback behind NANFORENSICS_DEBUG=1.
     """
     from .distributed.env import exit_on_stop, leave, reporting
+    from .views.escaping import unencodable_escaped
 
+    unencodable_escaped(sys.stdout, sys.stderr)
     # Under torchrun, until the ranks agree on the replay's exit code a rank ends early only over an error (exit 2),
     # and torchrun then stops the others: they end with 2 as well.
     exit_on_stop(EXIT_BAD_INPUT)

@@ -17,6 +17,8 @@ runs past its end, never a bus error.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import math
@@ -42,6 +44,7 @@ MAX_NESTING = 100  # no file this tool reads nests deeper; past it, recursive re
 MAX_JSON_OBJECTS = 1_000_000  # objects in one JSON document (a long run's report holds some thousands)
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header: the format's own limit
 MAX_TENSORS = 100_000  # tensors in one file (a safetensors header, a PyTorch pickle, a DCP checkpoint)
+MAX_PICKLE_OBJECTS = 10_000_000  # objects a pickle stands for, every shared (memo) reference followed
 MAX_EXPANDED_BYTES = 64 << 20  # how far a view (a stride of 0) may claim more bytes than its storage holds
 MAX_STRIDE = (1 << 63) - 1  # a shape whose contiguous strides (in bytes) pass int64 cannot be laid out
 
@@ -57,6 +60,24 @@ def _dtypes() -> dict[str, torch.dtype]:
         "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
         "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
     }
+
+
+# ---- memory -----------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def claiming(path: Path, what: str, nbytes: int) -> Iterator[None]:
+    """Reading ``what`` of ``path``, which claims ``nbytes``: memory refused on the way (an address-space limit,
+    ``ulimit -v``; a sparse file whose tensor is larger than memory) is one error naming the file and the claim, never
+    a ``MemoryError`` naming nothing."""
+    try:
+        yield
+    except MemoryError:
+        raise BadInput(path, f"{what}: {nbytes} bytes claimed, more memory than this process may take") from None
+    except OSError as e:
+        if e.errno != errno.ENOMEM:
+            raise
+        raise BadInput(path, f"{what}: {nbytes} bytes claimed, more memory than this process may take") from None
 
 
 # ---- the examined trees -----------------------------------------------------------------------------------------
@@ -376,7 +397,8 @@ class SafetensorsFile:
             fd = self._file.fileno()
             if os.fstat(fd).st_size < entry.end:
                 raise BadInput(self.path, f"truncated while being read: tensor {entry.name!r} is past its end")
-            region = mmap.mmap(fd, entry.end - offset, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=offset)
+            with claiming(self.path, f"tensor {entry.name!r}", entry.end - entry.start):
+                region = mmap.mmap(fd, entry.end - offset, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=offset)
         except OSError as e:
             raise BadInput(self.path, f"cannot map tensor {entry.name!r} ({e.strerror or e})") from None
         with warnings.catch_warnings():
@@ -395,9 +417,11 @@ class TensorFile:
         from safetensors import SafetensorError, safe_open
 
         self.path = path
-        SafetensorsFile(path)
+        checked = SafetensorsFile(path)
+        self._claims = {e.name: e.end - e.start for e in checked.entries}
         try:
-            self._handle = safe_open(str(path), framework="pt", device="cpu")
+            with claiming(path, "its tensors", sum(self._claims.values())):  # safe_open maps the whole file
+                self._handle = safe_open(str(path), framework="pt", device="cpu")
         except (SafetensorError, OSError, ValueError) as e:
             raise BadInput(path, f"not a readable safetensors file ({one_line(e)})") from None
 
@@ -411,7 +435,8 @@ class TensorFile:
         from safetensors import SafetensorError
 
         try:
-            return self._handle.get_tensor(key)
+            with claiming(self.path, f"tensor {key!r}", self._claims.get(key, 0)):
+                return self._handle.get_tensor(key)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise BadInput(self.path, f"tensor {key!r} is unreadable ({one_line(e)})") from None
 

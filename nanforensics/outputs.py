@@ -12,13 +12,14 @@ is not wasted; ``write_output`` applies them again when writing, when the run's 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import stat
 import sys
 import threading
 from pathlib import Path
-from typing import Collection, Iterable, Mapping
+from typing import Collection, Iterable, Iterator, Mapping
 
 from .errors import BadInput
 from .inputs import examined, not_regular
@@ -85,6 +86,16 @@ def write_output(destination: str | Path, data: bytes | str, option: str | None 
         write_bytes_atomic(target, text.encode() if text is not None else bytes(data), durable=False)
     except OSError as e:
         raise BadInput(option or destination, f"cannot write {destination} ({e.strerror or e})") from None
+
+
+@contextlib.contextmanager
+def writing(option: str, destination: str | Path) -> Iterator[None]:
+    """Writes into an output folder (repair's ``--out``), built under a temporary name and renamed into place: an
+    error names the option and the path the user gave, never the temporary one (which is gone by then)."""
+    try:
+        yield
+    except OSError as e:
+        raise BadInput(option, f"cannot write {destination} ({e.strerror or e})") from None
 
 
 def append_output(destination: str | Path, text: str, option: str | None = None) -> None:

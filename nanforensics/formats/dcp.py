@@ -22,9 +22,10 @@ from typing import Any, Iterable
 
 import torch
 
-from ..errors import BadInput
-from ..inputs import check_tensors, open_input, shape_problem
+from ..errors import BadInput, shown
+from ..inputs import check_tensors, claiming, open_input, read_input, shape_problem
 from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS, Entry, TensorInfo, group_of_key
+from .pickles import check_pickle, check_torch_file
 
 METADATA = ".metadata"
 _LAYOUT_MODULE = "torch.distributed.checkpoint.metadata"
@@ -72,8 +73,11 @@ class Layout:
     def __init__(self, metadata: Path) -> None:
         self.folder = metadata.parent
         try:
-            with open_input(metadata) as f:
-                md = _LayoutUnpickler(f).load()
+            data = read_input(metadata)
+            check_pickle(data, 0, metadata)  # before the unpickler runs
+            md = _LayoutUnpickler(io.BytesIO(data)).load()
+        except BadInput:
+            raise
         except OSError as e:
             raise BadInput(metadata, f"cannot read ({e.strerror or e})") from None
         except pickle.UnpicklingError as e:
@@ -87,10 +91,14 @@ class Layout:
             self.items: dict[str, Any] = dict(md.state_dict_metadata)
             storage = {(i.fqn, tuple(i.offset or ())): s for i, s in dict(md.storage_data).items()}
             nested: dict[str, tuple[Any, ...]] = dict(md.planner_data or {})
-        except (AttributeError, TypeError) as e:
-            raise BadInput(metadata, f"not the metadata of a torch.distributed.checkpoint ({e})") from None
-        self.tensors = [self._tensor(fqn, item, storage, nested.get(fqn, (fqn,)))
-                        for fqn, item in self.items.items() if hasattr(item, "chunks")]
+            odd = next((fqn for fqn, p in nested.items() if not (isinstance(p, (tuple, list)) and
+                                                                 all(isinstance(k, (str, int)) for k in p))), None)
+            if odd is not None:
+                raise BadInput(metadata, f"the planner's path of {shown(odd)} is not a sequence of keys and indices")
+            self.tensors = [self._tensor(fqn, item, storage, nested.get(fqn, (fqn,)))
+                            for fqn, item in self.items.items() if hasattr(item, "chunks")]
+        except (AttributeError, TypeError, ValueError) as e:
+            raise BadInput(metadata, f"not the metadata of a torch.distributed.checkpoint ({_short(e)})") from None
         self.storage = storage
         self.nested = nested
 
@@ -147,22 +155,53 @@ def _tiling_problem(t: _Tensor) -> str | None:
         if c.length < math.prod(c.sizes) * t.dtype.itemsize:
             return (f"its chunk at {list(c.offsets)} claims {math.prod(c.sizes) * t.dtype.itemsize} bytes, its blob "
                     f"holds {c.length}")
-    boxes = sorted((c.offsets, tuple(o + s for o, s in zip(c.offsets, c.sizes))) for c in t.chunks if math.prod(c.sizes))
-    for i, (lo, hi) in enumerate(boxes):  # a sweep along the first dimension: FSDP's shards meet only their neighbours
-        for lo2, hi2 in boxes[i + 1:]:
-            if lo2[:1] >= hi[:1]:
-                break
-            if all(a < d and c < b for a, b, c, d in zip(lo, hi, lo2, hi2)):
-                return f"its chunks at {list(lo)} and {list(lo2)} overlap"
+    boxes = [(c.offsets, tuple(o + s for o, s in zip(c.offsets, c.sizes))) for c in t.chunks if math.prod(c.sizes)]
+    problem = _overlap(boxes, len(t.size))
+    if problem is not None:
+        return problem
     covered = sum(math.prod(c.sizes) for c in t.chunks)
     if covered != math.prod(t.size):
         return f"its chunks cover {covered} of its {math.prod(t.size)} elements, leaving holes"
     return None
 
 
+MAX_SWEEP = 1_000_000  # pairs of chunks compared for a layout that is not a grid (every sharding DCP writes is one)
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], ndim: int) -> str | None:
+    """Two boxes (chunks) that overlap, said, in time linear in their number (and a sort): where each dimension's
+    distinct intervals are disjoint (a grid, as every sharding lays chunks out), two boxes overlap only when equal.
+    Chunks laid out otherwise are swept along the first dimension, up to ``MAX_SWEEP`` pairs compared."""
+    if all(_disjoint({(lo[d], hi[d]) for lo, hi in boxes}) for d in range(ndim)):
+        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        for box in boxes:
+            if box in seen:
+                return f"its chunks at {list(box[0])} and {list(box[0])} overlap"
+            seen.add(box)
+        return None
+    boxes = sorted(boxes)
+    budget = MAX_SWEEP
+    for i, (lo, hi) in enumerate(boxes):  # a sweep along the first dimension
+        for lo2, hi2 in boxes[i + 1:]:
+            if lo2[:1] >= hi[:1]:
+                break
+            budget -= 1
+            if budget < 0:
+                return (f"its {len(boxes)} chunks are not laid out as a grid, and checking that they do not overlap "
+                        f"takes more than {MAX_SWEEP} comparisons")
+            if all(a < d and c < b for a, b, c, d in zip(lo, hi, lo2, hi2)):
+                return f"its chunks at {list(lo)} and {list(lo2)} overlap"
+    return None
+
+
+def _disjoint(intervals: set[tuple[int, int]]) -> bool:
+    ordered = sorted(intervals)
+    return all(b[0] >= a[1] for a, b in zip(ordered, ordered[1:]))
+
+
 def dcp_entries(metadata: Path, group: str | None) -> list[Entry]:
     layout = Layout(metadata)
-    shaped = _optimizer_prefixes(layout.nested.values())
+    shaped = _PathTree(layout.nested.values())
     out = []
     for t in layout.tensors:
         nbytes = math.prod(t.size) * t.dtype.itemsize
@@ -175,19 +214,37 @@ def _drop(tensor: torch.Tensor) -> None:
     """Assembled tensors are private copies: their memory goes with them."""
 
 
-def _optimizer_prefixes(paths: Iterable[tuple[Any, ...]]) -> set[tuple[Any, ...]]:
-    """Prefixes of the saved state dict holding an ``optimizer.state_dict()`` (``state`` and ``param_groups`` both)."""
-    state, groups = set(), set()
-    for p in paths:
-        for i, key in enumerate(p):
-            (state if key == "state" else groups if key == "param_groups" else set()).add(tuple(p[:i]))
-    return state & groups
+class _PathTree:
+    """The planner's paths of the saved state dict as a tree (one node per prefix, found by a dict lookup per key,
+    never built as a tuple: a path of 300,000 keys has 300,000 prefixes), marking the prefixes that hold an
+    ``optimizer.state_dict()`` (``state`` and ``param_groups`` both under them)."""
+
+    def __init__(self, paths: Iterable[tuple[Any, ...]]) -> None:
+        self._children: dict[tuple[int, Any], int] = {}
+        state, groups = set(), set()
+        for path in paths:
+            node = 0
+            for key in path:
+                (state if key == "state" else groups if key == "param_groups" else set()).add(node)
+                node = self._children.setdefault((node, key), len(self._children) + 1)
+        self.optimizers = state & groups
+
+    def in_optimizer_state(self, path: tuple[Any, ...]) -> bool:
+        """Whether ``path`` goes through an optimizer's ``state``."""
+        node: int | None = 0
+        for key in path:
+            if node in self.optimizers and key == "state":
+                return True
+            node = self._children.get((node, key))
+            if node is None:
+                return False
+        return False
 
 
-def _group(t: _Tensor, optimizer_prefixes: set[tuple[Any, ...]]) -> str:
+def _group(t: _Tensor, paths: _PathTree) -> str:
     if any(str(k).lower() in OPTIMIZER_KEYS for k in t.path[:-1]):
         return OPTIMIZER
-    if any(t.path[:len(p) + 1] == (*p, "state") for p in optimizer_prefixes):
+    if paths.in_optimizer_state(t.path):
         return OPTIMIZER
     return group_of_key(t.fqn) if t.path == (t.fqn,) else MODEL
 
@@ -196,7 +253,9 @@ def assemble(t: _Tensor) -> torch.Tensor:
     """The whole tensor: its only chunk as loaded, or its chunks copied into place."""
     if len(t.chunks) == 1 and t.chunks[0].sizes == t.size:
         return _chunk(t, t.chunks[0])
-    out = torch.empty(t.size, dtype=t.dtype)  # every element written: the layout tiles it (_tiling_problem)
+    with claiming(t.chunks[0].file if t.chunks else Path(t.fqn), f"tensor {t.fqn!r}",
+                  math.prod(t.size) * t.dtype.itemsize):
+        out = torch.empty(t.size, dtype=t.dtype)  # every element written: the layout tiles it (_tiling_problem)
     for c in t.chunks:
         view = out
         for dim, (o, s) in enumerate(zip(c.offsets, c.sizes)):
@@ -265,6 +324,7 @@ class _Blob:
 
 
 def _load(f: io.BufferedReader, file: Path, fqn: str) -> Any:
+    check_torch_file(f, file)
     try:
         value = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInput
-from ..inputs import check_tensors, one_line, open_input
+from ..inputs import check_tensors, claiming, one_line, open_input
 from .pages import drop_pages, span
+from .pickles import check_torch_file
 
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -52,6 +53,8 @@ def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
     try:
         with open_input(path) as f:
             magic = f.read(4)
+            f.seek(0)
+            check_torch_file(f, path)  # before any unpickler runs: how deep it nests, how much it expands to
     except OSError as e:
         raise BadInput(path, f"cannot read ({e.strerror or e})") from None
     if not magic:
@@ -61,7 +64,10 @@ def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
         warnings.filterwarnings("ignore", message=".*pickle protocol")
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+            with claiming(path, "the file", os.stat(path).st_size):
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+        except BadInput:
+            raise
         except pickle.UnpicklingError as e:
             if "Weights only load failed" in str(e):
                 raise Refused(path, _refusal(str(e))) from None

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from ..distributed.sessions import open_session
 from ..errors import BadInput
-from ..outputs import check_outputs
+from ..outputs import check_outputs, writing
 from ..progress import SILENT, Progress
 from ..report import ReplayReport, WhatIfResult, write_json
 from ..runs.checkpoint import Checkpoint, save_checkpoint
@@ -105,7 +105,8 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
     device = resolve_device(opts.device)
     code = UserCode.load(run, opts.code_paths, opts.trust_run_dir, opts.trust_code, opts.trust_packages)
     last = min(t + opts.verify_steps, run.steps[-1].step)
-    build = make_build_dir(out)
+    with writing("--out", out):
+        build = make_build_dir(out)
     try:
         with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None):
             with open_session(run, code, checkpoint, device).focused(diagnosis.origin.rank) as session:
@@ -114,10 +115,11 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
                                None)
                 session.advance_to(t)
                 changed = replay_with(session, change, t)
-                write_json_atomic(build / MANIFEST, run.manifest.raw)
-                written = save_checkpoint(build / "checkpoints", t + 1, session.model, session.optimizer,
-                                          scaler=session.scaler, scheduler=session.scheduler,
-                                          rank_rng=getattr(session, "rank_rng", None))
+                with writing("--out", out):
+                    write_json_atomic(build / MANIFEST, run.manifest.raw)
+                    written = save_checkpoint(build / "checkpoints", t + 1, session.model, session.optimizer,
+                                              scaler=session.scaler, scheduler=session.scheduler,
+                                              rank_rng=getattr(session, "rank_rng", None))
             progress.phase(f"verifying: the written checkpoint loaded afresh, steps {t + 1}-{last} replayed", None)
             resumed = open_session(run, code, Checkpoint(written, t + 1), device)  # through the format, from disk
             loaded_bad = nonfinite_in(resumed, None)
@@ -132,8 +134,9 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
                               changed.detail, changed, verification)
         report.findings = findings(report)
         if report.written:
-            write_json(report, str(build / REPORT_FILE))
-            publish_dir_atomic(build, out)
+            with writing("--out", out):
+                write_json(report, str(build / REPORT_FILE))
+                publish_dir_atomic(build, out)
     finally:
         shutil.rmtree(build, ignore_errors=True)  # gone once published; a failed or refused build is removed
     return report

@@ -31,6 +31,7 @@ import torch
 
 from ..errors import BadInput
 from ..inputs import read_input
+from .paths import MANIFEST
 
 
 class MissingName(BadInput):
@@ -253,8 +254,10 @@ class Places:
     Those places are the folders and scripts named on the command line (``--code-path``, ``--code``), the working
     directory (the user's project), the folders of ``$PYTHONPATH`` (the user's environment saying where their code
     is, as CI jobs do with ``PYTHONPATH=src``), and the files of the distributions named with ``--trust-package``.
-    Never the run directory (``forbidden``, unless ``--trust-run-dir``), and never the standard library, a built-in
-    or frozen module, or an installed package not named, wherever it lies (a ``.venv`` inside the project too).
+    Never the run directory (``forbidden``, unless ``--trust-run-dir``) nor any run directory around it (``runs``:
+    an incident folder ``RUN/incidents/step_N`` is examined inside ``RUN``, whose files are as untrusted), and never
+    the standard library, a built-in or frozen module, or an installed package not named, wherever it lies (a
+    ``.venv`` inside the project too).
     ``trust_code`` (``--trust-code``) lifts all but the run directory.
     """
 
@@ -287,17 +290,31 @@ class Places:
                    None if forbidden is None else _real(forbidden), frozenset(tops), frozenset(files), tuple(folders),
                    trust_code)
 
+    @functools.cached_property
+    def runs(self) -> tuple[Path, ...]:
+        """The run directory and every folder above it that holds a run manifest (``manifest.json``, whatever it
+        holds: a folder dressed as something else is refused too), outermost first: each is the untrusted input."""
+        if self.forbidden is None:
+            return ()
+        return (*(p for p in reversed(self.forbidden.parents) if os.path.lexists(p / MANIFEST)), self.forbidden)
+
+    def run_around(self, path: Path) -> Path | None:
+        """The outermost run directory (``runs``) that the resolved ``path`` lies in, if any."""
+        return next((run for run in self.runs if _inside(path, run)), None)
+
     def withheld(self) -> list[str]:
-        """The --code-path folders and the working directory that lie inside the run directory: never on sys.path,
+        """The --code-path folders and the working directory that lie inside a run directory: never on sys.path,
         only looked into to say why a module there is refused."""
-        return [str(f) for f in (*self.folders, self.cwd) if f is not None and _inside(f, self.forbidden)]
+        return [str(f) for f in (*self.folders, self.cwd) if f is not None and self.run_around(f) is not None]
 
     def refusal(self, file: str | Path, what: str) -> str | None:
         """Why the code of ``what``, in ``file``, may not run; None when ``file`` lies in a place the user chose."""
         real = _real(file)
-        if self.forbidden is not None and _inside(real, self.forbidden):
-            return (f"{what} ({file}) lies inside the run directory; pass --trust-run-dir to allow code shipped "
-                    "with the run")
+        run = self.run_around(real)
+        if run is not None:
+            where = "" if run == self.forbidden else f" {run}, around the one examined"
+            return (f"{what} ({file}) lies inside the run directory{where}; pass --trust-run-dir to allow code "
+                    "shipped with the run")
         if self.trust_code or real in self.package_files or any(_inside(real, f) for f in self.package_folders):
             return None
         installed = _installed(real)
@@ -430,7 +447,7 @@ def _importing(places: Places) -> Iterator[None]:
     import finds a file there; never a folder inside the run directory. No __pycache__ is written beside the user's
     code (it may lie in the examined tree)."""
     def new(folders: Sequence[Path]) -> list[str]:
-        return [str(f) for f in folders if str(f) not in sys.path and not _inside(f, places.forbidden)]
+        return [str(f) for f in folders if str(f) not in sys.path and places.run_around(f) is None]
 
     first = new(places.folders)
     last = new([places.cwd]) if places.cwd is not None and "" not in sys.path else []

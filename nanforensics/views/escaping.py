@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import re
 import unicodedata
-import xml.etree.ElementTree as ET
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:  # the command line imports this module at start-up, before any report needs XML
+    import xml.etree.ElementTree as ET
 
 # Allowed as they are: letters, marks, numbers, punctuation, symbols and spaces (Zs). Everything else - controls
 # (C0, DEL, C1), format characters (bidi overrides, zero-width joiners), line and paragraph separators, surrogates
@@ -34,10 +37,19 @@ def _escape(ch: str) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
+MAX_SHOWN = 4096  # characters of one text on its way out; the rest is cut, with its count (a manifest string of 64 MiB)
+
+
+def cut(text: str) -> str:
+    """``text``, or its first ``MAX_SHOWN`` characters and how many more there were."""
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}... ({len(text) - MAX_SHOWN} more characters)"
+
+
 def visible(text: object) -> str:
     """``text`` as one line of printable characters: ``ESC`` becomes ``\\x1b``, a newline ``\\n``, U+202E
-    ``\\u202e``; printable text (any script, symbols, emoji) is left as it is."""
-    text = str(text)
+    ``\\u202e``; printable text (any script, symbols, emoji) is left as it is; at most ``MAX_SHOWN`` characters of
+    it (``cut``)."""
+    text = cut(str(text))
     if text.isascii() and text.isprintable():  # the usual case: nothing to do
         return text
     return "".join(ch if _allowed(ch) else _escape(ch) for ch in text)
@@ -117,13 +129,30 @@ def _xml_allowed(ch: str) -> bool:
 
 
 def xml_text(text: str) -> str:
-    """A text node's content: lines kept, every other character XML forbids or a terminal would act on escaped."""
-    return "".join(ch if _xml_allowed(ch) else _escape(ch) for ch in text)
+    """A text node's content: lines kept, every other character XML forbids or a terminal would act on escaped; at
+    most ``MAX_SHOWN`` characters of it."""
+    return "".join(ch if _xml_allowed(ch) else _escape(ch) for ch in cut(text))
+
+
+# ---- the terminal and the log ------------------------------------------------------------------
+
+
+def unencodable_escaped(*streams: TextIO) -> None:
+    """Every character a stream's encoding cannot hold (``LANG=C``, ``PYTHONIOENCODING=ascii``: a sample id in
+    Cyrillic) written as an escape (``\\xe9``), as ``visible`` writes what it escapes: text on its way out never ends
+    a command with ``UnicodeEncodeError``. Applied to stdout and stderr when the command line starts, so every writer
+    (rich, a report to ``-``, click's usage errors) has it."""
+    for stream in streams:
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
 
 
 def xml_document(root: ET.Element) -> str:
     """The one writer of XML: every attribute becomes one visible line, every text node legal XML 1.0; then
     ElementTree's own escaping of ``<``, ``&`` and quotes."""
+    import xml.etree.ElementTree as ET
+
     for element in root.iter():
         element.attrib = {key: visible(value) for key, value in element.attrib.items()}
         if element.text is not None:

@@ -40,6 +40,7 @@ import torch
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo, torch_file
 from ..formats.source import Release, lightning_parts
 from ..inputs import TensorFile
+from ..numbers import pair, real, root
 from ..report import Event, Unsound
 from ..runs.checkpoint import EXTRAS_FILE, Checkpoint, param_names, state_from_json
 from ..words import count
@@ -95,21 +96,8 @@ def _tolerance(dtype: torch.dtype, beta2: float, bound: float) -> tuple[float, f
     return max(1e-3, 8 * info.eps), bound * math.sqrt(info.tiny / (1 - beta2))
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.item())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
 def _betas(hyper: Mapping[str, Any]) -> tuple[float, float] | None:
-    betas = hyper.get("betas")
-    if isinstance(betas, (list, tuple)) and len(betas) == 2:
-        b1, b2 = _number(betas[0]), _number(betas[1])
-        if b1 is not None and b2 is not None:
-            return b1, b2
-    return None
+    return pair(hyper.get("betas"))
 
 
 def optimizer_kind(hyper: Mapping[str, Any], keys: Iterable[str]) -> str:
@@ -121,7 +109,7 @@ def optimizer_kind(hyper: Mapping[str, Any], keys: Iterable[str]) -> str:
         return "Adamax"
     if _betas(hyper) is not None and ({"exp_avg", "exp_avg_sq"} <= keys or not keys - {"step"}):
         return "Adam-family (Adam, AdamW, NAdam, RAdam)" + (" with amsgrad" if hyper.get("amsgrad") else "")
-    if "momentum_buffer" in keys or (not keys and (_number(hyper.get("momentum")) or 0) > 0):
+    if "momentum_buffer" in keys or (not keys and (real(hyper.get("momentum")) or 0) > 0):
         return "SGD with momentum"
     return "other (checked: non-negative second moments, shapes, dtypes, step, hyperparameters)"
 
@@ -400,7 +388,7 @@ class Checker:
         found = Found(self, label, group, {k: h.info.name for k, h in held.items()})
         if entry is not None and self.layout is not None and self.layout.named:
             self._layout_checks(found, entry, held)
-        step = _number(held["step"].tensor) if "step" in held else _number(entry.scalars.get("step")) if entry else None
+        step = real(held["step"].tensor) if "step" in held else real(entry.scalars.get("step")) if entry else None
         tensors = {k: h for k, h in held.items()
                    if h.tensor.is_floating_point() and h.tensor.dim() > 0 and h.tensor.layout == torch.strided}
         same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
@@ -452,7 +440,7 @@ class Checker:
         """Flags, zeros at eps = 0, and (for a step of 0) whether any moment holds a value; returns the last."""
         v_dtype = held["exp_avg_sq"].tensor.dtype if "exp_avg_sq" in held else torch.float32
         tallies: dict[str, _Tally] = {}
-        eps = _number(hyper.get("eps"))
+        eps = real(hyper.get("eps"))
         denominator = "max_exp_avg_sq" if hyper.get("amsgrad") and "max_exp_avg_sq" in held else "exp_avg_sq"
         zeros = _Tally()
         nonzero = False
@@ -489,8 +477,8 @@ class Checker:
                       "1 - beta^step is then meaningless (NaN or a negative divisor)")
         elif step == 0 and nonzero:
             betas = _betas(hyper)
-            scale = f" (the update scaled by sqrt(1-b2)/(1-b1) = {math.sqrt(1 - betas[1]) / (1 - betas[0]):.2g} of " \
-                    "what the moments' age gives)" if betas and betas[0] < 1 else ""
+            scale = f" (the update scaled by sqrt(1-b2)/(1-b1) = {root(1 - betas[1]) / (1 - betas[0]):.2g} of " \
+                    "what the moments' age gives)" if betas and betas[0] < 1 and 0 <= betas[1] <= 1 else ""
             found.add(STEP, "step", None, {"step": step, "checkpoint_step": ck_step},
                       f"step of {found.label} is 0 while its moments hold values: the counter was reset with the "
                       f"moments kept; the next update's bias correction divides them as if they held one gradient"
@@ -523,7 +511,7 @@ class Checker:
     def _hyperparameter(self, g: int, key: str, value: Any) -> None:
         values = value if key in ("betas", "eps") and isinstance(value, (list, tuple)) else [value]
         for i, item in enumerate(values):
-            x = _number(item)
+            x = real(item)
             name = f"{key}[{i}]" if len(values) > 1 or key == "betas" else key
             if x is None:
                 continue
@@ -538,7 +526,7 @@ class Checker:
 
     def _scaler(self) -> None:
         state = self.layout.scaler if self.layout else None
-        scale = _number(state.get("scale")) if isinstance(state, dict) else None
+        scale = real(state.get("scale")) if isinstance(state, dict) else None
         if scale is None or (math.isfinite(scale) and scale > 0):
             return
         effect = ("every scaled gradient is inf or NaN, so the scaler skips every step and backs off to inf times its "
@@ -598,7 +586,7 @@ def _message(check: str, key: str, label: str, where: list[int], t: _Tally, hype
     assert betas is not None
     limit = adam_bound(*betas)
     assert limit is not None
-    lr, eps = _number(hyper.get("lr")), _number(hyper.get("eps")) or 0.0
+    lr, eps = real(hyper.get("lr")), real(hyper.get("eps")) or 0.0
     m, s = v["exp_avg"], v["exp_avg_sq"]
     ratio = abs(m) / max(eps, math.sqrt(max(s, 0.0)), 1e-45)
     size = f" (about {lr * ratio:.3g} from this pair alone; a sound pair moves it at most about {lr * limit:.3g})" \
@@ -647,7 +635,7 @@ def unsound_coordinates(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, 
             v_dtype = state["exp_avg_sq"].dtype if isinstance(state.get("exp_avg_sq"), torch.Tensor) else torch.float32
             masks = list(flags(tensors, {**group, "_dtype": v_dtype}).values())
             mask = torch.stack(masks).any(dim=0) if masks else torch.zeros(p.shape, dtype=torch.bool, device=p.device)
-            step = _number(state.get("step"))
+            step = real(state.get("step"))
             if step == 0 and any(bool(t.any()) for t in tensors.values()):
                 mask = torch.ones_like(mask)
             if bool(mask.any()):

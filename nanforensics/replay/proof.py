@@ -47,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 from ..distributed.tensors import is_dtensor
+from ..numbers import pair, real
 
 Old = Callable[[str], "float | None"]  # a state key's bound before the step, None where none is known
 _HEADROOM = 8.0  # every bound and intermediate stays below the dtype's largest value / _HEADROOM
@@ -86,10 +87,13 @@ def _adam(group: dict[str, Any], fresh: bool, g: float, old: Old, decoupled: boo
     if group.get("fused") or group.get("capturable") or group.get("differentiable") or \
             (group.get("weight_decay") and not decoupled):
         return None
-    b1, b2 = (float(b) for b in group["betas"])
+    betas, lr, wd, eps = pair(group.get("betas")), real(group.get("lr")), real(group.get("weight_decay") or 0.0), \
+        real(group.get("eps"))
     m, v = (0.0, 0.0) if fresh else (old("exp_avg"), old("exp_avg_sq"))
-    if m is None or v is None or not (0 <= b1 <= 1 and 0 <= b2 <= 1):
+    if m is None or v is None or betas is None or lr is None or wd is None or eps is None or \
+            not (0 <= betas[0] <= 1 and 0 <= betas[1] <= 1):
         return None
+    b1, b2 = betas
     count = 0.0 if fresh else old("step")  # a float tensor that counts the steps
     if count is None:
         return None
@@ -100,9 +104,9 @@ def _adam(group: dict[str, Any], fresh: bool, g: float, old: Old, decoupled: boo
             return None
         new["max_exp_avg_sq"] = max(top, new["exp_avg_sq"])
     peak = max(g + m, g * g, v)
-    lr, wd = float(group["lr"]), float(group.get("weight_decay") or 0.0)
-    eps = _as_held(float(group["eps"]), dtype)  # the denominator's floor
-    if not (eps > 0 and b1 < 1 and b2 < 1 and math.sqrt(1 - b2) >= _limits(dtype)[3] and math.isfinite(lr)):
+    eps = _as_held(eps, dtype)  # the denominator's floor
+    if not (eps > 0 and b1 < 1 and b2 < 1 and math.sqrt(1 - b2) >= _limits(dtype)[3]
+            and math.isfinite(lr) and math.isfinite(lr * wd)):
         return Update(new, peak, None)
     ratio = _up(new["exp_avg"], dtype) / eps  # |m' / denominator|, with m' as large as its rounded-up bound
     move = abs(lr) / (1 - b1) * ratio
@@ -112,7 +116,10 @@ def _adam(group: dict[str, Any], fresh: bool, g: float, old: Old, decoupled: boo
 def _sgd(group: dict[str, Any], fresh: bool, g: float, old: Old, decoupled: bool, dtype: torch.dtype) -> Update | None:
     if group.get("fused") or group.get("differentiable") or group.get("weight_decay"):
         return None
-    lr, momentum = abs(float(group["lr"])), abs(float(group["momentum"]))
+    lr, momentum, dampening = real(group.get("lr")), real(group.get("momentum")), real(group.get("dampening") or 0.0)
+    if lr is None or momentum is None or dampening is None:
+        return None
+    lr, momentum = abs(lr), abs(momentum)
     if momentum == 0:
         return Update({}, lr * g, 1.0, lr * g)
     if fresh:
@@ -121,7 +128,7 @@ def _sgd(group: dict[str, Any], fresh: bool, g: float, old: Old, decoupled: bool
         held = old("momentum_buffer")
         if held is None:
             return None
-        damped = abs(1 - float(group["dampening"])) * g
+        damped = abs(1 - dampening) * g
         buf, peak = momentum * held + damped, max(momentum * held, damped)
     direction = g + momentum * _up(buf, dtype) if group.get("nesterov") else _up(buf, dtype)
     return Update({"momentum_buffer": buf}, max(peak, direction, lr * direction), 1.0, lr * direction)

@@ -38,7 +38,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo, torch_file
-from ..formats.source import Release, lightning_parts
+from ..formats.source import BUFFER_NAMES, Release, lightning_parts
+from ..formats.training_state import MODEL_KEYS
 from ..inputs import TensorFile
 from ..numbers import pair, real, root
 from ..report import Event, Unsound
@@ -131,6 +132,9 @@ class _Layout:
     named: bool
     scaler: Any = None
     exact_step: bool = False  # the checkpoint's step counts the optimizer steps before it (our run format)
+    by_order: bool = False  # the names come from the model's order (verified by shapes), not from the state
+    why_unnamed: str = ""  # where the parameters are ``#i``: why the model's order could not name them
+    misfit: "Misfit | None" = None  # the first position whose state does not fit the model's parameter there
 
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -176,7 +180,7 @@ def _of_object(obj: Any, order_names: list[str] | None) -> _Layout | None:
     if len(found) != 1:
         return None
     prefix, sd = found[0]
-    groups, params, named, position = [], {}, True, 0
+    groups, params, named, states = [], {}, True, []
     if not _groups_shaped(sd["param_groups"]):
         return None
     for g, group in enumerate(sd["param_groups"]):
@@ -186,14 +190,88 @@ def _of_object(obj: Any, order_names: list[str] | None) -> _Layout | None:
         for i, pid in enumerate(group["params"]):
             label = str(names[i]) if names is not None and i < len(names) else str(pid)
             state = sd["state"].get(pid, {}) if isinstance(pid, (int, str)) else {}
-            scalars = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)} if isinstance(state, dict) \
-                else {}
-            own = label if names is not None else order_names[position] \
-                if order_names is not None and position < len(order_names) else f"#{position}"
-            params[".".join(prefix + ("state", label))] = _Param(own, g, scalars=scalars)
-            position += 1
+            state = state if isinstance(state, dict) else {}
+            states.append(state)
+            own = label if names is not None else order_names[len(states) - 1] \
+                if order_names is not None and len(states) <= len(order_names) else f"#{len(states) - 1}"
+            params[".".join(prefix + ("state", label))] = _Param(
+                own, g, scalars={k: v for k, v in state.items() if not isinstance(v, torch.Tensor)})
     scaler = next((obj[k] for k in SCALER_KEYS if isinstance(obj, dict) and isinstance(obj.get(k), dict)), None)
-    return _Layout(groups, params, named, scaler)
+    layout = _Layout(groups, params, named, scaler)
+    if not named and order_names is None:
+        _name_by_order(layout, states, _model_dict(obj, parts))
+    return layout
+
+
+@dataclass(frozen=True)
+class Misfit:
+    """A position of the optimizer's order whose state does not fit the model's parameter at that position."""
+
+    position: int
+    key: str
+    state_shape: list[int]
+    param: str
+    param_shape: list[int]
+
+
+def fits(key: str, state: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """Whether state ``key`` of this shape can be a parameter's of that shape: torch lays the per-element state out
+    like the parameter, a factored moment (Adafactor's) with some dims 1; other keys are not known, so they fit."""
+    if key in PER_ELEMENT:
+        return state == param
+    if key in FACTORED:
+        return len(state) == len(param) and all(s in (1, p) for s, p in zip(state, param))
+    return True
+
+
+def _model_dict(obj: Any, parts: tuple[dict[str, Any], Any] | None) -> dict[str, torch.Tensor] | None:
+    """The model's state dict beside the optimizer's in one ``torch.save`` object (Lightning's ``state_dict``), in
+    the order ``state_dict()`` wrote it; None where there is none."""
+    if parts is not None:
+        return {k: v for k, v in parts[0].items() if isinstance(v, torch.Tensor)}
+    for key in MODEL_KEYS:
+        value = obj.get(key) if isinstance(obj, dict) else None
+        if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+            return value
+    return None
+
+
+def _name_by_order(layout: _Layout, states: list[dict[str, Any]], model: dict[str, torch.Tensor] | None) -> None:
+    """Name the parameters as ``optimizer.load_state_dict`` matches them, by order: the model's tensors in its state
+    dict's order, buffers skipped (by name, and as many tensors as the model holds beyond the optimizer's positions
+    where a state's shape fits none of them), each position's state shapes verified against its parameter. Where
+    they fit, the layout is named; where one does not, that misfit is kept (a finding with one group: a group built
+    from ``model.parameters()`` follows its order; with several, their order need not be the model's)."""
+    if model is None:
+        layout.why_unnamed = "the checkpoint holds no model state dict beside it to match them with"
+        return
+    candidates = [(n, tuple(t.shape)) for n, t in model.items() if n.rpartition(".")[2] not in BUFFER_NAMES]
+    surplus = len(candidates) - len(states)
+    if surplus < 0:
+        layout.why_unnamed = (f"the optimizer holds {len(states)} parameters, the model's state dict only "
+                              f"{len(candidates)} tensors besides buffers: they cannot be matched by order")
+        return
+    names, j = [], 0
+    for position, state in enumerate(states):
+        shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        while surplus and not all(fits(k, s, candidates[j][1]) for k, s in shapes.items()):
+            j, surplus = j + 1, surplus - 1  # a buffer the name did not tell
+        name, shape = candidates[j]
+        bad = next((k for k, s in shapes.items() if not fits(k, s, shape)), None)
+        if bad is not None:
+            misfit = Misfit(position, bad, list(shapes[bad]), name, list(shape))
+            if len(layout.groups) == 1:
+                layout.misfit = misfit
+            layout.why_unnamed = (f"matched by order to the model's state dict, position {position}'s {bad} "
+                                  f"{list(shapes[bad])} does not fit {name} {list(shape)}"
+                                  + ("" if len(layout.groups) == 1 else
+                                     ", and with several groups their order need not be the model's"))
+            return
+        names.append(name)
+        j += 1
+    for param, name in zip(layout.params.values(), names):
+        param.label = name
+    layout.named = layout.by_order = True
 
 
 def _groups_shaped(groups: Any) -> bool:
@@ -350,9 +428,14 @@ class Checker:
         if self.layout is None:
             self.notes.append("the checkpoint records no parameter groups: Adam's bound, the step and the "
                               "hyperparameters are not checked, only non-negative second moments and amsgrad's maximum")
+        elif self.layout.by_order:
+            self.notes.append("the optimizer state names no parameters: their names come from the model's state dict "
+                              "by order (as optimizer.load_state_dict matches them), verified by the shapes of every "
+                              "state tensor")
         elif not self.layout.named:
             self.notes.append("the optimizer state names no parameters (matched to them by order): shapes and dtypes "
-                              "are not checked against the parameters, and a parameter is named by its position (#i)")
+                              "are not checked against the parameters, and a parameter is named by its position (#i)"
+                              + (f": {self.layout.why_unnamed}" if self.layout.why_unnamed else ""))
 
     def feed(self, info: TensorInfo, tensor: torch.Tensor, release: Release, finite: bool) -> None:
         if info.group != OPTIMIZER:
@@ -370,9 +453,24 @@ class Checker:
         if self.layout is not None:
             self._groups()
             self._scaler()
+            self._misfit()
         kinds = [self.kinds.get(g, optimizer_kind(h, ())) for g, h in enumerate(self.layout.groups)] \
             if self.layout else []
-        return Soundness(kinds, self.notes, matched_by_order=self.layout is not None and not self.layout.named)
+        return Soundness(kinds, self.notes, matched_by_order=self.layout is not None and (
+            not self.layout.named or self.layout.by_order))
+
+    def _misfit(self) -> None:
+        m = self.layout.misfit if self.layout else None
+        if m is None:
+            return
+        tensor = f"{list(self.layout.params)[m.position]}.{m.key}"
+        self.unsound.append(Unsound(
+            SHAPE, tensor, f"#{m.position}", 0, None,
+            {"position": m.position, "state_shape": m.state_shape, "param": m.param, "param_shape": m.param_shape},
+            f"the optimizer state at position {m.position} ({m.key} {m.state_shape}) does not fit the model's parameter "
+            f"at that position, {m.param} {m.param_shape}: optimizer.load_state_dict matches state to parameters by "
+            "order, so a resume hands it a state of another shape (an error at the next update, or a wrong broadcast); "
+            "the state belongs to another model, or parameters were added, removed or reordered since it was saved"))
 
     # -- per parameter --
 
@@ -411,9 +509,7 @@ class Checker:
             if key not in PER_ELEMENT and key not in FACTORED or not t.dtype.is_floating_point \
                     or not param.dtype.is_floating_point:
                 continue
-            fits = t.shape == param.shape if key in PER_ELEMENT else (
-                len(t.shape) == len(param.shape) and all(s in (1, p) for s, p in zip(t.shape, param.shape)))
-            if not fits:
+            if not fits(key, tuple(t.shape), tuple(param.shape)):
                 found.add(SHAPE, key, None, {"state_shape": list(t.shape), "param_shape": list(param.shape)},
                           f"{key} of {entry.label} is {list(t.shape)}, its parameter {list(param.shape)}: it belongs to "
                           "another parameter (or another model); torch's load_state_dict takes it unchecked, and the "

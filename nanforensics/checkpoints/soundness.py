@@ -90,11 +90,21 @@ def adam_bound(beta1: float, beta2: float) -> float | None:
     return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
 
 
-def _tolerance(dtype: torch.dtype, beta2: float, bound: float) -> tuple[float, float]:
+CHECK_ROUNDING = 16 * 2.0 ** -24  # the check's own float32 arithmetic, with room for the screen (``_suspect``)
+
+
+def _tolerance(dtype: torch.dtype, beta1: float, beta2: float, bound: float) -> tuple[float, float]:
     """Relative and absolute slack for rounding: a few units in the last place of the state's dtype, and the
-    moments of gradients so small that (1-b2) g^2 falls below the dtype's smallest normal number."""
+    moments of gradients so small that (1-b2) g^2 falls below the dtype's smallest normal number.
+
+    The relative slack: each step rounds m once (lerp) and v twice (mul, addcmul), by at most u = eps/2 of the state's
+    dtype. The bound is reached only by gradients growing as (b2/b1)^t, where each step's terms outweigh the decayed
+    older ones: the rounding errors of step t-j weigh (b1^2/b2)^j against m_t and sqrt(v_t) (v's two roundings halved
+    by the root), so m and sqrt(v) are each off by at most u / (1 - b1^2/b2) relative, 2u / (1 - b1^2/b2) in all
+    (5 units in the last place at the default betas: 6e-7 in float32, 0.04 in bfloat16), plus the float32 arithmetic
+    of the check."""
     info = torch.finfo(dtype)
-    return max(1e-3, 8 * info.eps), bound * math.sqrt(info.tiny / (1 - beta2))
+    return info.eps / (1 - beta1 * beta1 / beta2) + CHECK_ROUNDING, bound * math.sqrt(info.tiny / (1 - beta2))
 
 
 def _betas(hyper: Mapping[str, Any]) -> tuple[float, float] | None:
@@ -325,7 +335,7 @@ def _adam_terms(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> 
     limit = adam_bound(*betas) if betas is not None and "exp_avg" in state and "exp_avg_sq" in state else None
     if betas is None or limit is None:
         return None
-    return (limit, *_tolerance(hyper.get("_dtype", torch.float32), betas[1], limit))
+    return (limit, *_tolerance(hyper.get("_dtype", torch.float32), betas[0], betas[1], limit))
 
 
 def flags(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -353,10 +363,10 @@ def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any], scratc
 
     Adam's bound is screened as min(v - m^2/K^2) >= -atol^2/(2K^2), K = k(1 + r/2) (half the slack ``flags``
     allows): a coordinate that ``flags`` marks has |m| > k(1+r) sqrt(v) + atol, so v - m^2/K^2 < -r(k/K)^2 v -
-    atol^2/K^2, a margin float32's rounding (relative 2^-24 a product; r >= 1e-3) cannot close. An m^2/K^2 that
-    overflows gives -inf, suspect. The same pass stands in for v's own sign: a negative v leaves v - m^2/K^2
-    negative, so only a chunk whose minimum is negative has v read again. A slack below 2^-140 (float64 state) is not
-    screened: beside it, float32's underflow (2^-149) is no longer small."""
+    atol^2/K^2, a margin float32's rounding (relative 2^-24 a product, three of them; r/2 >= 8 * 2^-24) cannot
+    close. An m^2/K^2 that overflows gives -inf, suspect. The same pass stands in for v's own sign: a negative v
+    leaves v - m^2/K^2 negative, so only a chunk whose minimum is negative has v read again. A slack below 2^-140
+    (float64 state) is not screened: beside it, float32's underflow (2^-149) is no longer small."""
     out = scratch[:next(iter(state.values())).numel()]
     v = state.get("exp_avg_sq")
     bound = _adam_terms(state, hyper)

@@ -47,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 from ..distributed.tensors import is_dtensor
+from ..finite import locate
 from ..numbers import pair, real
 
 Old = Callable[[str], "float | None"]  # a state key's bound before the step, None where none is known
@@ -162,10 +163,18 @@ class StepProof:
             return None
         return held[2]
 
-    def before_step(self, grad_max: dict[torch.Tensor, float]) -> None:
+    def covers(self, group: dict[str, Any]) -> bool:
+        """Whether the rule bounds this group's update at all (not: L2 weight decay, fused, capturable, ...),
+        whatever the magnitudes."""
+        decoupled = self.decoupled or bool(group.get("decoupled_weight_decay"))
+        return self.rule(group, True, 0.0, lambda key: 0.0, decoupled, torch.float32) is not None
+
+    def before_step(self, grad_max: dict[torch.Tensor, float]) -> list[torch.Tensor]:
         """In the optimizer's pre-hook: the bounds of what this step writes, from ``grad_max`` (each parameter's
-        largest gradient magnitude, as the optimizer sees it). What has no proof is read after the step."""
+        largest gradient magnitude, as the optimizer sees it). What has no proof is read after the step; returned:
+        the parameters with a gradient whose new state and parameter are not both proven finite."""
         self._expected = {}
+        unproven = []
         for group in self.optimizer.param_groups:
             decoupled = self.decoupled or bool(group.get("decoupled_weight_decay"))
             for p in group["params"]:
@@ -176,16 +185,18 @@ class StepProof:
                     self.rule(group, not self.optimizer.state.get(p), g, lambda key: self._bound(p, key), decoupled,
                               p.dtype)
                 held = self._known.pop(p, {}).get(None)  # the step writes the state and the parameter: what held before
-                if new is None:
-                    continue
                 limit = _limits(p.dtype)[0]
-                bounds = {k: _up(b, p.dtype) for k, b in new.state.items()}
-                if not all(b <= limit for b in [*bounds.values(), _up(new.peak, p.dtype)]):  # NaN fails too
+                bounds = {k: _up(b, p.dtype) for k, b in new.state.items()} if new is not None else {}
+                if new is None or not all(b <= limit for b in [*bounds.values(), _up(new.peak, p.dtype)]):  # NaN too
+                    unproven.append(p)
                     continue
                 param = None
                 if new.scale is not None and held is not None and held[1] == p._version:
                     param = _up(_up(held[2] * new.scale + new.move, p.dtype), p.dtype)  # decay, then the move
                 self._expected[p] = bounds, param if param is not None and param <= limit else None
+                if self._expected[p][1] is None:
+                    unproven.append(p)
+        return unproven
 
     def after_step(self) -> None:
         """In the optimizer's post-hook: the state and parameters the step wrote, with their proven bounds."""
@@ -211,3 +222,91 @@ class StepProof:
         """Nothing is known any more (a step checked in locate mode, where no bound is kept)."""
         self._known.clear()
         self._expected = {}
+
+
+# ---- the guard's use: skip an update that would make a non-finite value from finite gradients --------------------
+
+
+@dataclass(frozen=True)
+class Hazard:
+    """What the update of ``param`` (its position in the optimizer's order) would make non-finite: ``state`` is the
+    state key, or ``"param"`` for the parameter itself; the first such coordinate and the value it would hold."""
+
+    param: int
+    state: str
+    index: list[int]
+    value: str  # "nan", "inf" or "-inf"
+
+
+def max_abs(tensors: list[torch.Tensor]) -> list[float]:
+    """Each tensor's largest magnitude (NaN where it holds a NaN, inf an infinity), read with one host
+    synchronisation: ``_foreach_norm`` of order inf, per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    found: dict[int, torch.Tensor] = {}
+    for dev, idx in by_device.items():
+        norms = torch._foreach_norm([tensors[i].detach() for i in idx], math.inf)
+        found.update(zip(idx, norms))
+    out = [found[i].float().to("cpu", non_blocking=True).reshape(()) for i in range(len(tensors))]
+    return torch.stack(out).tolist() if out else []
+
+
+class UpdateCheck:
+    """The proof, as the guard uses it before a step: where ``StepProof`` bounds the update below the dtype's
+    largest value, the step is finite; where it cannot (a huge gradient, a bound grown large, ``eps`` 0 in the dtype),
+    the real optimizer's step runs on a copy of that parameter and its state, and its result decides: exact, so a
+    healthy step is never skipped. Groups the rule does not cover (``covers``) are checked for finite gradients
+    alone. The bounds are carried from step to step; an unknown one (the first step, a tensor written by anything but
+    the step) is read exactly first."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.proof = StepProof(optimizer)
+        self.trials = 0  # steps run on a copy: the proof could not decide
+
+    def uncovered(self) -> list[int]:
+        """The groups checked for finite gradients alone."""
+        return [g for g, group in enumerate(self.optimizer.param_groups) if not self.proof.covers(group)]
+
+    def hazard(self, grad_max: dict[torch.Tensor, float]) -> Hazard | None:
+        """Before the step: the first non-finite value it would make from these finite gradients, or None."""
+        covered = [p for group in self.optimizer.param_groups if self.proof.covers(group) for p in group["params"]
+                   if p.grad is not None]
+        unknown = [(p, key, t) for p in covered for key, t in self._tensors(p) if not self.proof.proven(p, key, t)]
+        for (p, key, t), m in zip(unknown, max_abs([t for _, _, t in unknown])):
+            self.proof.learn(p, key, t, m)
+        unproven = set(self.proof.before_step({p: grad_max[p] for p in covered if p in grad_max}))
+        positions = {p: i for i, p in enumerate(q for group in self.optimizer.param_groups for q in group["params"])}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p in unproven and p in covered:
+                    self.trials += 1
+                    found = self._trial(group, p)
+                    if found is not None:
+                        return Hazard(positions[p], *found)
+        return None
+
+    def after_step(self) -> None:
+        self.proof.after_step()
+
+    def _tensors(self, p: torch.Tensor) -> list[tuple[str | None, torch.Tensor]]:
+        state = self.optimizer.state.get(p, {})
+        return [(None, p)] + [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+    def _trial(self, group: dict[str, Any], p: torch.Tensor) -> tuple[str, list[int], str] | None:
+        """The real step of this optimizer class on a copy of ``p``, its gradient and its state: the first non-finite
+        value it makes (state first, then the parameter), or None."""
+        q = p.detach().clone()
+        q.grad = p.grad.detach().clone()
+        copy = type(self.optimizer)([{**group, "params": [q]}])
+        copy.state[q] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                         for k, v in self.optimizer.state.get(p, {}).items()}
+        with torch.no_grad():
+            copy.step()
+        for key, t in [*copy.state[q].items(), ("param", q)]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                where = locate(t)
+                if where is not None:
+                    return key, list(where.index), where.value
+        return None

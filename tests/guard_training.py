@@ -109,14 +109,45 @@ def build_adam_eps0(model: nn.Module) -> torch.optim.Optimizer:
 THAW = 23  # the step whose update makes the NaN in train_update_nan
 
 
-def train_update_nan(run_dir: Path, steps: int, guard: Any = True, **options: Any) -> nn.Module:
+def train_update_nan(run_dir: Path | None, steps: int, guard: Any = True, skip: tuple[int, ...] = (),
+                     **options: Any) -> nn.Module:
     """Adam with eps=0; the head's bias first gets a gradient, exactly zero, at step THAW: no gradient is non-finite,
-    the update is (0/0)."""
+    the update is (0/0). Unguarded without ``run_dir``, ``optimizer.step()`` not called at ``skip``."""
     model = build_model()
     optimizer = build_adam_eps0(model)
-    with nanforensics.Recorder(run_dir, model, optimizer, model_factory=build_model, step_fn=zero_grad_step,
-                               optimizer_factory=build_adam_eps0, guard=guard, **options) as rec:
+    rec = nanforensics.Recorder(run_dir, model, optimizer, model_factory=build_model, step_fn=zero_grad_step,
+                                optimizer_factory=build_adam_eps0, guard=guard, **options) if run_dir else None
+    real_step = optimizer.step
+    for step in range(steps):
+        batch = {**make_batch(step, {}), "thaw": step == THAW}
+        if step in skip:
+            optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
+        loss = zero_grad_step(model, optimizer, batch)
+        optimizer.step = real_step  # type: ignore[method-assign]
+        if rec is not None:
+            rec.log(step, batch, loss)
+    if rec is not None:
+        rec.close()
+    return model
+
+
+def flip_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """A step followed by code that writes a NaN into a parameter at the step the batch says (a bit flip, a buggy
+    hook): nothing before ``optimizer.step()`` shows it, so no skip can prevent it."""
+    loss = train_step(model, optimizer, batch)
+    if batch["flip"]:
+        with torch.no_grad():
+            model.head.bias.mul_(float("nan"))
+    return loss
+
+
+def train_flip(run_dir: Path, steps: int, guard: Any = True, **options: Any) -> nn.Module:
+    """A NaN written after the step at THAW: found by the state check, the run stopped (or rolled back)."""
+    model = build_model()
+    optimizer = make_optimizer(model)
+    with nanforensics.Recorder(run_dir, model, optimizer, model_factory=build_model, step_fn=flip_step,
+                               guard=guard, **options) as rec:
         for step in range(steps):
-            batch = {**make_batch(step, {}), "thaw": step == THAW}
-            rec.log(step, batch, zero_grad_step(model, optimizer, batch))
+            batch = {**make_batch(step, {}), "flip": step == THAW}
+            rec.log(step, batch, flip_step(model, optimizer, batch))
     return model

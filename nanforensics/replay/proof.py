@@ -276,15 +276,16 @@ class UpdateCheck:
         unknown = [(p, key, t) for p in covered for key, t in self._tensors(p) if not self.proof.proven(p, key, t)]
         for (p, key, t), m in zip(unknown, max_abs([t for _, _, t in unknown])):
             self.proof.learn(p, key, t, m)
-        unproven = set(self.proof.before_step({p: grad_max[p] for p in covered if p in grad_max}))
-        positions = {p: i for i, p in enumerate(q for group in self.optimizer.param_groups for q in group["params"])}
+        unproven = set(self.proof.before_step({p: grad_max[p] for p in covered if p in grad_max})) & set(covered)
+        position = 0
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if p in unproven and p in covered:
+                if p in unproven:
                     self.trials += 1
                     found = self._trial(group, p)
                     if found is not None:
-                        return Hazard(positions[p], *found)
+                        return Hazard(position, *found)
+                position += 1
         return None
 
     def after_step(self) -> None:

@@ -1,5 +1,7 @@
-"""The guard of ``Recorder(guard=True)``: a step whose gradients are non-finite is skipped before the optimizer writes
-anything, and each skip (or stop) leaves an incident directory that replays like a fully recorded run.
+"""The guard of ``Recorder(guard=True)``: a step is skipped before the optimizer writes anything when its gradients are
+non-finite, when its loss is (``skip_nonfinite_loss``), or when the update would make a non-finite state or parameter
+value from finite ones (the replay's proof, ``replay.proof.UpdateCheck``: one proof, two users); each skip (or stop)
+leaves an incident directory that replays like a fully recorded run, naming which of the three fired.
 
 Why before the step: once Adam's moments hold a non-finite value the state is absorbing (README), so a skip helps
 only before ``optimizer.step()`` writes them. The user's step function calls ``optimizer.step()`` itself, so the guard
@@ -9,10 +11,11 @@ An optimizer that takes a ``found_inf`` tensor (fused Adam and AdamW, GradScaler
 on the device and skips there, bit for bit as under a GradScaler, with no host synchronisation; any other is called
 or not on the host's reading of it, the step's one synchronisation.
 
-What a skip cannot undo: a non-finite value the update makes from finite gradients (Adam with ``eps=0`` on a zero
-gradient, code after the step). Parameters and optimizer state are checked every ``state_check_every`` steps and
-before every checkpoint; a non-finite one stops the run (``GuardStop``) with an incident, or, with ``rollback=True``,
-restores an in-memory copy of the state at the newest checkpoint.
+What a skip cannot undo: a non-finite value written after the step (code after it, a bit flip), or by an update the
+proof does not cover (another optimizer: the gradients and the loss alone decide, said once in the log). Parameters
+and optimizer state are checked every ``state_check_every`` steps and before every checkpoint; a non-finite one stops
+the run (``GuardStop``) with an incident, or, with ``rollback=True``, restores an in-memory copy of the state at the
+newest checkpoint.
 """
 
 from __future__ import annotations
@@ -449,7 +452,8 @@ class Guard:
         if self._copy is None:
             self._note(entry)
             raise self._stop(f"step {step} left a non-finite parameter or optimizer-state value that no skip could "
-                             "prevent (the update made it from finite gradients)", incident)
+                             "prevent (written after the step, or by an update the guard's proof does not cover)",
+                             incident)
         self._restore()
         entry["event"], entry["rolled_back_to"] = "rollback", self.rec._checkpoints[-1]
         self.rollbacks.append(step)

@@ -155,6 +155,7 @@ class StepProof:
         self._known: dict[torch.Tensor, dict[str | None, tuple[torch.Tensor, int, float]]] = {}
         # the bounds of what the running step writes: its state by key, and the parameter (None: not bounded)
         self._expected: dict[torch.Tensor, tuple[dict[str, float], float | None]] = {}
+        self.unproven: list[torch.Tensor] = []  # after before_step: what it could not prove finite
 
     def _bound(self, p: torch.Tensor, key: str) -> float | None:
         held = self._known.get(p, {}).get(key)
@@ -169,12 +170,12 @@ class StepProof:
         decoupled = self.decoupled or bool(group.get("decoupled_weight_decay"))
         return self.rule(group, True, 0.0, lambda key: 0.0, decoupled, torch.float32) is not None
 
-    def before_step(self, grad_max: dict[torch.Tensor, float]) -> list[torch.Tensor]:
+    def before_step(self, grad_max: dict[torch.Tensor, float]) -> None:
         """In the optimizer's pre-hook: the bounds of what this step writes, from ``grad_max`` (each parameter's
-        largest gradient magnitude, as the optimizer sees it). What has no proof is read after the step; returned:
-        the parameters with a gradient whose new state and parameter are not both proven finite."""
+        largest gradient magnitude, as the optimizer sees it). What has no proof is read after the step; ``unproven``
+        lists the parameters with a gradient whose new state and parameter are not both proven finite."""
         self._expected = {}
-        unproven = []
+        unproven = self.unproven = []
         for group in self.optimizer.param_groups:
             decoupled = self.decoupled or bool(group.get("decoupled_weight_decay"))
             for p in group["params"]:
@@ -196,7 +197,6 @@ class StepProof:
                 self._expected[p] = bounds, param if param is not None and param <= limit else None
                 if self._expected[p][1] is None:
                     unproven.append(p)
-        return unproven
 
     def after_step(self) -> None:
         """In the optimizer's post-hook: the state and parameters the step wrote, with their proven bounds."""
@@ -276,7 +276,8 @@ class UpdateCheck:
         unknown = [(p, key, t) for p in covered for key, t in self._tensors(p) if not self.proof.proven(p, key, t)]
         for (p, key, t), m in zip(unknown, max_abs([t for _, _, t in unknown])):
             self.proof.learn(p, key, t, m)
-        unproven = set(self.proof.before_step({p: grad_max[p] for p in covered if p in grad_max})) & set(covered)
+        self.proof.before_step({p: grad_max[p] for p in covered if p in grad_max})
+        unproven = set(self.proof.unproven) & set(covered)
         position = 0
         for group in self.optimizer.param_groups:
             for p in group["params"]:

@@ -15,30 +15,17 @@ from nanforensics import Recorder
 from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, nonfinite_flag
 from torch import nn
 
+from guard_training import loop, mlp_step
+from test_guard import one_thread  # noqa: F401 - its autouse fixture: these models are tiny
+
 STEPS, BAD = 300, 5
 DEFECTS = {41: "huge_gradient", 97: "inf_input", 180: "huge_value", 233: "huge_target"}
 REASONS = {"huge_gradient": "update", "inf_input": "gradient", "huge_value": "gradient", "huge_target": "loss"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
-
-
-def mlp_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
-    optimizer.zero_grad(set_to_none=True)
-    loss = (model(batch["x"]) - batch["y"]).pow(2).mean()
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def make_batch(step: int) -> dict[str, Any]:
@@ -65,18 +52,8 @@ def train(run: Path | None, make_opt: Callable[[Any], torch.optim.Optimizer], st
     policy = policy or GuardPolicy(max_skip_fraction=0.05)
     rec = Recorder(run, model, opt, model_factory=build_mlp, step_fn=mlp_step, guard=policy, batches="memory",
                    checkpoint_every=100) if run is not None else None
-    real = opt.step
-    for step in range(steps):
-        batch = make_batch(step) if defects else make_batch(step + 1000)
-        batch = {**batch, "x": batch["x"].to(dtype), "y": batch["y"].to(dtype)}
-        if step in skip:
-            opt.step = lambda *a, **k: None  # type: ignore[method-assign]
-        loss = mlp_step(model, opt, batch)
-        opt.step = real  # type: ignore[method-assign]
-        if rec is not None:
-            rec.log(step, batch, loss)
-    if rec is not None:
-        rec.close()
+    batches = ((step, make_batch(step if defects else step + 1000)) for step in range(steps))
+    loop(rec, model, opt, mlp_step, ((s, {**b, "x": b["x"].to(dtype), "y": b["y"].to(dtype)}) for s, b in batches), skip)
     return model, opt
 
 

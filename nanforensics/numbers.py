@@ -34,6 +34,17 @@ def real(value: Any) -> float | None:
     return float(value)
 
 
+def unrepresentable(value: Any) -> bool:
+    """An int no float holds (``10**400``): torch's arithmetic raises ``OverflowError`` on it."""
+    return isinstance(value, int) and not isinstance(value, bool) and math.isinf(real(value) or 0.0)
+
+
+def spoken(value: int) -> str:
+    """An int too large for a float, in words that need no conversion of it to text (Python refuses beyond 4300
+    digits): ``about 1e400``."""
+    return f"{'-' if value < 0 else ''}about 1e{math.floor(math.log10(abs(value)))}"  # log10 takes any int
+
+
 def root(x: float) -> float:
     """The square root, NaN below 0 (``math.sqrt`` raises there)."""
     return math.sqrt(x) if x >= 0 else math.nan

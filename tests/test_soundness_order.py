@@ -19,7 +19,8 @@ from nanforensics.checkpoints import soundness
 from nanforensics.checkpoints.scan import scan_checkpoint
 from nanforensics.formats import open_checkpoint
 
-from conftest import run_cli
+import resume_training
+from conftest import ROOT, assert_one_line_error, run_cli
 
 STEP = 4
 
@@ -240,3 +241,18 @@ def test_float32_slack_is_a_few_units_in_the_last_place():
     limit, v = soundness.adam_bound(0.9, 0.999), 1.0
     assert _flagged(limit * (1 + 64 * 2.0 ** -23), v, (0.9, 0.999), torch.float32)
     assert not _flagged(limit, v, (0.9, 0.999), torch.float32)
+
+
+@pytest.mark.parametrize("where", ["lr", "step"])
+def test_a_replay_from_an_unrepresentable_number_is_a_one_line_error(tmp_path, where):
+    """``replay --checkpoint`` would hand torch an int no float holds: refused naming the file and the number."""
+    model, opt = resume_training.train(2)
+    sd = opt.state_dict()
+    if where == "lr":
+        sd["param_groups"][0]["lr"] = 10 ** 400
+    else:
+        sd["state"][0]["step"] = 10 ** 400
+    ck = resume_training.save(tmp_path / "ck.pt", model, sd, 2)
+    result = run_cli("replay", "--checkpoint", ck, "--code", "tests/resume_training.py", "--max-steps", "1",
+                     cwd=ROOT)
+    assert_one_line_error(result, str(ck), f"{where} = about 1e", "too large for a float")

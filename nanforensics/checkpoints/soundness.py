@@ -74,7 +74,8 @@ class Soundness:
 
     optimizers: list[str]  # recognised, per param group: "Adam-family ...", "SGD with momentum", "Adafactor ..."
     notes: list[str] = field(default_factory=list)  # what was not checked, and why
-    matched_by_order: bool = False  # the state names no parameters: position in the optimizer's order only
+    matched_by_order: bool = False  # the state names no parameters: matched by the optimizer's order (the notes say
+    # whether the model's state dict named them, verified by shapes, or they stay #i)
 
 
 def order_position(param: str | None) -> int | None:

@@ -244,7 +244,7 @@ def max_abs(tensors: list[torch.Tensor]) -> list[float]:
     order inf takes 7x)."""
     out = []
     for t in tensors:
-        lo, hi = min_max(t)
+        lo, hi = min_max(t._values() if t.is_sparse else t)
         out.append(torch.maximum(hi, -lo).float().to("cpu", non_blocking=True))
     return torch.stack(out).tolist() if out else []
 
@@ -298,11 +298,14 @@ class UpdateCheck:
         value it makes (state first, then the parameter), or None."""
         q = p.detach().clone()
         q.grad = p.grad.detach().clone()
-        copy = type(self.optimizer)([{**group, "params": [q]}])
-        copy.state[q] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                         for k, v in self.optimizer.state.get(p, {}).items()}
-        with torch.no_grad():
-            copy.step()
+        try:
+            copy = type(self.optimizer)([{**group, "params": [q]}])
+            copy.state[q] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                             for k, v in self.optimizer.state.get(p, {}).items()}
+            with torch.no_grad():
+                copy.step()
+        except (ValueError, TypeError, RuntimeError):
+            return None  # settings the constructor refuses now: the real step meets them itself, as unguarded
         for key, t in [*copy.state[q].items(), ("param", q)]:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 where = locate(t)

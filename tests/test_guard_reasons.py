@@ -15,6 +15,7 @@ from nanforensics import Recorder
 from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, nonfinite_flag
 from torch import nn
 
+from conftest import run_cli
 from guard_training import loop, mlp_step
 from test_guard import one_thread  # noqa: F401 - its autouse fixture: these models are tiny
 
@@ -85,6 +86,11 @@ def test_four_bad_batches_skipped_bit_for_bit_each_with_its_reason(tmp_path):
     assert skips[97]["grad"]["value"] in ("nan", "inf", "-inf")
     incident = json.loads((run / INCIDENTS / "step_00000041" / "incident.json").read_text())
     assert incident["reason"] == "update" and incident["update"] == update
+    out = tmp_path / "report.json"  # the incident replays the step the guard skipped, unguarded: the same coordinate
+    assert run_cli("replay", run / INCIDENTS / "step_00000041", "--json", out).code == 1
+    origin = json.loads(out.read_text())["origin"]
+    assert (origin["step"], origin["stage"], origin["state_key"], origin["tensor"], origin["index"]) == (
+        41, "optimizer_state", "exp_avg_sq", update["tensor"], update["index"])
 
 
 def test_without_the_loss_check_the_proof_skips_the_overflowing_target(tmp_path):

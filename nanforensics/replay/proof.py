@@ -245,8 +245,8 @@ def max_abs(tensors: list[torch.Tensor]) -> list[float]:
     out = []
     for t in tensors:
         lo, hi = min_max(t._values() if t.is_sparse else t)
-        out.append(torch.maximum(hi, -lo).float().to("cpu", non_blocking=True))
-    return torch.stack(out).tolist() if out else []
+        out.append(torch.maximum(hi, -lo).float())
+    return torch.stack([m.to(out[0].device) for m in out]).tolist() if out else []  # .tolist(): the one wait
 
 
 class UpdateCheck:

@@ -11,7 +11,8 @@ Printed, each against a plain training step interleaved round by round (benchlib
 2. what a skipped step costs: the guarded step of a bad batch (a fully padded document: NaN gradients) with its
    incident and the checkpoint after it, against the guarded step of a good one; and on the MLP, a step skipped for
    its update (finite gradients, Adam's g^2 overflowing), decided by the real step on a copy;
-3. the ring's memory against the batch size: bytes per step, and for a ring of ``checkpoint_every`` = 50 steps.
+3. the ring's memory against the batch size: bytes per step, and for a ring of ``checkpoint_every`` = 50 steps;
+4. the guard's own work in a decoder step, each part alone against AdamW's step (``--parts``: only this).
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from benchlib import CLOCKS, interleaved, paired_ratio, synced, verdict
 from nanforensics import Recorder
+from nanforensics.replay.proof import UpdateCheck, max_abs
 from nanforensics.runs.batches import map_tensors, snapshot
-from nanforensics.runs.guard import GuardPolicy, ring_nbytes
+from nanforensics.runs.guard import GuardPolicy, nonfinite_flag, ring_nbytes
 from nanforensics.words import count
 from torch import nn
 
@@ -154,6 +157,45 @@ def skipped_update(folder: Path, clock: str) -> None:
           f"skipped ({plain:.3f} s), {clock} clock, one sample")
 
 
+def guard_parts(rounds: int, batch_size: int) -> None:
+    """The guard's own work in a step of the decoder (AdamW, one thread, process clock), each part timed alone and
+    against the optimizer's step: steadier on a loaded machine than the whole step's ratio."""
+    torch.set_num_threads(1)
+    model = scenarios.build_decoder(**DECODER)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()
+    grads = [p.grad for p in params]
+    check = UpdateCheck(optimizer)
+    maxima = dict(zip(params, max_abs(grads)))
+
+    def proof() -> None:
+        check.hazard(maxima)
+        check.after_step()
+
+    batch = token_batch(0, batch_size, torch.device("cpu"))
+    parts = {"the gradient check (GradScaler's, no proof)": lambda: float(nonfinite_flag(grads, torch.device("cpu"))),
+             "the proof's read (aminmax per gradient)": lambda: max_abs(grads),
+             "the proof's arithmetic (bounds carried)": proof,
+             "AdamW's step": optimizer.step,
+             f"a plain training step (batch {batch_size})": lambda: scenarios.train_step_lm(model, optimizer, batch)}
+    times = {}
+    for name, f in parts.items():
+        f()
+        n = rounds if "training" not in name else max(1, rounds // 5)
+        start = time.process_time()
+        for _ in range(n):
+            f()
+        times[name] = (time.process_time() - start) / n
+    print(f"\n4. the guard's own work in a decoder step ({len(params)} parameters, 1 thread, process clock, "
+          f"{rounds} rounds; {check.trials} steps on a copy)")
+    step, whole = times["AdamW's step"], times[f"a plain training step (batch {batch_size})"]
+    for name, t in times.items():
+        print(f"  {name:<46}{t * 1e3:9.2f} ms  {t / step:6.3f}x AdamW's step  {t / whole:6.4f}x the training step")
+
+
 def ring_memory(sizes: list[int]) -> None:
     print("\n3. the ring (host memory): bytes per step, and for checkpoint_every = 50 steps")
     for size in sizes:
@@ -173,7 +215,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--parts", action="store_true", help="only section 4, the guard's own work per step")
     args = parser.parse_args()
+    if args.parts:
+        guard_parts(20, args.batch)
+        return
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
@@ -189,6 +235,7 @@ def main() -> None:
         skipped_step(device, args.batch, Path(tmp), args.clock)
         skipped_update(Path(tmp), args.clock)
     ring_memory([8, 32, 128, 512])
+    guard_parts(20, args.batch)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from nanforensics.checkpoints import soundness
 from nanforensics.checkpoints.scan import scan_checkpoint
 from nanforensics.formats import open_checkpoint
+from torch import nn
 
 import resume_training
 from conftest import ROOT, assert_one_line_error, run_cli
@@ -68,8 +69,12 @@ def _at(name: str) -> int:
     return ORDER.index(name)
 
 
+def _set_at(position: int, key: str, change: Callable[[torch.Tensor], None]) -> Callable[[dict[str, Any]], None]:
+    return lambda osd: change(osd["state"][position][key])
+
+
 def _set(name: str, key: str, change: Callable[[torch.Tensor], None]) -> Callable[[dict[str, Any]], None]:
-    return lambda osd: change(osd["state"][_at(name)][key])
+    return _set_at(_at(name), key, change)
 
 
 def _negative(t: torch.Tensor) -> None:
@@ -147,6 +152,26 @@ def test_several_groups_out_of_model_order_keep_positions_and_say_why(trained, t
     report = scan_checkpoint(open_checkpoint(ck))
     assert report.unsound == []
     assert any("several groups their order need not be the model's" in n for n in report.soundness.notes)
+
+
+def test_a_buffer_shaped_like_a_parameter_is_never_guessed(tmp_path):
+    """A buffer of the next parameter's shape: two alignments fit the shapes, so no name is given (a greedy match
+    would have named the weight's state ``mask``); one negative v is still found, at its position."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mask", torch.ones(4, 4))
+            self.lin = nn.Linear(4, 4)
+
+    model = Masked()
+    opt = torch.optim.Adam(model.parameters())
+    model.lin(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    ck = _save(tmp_path / "ck.pt", model, opt.state_dict(), _set_at(0, "exp_avg_sq", _negative))
+    report = scan_checkpoint(open_checkpoint(ck))
+    assert [(u.check, u.param) for u in report.unsound] == [(soundness.NEGATIVE, "#0")]
+    assert any("more than one choice of them as buffers fits" in n for n in report.soundness.notes)
 
 
 def test_no_model_state_keeps_positions_and_says_why(trained, tmp_path):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -247,42 +247,76 @@ def _model_dict(obj: Any, parts: tuple[dict[str, Any], Any] | None) -> dict[str,
     return None
 
 
+MAX_SKIPPED = 64  # model tensors beyond the optimizer's positions that the order match tells apart by shape
+
+
 def _name_by_order(layout: _Layout, states: list[dict[str, Any]], model: dict[str, torch.Tensor] | None) -> None:
     """Name the parameters as ``optimizer.load_state_dict`` matches them, by order: the model's tensors in its state
-    dict's order, buffers skipped (by name, and as many tensors as the model holds beyond the optimizer's positions
-    where a state's shape fits none of them), each position's state shapes verified against its parameter. Where
-    they fit, the layout is named; where one does not, that misfit is kept (a finding with one group: a group built
-    from ``model.parameters()`` follows its order; with several, their order need not be the model's)."""
+    dict's order, buffers skipped (BatchNorm's by name; others, as many as the model holds beyond the optimizer's
+    positions, wherever the state's shapes fit), each position's state shapes verified against its parameter. Named
+    only where exactly one such alignment exists; where none does, the first position no alignment reaches is a
+    misfit (a finding with one group: a group built from ``model.parameters()`` follows its order; with several,
+    their order need not be the model's)."""
     if model is None:
         layout.why_unnamed = "the checkpoint holds no model state dict beside it to match them with"
         return
     candidates = [(n, tuple(t.shape)) for n, t in model.items() if n.rpartition(".")[2] not in BUFFER_NAMES]
     surplus = len(candidates) - len(states)
-    if surplus < 0:
-        layout.why_unnamed = (f"the optimizer holds {len(states)} parameters, the model's state dict only "
-                              f"{len(candidates)} tensors besides buffers: they cannot be matched by order")
+    if not 0 <= surplus <= MAX_SKIPPED:
+        layout.why_unnamed = (f"the optimizer holds {len(states)} parameters, the model's state dict {len(candidates)} "
+                              "tensors besides BatchNorm's buffers: too " + ("few" if surplus < 0 else "many others")
+                              + " to match them by order")
         return
-    names, j = [], 0
-    for position, state in enumerate(states):
-        shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-        while surplus and not all(fits(k, s, candidates[j][1]) for k, s in shapes.items()):
-            j, surplus = j + 1, surplus - 1  # a buffer the name did not tell
-        name, shape = candidates[j]
-        bad = next((k for k, s in shapes.items() if not fits(k, s, shape)), None)
-        if bad is not None:
-            misfit = Misfit(position, bad, list(shapes[bad]), name, list(shape))
-            if len(layout.groups) == 1:
-                layout.misfit = misfit
-            layout.why_unnamed = (f"matched by order to the model's state dict, position {position}'s {bad} "
-                                  f"{list(shapes[bad])} does not fit {name} {list(shape)}"
-                                  + ("" if len(layout.groups) == 1 else
-                                     ", and with several groups their order need not be the model's"))
-            return
-        names.append(name)
-        j += 1
+    shapes = [{k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+              for state in states]
+
+    def fit(i: int, skipped: int) -> bool:
+        return all(fits(k, shape, candidates[i + skipped][1]) for k, shape in shapes[i].items())
+
+    # ways[i][s]: alignments of positions i.. with s model tensors skipped before them (counted up to 2)
+    n = len(states)
+    ways = [[0] * (surplus + 1) for _ in range(n)] + [[1] * (surplus + 1)]
+    for i in range(n - 1, -1, -1):
+        for skipped in range(surplus, -1, -1):
+            here = ways[i + 1][skipped] if fit(i, skipped) else 0
+            ways[i][skipped] = min(2, here + (ways[i][skipped + 1] if skipped < surplus else 0))
+    if n and ways[0][0] == 0:
+        _misfit(layout, shapes, candidates, surplus, fit)
+        return
+    if n and ways[0][0] > 1:
+        layout.why_unnamed = (f"the model's state dict holds {surplus} tensors beyond the optimizer's parameters, and "
+                              "more than one choice of them as buffers fits the state's shapes")
+        return
+    names, skipped = [], 0
+    for i in range(n):
+        while skipped < surplus and ways[i][skipped + 1]:
+            skipped += 1  # the one alignment skips a buffer here
+        names.append(candidates[i + skipped][0])
     for param, name in zip(layout.params.values(), names):
         param.label = name
     layout.named = layout.by_order = True
+
+
+def _misfit(layout: _Layout, shapes: list[dict[str, tuple[int, ...]]], candidates: list[tuple[str, tuple[int, ...]]],
+            surplus: int, fit: Callable[[int, int], bool]) -> None:
+    """The first position no alignment reaches, against the model's tensor the fewest skips put there."""
+    reach = set(range(surplus + 1))
+    position = 0
+    while True:
+        matched = {s for s in reach if fit(position, s)}
+        if not matched:
+            break
+        reach = set(range(min(matched), surplus + 1))
+        position += 1
+    skipped = min(reach)
+    name, shape = candidates[position + skipped]
+    bad = next(k for k, s in shapes[position].items() if not fits(k, s, shape))
+    if len(layout.groups) == 1:
+        layout.misfit = Misfit(position, bad, list(shapes[position][bad]), name, list(shape))
+    layout.why_unnamed = (f"matched by order to the model's state dict, position {position}'s {bad} "
+                          f"{list(shapes[position][bad])} does not fit {name} {list(shape)}"
+                          + ("" if len(layout.groups) == 1 else
+                             ", and with several groups their order need not be the model's"))
 
 
 def _groups_shaped(groups: Any) -> bool:

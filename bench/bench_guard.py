@@ -8,9 +8,11 @@ Printed, each against a plain training step interleaved round by round (benchlib
    wrapped ``optimizer.step`` and ``Recorder.log``: the loss read, the batch copied into the ring, its step line
    written; checkpoints excluded, ``state_check_every=10``), the same with the state checked after every step, and,
    for the decoder, fused AdamW guarded against fused AdamW plain (the verdict handed to the optimizer on the device);
-2. what a skipped step costs: the guarded step of a bad batch (a fully padded document) with its incident and the
-   checkpoint after it, against the plain step;
-3. the ring's memory against the batch size: bytes per step, and for a ring of ``checkpoint_every`` = 50 steps.
+2. what a skipped step costs: the guarded step of a bad batch (a fully padded document: NaN gradients) with its
+   incident and the checkpoint after it, against the guarded step of a good one; and on the MLP, a step skipped for
+   its update (finite gradients, Adam's g^2 overflowing), decided by the real step on a copy;
+3. the ring's memory against the batch size: bytes per step, and for a ring of ``checkpoint_every`` = 50 steps;
+4. the guard's own work in a decoder step, each part alone against AdamW's step (``--parts``: only this).
 """
 
 from __future__ import annotations
@@ -19,19 +21,23 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from benchlib import CLOCKS, interleaved, paired_ratio, synced, verdict
 from nanforensics import Recorder
+from nanforensics.replay.proof import UpdateCheck, max_abs
 from nanforensics.runs.batches import map_tensors, snapshot
-from nanforensics.runs.guard import GuardPolicy, ring_nbytes
+from nanforensics.runs.guard import GuardPolicy, nonfinite_flag, ring_nbytes
+from nanforensics.words import count
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import scenarios  # noqa: E402 - the test scenarios, outside the installed package
+from guard_training import mlp_step  # noqa: E402 - the MLP's step (named by the recorder as this file's)
 
 DECODER = {"vocab": 8192, "seq_len": 128, "d_model": 384, "n_head": 6, "n_layer": 6}
 
@@ -44,14 +50,6 @@ def token_batch(step: int, size: int, device: torch.device, defect: str | None =
 def build_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.ReLU())])
-
-
-def mlp_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
-    optimizer.zero_grad(set_to_none=True)
-    loss = (model(batch["x"]) - batch["y"]).pow(2).mean()
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 class Case:
@@ -132,6 +130,72 @@ def skipped_step(device: torch.device, size: int, folder: Path, clock: str) -> N
           f"{skipped / plain:.2f}x a guarded step that was not skipped ({plain:.3f} s), {clock} clock, one sample")
 
 
+def skipped_update(folder: Path, clock: str) -> None:
+    """One guarded MLP step whose gradients are finite but whose update is not (one sample of 1e16: Adam's g^2
+    overflows): the proof cannot bound it, the step on a copy of each unproven parameter decides, then the incident."""
+    model = build_mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rec = Recorder(Path(tempfile.mkdtemp(dir=folder)) / "run", model, optimizer, model_factory="bench/bench_guard.py:"
+                   "build_mlp", step_fn="bench/bench_guard.py:mlp_step", checkpoint_every=50, guard=True)
+    g = torch.Generator().manual_seed(1)
+    good = {"x": torch.randn(64, 1024, generator=g), "y": torch.randn(64, 1024, generator=g)}
+    bad = {"x": good["x"].clone(), "y": good["y"]}
+    bad["x"][3] = 1e16
+    rec.log(0, good, mlp_step(model, optimizer, good))
+    now = CLOCKS[clock]
+    start = now()
+    rec.log(1, good, mlp_step(model, optimizer, good))
+    plain = now() - start
+    start = now()
+    rec.log(2, bad, mlp_step(model, optimizer, bad))
+    skipped = now() - start
+    rec.close()
+    assert rec.guard is not None and rec.guard.skipped == [2], rec.guard.skipped if rec.guard else None
+    trials = rec.guard.update_check.trials if rec.guard.update_check else 0
+    print(f"   a skipped update on the MLP (finite gradients, Adam's g^2 overflowing; {count(trials, 'step')} on a copy): "
+          f"{skipped:.3f} s with its incident and checkpoint, {skipped / plain:.2f}x a guarded step that was not "
+          f"skipped ({plain:.3f} s), {clock} clock, one sample")
+
+
+def guard_parts(rounds: int, batch_size: int) -> None:
+    """The guard's own work in a step of the decoder (AdamW, one thread, process clock), each part timed alone and
+    against the optimizer's step: steadier on a loaded machine than the whole step's ratio."""
+    torch.set_num_threads(1)
+    model = scenarios.build_decoder(**DECODER)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()
+    grads = [p.grad for p in params]
+    check = UpdateCheck(optimizer)
+    maxima = dict(zip(params, max_abs(grads)))
+
+    def proof() -> None:
+        check.hazard(maxima)
+        check.after_step()
+
+    batch = token_batch(0, batch_size, torch.device("cpu"))
+    parts = {"the gradient check (GradScaler's, no proof)": lambda: float(nonfinite_flag(grads, torch.device("cpu"))),
+             "the proof's read (aminmax per gradient)": lambda: max_abs(grads),
+             "the proof's arithmetic (bounds carried)": proof,
+             "AdamW's step": optimizer.step,
+             f"a plain training step (batch {batch_size})": lambda: scenarios.train_step_lm(model, optimizer, batch)}
+    times = {}
+    for name, f in parts.items():
+        f()
+        n = rounds if "training" not in name else max(1, rounds // 5)
+        start = time.process_time()
+        for _ in range(n):
+            f()
+        times[name] = (time.process_time() - start) / n
+    print(f"\n4. the guard's own work in a decoder step ({len(params)} parameters, 1 thread, process clock, "
+          f"{rounds} rounds; {check.trials} steps on a copy)")
+    step, whole = times["AdamW's step"], times[f"a plain training step (batch {batch_size})"]
+    for name, t in times.items():
+        print(f"  {name:<46}{t * 1e3:9.2f} ms  {t / step:6.3f}x AdamW's step  {t / whole:6.4f}x the training step")
+
+
 def ring_memory(sizes: list[int]) -> None:
     print("\n3. the ring (host memory): bytes per step, and for checkpoint_every = 50 steps")
     for size in sizes:
@@ -151,7 +215,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--parts", action="store_true", help="only section 4, the guard's own work per step")
     args = parser.parse_args()
+    if args.parts:
+        guard_parts(20, args.batch)
+        return
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
@@ -165,7 +233,9 @@ def main() -> None:
         for case in cases:
             overhead(case, device, args.rounds, args.clock, Path(tmp), fused=case.name == "decoder")
         skipped_step(device, args.batch, Path(tmp), args.clock)
+        skipped_update(Path(tmp), args.clock)
     ring_memory([8, 32, 128, 512])
+    guard_parts(20, args.batch)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ guarded, or unguarded with ``optimizer.step()`` simply not called at the steps g
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import nanforensics
 import torch
@@ -59,6 +60,41 @@ def make_batch(step: int, defects: dict[int, str] = DEFECTS) -> dict[str, Any]:
     return {"x": x, "y": y, "ids": [f"s{step:04d}-{i}" for i in range(BATCH)]}
 
 
+@contextmanager
+def stepping(optimizer: torch.optim.Optimizer, step: bool) -> Iterator[None]:
+    """The reference loop's skip: ``optimizer.step()`` not called inside unless ``step``."""
+    real = optimizer.step
+    if not step:
+        optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        optimizer.step = real  # type: ignore[method-assign]
+
+
+def loop(rec: nanforensics.Recorder | None, model: nn.Module, optimizer: torch.optim.Optimizer,
+         step_fn: Callable[..., torch.Tensor], batches: Iterable[tuple[int, dict[str, Any]]],
+         skip: tuple[int, ...] = ()) -> None:
+    """Each batch through ``step_fn``, logged to ``rec`` (None: unrecorded, ``optimizer.step()`` not called at
+    ``skip``), then ``rec`` closed."""
+    for step, batch in batches:
+        with stepping(optimizer, step not in skip):
+            loss = step_fn(model, optimizer, batch)
+        if rec is not None:
+            rec.log(step, batch, loss)
+    if rec is not None:
+        rec.close()
+
+
+def mlp_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """A plain regression step, no clipping: a huge finite gradient reaches the optimizer as it is."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = (model(batch["x"]) - batch["y"]).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def make_optimizer(model: nn.Module, eps: float = 1e-8, fused: bool = False) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps, fused=fused or None)
 
@@ -72,16 +108,7 @@ def train(run_dir: Path | None, steps: int, *, skip: tuple[int, ...] = (), fused
     if run_dir is not None:
         rec = nanforensics.Recorder(run_dir, model, optimizer, model_factory=build_model, step_fn=train_step,
                                     guard=True, **options)
-    real_step = optimizer.step
-    for step in range(steps):
-        if step in skip:
-            optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
-        loss = train_step(model, optimizer, make_batch(step, defects))
-        optimizer.step = real_step  # type: ignore[method-assign]
-        if rec is not None:
-            rec.log(step, make_batch(step, defects), loss)
-    if rec is not None:
-        rec.close()
+    loop(rec, model, optimizer, train_step, ((step, make_batch(step, defects)) for step in range(steps)), skip)
     return model
 
 
@@ -109,14 +136,36 @@ def build_adam_eps0(model: nn.Module) -> torch.optim.Optimizer:
 THAW = 23  # the step whose update makes the NaN in train_update_nan
 
 
-def train_update_nan(run_dir: Path, steps: int, guard: Any = True, **options: Any) -> nn.Module:
+def train_update_nan(run_dir: Path | None, steps: int, guard: Any = True, skip: tuple[int, ...] = (),
+                     **options: Any) -> nn.Module:
     """Adam with eps=0; the head's bias first gets a gradient, exactly zero, at step THAW: no gradient is non-finite,
-    the update is (0/0)."""
+    the update is (0/0). Unguarded without ``run_dir``, ``optimizer.step()`` not called at ``skip``."""
     model = build_model()
     optimizer = build_adam_eps0(model)
-    with nanforensics.Recorder(run_dir, model, optimizer, model_factory=build_model, step_fn=zero_grad_step,
-                               optimizer_factory=build_adam_eps0, guard=guard, **options) as rec:
+    rec = nanforensics.Recorder(run_dir, model, optimizer, model_factory=build_model, step_fn=zero_grad_step,
+                                optimizer_factory=build_adam_eps0, guard=guard, **options) if run_dir else None
+    loop(rec, model, optimizer, zero_grad_step,
+         ((step, {**make_batch(step, {}), "thaw": step == THAW}) for step in range(steps)), skip)
+    return model
+
+
+def flip_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """A step followed by code that writes a NaN into a parameter at the step the batch says (a bit flip, a buggy
+    hook): nothing before ``optimizer.step()`` shows it, so no skip can prevent it."""
+    loss = train_step(model, optimizer, batch)
+    if batch["flip"]:
+        with torch.no_grad():
+            model.head.bias.mul_(float("nan"))
+    return loss
+
+
+def train_flip(run_dir: Path, steps: int, guard: Any = True, **options: Any) -> nn.Module:
+    """A NaN written after the step at THAW: found by the state check, the run stopped (or rolled back)."""
+    model = build_model()
+    optimizer = make_optimizer(model)
+    with nanforensics.Recorder(run_dir, model, optimizer, model_factory=build_model, step_fn=flip_step,
+                               guard=guard, **options) as rec:
         for step in range(steps):
-            batch = {**make_batch(step, {}), "thaw": step == THAW}
-            rec.log(step, batch, zero_grad_step(model, optimizer, batch))
+            batch = {**make_batch(step, {}), "flip": step == THAW}
+            rec.log(step, batch, flip_step(model, optimizer, batch))
     return model

@@ -86,9 +86,21 @@ def test_each_incident_replays_to_its_step_tensor_and_sample(guarded, tmp_path, 
     assert report["samples"]["sample_leaves"] == {"batch['ids']": [f"s{step:04d}-{gt.BAD_SAMPLE}"]}
 
 
-def test_the_update_that_makes_the_nan_stops_the_run_with_an_incident(tmp_path):
+def test_the_update_that_would_make_the_nan_from_finite_gradients_is_skipped(tmp_path):
+    """Adam with eps=0 meets an exactly zero gradient: every gradient finite, the update 0/0. The proof cannot bound it
+    (eps is 0), the real step on a copy makes the NaN: skipped, bit for bit as the loop that did not step there."""
+    model = gt.train_update_nan(tmp_path / "run", 40, checkpoint_every=10)
+    reference = gt.train_update_nan(None, 40, skip=(gt.THAW,))
+    for got, want in zip(model.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(got, want)
+    skip = next(e for e in events(tmp_path / "run") if e["event"] == "skip")
+    assert (skip["step"], skip["reason"], skip["grad"]) == (gt.THAW, "update", None)
+    assert skip["update"] == {"tensor": "head.bias", "state": "param", "index": [0], "value": "nan"}
+
+
+def test_a_nan_written_after_the_step_stops_the_run_with_an_incident(tmp_path):
     with pytest.raises(GuardStop) as stop:
-        gt.train_update_nan(tmp_path / "run", 40, checkpoint_every=10, guard=GuardPolicy(state_check_every=5))
+        gt.train_flip(tmp_path / "run", 40, checkpoint_every=10, guard=GuardPolicy(state_check_every=5))
     incident = stop.value.incident
     assert incident == tmp_path / "run" / INCIDENTS / "step_00000024"  # found at the first check after THAW
     found = events(tmp_path / "run")[0]
@@ -98,13 +110,10 @@ def test_the_update_that_makes_the_nan_stops_the_run_with_an_incident(tmp_path):
     report = json.loads(out.read_text())
     assert report["responsible_step"] == gt.THAW
     assert (report["origin"]["stage"], report["origin"]["tensor"]) == ("param", "head.bias")
-    assert report["operation"]["site"]["phase"] == "optimizer"
-    assert report["operation"]["site"]["op"].startswith("aten::addcdiv")
 
 
 def test_rollback_restores_the_newest_checkpoint_and_training_goes_on(tmp_path):
-    model = gt.train_update_nan(tmp_path / "run", 40, checkpoint_every=10,
-                                guard=GuardPolicy(state_check_every=5, rollback=True))
+    model = gt.train_flip(tmp_path / "run", 40, checkpoint_every=10, guard=GuardPolicy(state_check_every=5, rollback=True))
     assert all(torch.isfinite(p).all() for p in model.parameters())
     log = events(tmp_path / "run")
     assert [(e["event"], e.get("rolled_back_to")) for e in log] == [("rollback", 20), ("summary", None)]
@@ -244,8 +253,12 @@ def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
     for how in ("ddp", "fsdp2"):
         results = [json.loads((tmp_path / f"{how}.rank{r}.json").read_text()) for r in range(2)]
         assert sorted(r["rank"] for r in results) == [0, 1] and all(r["finite"] and r["equal"] for r in results), how
-        skip = events(tmp_path / how)[0]
-        assert (skip["event"], skip["step"]) == ("skip", job.DEFECT_STEP)
+        log = events(tmp_path / how)
+        skip = next(e for e in log if e["event"] == "skip")
+        assert (skip["step"], skip["reason"]) == (job.DEFECT_STEP, "gradient")
+        # FSDP2's shards are DTensors: the update's proof does not go there, and the log says so
+        assert [e["event"] for e in log if e["event"] == "gradient_check_only"] == (["gradient_check_only"] if how ==
+                                                                                   "fsdp2" else [])
         assert job.BAD_RANK in skip["ranks_nonfinite_grad"] or how == "fsdp2"  # FSDP2: the shard that holds row 3
         assert f"sample-{job.defect_index():05d}" in skip["per_rank"][job.BAD_RANK]["samples"]["batch['id']"]
         out = tmp_path / f"{how}.json"

@@ -114,7 +114,7 @@ def state_chunks(draw: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     b1 = draw(st.floats(0.0, math.sqrt(b2) - 1e-3))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
     limit = soundness.adam_bound(b1, b2)
-    rtol, atol = soundness._tolerance(dtype, b2, limit)
+    rtol, atol = soundness._tolerance(dtype, b1, b2, limit)
     n = draw(st.integers(1, 3))  # few coordinates: any one found suspect makes the whole chunk so
     v = [draw(_MAGNITUDES) * draw(st.sampled_from([1.0, 1.0, -1.0])) for _ in range(n)]
     m = []

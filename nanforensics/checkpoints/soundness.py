@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo, torch_file
-from ..formats.source import Release, lightning_parts
+from ..formats.source import BUFFER_NAMES, Release, lightning_parts
+from ..formats.training_state import MODEL_KEYS
 from ..inputs import TensorFile
+from ..numbers import pair, real, root
 from ..report import Event, Unsound
 from ..runs.checkpoint import EXTRAS_FILE, Checkpoint, param_names, state_from_json
 from ..words import count
@@ -72,7 +74,8 @@ class Soundness:
 
     optimizers: list[str]  # recognised, per param group: "Adam-family ...", "SGD with momentum", "Adafactor ..."
     notes: list[str] = field(default_factory=list)  # what was not checked, and why
-    matched_by_order: bool = False  # the state names no parameters: position in the optimizer's order only
+    matched_by_order: bool = False  # the state names no parameters: matched by the optimizer's order (the notes say
+    # whether the model's state dict named them, verified by shapes, or they stay #i)
 
 
 def order_position(param: str | None) -> int | None:
@@ -88,28 +91,25 @@ def adam_bound(beta1: float, beta2: float) -> float | None:
     return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
 
 
-def _tolerance(dtype: torch.dtype, beta2: float, bound: float) -> tuple[float, float]:
+CHECK_ROUNDING = 16 * 2.0 ** -24  # the check's own float32 arithmetic, with room for the screen (``_suspect``)
+
+
+def _tolerance(dtype: torch.dtype, beta1: float, beta2: float, bound: float) -> tuple[float, float]:
     """Relative and absolute slack for rounding: a few units in the last place of the state's dtype, and the
-    moments of gradients so small that (1-b2) g^2 falls below the dtype's smallest normal number."""
+    moments of gradients so small that (1-b2) g^2 falls below the dtype's smallest normal number.
+
+    The relative slack: each step rounds m once (lerp) and v twice (mul, addcmul), by at most u = eps/2 of the state's
+    dtype. The bound is reached only by gradients growing as (b2/b1)^t, where each step's terms outweigh the decayed
+    older ones: the rounding errors of step t-j weigh (b1^2/b2)^j against m_t and sqrt(v_t) (v's two roundings halved
+    by the root), so m and sqrt(v) are each off by at most u / (1 - b1^2/b2) relative, 2u / (1 - b1^2/b2) in all
+    (5 units in the last place at the default betas: 6e-7 in float32, 0.04 in bfloat16), plus the float32 arithmetic
+    of the check."""
     info = torch.finfo(dtype)
-    return max(1e-3, 8 * info.eps), bound * math.sqrt(info.tiny / (1 - beta2))
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.item())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
+    return info.eps / (1 - beta1 * beta1 / beta2) + CHECK_ROUNDING, bound * math.sqrt(info.tiny / (1 - beta2))
 
 
 def _betas(hyper: Mapping[str, Any]) -> tuple[float, float] | None:
-    betas = hyper.get("betas")
-    if isinstance(betas, (list, tuple)) and len(betas) == 2:
-        b1, b2 = _number(betas[0]), _number(betas[1])
-        if b1 is not None and b2 is not None:
-            return b1, b2
-    return None
+    return pair(hyper.get("betas"))
 
 
 def optimizer_kind(hyper: Mapping[str, Any], keys: Iterable[str]) -> str:
@@ -121,7 +121,7 @@ def optimizer_kind(hyper: Mapping[str, Any], keys: Iterable[str]) -> str:
         return "Adamax"
     if _betas(hyper) is not None and ({"exp_avg", "exp_avg_sq"} <= keys or not keys - {"step"}):
         return "Adam-family (Adam, AdamW, NAdam, RAdam)" + (" with amsgrad" if hyper.get("amsgrad") else "")
-    if "momentum_buffer" in keys or (not keys and (_number(hyper.get("momentum")) or 0) > 0):
+    if "momentum_buffer" in keys or (not keys and (real(hyper.get("momentum")) or 0) > 0):
         return "SGD with momentum"
     return "other (checked: non-negative second moments, shapes, dtypes, step, hyperparameters)"
 
@@ -143,6 +143,9 @@ class _Layout:
     named: bool
     scaler: Any = None
     exact_step: bool = False  # the checkpoint's step counts the optimizer steps before it (our run format)
+    by_order: bool = False  # the names come from the model's order (verified by shapes), not from the state
+    why_unnamed: str = ""  # where the parameters are ``#i``: why the model's order could not name them
+    misfit: "Misfit | None" = None  # the first position whose state does not fit the model's parameter there
 
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -188,7 +191,7 @@ def _of_object(obj: Any, order_names: list[str] | None) -> _Layout | None:
     if len(found) != 1:
         return None
     prefix, sd = found[0]
-    groups, params, named, position = [], {}, True, 0
+    groups, params, named, states = [], {}, True, []
     if not _groups_shaped(sd["param_groups"]):
         return None
     for g, group in enumerate(sd["param_groups"]):
@@ -198,14 +201,122 @@ def _of_object(obj: Any, order_names: list[str] | None) -> _Layout | None:
         for i, pid in enumerate(group["params"]):
             label = str(names[i]) if names is not None and i < len(names) else str(pid)
             state = sd["state"].get(pid, {}) if isinstance(pid, (int, str)) else {}
-            scalars = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)} if isinstance(state, dict) \
-                else {}
-            own = label if names is not None else order_names[position] \
-                if order_names is not None and position < len(order_names) else f"#{position}"
-            params[".".join(prefix + ("state", label))] = _Param(own, g, scalars=scalars)
-            position += 1
+            state = state if isinstance(state, dict) else {}
+            states.append(state)
+            own = label if names is not None else order_names[len(states) - 1] \
+                if order_names is not None and len(states) <= len(order_names) else f"#{len(states) - 1}"
+            params[".".join(prefix + ("state", label))] = _Param(
+                own, g, scalars={k: v for k, v in state.items() if not isinstance(v, torch.Tensor)})
     scaler = next((obj[k] for k in SCALER_KEYS if isinstance(obj, dict) and isinstance(obj.get(k), dict)), None)
-    return _Layout(groups, params, named, scaler)
+    layout = _Layout(groups, params, named, scaler)
+    if not named and order_names is None:
+        _name_by_order(layout, states, _model_dict(obj, parts))
+    return layout
+
+
+@dataclass(frozen=True)
+class Misfit:
+    """A position of the optimizer's order whose state does not fit the model's parameter at that position."""
+
+    position: int
+    key: str
+    state_shape: list[int]
+    param: str
+    param_shape: list[int]
+
+
+def fits(key: str, state: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """Whether state ``key`` of this shape can be a parameter's of that shape: torch lays the per-element state out
+    like the parameter, a factored moment (Adafactor's) with some dims 1; other keys are not known, so they fit."""
+    if key in PER_ELEMENT:
+        return state == param
+    if key in FACTORED:
+        return len(state) == len(param) and all(s in (1, p) for s, p in zip(state, param))
+    return True
+
+
+def _model_dict(obj: Any, parts: tuple[dict[str, Any], Any] | None) -> dict[str, torch.Tensor] | None:
+    """The model's state dict beside the optimizer's in one ``torch.save`` object (Lightning's ``state_dict``), in
+    the order ``state_dict()`` wrote it; None where there is none."""
+    if parts is not None:
+        return {k: v for k, v in parts[0].items() if isinstance(v, torch.Tensor)}
+    for key in MODEL_KEYS:
+        value = obj.get(key) if isinstance(obj, dict) else None
+        if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+            return value
+    return None
+
+
+MAX_SKIPPED = 64  # model tensors beyond the optimizer's positions that the order match tells apart by shape
+
+
+def _name_by_order(layout: _Layout, states: list[dict[str, Any]], model: dict[str, torch.Tensor] | None) -> None:
+    """Name the parameters as ``optimizer.load_state_dict`` matches them, by order: the model's tensors in its state
+    dict's order, buffers skipped (BatchNorm's by name; others, as many as the model holds beyond the optimizer's
+    positions, wherever the state's shapes fit), each position's state shapes verified against its parameter. Named
+    only where exactly one such alignment exists; where none does, the first position no alignment reaches is a
+    misfit (a finding with one group: a group built from ``model.parameters()`` follows its order; with several,
+    their order need not be the model's)."""
+    if model is None:
+        layout.why_unnamed = "the checkpoint holds no model state dict beside it to match them with"
+        return
+    candidates = [(n, tuple(t.shape)) for n, t in model.items() if n.rpartition(".")[2] not in BUFFER_NAMES]
+    surplus = len(candidates) - len(states)
+    if not 0 <= surplus <= MAX_SKIPPED:
+        layout.why_unnamed = (f"the optimizer holds {len(states)} parameters, the model's state dict {len(candidates)} "
+                              "tensors besides BatchNorm's buffers: too " + ("few" if surplus < 0 else "many others")
+                              + " to match them by order")
+        return
+    shapes = [{k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+              for state in states]
+
+    def fit(i: int, skipped: int) -> bool:
+        return all(fits(k, shape, candidates[i + skipped][1]) for k, shape in shapes[i].items())
+
+    # ways[i][s]: alignments of positions i.. with s model tensors skipped before them (counted up to 2)
+    n = len(states)
+    ways = [[0] * (surplus + 1) for _ in range(n)] + [[1] * (surplus + 1)]
+    for i in range(n - 1, -1, -1):
+        for skipped in range(surplus, -1, -1):
+            here = ways[i + 1][skipped] if fit(i, skipped) else 0
+            ways[i][skipped] = min(2, here + (ways[i][skipped + 1] if skipped < surplus else 0))
+    if n and ways[0][0] == 0:
+        _misfit(layout, shapes, candidates, surplus, fit)
+        return
+    if n and ways[0][0] > 1:
+        layout.why_unnamed = (f"the model's state dict holds {surplus} tensors beyond the optimizer's parameters, and "
+                              "more than one choice of them as buffers fits the state's shapes")
+        return
+    names, skipped = [], 0
+    for i in range(n):
+        while skipped < surplus and ways[i][skipped + 1]:
+            skipped += 1  # the one alignment skips a buffer here
+        names.append(candidates[i + skipped][0])
+    for param, name in zip(layout.params.values(), names):
+        param.label = name
+    layout.named = layout.by_order = True
+
+
+def _misfit(layout: _Layout, shapes: list[dict[str, tuple[int, ...]]], candidates: list[tuple[str, tuple[int, ...]]],
+            surplus: int, fit: Callable[[int, int], bool]) -> None:
+    """The first position no alignment reaches, against the model's tensor the fewest skips put there."""
+    reach = set(range(surplus + 1))
+    position = 0
+    while True:
+        matched = {s for s in reach if fit(position, s)}
+        if not matched:
+            break
+        reach = set(range(min(matched), surplus + 1))
+        position += 1
+    skipped = min(reach)
+    name, shape = candidates[position + skipped]
+    bad = next(k for k, s in shapes[position].items() if not fits(k, s, shape))
+    if len(layout.groups) == 1:
+        layout.misfit = Misfit(position, bad, list(shapes[position][bad]), name, list(shape))
+    layout.why_unnamed = (f"matched by order to the model's state dict, position {position}'s {bad} "
+                          f"{list(shapes[position][bad])} does not fit {name} {list(shape)}"
+                          + ("" if len(layout.groups) == 1 else
+                             ", and with several groups their order need not be the model's"))
 
 
 def _groups_shaped(groups: Any) -> bool:
@@ -259,7 +370,7 @@ def _adam_terms(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> 
     limit = adam_bound(*betas) if betas is not None and "exp_avg" in state and "exp_avg_sq" in state else None
     if betas is None or limit is None:
         return None
-    return (limit, *_tolerance(hyper.get("_dtype", torch.float32), betas[1], limit))
+    return (limit, *_tolerance(hyper.get("_dtype", torch.float32), betas[0], betas[1], limit))
 
 
 def flags(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -287,10 +398,10 @@ def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any], scratc
 
     Adam's bound is screened as min(v - m^2/K^2) >= -atol^2/(2K^2), K = k(1 + r/2) (half the slack ``flags``
     allows): a coordinate that ``flags`` marks has |m| > k(1+r) sqrt(v) + atol, so v - m^2/K^2 < -r(k/K)^2 v -
-    atol^2/K^2, a margin float32's rounding (relative 2^-24 a product; r >= 1e-3) cannot close. An m^2/K^2 that
-    overflows gives -inf, suspect. The same pass stands in for v's own sign: a negative v leaves v - m^2/K^2
-    negative, so only a chunk whose minimum is negative has v read again. A slack below 2^-140 (float64 state) is not
-    screened: beside it, float32's underflow (2^-149) is no longer small."""
+    atol^2/K^2, a margin float32's rounding (relative 2^-24 a product, three of them; r/2 >= 8 * 2^-24) cannot
+    close. An m^2/K^2 that overflows gives -inf, suspect. The same pass stands in for v's own sign: a negative v
+    leaves v - m^2/K^2 negative, so only a chunk whose minimum is negative has v read again. A slack below 2^-140
+    (float64 state) is not screened: beside it, float32's underflow (2^-149) is no longer small."""
     out = scratch[:next(iter(state.values())).numel()]
     v = state.get("exp_avg_sq")
     bound = _adam_terms(state, hyper)
@@ -362,9 +473,14 @@ class Checker:
         if self.layout is None:
             self.notes.append("the checkpoint records no parameter groups: Adam's bound, the step and the "
                               "hyperparameters are not checked, only non-negative second moments and amsgrad's maximum")
+        elif self.layout.by_order:
+            self.notes.append("the optimizer state names no parameters: their names come from the model's state dict "
+                              "by order (as optimizer.load_state_dict matches them), verified by the shapes of every "
+                              "state tensor")
         elif not self.layout.named:
             self.notes.append("the optimizer state names no parameters (matched to them by order): shapes and dtypes "
-                              "are not checked against the parameters, and a parameter is named by its position (#i)")
+                              "are not checked against the parameters, and a parameter is named by its position (#i)"
+                              + (f": {self.layout.why_unnamed}" if self.layout.why_unnamed else ""))
 
     def feed(self, info: TensorInfo, tensor: torch.Tensor, release: Release, finite: bool) -> None:
         if info.group != OPTIMIZER:
@@ -382,9 +498,24 @@ class Checker:
         if self.layout is not None:
             self._groups()
             self._scaler()
+            self._misfit()
         kinds = [self.kinds.get(g, optimizer_kind(h, ())) for g, h in enumerate(self.layout.groups)] \
             if self.layout else []
-        return Soundness(kinds, self.notes, matched_by_order=self.layout is not None and not self.layout.named)
+        return Soundness(kinds, self.notes, matched_by_order=self.layout is not None and (
+            not self.layout.named or self.layout.by_order))
+
+    def _misfit(self) -> None:
+        m = self.layout.misfit if self.layout else None
+        if m is None:
+            return
+        tensor = f"{list(self.layout.params)[m.position]}.{m.key}"
+        self.unsound.append(Unsound(
+            SHAPE, tensor, f"#{m.position}", 0, None,
+            {"position": m.position, "state_shape": m.state_shape, "param": m.param, "param_shape": m.param_shape},
+            f"the optimizer state at position {m.position} ({m.key} {m.state_shape}) does not fit the model's parameter "
+            f"at that position, {m.param} {m.param_shape}: optimizer.load_state_dict matches state to parameters by "
+            "order, so a resume hands it a state of another shape (an error at the next update, or a wrong broadcast); "
+            "the state belongs to another model, or parameters were added, removed or reordered since it was saved"))
 
     # -- per parameter --
 
@@ -400,7 +531,7 @@ class Checker:
         found = Found(self, label, group, {k: h.info.name for k, h in held.items()})
         if entry is not None and self.layout is not None and self.layout.named:
             self._layout_checks(found, entry, held)
-        step = _number(held["step"].tensor) if "step" in held else _number(entry.scalars.get("step")) if entry else None
+        step = real(held["step"].tensor) if "step" in held else real(entry.scalars.get("step")) if entry else None
         tensors = {k: h for k, h in held.items()
                    if h.tensor.is_floating_point() and h.tensor.dim() > 0 and h.tensor.layout == torch.strided}
         same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
@@ -423,9 +554,7 @@ class Checker:
             if key not in PER_ELEMENT and key not in FACTORED or not t.dtype.is_floating_point \
                     or not param.dtype.is_floating_point:
                 continue
-            fits = t.shape == param.shape if key in PER_ELEMENT else (
-                len(t.shape) == len(param.shape) and all(s in (1, p) for s, p in zip(t.shape, param.shape)))
-            if not fits:
+            if not fits(key, tuple(t.shape), tuple(param.shape)):
                 found.add(SHAPE, key, None, {"state_shape": list(t.shape), "param_shape": list(param.shape)},
                           f"{key} of {entry.label} is {list(t.shape)}, its parameter {list(param.shape)}: it belongs to "
                           "another parameter (or another model); torch's load_state_dict takes it unchecked, and the "
@@ -452,7 +581,7 @@ class Checker:
         """Flags, zeros at eps = 0, and (for a step of 0) whether any moment holds a value; returns the last."""
         v_dtype = held["exp_avg_sq"].tensor.dtype if "exp_avg_sq" in held else torch.float32
         tallies: dict[str, _Tally] = {}
-        eps = _number(hyper.get("eps"))
+        eps = real(hyper.get("eps"))
         denominator = "max_exp_avg_sq" if hyper.get("amsgrad") and "max_exp_avg_sq" in held else "exp_avg_sq"
         zeros = _Tally()
         nonzero = False
@@ -489,8 +618,8 @@ class Checker:
                       "1 - beta^step is then meaningless (NaN or a negative divisor)")
         elif step == 0 and nonzero:
             betas = _betas(hyper)
-            scale = f" (the update scaled by sqrt(1-b2)/(1-b1) = {math.sqrt(1 - betas[1]) / (1 - betas[0]):.2g} of " \
-                    "what the moments' age gives)" if betas and betas[0] < 1 else ""
+            scale = f" (the update scaled by sqrt(1-b2)/(1-b1) = {root(1 - betas[1]) / (1 - betas[0]):.2g} of " \
+                    "what the moments' age gives)" if betas and betas[0] < 1 and 0 <= betas[1] <= 1 else ""
             found.add(STEP, "step", None, {"step": step, "checkpoint_step": ck_step},
                       f"step of {found.label} is 0 while its moments hold values: the counter was reset with the "
                       f"moments kept; the next update's bias correction divides them as if they held one gradient"
@@ -523,7 +652,7 @@ class Checker:
     def _hyperparameter(self, g: int, key: str, value: Any) -> None:
         values = value if key in ("betas", "eps") and isinstance(value, (list, tuple)) else [value]
         for i, item in enumerate(values):
-            x = _number(item)
+            x = real(item)
             name = f"{key}[{i}]" if len(values) > 1 or key == "betas" else key
             if x is None:
                 continue
@@ -538,7 +667,7 @@ class Checker:
 
     def _scaler(self) -> None:
         state = self.layout.scaler if self.layout else None
-        scale = _number(state.get("scale")) if isinstance(state, dict) else None
+        scale = real(state.get("scale")) if isinstance(state, dict) else None
         if scale is None or (math.isfinite(scale) and scale > 0):
             return
         effect = ("every scaled gradient is inf or NaN, so the scaler skips every step and backs off to inf times its "
@@ -598,7 +727,7 @@ def _message(check: str, key: str, label: str, where: list[int], t: _Tally, hype
     assert betas is not None
     limit = adam_bound(*betas)
     assert limit is not None
-    lr, eps = _number(hyper.get("lr")), _number(hyper.get("eps")) or 0.0
+    lr, eps = real(hyper.get("lr")), real(hyper.get("eps")) or 0.0
     m, s = v["exp_avg"], v["exp_avg_sq"]
     ratio = abs(m) / max(eps, math.sqrt(max(s, 0.0)), 1e-45)
     size = f" (about {lr * ratio:.3g} from this pair alone; a sound pair moves it at most about {lr * limit:.3g})" \
@@ -647,7 +776,7 @@ def unsound_coordinates(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, 
             v_dtype = state["exp_avg_sq"].dtype if isinstance(state.get("exp_avg_sq"), torch.Tensor) else torch.float32
             masks = list(flags(tensors, {**group, "_dtype": v_dtype}).values())
             mask = torch.stack(masks).any(dim=0) if masks else torch.zeros(p.shape, dtype=torch.bool, device=p.device)
-            step = _number(state.get("step"))
+            step = real(state.get("step"))
             if step == 0 and any(bool(t.any()) for t in tensors.values()):
                 mask = torch.ones_like(mask)
             if bool(mask.any()):

@@ -39,6 +39,7 @@ import torch
 
 from ..errors import BadInput
 from ..inputs import TensorFile
+from ..numbers import spoken, unrepresentable
 from ..runs.checkpoint import Checkpoint, b64, restore_rng, rng_state, state_from_json
 from . import torch_file
 from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS
@@ -337,6 +338,10 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd:
     saved_groups = sd["param_groups"]
     if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups):
         raise BadInput(where, "optimizer state is malformed: a parameter group without a 'params' list")
+    huge = _unrepresentable(sd)
+    if huge is not None:
+        raise BadInput(where, f"optimizer state holds {huge}, an integer too large for a float: torch cannot step "
+                              "with it (`nanforensics scan` reports it as unsound)")
     named = _saved_names(saved_groups)
     state, groups = (_by_name(model, optimizer, sd, named, where, factory) if named is not None
                      else _by_order(optimizer, sd, where, factory))
@@ -374,6 +379,21 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd:
     shared = sum(n for g in optimizer.param_groups
                  for n in Counter(tuple(p.shape) for p in g["params"]).values() if n > 1)
     return ORDER, shared
+
+
+def _unrepresentable(sd: dict[str, Any]) -> str | None:
+    """The first hyperparameter or state scalar no float holds (``lr = 10**400``), named; None when there is none."""
+    for g, group in enumerate(sd["param_groups"]):
+        for key, value in _hyperparameters(group).items():
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if unrepresentable(item):
+                    return f"{key} = {spoken(item)} in group {g}"
+    states = sd["state"].items() if isinstance(sd["state"], dict) else []
+    for pid, state in states:
+        for key, value in state.items() if isinstance(state, dict) else []:
+            if unrepresentable(value):
+                return f"{key} = {spoken(value)} for parameter {pid}"
+    return None
 
 
 def _labels(model: torch.nn.Module) -> dict[int, str]:

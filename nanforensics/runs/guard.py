@@ -1,5 +1,7 @@
-"""The guard of ``Recorder(guard=True)``: a step whose gradients are non-finite is skipped before the optimizer writes
-anything, and each skip (or stop) leaves an incident directory that replays like a fully recorded run.
+"""The guard of ``Recorder(guard=True)``: a step is skipped before the optimizer writes anything when its gradients are
+non-finite, when its loss is (``skip_nonfinite_loss``), or when the update would make a non-finite state or parameter
+value from finite ones (the replay's proof, ``replay.proof.UpdateCheck``: one proof, two users); each skip (or stop)
+leaves an incident directory that replays like a fully recorded run, naming which of the three fired.
 
 Why before the step: once Adam's moments hold a non-finite value the state is absorbing (README), so a skip helps
 only before ``optimizer.step()`` writes them. The user's step function calls ``optimizer.step()`` itself, so the guard
@@ -9,16 +11,18 @@ An optimizer that takes a ``found_inf`` tensor (fused Adam and AdamW, GradScaler
 on the device and skips there, bit for bit as under a GradScaler, with no host synchronisation; any other is called
 or not on the host's reading of it, the step's one synchronisation.
 
-What a skip cannot undo: a non-finite value the update makes from finite gradients (Adam with ``eps=0`` on a zero
-gradient, code after the step). Parameters and optimizer state are checked every ``state_check_every`` steps and
-before every checkpoint; a non-finite one stops the run (``GuardStop``) with an incident, or, with ``rollback=True``,
-restores an in-memory copy of the state at the newest checkpoint.
+What a skip cannot undo: a non-finite value written after the step (code after it, a bit flip), or by an update the
+proof does not cover (another optimizer: the gradients and the loss alone decide, said once in the log). Parameters
+and optimizer state are checked every ``state_check_every`` steps and before every checkpoint; a non-finite one stops
+the run (``GuardStop``) with an incident, or, with ``rollback=True``, restores an in-memory copy of the state at the
+newest checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import types
@@ -32,7 +36,8 @@ import torch.distributed as dist
 from ..distributed.layout import rank_dir
 from ..distributed.tensors import is_dtensor
 from ..distributed.world import object_group
-from ..finite import is_finite, locate
+from ..finite import is_finite, locate, value_name
+from ..replay.proof import Hazard, UpdateCheck, max_abs, provable
 from .batches import data_leaves, encoded_bytes, leaves
 from .checkpoint import checkpoint_name, optimizer_params, param_names
 from .files import make_build_dir, publish_dir_atomic, write_bytes_atomic, write_json_atomic
@@ -68,7 +73,8 @@ class GuardPolicy:
     before a checkpoint is written). ``ring_bytes``: the most batch bytes kept in memory; a checkpoint comes early
     when the ring would hold more (its size in steps is ``checkpoint_every``). ``rollback``: keep a copy of the
     parameters, buffers and optimizer state of the newest checkpoint on their device (their size again in memory),
-    restored when the update made a value non-finite, instead of stopping.
+    restored when the update made a value non-finite, instead of stopping. ``skip_nonfinite_loss``: skip a step whose
+    loss (each scalar ``backward()`` was called on since the last step) is non-finite, its gradients finite or not.
     """
 
     max_consecutive: int = 5
@@ -77,6 +83,7 @@ class GuardPolicy:
     state_check_every: int = 10
     ring_bytes: int | None = None
     rollback: bool = False
+    skip_nonfinite_loss: bool = True
 
     def __post_init__(self) -> None:
         if self.max_consecutive < 1 or self.state_check_every < 1 or self.fraction_after < 1:
@@ -101,9 +108,11 @@ class _Entry:
 class _Pending:
     """What the guarded ``optimizer.step`` saw in the step being logged."""
 
-    flags: torch.Tensor                 # per rank: 1 where that rank's gradients (as the step saw them) were non-finite
+    flags: torch.Tensor                 # per rank: 1 where that rank's step would have been skipped
     grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (optimizer index, local gradient)
     skipped: bool | None = None         # read on the host already (None: decided on the device)
+    losses: list[torch.Tensor] = field(default_factory=list)  # the scalars backward() ran from, for the loss check
+    hazard: Hazard | None = None        # what the update would have made non-finite from finite values
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -123,6 +132,34 @@ def nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.T
         torch._amp_foreach_non_finite_check_and_unscale_(ts, here, torch.ones((), dtype=torch.float32, device=dev))
         found = found + here.to(device, non_blocking=True)
     return found.clamp(max=1.0)
+
+
+_watching: list["Guard"] = []  # the guards that want the losses backward() runs from
+_unwatched: Any = None  # torch.Tensor.backward as it was before the first of them
+
+
+def _backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.backward`` while a guard watches: the root (a scalar loss) is kept, detached, for the step's loss
+    check; nothing is read here (the check joins the gradient check's one read)."""
+    if self.numel() == 1:
+        for guard in _watching:
+            guard.losses.append(self.detach())
+    return _unwatched(self, *args, **kwargs)
+
+
+def _watch(guard: "Guard") -> None:
+    global _unwatched
+    if not _watching:
+        _unwatched = torch.Tensor.backward
+        torch.Tensor.backward = _backward  # type: ignore[method-assign]
+    _watching.append(guard)
+
+
+def _unwatch(guard: "Guard") -> None:
+    if guard in _watching:
+        _watching.remove(guard)
+        if not _watching:
+            torch.Tensor.backward = _unwatched  # type: ignore[method-assign]
 
 
 def _sum_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -168,6 +205,13 @@ class Guard:
         # buffers with torch.empty_like and a found_inf skip leaves them so, uninitialised, for the next step.
         self._takes_found_inf = isinstance(self.optimizer, torch.optim.Adam) and bool(
             getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        # The update's proof (replay/proof.py), where the optimizer's rule is known: a step that would make a
+        # non-finite value from finite gradients is skipped too. Elsewhere the gradients (and the loss) alone decide.
+        self.update_check = UpdateCheck(self.optimizer) if provable(self.optimizer) and not self._takes_found_inf \
+            else None
+        self.losses: list[torch.Tensor] = []
+        if policy.skip_nonfinite_loss:
+            _watch(self)
         # Installed as a method of the optimizer, so that wrappers which rebind ``step.__func__`` to the optimizer (an
         # LR scheduler made after the recorder) still call the guard.
         self._had_own_step = "step" in vars(self.optimizer)
@@ -183,6 +227,21 @@ class Guard:
         self.optimizer.step = self._installed  # type: ignore[method-assign]
         if self.writes:
             self.folder.mkdir(parents=True, exist_ok=True)
+        self._note_coverage()
+
+    def _note_coverage(self) -> None:
+        """Said once, in the log and ``guard.jsonl``: what the guard can prove of this optimizer's updates."""
+        cls = type(self.optimizer).__name__
+        uncovered = self.update_check.uncovered() if self.update_check is not None else \
+            list(range(len(self.optimizer.param_groups)))
+        if not uncovered:
+            return
+        why = ("its verdict is handed to the fused step on the device" if self._takes_found_inf else
+               "the update's proof knows Adam, AdamW and SGD (not a subclass, not sharded) without L2 weight decay, "
+               "fused, capturable or differentiable steps")
+        self._note({"event": "gradient_check_only", "optimizer": cls, "groups": uncovered, "why": why})
+        log.info("nanforensics guard: %s, groups %s: gradients (and the loss) checked alone, not the update: %s", cls,
+                 uncovered, why)
 
     # ---- the step ------------------------------------------------------------------------------------------------
 
@@ -193,16 +252,25 @@ class Guard:
         if closure is not None:  # Lightning's closure runs forward, backward and clipping: the gradients come after it
             with torch.enable_grad():
                 loss = closure()
+        losses, self.losses = self.losses, []  # the step's own: a GradScaler's step below takes them along
         if getattr(self.optimizer, "found_inf", None) is not None:  # a GradScaler decides this step: its skip is its own
             out = self._original(*args, **kwargs)
             return loss if closure is not None else out
         grads = [(i, _local(p.grad)) for i, p in enumerate(self.params) if p.grad is not None]
-        mine = nonfinite_flag([g for _, g in grads], self.device)
+        hazard = None
+        if self.update_check is None:
+            mine = nonfinite_flag([g for _, g in grads] + losses, self.device)
+        else:  # one read: each gradient's largest magnitude (non-finite where it holds one) and the losses
+            maxima = max_abs([g for _, g in grads] + losses)
+            bad = not all(math.isfinite(m) for m in maxima)
+            if not bad:
+                hazard = self.update_check.hazard({self.params[i]: m for (i, _), m in zip(grads, maxima)})
+            mine = torch.tensor(float(bad or hazard is not None), device=self.device)
         flags = torch.zeros(self.size, dtype=torch.float32, device=self.device)
         flags[self.rank] = mine
         if self.size > 1:
-            dist.all_reduce(flags)  # the one collective: every rank learns which ranks saw a non-finite gradient
-        pending = _Pending(flags, grads)
+            dist.all_reduce(flags)  # the one collective: every rank learns which ranks would skip
+        pending = _Pending(flags, grads, losses=losses, hazard=hazard)
         if self.pending is not None:  # a second optimizer.step() in one logged step: either skip counts
             pending.flags = torch.maximum(pending.flags, self.pending.flags)
         self.pending = pending
@@ -217,9 +285,12 @@ class Guard:
         if pending.skipped:
             return loss
         out = self._original(*args, **kwargs)
+        if self.update_check is not None:
+            self.update_check.after_step()
         return loss if closure is not None else out
 
     def uninstall(self) -> None:
+        _unwatch(self)
         if vars(self.optimizer).get("step") is self._installed:
             if self._had_own_step:
                 self.optimizer.step = self._original  # type: ignore[method-assign]
@@ -232,6 +303,7 @@ class Guard:
         """The logged loss, whether the step was skipped and whether the state check (when due) found a non-finite
         value, read with one host synchronisation."""
         pending, self.pending = self.pending, None
+        self.losses.clear()  # a backward() with no step after it (an evaluation) is no step's loss
         check = self._check_due(step, nbytes)
         parts: list[torch.Tensor] = []
         device = loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu")
@@ -314,11 +386,16 @@ class Guard:
         self.consecutive += 1
         ranks = [r for r, f in enumerate(pending.flags.tolist()) if f > 0]
         found = self._first_bad_grad(pending)
+        why = self._why(pending, found)
         samples = {path: value for path, value in data_leaves(batch)}
         bad_inputs = _nonfinite_samples(batch)
-        per_rank = self._gather({"rank": self.rank, "grad": found, "samples": samples, "nonfinite_inputs": bad_inputs})
-        entry: dict[str, Any] = {"event": "skip", "step": step, "ranks_nonfinite_grad": ranks,
-                                 "grad": next((r["grad"] for r in per_rank if r["grad"]), None)}
+        per_rank = self._gather({"rank": self.rank, "grad": found, "samples": samples, "nonfinite_inputs": bad_inputs,
+                                 **why})
+        first = next((r for r in per_rank if r.get("reason")), why)
+        entry: dict[str, Any] = {"event": "skip", "step": step, "reason": first.get("reason"),
+                                 "ranks_nonfinite_grad": ranks,
+                                 "grad": next((r["grad"] for r in per_rank if r["grad"]), None),
+                                 **{k: first[k] for k in ("update", "loss") if k in first}}
         if self.size > 1:
             entry["per_rank"] = per_rank
         else:
@@ -328,11 +405,24 @@ class Guard:
             entry["repeats"] = repeats
         entry["incident"] = str(self._incident("skip", step, entry).relative_to(self.rec.path))
         self._note(entry)
-        where = f"{found['tensor']}{found['index']} = {found['value']}" if found else "a gradient"
-        log.warning("nanforensics guard: skipped step %d (non-finite %s%s); incident %s", step, where,
+        log.warning("nanforensics guard: skipped step %d (%s%s); incident %s", step, _said(entry),
                     f"; the same samples as step {repeats[0]['step']}" if repeats else "", entry["incident"])
         self.checkpoint(step + 1)  # the state after the skip: a later incident replays from it, past this step
         self._police(step)
+
+    def _why(self, pending: _Pending, grad: dict[str, Any] | None) -> dict[str, Any]:
+        """Which of the three fired on this rank: a non-finite gradient, a non-finite loss, or an update that would
+        make a non-finite value from finite ones (with its tensor, state key and coordinate)."""
+        if grad is not None:
+            return {"reason": "gradient"}
+        loss = next((t for t in pending.losses if not is_finite(t)), None)
+        if loss is not None:
+            return {"reason": "loss", "loss": value_name(float(loss))}
+        h = pending.hazard
+        if h is not None:
+            return {"reason": "update", "update": {"tensor": self.names[h.param], "state": h.state, "index": h.index,
+                                                   "value": h.value}}
+        return {}
 
     def _first_bad_grad(self, pending: _Pending) -> dict[str, Any] | None:
         for index, grad in pending.grads:
@@ -362,7 +452,8 @@ class Guard:
         if self._copy is None:
             self._note(entry)
             raise self._stop(f"step {step} left a non-finite parameter or optimizer-state value that no skip could "
-                             "prevent (the update made it from finite gradients)", incident)
+                             "prevent (written after the step, or by an update the guard's proof does not cover)",
+                             incident)
         self._restore()
         entry["event"], entry["rolled_back_to"] = "rollback", self.rec._checkpoints[-1]
         self.rollbacks.append(step)
@@ -488,6 +579,18 @@ class Guard:
                 f"{self.scaler_skips} skipped by the GradScaler (benign), {len(self.rollbacks)} rolled back; "
                 f"incidents in {self.folder}")
         (log.warning if self.skipped or self.rollbacks else log.info)(text)
+
+
+def _said(entry: dict[str, Any]) -> str:
+    """The skip's reason in words, for the log line."""
+    if entry.get("reason") == "update":
+        u = entry["update"]
+        what = "the parameter" if u["state"] == "param" else u["state"]
+        return f"finite gradients, but the update would make {what} of {u['tensor']}{u['index']} {u['value']}"
+    if entry.get("reason") == "loss":
+        return f"non-finite loss {entry['loss']}"
+    g = entry.get("grad")
+    return f"non-finite gradient {g['tensor']}{g['index']} = {g['value']}" if g else "a non-finite gradient"
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -55,6 +55,7 @@ from .amp import findings as amp_findings
 from .monitor import StepMonitor, buffers_total, totals
 from .reproduction import LOSS_ULPS, STATE_RTOL, compare_checkpoint, float32_ulps, judge, losses_match
 from .session import Session, pinned_threads, resolve_device
+from .support import check_supported
 
 PRECURSOR_STEPS = 16  # steps before the event the precursor curves cover at least, where an older checkpoint allows
 
@@ -169,6 +170,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
 
     with pinned_threads(run.num_threads if device.type == "cpu" else None) as threads:
         r = open_session(run, code, checkpoint, device)
+        check_supported(run.path, r.model, r.optimizer, code.step_fn, run.batch(checkpoint.step))  # before any step
         # the start checkpoint's optimizer state beyond finiteness: an origin on what it flags is explained by it
         unsound = start_soundness(getattr(checkpoint, "source", None) or open_checkpoint(checkpoint.path), r.model,
                                   r.optimizer)

@@ -26,6 +26,9 @@ class Outcome:
     details: list[str] = field(default_factory=list)
 
 
+UPDATE = ("optimizer_state", "param", "buffer")  # stages the update writes
+
+
 def _op(name: str | None) -> str | None:
     """``aten::div.Tensor`` -> ``aten::div``: the reference names the op, not its overload."""
     return None if name is None else name.split(".")[0]
@@ -58,12 +61,16 @@ def compare(ref: Reference, report: Any) -> list[tuple[str, str]]:
 
 
 def _samples(ref: Reference, samples: Any) -> list[tuple[str, str]]:
-    """attributed and coupled name exactly the samples that fail alone; batch_wide means more than half do."""
+    """attributed and coupled name exactly the samples that fail alone; batch_wide means more than half do;
+    not_reproduced (forward and backward finite: the update failed, not a sample) that the origin lies in the update
+    and that no sample fails alone apart from the others: all of them or none."""
     if samples is None:
         return [("samples", "replay made no sample attribution")]
     alone = ref.samples
     if samples.status == "batch_wide":
         ok = ref.batch_size is not None and len(alone) > ref.batch_size / 2
+    elif samples.status == "not_reproduced":
+        ok = ref.origin is not None and ref.origin.stage in UPDATE and len(alone) in (0, ref.batch_size)
     elif samples.status in ("attributed", "coupled"):
         ok = sorted(samples.samples) == alone
     else:

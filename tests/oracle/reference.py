@@ -302,7 +302,7 @@ def birth(prog: Program, batch: Any) -> tuple[str | None, str | None]:
 
 def single_samples(batch: Any) -> tuple[int | None, list[Any]]:
     """The batch's size and the batch of each single sample: every tensor or list as long as the batch (the size its
-    float/int tensors' first dimension share most) cut to that row, everything else kept whole; the samples of a
+    tensors' first dimension and its lists share most) cut to that row, everything else kept whole; the samples of a
     batch of micro-batches counted across them in order."""
     if isinstance(batch, dict) and "micro_batches" in batch:
         out = []
@@ -310,11 +310,11 @@ def single_samples(batch: Any) -> tuple[int | None, list[Any]]:
             n, singles = single_samples(micro)
             out += [{**batch, "micro_batches": [one]} for one in singles]
         return len(out), out
-    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()]
-    sizes = [t.shape[0] for t in leaves]
+    sizes = [t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()]
     if not sizes:
         return None, []
-    n = max(set(sizes), key=sizes.count)
+    lists = [len(v) for v in (batch.values() if isinstance(batch, dict) else ()) if isinstance(v, list)]
+    n = max(set(sizes), key=lambda k: ((sizes + lists).count(k), k))  # the size most leaves share, the larger on a tie
 
     def cut(node: Any, i: int) -> Any:
         if isinstance(node, torch.Tensor):

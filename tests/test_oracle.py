@@ -1,0 +1,252 @@
+"""The oracle (tests/oracle, issue 31): the reference monitor proven on hand-made steps whose answers are known by
+construction, both sides; the up-front refusal; and the property over a fixed set of generated programs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_one_line_error, run_cli
+from oracle import programs
+from oracle.check import check
+from oracle.reference import first_bad, reference, single_samples
+from torch import nn
+
+# ---- the reference monitor on hand-made steps ----------------------------------------------------------------------
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class LogGain(nn.Module):
+    """log(softplus(gain) * x): log's backward divides by its input, so a near-zero reading gives an inf gradient."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(F.softplus(self.gain) * x)
+
+
+def _program(model: nn.Module, batches: dict[int, Any], step_fn: Any, optimizer: Any = None) -> SimpleNamespace:
+    """A program as the reference runs it: a model, an optimizer, a batch per step, a step function."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def build_model() -> nn.Module:
+        model.load_state_dict(state)
+        return model
+
+    return SimpleNamespace(build_model=build_model, make_batch=lambda step: batches[step], train_step=step_fn,
+                           make_optimizer=optimizer or (lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
+                           make_scheduler=None)
+
+
+def _plain(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _rows(n: int = 4, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.rand(n, 3, generator=g) + 0.5, "y": torch.zeros(n, 1)}
+
+
+def _run(model: nn.Module, batches: list[dict[str, Any]], step_fn: Any = _plain, optimizer: Any = None) -> Any:
+    torch.manual_seed(0)
+    return reference(_program(model, dict(enumerate(batches)), step_fn, optimizer), lambda m, o: {}, len(batches))
+
+
+def test_a_clean_program_is_clean() -> None:
+    ref = _run(nn.Sequential(Log(), nn.Linear(3, 1)), [_rows(), _rows(seed=1)])
+    assert (ref.verdict, ref.origin, ref.loss_only_steps, ref.op, ref.samples) == ("clean", None, [], None, [])
+
+
+def test_log_of_zero_in_the_forward_names_module_coordinate_op_and_sample() -> None:
+    bad = _rows(seed=1)
+    bad["x"][2, 1] = 0.0  # log(0) = -inf at sample 2, feature 1, inside module "0"
+    ref = _run(nn.Sequential(Log(), nn.Linear(3, 1)), [_rows(), bad])
+    o = ref.origin
+    assert (ref.verdict, o.step, o.stage, o.tensor, o.index, o.value) == ("nonfinite", 1, "forward", "0", [2, 1], "-inf")
+    assert (ref.op, ref.phase, ref.samples, ref.batch_size) == ("aten::log", "forward", [2], 4)
+    # the step before is clean, and a step after is never reached: the first origin ends the run
+    assert ref.steps[0] == [] and set(ref.steps) == {0, 1}
+
+
+def test_nan_in_the_batch_is_the_batch_stage_with_no_op() -> None:
+    bad = _rows()
+    bad["x"][3, 0] = math.nan
+    ref = _run(nn.Linear(3, 1), [bad])
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.index, ref.origin.value) == ("batch", "batch['x']", [3, 0],
+                                                                                         "nan")
+    assert ref.op is None and ref.samples == [3]
+
+
+def _zero_norm_after_update(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    loss = _plain(model, optimizer, batch)
+    with torch.no_grad():  # renormalise the rows after the update: a row of zeros is 0/0
+        model.weight.div_(model.weight.norm(dim=1, keepdim=True))
+    return loss
+
+
+def test_code_after_the_update_is_phase_after_update() -> None:
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight[1] = 0.0
+    batch = {"x": torch.zeros(4, 3), "y": torch.zeros(4, 2)}  # zero inputs: the zero row's gradient is 0 too
+    ref = _run(model, [batch], _zero_norm_after_update)
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.index, ref.origin.value) == ("param", "weight", [1, 0], "nan")
+    assert (ref.op, ref.phase) == ("aten::div_", "after_update")
+    assert ref.samples == [0, 1, 2, 3]  # every sample alone fails: it is the code, not a sample
+
+
+def test_adam_with_eps_zero_makes_nan_in_the_optimizer() -> None:
+    batch = _rows()
+    batch["x"][:, 1] = 0.0  # feature 1 absent from the batch: its weight's gradient is exactly 0, so m/sqrt(v) = 0/0
+    ref = _run(nn.Linear(3, 1), [batch], optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=0.1, eps=0.0))
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.index) == ("param", "weight", [0, 1])
+    assert (ref.op, ref.phase) == ("aten::addcdiv_", "optimizer")
+
+
+def test_inf_gradient_from_a_near_zero_input_is_made_in_the_backward() -> None:
+    bad = _rows()
+    bad["x"][1, 2] = 3e-45  # log is finite (-103), its backward 1/x is not
+    ref = _run(nn.Sequential(LogGain(3), nn.Linear(3, 1)), [bad])
+    o = ref.origin
+    assert (o.stage, o.tensor, o.index) == ("grad", "0.gain", [2]) and o.value in ("inf", "-inf")  # 1.* finite
+    assert (ref.op, ref.phase, ref.samples) == ("aten::div", "backward", [1])
+
+
+def _unclipped_division(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    for p in model.parameters():  # a rescale by a norm that is 0 on this batch
+        p.grad.div_(batch["x"].abs().sum())
+    optimizer.step()
+    return loss
+
+
+def test_rescaling_the_gradients_before_the_update_is_before_update() -> None:
+    batch = {"x": torch.zeros(2, 3), "y": torch.ones(2, 1)}  # weight gradient 0/0, bias gradient -2/0 = -inf
+    ref = _run(nn.Linear(3, 1), [batch], _unclipped_division)
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.value) == ("optimizer_grad", "weight", "nan")
+    assert (ref.op, ref.phase) == ("aten::div_", "before_update")
+
+
+def _classify(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(batch["x"]), batch["y"], ignore_index=-100)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_loss_over_no_target_is_loss_only_and_both_sides_hold() -> None:
+    ok = {"x": torch.ones(2, 3), "y": torch.tensor([1, -100])}
+    none = {"x": torch.ones(2, 3), "y": torch.tensor([-100, -100])}  # a mean over no target: NaN loss, zero gradients
+    ref = _run(nn.Linear(3, 2), [ok, none, ok], _classify)
+    assert (ref.verdict, ref.loss_only_steps, ref.origin) == ("loss_only", [1], None)
+    assert (ref.op, ref.phase, ref.samples) == ("aten::nll_loss_forward", "forward", [0, 1])
+    assert _run(nn.Linear(3, 2), [ok, ok], _classify).verdict == "clean"
+
+
+def _batch_likelihood(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    err = model(batch["x"]) - batch["y"]
+    loss = -torch.log(torch.exp(-0.5 * (err ** 2).sum()))  # the batch's likelihood underflows together, not alone
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_samples_that_fail_only_together_are_not_named() -> None:
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    coupled = {"x": torch.ones(4, 1), "y": torch.tensor([[0.0], [12.5], [12.5], [0.0]])}  # 78 each: 156 together
+    ref = _run(model, [coupled], _batch_likelihood)
+    assert ref.verdict == "nonfinite" and ref.samples == []
+    alone = {"x": torch.ones(4, 1), "y": torch.tensor([[0.0], [20.0], [0.0], [0.0]])}  # 200: fails alone
+    assert _run(model, [alone], _batch_likelihood).samples == [1]
+
+
+def test_single_samples_cut_rows_and_keep_per_batch_tensors_and_micro_batches_count_across() -> None:
+    batch = {"x": torch.arange(8.0).view(4, 2), "w": torch.ones(3), "ids": ["a", "b", "c", "d"]}
+    n, singles = single_samples(batch)
+    assert n == 4 and singles[2]["x"].tolist() == [[4.0, 5.0]] and singles[2]["w"].shape == (3,)
+    assert singles[2]["ids"] == ["c"]
+    n, singles = single_samples({"micro_batches": [batch, batch]})
+    assert n == 8 and singles[5]["micro_batches"][0]["x"].tolist() == [[2.0, 3.0]]
+
+
+def test_first_bad_reads_dense_and_sparse_coordinates_in_row_major_order() -> None:
+    t = torch.zeros(3, 4)
+    t[2, 0], t[1, 3] = math.nan, -math.inf
+    assert first_bad(t) == ([1, 3], "-inf") and first_bad(torch.zeros(2)) is None
+    sparse = torch.sparse_coo_tensor(torch.tensor([[5, 2]]), torch.tensor([[0.0, math.inf], [math.nan, 0.0]]), (8, 2))
+    assert first_bad(sparse) == ([2, 0], "nan")  # row 2 comes before row 5 whatever order they were given in
+
+
+# ---- the up-front refusal --------------------------------------------------------------------------------------------
+
+def _refused_seed(reason: str) -> int:
+    return next(s for s in range(400) if _would_refuse(programs.draw(s).axes) == reason)
+
+
+def _would_refuse(axes: dict[str, str]) -> str | None:
+    if axes["optimizers"] == "two":
+        return None
+    if axes["optimizer"] in ("LBFGS", "SparseAdam"):
+        return "optimizer"
+    return {"embedding_sparse": "gradients", "func_per_sample": "transforms"}.get(axes["arch"]) or (
+        "batch" if axes["batch"] == "per_batch_tensor" else None)
+
+
+@pytest.mark.parametrize("reason", ["optimizer", "gradients", "transforms", "batch"])
+def test_unsupported_runs_are_refused_before_any_step_in_one_line_exit_2(reason: str, tmp_path: Path) -> None:
+    seed = _refused_seed(reason)
+    program = programs.draw(seed)
+    module = programs.materialise(program, tmp_path)
+    programs.record(program, module, tmp_path / "run")
+    calls = []
+    step = module.train_step  # replay imports the module already imported: the step it calls, counted
+    module.train_step = lambda *a, **k: calls.append(1) or step(*a, **k)
+    result = run_cli("replay", tmp_path / "run", "--code-path", tmp_path)
+    assert_one_line_error(result, "replay does not support")
+    assert calls == []  # refused before the step function ran once
+    assert check(seed, tmp_path / "again").kind == "refused"
+
+
+def test_a_supported_run_is_not_refused(tmp_path: Path) -> None:
+    seed = next(s for s in range(400) if _would_refuse(programs.draw(s).axes) is None
+                and programs.draw(s).axes["optimizers"] == "one" and programs.draw(s).axes["arch"] == "mlp")
+    program = programs.draw(seed)
+    programs.record(program, programs.materialise(program, tmp_path), tmp_path / "run")
+    result = run_cli("replay", tmp_path / "run", "--code-path", tmp_path, "--json", "-")
+    assert result.code in (0, 1, 4), result.stderr
+
+
+# ---- the property on a fixed set of generated programs -------------------------------------------------------------
+
+SEEDS = range(100)
+# disagreements found and not yet fixed, by class (README, Replaying: what the oracle found); strict: a fix flips them
+KNOWN: dict[int, str] = {}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_replay_agrees_with_the_reference_or_refuses_up_front(seed: int, tmp_path: Path) -> None:
+    if seed in KNOWN:
+        pytest.xfail(KNOWN[seed])
+    outcome = check(seed, tmp_path)
+    assert outcome.kind in ("agree", "refused", "unrecordable"), (outcome.reason, outcome.axes, outcome.details)

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from conftest import assert_one_line_error, run_cli
 from oracle import programs
 from oracle.check import check
 from oracle.reference import first_bad, reference, single_samples
-from torch import nn
 
 # ---- the reference monitor on hand-made steps ----------------------------------------------------------------------
 

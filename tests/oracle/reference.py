@@ -22,6 +22,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 ORDER = ("batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param", "buffer")
 LOSS_ONLY = {"forward", "loss"}
+PERSISTENT = ("optimizer_state", "param", "buffer")  # what outlives the step
 ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
                "aten::set_"}
 
@@ -161,8 +162,11 @@ class Program:
 
     def __init__(self, module: Any, extras: Callable[[Any, Any], dict[str, Any]]) -> None:
         self.module = module
-        self.model = module.build_model()
-        self.optimizer = module.make_optimizer(self.model)
+        built = module.build_model()
+        # a compiled model runs eagerly here: its hooks see every module (aot_eager runs the kernels eager mode runs),
+        # and its parameters are named as the model the user wrote
+        self.model = getattr(built, "_orig_mod", built)
+        self.optimizer = module.make_optimizer(built)
         self.extras = extras(module, self.optimizer)
         held = [(n, b) for n, b in self.model.named_buffers() if _checkable(b)]
         self.constant_buffers = {n for n, b in held if not bool(torch.isfinite(b).all())}
@@ -187,9 +191,15 @@ class Program:
 
     def fails(self, step: int, batch: Any, want_loss_only: bool) -> bool:
         found, stepped = self.run(step, batch)
-        if "scaler" in self.extras and not stepped:
-            return False
+        found = caught(self, found, stepped)
         return bool(found) and loss_only(found) == want_loss_only
+
+
+def caught(prog: Program, found: list[Found], stepped: bool) -> list[Found]:
+    """A step whose overflow the GradScaler caught (it skipped the update) is benign, nothing found, unless something
+    that outlives the step went non-finite anyway (BatchNorm's statistics, written by the forward): then all of it."""
+    skipped = "scaler" in prog.extras and not stepped
+    return [] if skipped and not any(f.stage in PERSISTENT for f in found) else found
 
 
 def reference(module: Any, extras: Callable[[Any, Any], dict[str, Any]], steps: int) -> Reference:
@@ -202,8 +212,7 @@ def reference(module: Any, extras: Callable[[Any, Any], dict[str, Any]], steps: 
     for step in range(steps):
         snaps[step] = prog.snapshot()
         found, stepped = prog.run(step, module.make_batch(step))
-        if "scaler" in prog.extras and not stepped:  # the scaler caught it: skipped, nothing written
-            found = []
+        found = caught(prog, found, stepped)
         per_step[step] = found
         if found and loss_only(found):
             loss_only_steps.append(step)
@@ -252,13 +261,17 @@ class Births(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         inputs = tree_flatten((args, kwargs))[0]
-        in_nan, in_inf = _kinds(inputs)
+        before = [_kinds([t]) for t in inputs]
+        in_nan, in_inf = any(n for n, _ in before), any(i for _, i in before)
         constant_inf = any(isinstance(a, float) and a in (float("inf"), float("-inf")) for a in inputs)
-        # an in-place op's input is its output too: read the inputs before it runs
         out = func(*args, **kwargs)
         name = func._schema.name
         if name not in ALLOCATIONS and not constant_inf:
+            # what it wrote: its outputs, and inputs it changed in place (BatchNorm's running statistics)
+            written = [_kinds([t]) for t in inputs]
             out_nan, out_inf = _kinds(tree_flatten(out)[0])
+            out_nan = out_nan or any(a[0] and not b[0] for a, b in zip(written, before))
+            out_inf = out_inf or any(a[1] and not b[1] for a, b in zip(written, before))
             if (out_nan and not in_nan) or (out_inf and not in_inf and not in_nan):
                 self.made.append((name, self.phase(inputs)))
         return out

@@ -62,7 +62,7 @@ def draw(seed: int) -> Program:
     losses = ("mse", "cross_entropy", "poisson", "kl") if arch == "func_per_sample" else LOSSES
     loss = rng.choice(losses)
     optimizer = rng.choice(SPARSE_OK if arch == "embedding_sparse" else [o for o in OPTIMIZERS if o != "SparseAdam"])
-    count = rng.choice(OPTIMIZER_COUNTS) if arch in ("mlp", "conv_bn", "lstm") else "one"
+    count = rng.choice(OPTIMIZER_COUNTS) if arch in ("mlp", "conv_bn", "lstm") and optimizer != "Muon" else "one"
     shapes = ["plain", "clip", "scheduler", "after_update"] if arch in ("func_per_sample", "embedding_sparse") \
         or optimizer in CLOSURE or count == "two" else list(STEP_SHAPES)
     if arch == "compiled" or loss == "contrastive":
@@ -239,7 +239,7 @@ def _optimizer(axes: dict[str, str]) -> str:
               "Adadelta": "lr=1.0", "Muon": "lr=0.02"}.get(name, "lr=0.01")
     if axes["fault"] == "eps_zero":
         kwargs += ", eps=0.0"
-    if name == "Muon" and axes["optimizers"] == "one":  # Muon takes 2-d parameters only: the rest train with AdamW, the way its docs pair them
+    if name == "Muon":  # Muon takes 2-d parameters only: the rest train with AdamW, the way its docs pair them
         return textwrap.dedent(f'''
             def make_optimizer(model):
                 return torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], {kwargs})

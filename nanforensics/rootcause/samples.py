@@ -2,7 +2,10 @@
 
 Group testing: forward and backward on halves of the batch, recursing into the halves that still
 fail, with the optimizer step disabled and the model, optimizer and RNG restored before every
-pass, so nothing is touched. k bad samples cost O(k log B) passes instead of B. A failing set
+pass, so nothing is touched. A failure that forward and backward on the whole batch do not make (it needs the update:
+a large finite gradient whose square overflows Adam's moments) is group-tested the same way through the whole step,
+``optimizer.step()`` and the code after it included, from the same restored state.
+k bad samples cost O(k log B) passes instead of B. A failing set
 whose halves both pass is *coupled* (BatchNorm statistics, a loss normalised over the batch): it
 is reported as such, never narrowed down by guessing.
 
@@ -28,6 +31,7 @@ given as (micro-batch, position in it).
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,7 +41,7 @@ from ..errors import BadInput
 from ..progress import SILENT, Progress
 from ..replay.monitor import StepMonitor
 from ..replay.session import Session, no_optimizer_step
-from ..report import Event, OperationCulprit, SampleAttribution
+from ..report import LOSS_ONLY_STAGES, Event, OperationCulprit, SampleAttribution
 from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
 from ..words import sample_positions
 
@@ -99,23 +103,30 @@ def _select(batch: Any, indices: list[int], size: int) -> Any:
 
 
 class _Tester:
-    def __init__(self, session: Session, batch: Any, size: int, progress: Progress = SILENT) -> None:
-        self.session, self.batch, self.size, self.progress = session, batch, size, progress
-        self.snapshot = session.snapshot(stepping=False)  # every pass runs under no_optimizer_step
-        self.passes = 0
+    """Runs the step on subsets of the batch from the step's state. ``update``: the whole step, ``optimizer.step()``
+    and the code after it included, for a failure the forward and backward alone do not make (a sample whose large
+    finite gradient overflows Adam's moments); otherwise forward and backward only, nothing written."""
+
+    def __init__(self, session: Session, batch: Any, size: int, progress: Progress = SILENT,
+                 update: bool = False, passes: int = 0) -> None:
+        self.session, self.batch, self.size, self.progress, self.update = session, batch, size, progress, update
+        self.snapshot = session.snapshot(stepping=update)  # without the update, every pass runs under no_optimizer_step
+        self.passes = passes
         self.errors: list[str] = []
 
     def fails(self, indices: list[int]) -> bool:
-        """One forward/backward pass on the subset; True when a non-finite value appears before the optimizer."""
+        """One pass on the subset; True when a non-finite value appears before the optimizer (with ``update``:
+        anywhere but in a forward activation and the loss alone)."""
         return self.fails_on(select(self.batch, indices, self.size))
 
     def fails_on(self, subset: Any) -> bool:
-        """One forward/backward pass on ``subset`` (any batch) from the step's state."""
+        """One pass on ``subset`` (any batch) from the step's state."""
         self.passes += 1
         self.progress.update(self.passes)
         s = self.session
         s.restore(self.snapshot)
-        with StepMonitor(s.model, s.optimizer) as monitor, no_optimizer_step(s.optimizer):
+        with StepMonitor(s.model, s.optimizer, prove=False) as monitor, \
+                (nullcontext() if self.update else no_optimizer_step(s.optimizer)):
             monitor.begin(s.step, subset, locate=False)
             try:
                 loss = s.call_step(subset)
@@ -123,6 +134,8 @@ class _Tester:
                 self.errors.append(e.problem)
                 return False
             events = monitor.end(loss)
+        if self.update:
+            return not {e.stage for e in events} <= LOSS_ONLY_STAGES
         return any(e.stage in _BEFORE_OPTIMIZER for e in events)
 
 
@@ -248,9 +261,12 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
     tester = _Tester(session, batch, size, progress)
     try:
         if not tester.fails(list(range(size))):
-            return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
-                                     "forward and backward on the whole batch stay finite: the failure needs the "
-                                     "update (optimizer.step() or the step function's code after it), not a sample")
+            # forward and backward stay finite: the failure needs the update, and the samples are judged through it
+            session.restore(tester.snapshot)
+            tester = _Tester(session, batch, size, progress, update=True, passes=tester.passes)
+            if not tester.fails(list(range(size))):
+                return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
+                                         "the whole step on the whole batch, run again, stays finite")
         found = split_batch(size, tester.fails, hint=hint)
         # "the step, not its data": tested, with the step before's batch run from this step's state
         before = session.step - 1
@@ -258,7 +274,8 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
         compared_fails = tester.fails_on(session.batch(before)) if compared is not None else None
     finally:
         session.restore(tester.snapshot)
-    passes = f"{tester.passes} forward/backward passes"
+    passes = f"{tester.passes} forward/backward passes" + (
+        ", through optimizer.step(): forward and backward alone stay finite" if tester.update else "")
     if found.status == "batch_wide":
         return SampleAttribution("batch_wide", size, [], {}, tester.passes, [],
                                  f"{batch_wide_message(found, size)} ({passes})", compared_step=compared,

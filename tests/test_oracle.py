@@ -267,6 +267,24 @@ def test_replay_agrees_with_the_reference_or_refuses_up_front(seed: int, folder:
     assert outcome.kind in ("agree", "refused", "unrecordable"), (outcome.reason, outcome.axes, outcome.details)
 
 
+def _namespace(node: Any) -> Any:
+    """The JSON report as attributes, the way ``compare`` reads the library's report."""
+    if isinstance(node, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in node.items()})
+    return [_namespace(v) for v in node] if isinstance(node, list) and node and isinstance(node[0], dict) else node
+
+
+@pytest.mark.parametrize("seed", [3, 15, 18])  # a softmax of a fully masked row, an LR spike, an inf in the batch
+def test_the_cli_agrees_with_the_reference(seed: int, folder: Path) -> None:
+    program = programs.draw(seed)
+    module = programs.materialise(program, folder)
+    programs.record(program, module, folder / f"cli_{seed}")
+    ref = reference(module, programs.extras, programs.STEPS)
+    result = run_cli("replay", folder / f"cli_{seed}", "--code-path", folder, "--json", "-")
+    assert result.code == 1 and ref.verdict == "nonfinite", (result.code, result.stderr)
+    assert compare(ref, _namespace(result.json())) == []
+
+
 def test_the_property_fails_on_a_wrong_report(folder: Path) -> None:
     """The comparison is not vacuous: an origin one coordinate off, another op, other samples are each caught."""
     from dataclasses import replace

@@ -249,7 +249,8 @@ FIXED = [65, 91, 179, 185, 201, 311, 353, 372, 409, 437, 474]
 # Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
 # join FIXED.
 KNOWN: dict[int, str] = {
-    354: "operation: replay names none for a forward overflow (addmm) of finite values after an LR spike",
+    354: "operation: an inf born beside NaN from finite inputs (addmm of weights an LR spike made huge) is unseen by "
+         "the trace (rootcause/operations.py's summaries), which names no op where the reference names addmm",
 }
 SEEDS = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[s])) if s in KNOWN else s
          for s in sorted({*range(100), *FIXED, *KNOWN})]

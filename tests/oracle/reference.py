@@ -172,12 +172,17 @@ class Program:
         self.constant_buffers = {n for n, b in held if not bool(torch.isfinite(b).all())}
 
     def snapshot(self) -> Any:
-        return copy.deepcopy((self.model.state_dict(), self.optimizer.state_dict(),
+        """Everything a step reads: parameters, buffers, every gradient (a parameter no optimizer holds keeps its own
+        from step to step), optimizer, scaler and scheduler state, the RNG."""
+        grads = [None if p.grad is None else p.grad.detach() for p in self.model.parameters()]
+        return copy.deepcopy((self.model.state_dict(), grads, self.optimizer.state_dict(),
                               {k: v.state_dict() for k, v in self.extras.items()}, torch.get_rng_state()))
 
     def restore(self, snap: Any) -> None:
-        model, opt, extras, rng = copy.deepcopy(snap)
+        model, grads, opt, extras, rng = copy.deepcopy(snap)
         self.model.load_state_dict(model)
+        for p, g in zip(self.model.parameters(), grads):
+            p.grad = g
         self.optimizer.load_state_dict(opt)
         for k, v in extras.items():
             self.extras[k].load_state_dict(v)

@@ -41,7 +41,7 @@ from ..errors import BadInput
 from ..progress import SILENT, Progress
 from ..replay.monitor import StepMonitor
 from ..replay.session import Session, no_optimizer_step
-from ..report import LOSS_ONLY_STAGES, Event, OperationCulprit, SampleAttribution
+from ..report import Event, OperationCulprit, SampleAttribution, loss_only
 from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
 from ..words import sample_positions
 
@@ -108,8 +108,9 @@ class _Tester:
     finite gradient overflows Adam's moments); otherwise forward and backward only, nothing written."""
 
     def __init__(self, session: Session, batch: Any, size: int, progress: Progress = SILENT,
-                 update: bool = False, passes: int = 0) -> None:
+                 update: bool = False, passes: int = 0, loss_only: bool = False) -> None:
         self.session, self.batch, self.size, self.progress, self.update = session, batch, size, progress, update
+        self.loss_only = loss_only  # the step explained is loss-only: a subset fails as it did, by its loss alone
         self.snapshot = session.snapshot(stepping=update)  # without the update, every pass runs under no_optimizer_step
         self.passes = passes
         self.errors: list[str] = []
@@ -134,9 +135,10 @@ class _Tester:
                 self.errors.append(e.problem)
                 return False
             events = monitor.end(loss)
-        if self.update:
-            return not {e.stage for e in events} <= LOSS_ONLY_STAGES
-        return any(e.stage in _BEFORE_OPTIMIZER for e in events)
+        # it fails as the step did: loss-only as a loss-only step, else with an origin (a subset whose only fault is a
+        # loss over no target is not the origin's failure)
+        stages = {e.stage for e in events if self.update or e.stage in _BEFORE_OPTIMIZER}
+        return loss_only(stages) if self.loss_only else bool(stages) and not loss_only(stages)
 
 
 def group_test(size: int, fails: Callable[[list[int]], bool]) -> tuple[list[int], list[list[int]]]:
@@ -243,9 +245,10 @@ def max_passes(size: int, probes: int = PROBES) -> int:
     return 1 + len(probe_order(size, probes)) + 2 * (size - 1)
 
 
-def attribute_samples(session: Session, hint: int | None = None, progress: Progress = SILENT) -> SampleAttribution:
-    """Group-test the batch of ``session.step`` (``hint``: see ``split_batch``); the session's state is restored
-    afterwards."""
+def attribute_samples(session: Session, hint: int | None = None, progress: Progress = SILENT,
+                      loss_only: bool = False) -> SampleAttribution:
+    """Group-test the batch of ``session.step`` (``hint``: see ``split_batch``; ``loss_only``: the step is loss-only,
+    its samples are those whose loss alone is non-finite); the session's state is restored afterwards."""
     step_fn = session.code.step_fn
     batch = session.batch(session.step)
     logged = session.logged_batch(session.step)
@@ -258,12 +261,12 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
                                  "the batch's tensors share no first dimension to split along")
     progress.phase(f"attributing samples of step {session.step}: forward/backward passes", max_passes(size),
                    unit="pass", at_most=True)
-    tester = _Tester(session, batch, size, progress)
+    tester = _Tester(session, batch, size, progress, loss_only=loss_only)
     try:
         if not tester.fails(list(range(size))):
             # forward and backward stay finite: the failure needs the update, and the samples are judged through it
             session.restore(tester.snapshot)
-            tester = _Tester(session, batch, size, progress, update=True, passes=tester.passes)
+            tester = _Tester(session, batch, size, progress, update=True, passes=tester.passes, loss_only=loss_only)
             if not tester.fails(list(range(size))):
                 return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
                                          "the whole step on the whole batch, run again, stays finite")

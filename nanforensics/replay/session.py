@@ -52,13 +52,15 @@ def loss_value(loss: Any, where: Path) -> float:
 
 
 @contextmanager
-def no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing.
+def no_optimizer_step(optimizer: torch.optim.Optimizer, calls: list[bool] | None = None) -> Iterator[None]:
+    """An instance attribute shadows the method: the user's step runs, the optimizer does nothing (``calls``: each
+    call that would have stepped it is noted, so a GradScaler's skip is seen).
 
     An LR scheduler may already have put its own wrapper there; it is put back as it was.
     """
     own = vars(optimizer).get("step")
-    optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    noted = calls if calls is not None else []
+    optimizer.step = lambda *args, **kwargs: noted.append(True)  # type: ignore[method-assign]
     try:
         yield
     finally:

@@ -39,6 +39,7 @@ import torch
 
 from ..errors import BadInput
 from ..progress import SILENT, Progress
+from ..replay.amp import scaler_caught
 from ..replay.monitor import StepMonitor
 from ..replay.session import Session, no_optimizer_step
 from ..report import Event, OperationCulprit, SampleAttribution, loss_only
@@ -126,15 +127,21 @@ class _Tester:
         self.progress.update(self.passes)
         s = self.session
         s.restore(self.snapshot)
+        stepped: list[bool] = []  # whether optimizer.step() was called (a GradScaler skips it on an overflow)
         with StepMonitor(s.model, s.optimizer, prove=False) as monitor, \
-                (nullcontext() if self.update else no_optimizer_step(s.optimizer)):
+                (nullcontext() if self.update else no_optimizer_step(s.optimizer, stepped)):
+            handle = s.optimizer.register_step_post_hook(lambda *_: stepped.append(True))
             monitor.begin(s.step, subset, locate=False)
             try:
                 loss = s.call_step(subset)
             except BadInput as e:  # e.g. BatchNorm refuses a single sample: this subset cannot be judged
                 self.errors.append(e.problem)
                 return False
+            finally:
+                handle.remove()
             events = monitor.end(loss)
+        if scaler_caught(s.scaler, bool(stepped), events):
+            return False  # the scaler caught this subset's overflow: benign, as the replay judges a step
         # it fails as the step did: loss-only as a loss-only step, else with an origin (a subset whose only fault is a
         # loss over no target is not the origin's failure)
         stages = {e.stage for e in events if self.update or e.stage in _BEFORE_OPTIMIZER}

@@ -1,6 +1,6 @@
 """The long run by hand: ``python -m tests.oracle --programs 5000 [--first SEED]`` from the checkout's root.
 
-Prints the programs tried, agreements, refusals by reason, disagreements by class (with their seeds), the coverage
+Prints the programs tried, agreements by verdict, refusals by reason, disagreements by class (with their seeds), the coverage
 table (each axis value: drawn / agree / refused / disagree) and the time taken."""
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ def summary(outcomes: list[Outcome], seconds: float) -> list[str]:
     kinds = Counter(o.kind for o in outcomes)
     lines = [f"programs {len(outcomes)}  agree {kinds['agree']}  refused {kinds['refused']}  unrecordable "
              f"{kinds['unrecordable']}  disagree {kinds['disagree']}  time {seconds:.0f} s"]
-    for kind in ("refused", "unrecordable", "disagree"):
+    for kind in ("agree", "refused", "unrecordable", "disagree"):
         by = Counter(o.reason for o in outcomes if o.kind == kind)
         for reason, n in by.most_common():
             seeds = [o.seed for o in outcomes if o.kind == kind and o.reason == reason][:8]
-            lines.append(f"  {kind:<12} {n:>5}  {reason}  (seeds {seeds})")
+            lines.append(f"  {kind:<12} {n:>5}  {reason}" + ("" if kind == "agree" else f"  (seeds {seeds})"))
     return lines
 
 

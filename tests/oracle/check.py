@@ -22,7 +22,7 @@ class Outcome:
     seed: int
     axes: dict[str, str]
     kind: str  # agree | refused | unrecordable | disagree
-    reason: str = ""  # the refusal's feature, or the disagreement's class
+    reason: str = ""  # the refusal's feature, or the disagreement's class; for an agreement, the verdict agreed on
     details: list[str] = field(default_factory=list)
 
 
@@ -111,5 +111,5 @@ def check(seed: int, folder: Path) -> Outcome:
             shutil.rmtree(run_dir, ignore_errors=True)
     wrong = compare(ref, report)
     if not wrong:
-        return Outcome(seed, program.axes, "agree")
+        return Outcome(seed, program.axes, "agree", ref.verdict)
     return Outcome(seed, program.axes, "disagree", wrong[0][0], [d for _, d in wrong])

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from nanforensics.replay import support
 from torch import nn
 
 from conftest import assert_one_line_error, run_cli
@@ -201,20 +202,28 @@ def test_first_bad_reads_dense_and_sparse_coordinates_in_row_major_order() -> No
 
 # ---- the up-front refusal --------------------------------------------------------------------------------------------
 
+# the programs each refusal of nanforensics/replay/support.py covers, by the axes they draw
+REFUSES: dict[str, Any] = {
+    "optimizer": lambda axes: axes["optimizer"] in support.REFUSED_OPTIMIZERS,
+    "gradients": lambda axes: axes["arch"] == "embedding_sparse",
+    "transforms": lambda axes: axes["arch"] == "func_per_sample",
+    "batch": lambda axes: axes["batch"] == "per_batch_tensor",
+}
+
+
 def _refused_seed(reason: str) -> int:
     return next(s for s in range(400) if _would_refuse(programs.draw(s).axes) == reason)
 
 
 def _would_refuse(axes: dict[str, str]) -> str | None:
+    """The first check of support.CHECKS that refuses a program with these axes (one with two optimizers is not
+    recorded at all)."""
     if axes["optimizers"] == "two":
         return None
-    if axes["optimizer"] in ("LBFGS", "SparseAdam"):
-        return "optimizer"
-    return {"embedding_sparse": "gradients", "func_per_sample": "transforms"}.get(axes["arch"]) or (
-        "batch" if axes["batch"] == "per_batch_tensor" else None)
+    return next((feature for feature in support.CHECKS if REFUSES[feature](axes)), None)
 
 
-@pytest.mark.parametrize("reason", ["optimizer", "gradients", "transforms", "batch"])
+@pytest.mark.parametrize("reason", list(support.CHECKS))
 def test_unsupported_runs_are_refused_before_any_step_in_one_line_exit_2(reason: str, tmp_path: Path) -> None:
     seed = _refused_seed(reason)
     program = programs.draw(seed)

@@ -56,12 +56,9 @@ class Unsupported(BadInput):
 
 def check_supported(where: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     step_fn: Callable[..., Any], batch: Any) -> None:
-    """Refuse what replay does not support, naming it: the optimizer, the gradients' layout, a step function under
-    torch.func transforms, a batch that carries a per-batch tensor beside its per-sample rows."""
-    checks = {"optimizer": lambda: _optimizer(optimizer), "gradients": lambda: _gradients(model),
-              "transforms": lambda: _transforms(step_fn), "batch": lambda: _batch(batch)}
-    for feature, found in checks.items():
-        problem = found()
+    """Refuse what replay does not support, naming it (``CHECKS``, in order)."""
+    for feature, check in CHECKS.items():
+        problem = check(model, optimizer, step_fn, batch)
         if problem is not None:
             raise Unsupported(where, feature, problem)
 
@@ -110,3 +107,13 @@ def _batch(batch: Any) -> str | None:
         return f"a batch whose tensors do not share their first dimension ({path} of shape {list(t.shape)}): a " \
                "per-batch tensor beside per-sample rows, which sample attribution would split as rows"
     return None
+
+
+# What is checked, by feature, each from (model, optimizer, step function, first batch): supporting a feature is
+# deleting its row (tests/test_oracle.py then replays what it refused).
+CHECKS: dict[str, Callable[[torch.nn.Module, torch.optim.Optimizer, Callable[..., Any], Any], str | None]] = {
+    "optimizer": lambda model, optimizer, step_fn, batch: _optimizer(optimizer),
+    "gradients": lambda model, optimizer, step_fn, batch: _gradients(model),
+    "transforms": lambda model, optimizer, step_fn, batch: _transforms(step_fn),
+    "batch": lambda model, optimizer, step_fn, batch: _batch(batch),
+}

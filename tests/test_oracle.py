@@ -270,8 +270,9 @@ KNOWN: dict[int, str] = {
     354: "operation: an inf born beside NaN from finite inputs (addmm of weights an LR spike made huge) is unseen by "
          "the trace (rootcause/operations.py's summaries), which names no op where the reference names addmm",
 }
+LOSS_ONLY = [101, 132]  # every label of a step ignored: the fault seeds 0-99 draw only where it is refused
 SEEDS = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[s])) if s in KNOWN else s
-         for s in sorted({*range(100), *FIXED, *KNOWN})]
+         for s in sorted({*range(100), *FIXED, *KNOWN, *LOSS_ONLY})]
 
 
 @pytest.fixture(scope="module")

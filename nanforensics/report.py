@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Collection, Literal, get_args
 
 from .finite import encode_float
 from .outputs import write_output
@@ -24,6 +24,12 @@ DefectKind = Literal["nonfinite", "extreme", "subnormal"]
 # zero (or finite) gradients, as from a batch with no valid target.
 LOSS_ONLY_STAGES = frozenset({"forward", "loss"})
 PARAM_STAGES = frozenset({"grad", "optimizer_grad", "optimizer_state", "param"})  # an event names a parameter
+
+
+def loss_only(stages: Collection[str]) -> bool:
+    """Whether a step whose non-finite values lie in these stages is loss-only: a non-finite loss, nothing but forward
+    activations beside it (a mean over no target), so no origin. The one rule replay and sample attribution share."""
+    return "loss" in stages and set(stages) <= LOSS_ONLY_STAGES
 
 
 @dataclass

@@ -117,9 +117,12 @@ def test_batchnorm_failure_is_reported_as_coupled_not_guessed(reports):
     assert "fail only together" in s.message
 
 
-def test_optimizer_only_failure_is_not_blamed_on_samples(reports):
+def test_optimizer_only_failure_is_traced_to_its_sample_through_the_update(reports):
+    """Forward and backward stay finite (the 1e13 reading's gradient is large, not infinite): the samples are judged
+    through optimizer.step(), where that sample's gradient alone overflows exp_avg_sq (issue 31's oracle)."""
     r = reports["adam_state_overflow"]
-    assert r.samples.status == "not_reproduced"
+    assert (r.samples.status, r.samples.samples) == ("attributed", [S])
+    assert "through optimizer.step()" in r.samples.message
     assert r.operation.site.phase == "optimizer"
     assert [d.kind for d in r.data_defects if d.step == DEFECT_STEP] == ["extreme"]
 

@@ -12,6 +12,8 @@ verdict.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..report import AmpReport, Event, ScalerStep
@@ -38,6 +40,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def scaler_caught(scaler: Any, stepped: bool, events: list[Event]) -> bool:
+    """Whether the GradScaler caught this step's non-finite values: it skipped ``optimizer.step()`` and none reached
+    the state (a skipped step can still have written BatchNorm statistics from an overflowed forward: stage buffer).
+    The one rule for the replay's steps and for sample attribution's passes."""
+    return scaler is not None and not stepped and bool(events) and all(e.stage not in _REACHED_STATE for e in events)
+
+
 class AmpLog:
     """What the scaler did at each replayed step, and the overflows it caught (keyed by step: a step
     replayed again after a rewind replaces its first record)."""
@@ -60,9 +69,7 @@ class AmpLog:
             for h in handles:
                 h.remove()
         next_scale = scaler.get_scale() if scaler is not None else None
-        # a skipped step can still have written BatchNorm statistics from an overflowed forward: stage buffer
-        caught = (scaler is not None and not stepped and bool(events)
-                  and all(e.stage not in _REACHED_STATE for e in events))
+        caught = scaler_caught(scaler, bool(stepped), events)
         self.steps[step] = ScalerStep(step, scale, next_scale, _adjustment(scale, next_scale), not stepped,
                                       _OVERFLOW[events[0].stage] if events else None, caught)
         self.caught.pop(step, None)

@@ -26,7 +26,6 @@ from ..finite import value_name
 from ..formats.discover import open_checkpoint
 from ..progress import SILENT, Progress
 from ..report import (
-    LOSS_ONLY_STAGES,
     BatchRef,
     CheckpointComparison,
     Event,
@@ -37,6 +36,7 @@ from ..report import (
     SampleAttribution,
     StepRecord,
 )
+from ..report import loss_only as is_loss_only
 from ..rootcause import DEFAULT_MAX_ABS
 from ..rootcause.data import check_batches
 from ..rootcause.findings import findings, narrate
@@ -55,6 +55,7 @@ from .amp import findings as amp_findings
 from .monitor import StepMonitor, buffers_total, totals
 from .reproduction import LOSS_ULPS, STATE_RTOL, compare_checkpoint, float32_ulps, judge, losses_match
 from .session import Session, pinned_threads, resolve_device
+from .support import check_supported
 
 PRECURSOR_STEPS = 16  # steps before the event the precursor curves cover at least, where an older checkpoint allows
 
@@ -169,6 +170,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
 
     with pinned_threads(run.num_threads if device.type == "cpu" else None) as threads:
         r = open_session(run, code, checkpoint, device)
+        check_supported(run.path, r.model, r.optimizer, code.step_fn, r.logged_batch(r.step))  # before any step
         # the start checkpoint's optimizer state beyond finiteness: an origin on what it flags is explained by it
         unsound = start_soundness(getattr(checkpoint, "source", None) or open_checkpoint(checkpoint.path), r.model,
                                   r.optimizer)
@@ -206,7 +208,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                 if r.step in later and r.step not in compared and all(c.matched or c.error for c in compared.values()):
                     compared[r.step] = compare_checkpoint(r.model, r.optimizer, later[r.step], state_rtol)
                 stages = {e.stage for e in step_events}
-                if located_from is None and "loss" in stages and stages <= LOSS_ONLY_STAGES:
+                if located_from is None and is_loss_only(stages):
                     loss_only.append(step)  # nothing non-finite reached gradients or state: not an origin
                     # detect mode leaves the value unread; the loss is a scalar, its value the replayed loss
                     loss_events.setdefault(step, replace(
@@ -274,7 +276,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         # Without an origin, a loss-only step is still worth explaining: which op made the loss non-finite, from
         # which samples (a batch with no valid target, typically).
         explained = events[0] if events else loss_events[loss_only[0]] if loss_only else None
-        operation, samples = _explain(r, explained, kept.get(explained.step), progress) \
+        operation, samples = _explain(r, explained, kept.get(explained.step), progress, not events) \
             if explained is not None and opts.explain else (None, None)
         # whether resetting the flagged state would have saved the run is replayed too
         by_order = code.loaded is not None and code.loaded.optimizer_matched == "order"
@@ -302,12 +304,13 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     return narrate(report)
 
 
-def _explain(session: Session, origin: Event, before: dict | None = None,
-             progress: Progress = SILENT) -> tuple[OperationCulprit | None, SampleAttribution | None]:
+def _explain(session: Session, origin: Event, before: dict | None = None, progress: Progress = SILENT,
+             no_origin: bool = False) -> tuple[OperationCulprit | None, SampleAttribution | None]:
     """Root cause inside the responsible step: which operation made the origin's value, then which samples (group
     testing, starting from the sample the origin's or that operation's coordinates point at); in a distributed run,
     inside the shard of the origin's rank (None on a rank that leaves the explaining to another). ``before``: the
-    session's state before the origin's step, where the replay kept it."""
+    session's state before the origin's step, where the replay kept it; ``no_origin``: ``origin`` is the loss of a
+    loss-only step (a subset fails by a non-finite loss alone), not an origin (by anything but that)."""
     with session.focused(origin.rank) as focused:
         if focused is None:
             return None, None
@@ -323,7 +326,8 @@ def _explain(session: Session, origin: Event, before: dict | None = None,
         operation = trace_step(focused.model, focused.optimizer, lambda: focused.traced_pass(origin), origin)
         focused.restore(before)  # the traced pass stepped the optimizer
         # the operation's output may say which sample it is: then group testing starts from it
-        samples = attribute_samples(focused, sample_hint(focused.batch(origin.step), origin, operation), progress)
+        samples = attribute_samples(focused, sample_hint(focused.batch(origin.step), origin, operation), progress,
+                                    no_origin)
     return operation, samples
 
 

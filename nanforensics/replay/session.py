@@ -13,7 +13,7 @@ import torch
 from ..errors import BadInput
 from ..report import Event
 from ..runs.batches import map_tensors
-from ..runs.checkpoint import restore_rng, rng_state
+from ..runs.checkpoint import optimizer_params, restore_rng, rng_state
 from ..runs.optimizers import as_given, members_of
 from ..runs.source import StartPoint, StepCode, StepSource
 from .monitor import StepMonitor
@@ -53,16 +53,18 @@ def loss_value(loss: Any, where: Path) -> float:
 
 
 @contextmanager
-def no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def no_optimizer_step(optimizer: torch.optim.Optimizer, calls: list[bool] | None = None) -> Iterator[None]:
     """An instance attribute shadows the method: the user's step runs, the optimizer does nothing (each of several,
-    whose own ``step()`` the step function calls).
+    whose own ``step()`` the step function calls; ``calls``: each call that would have stepped one is noted, so a
+    GradScaler's skip is seen).
 
     An LR scheduler may already have put its own wrapper there; it is put back as it was.
     """
     members = members_of(optimizer)
     own = [vars(o).get("step") for o in members]
+    noted = calls if calls is not None else []
     for o in members:
-        o.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        o.step = lambda *args, **kwargs: noted.append(True)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -146,7 +148,7 @@ class Session:
         is last restored: nothing then writes the optimizer's state, so its tensors are kept, and put back, by
         reference instead of copied (on the decoder bench, 110 MB a root-cause pass)."""
         optimizer = self.optimizer.state_dict()
-        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}, "grads": self._loose_grads(),
                 "optimizer": copy.deepcopy(optimizer, {} if stepping else _tensors(optimizer)), "shared": not stepping,
                 "rng": rng_state(), "step": self.step, "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None}
@@ -157,12 +159,22 @@ class Session:
         # load_state_dict keeps the tensors it is given: a copy, unless nothing will write them
         self.optimizer.load_state_dict(copy.deepcopy(optimizer, _tensors(optimizer) if snapshot["shared"] else {}))
         self.optimizer.zero_grad(set_to_none=True)
+        for p, grad in snapshot["grads"].items():
+            p.grad = None if grad is None else grad.clone()
         restore_rng(snapshot["rng"])
         self.step = snapshot["step"]
         if self.scaler is not None:
             self.scaler.load_state_dict(snapshot["scaler"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(copy.deepcopy(snapshot["scheduler"]))
+
+    def _loose_grads(self) -> dict[torch.Tensor, torch.Tensor | None]:
+        """The gradients of the parameters the optimizer does not hold (Muon's biases, a frozen layer's that still
+        requires grad): nothing zeroes them, so they carry over between steps, and a re-run of a step must start from
+        them as they were, not from what the pass before left (a NaN it made would fail every later pass)."""
+        held = {id(p) for p in optimizer_params(self.optimizer)}
+        return {p: None if p.grad is None else p.grad.detach().clone()
+                for p in self.model.parameters() if id(p) not in held and p.requires_grad}
 
     def advance_to(self, step: int) -> None:
         """Plain steps up to (not including) ``step``."""

@@ -2,7 +2,10 @@
 
 Group testing: forward and backward on halves of the batch, recursing into the halves that still
 fail, with the optimizer step disabled and the model, optimizer and RNG restored before every
-pass, so nothing is touched. k bad samples cost O(k log B) passes instead of B. A failing set
+pass, so nothing is touched. A failure that forward and backward on the whole batch do not make (it needs the update:
+a large finite gradient whose square overflows Adam's moments) is group-tested the same way through the whole step,
+``optimizer.step()`` and the code after it included, from the same restored state.
+k bad samples cost O(k log B) passes instead of B. A failing set
 whose halves both pass is *coupled* (BatchNorm statistics, a loss normalised over the batch): it
 is reported as such, never narrowed down by guessing.
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
@@ -46,9 +50,10 @@ import torch
 
 from ..errors import BadInput
 from ..progress import SILENT, Progress
+from ..replay.amp import scaler_caught
 from ..replay.monitor import StepMonitor
 from ..replay.session import Session, no_optimizer_step
-from ..report import Event, OperationCulprit, SampleAttribution
+from ..report import Event, OperationCulprit, SampleAttribution, loss_only
 from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
 from ..words import count, sample_positions
 
@@ -151,32 +156,50 @@ def swapped(batch: Any, donor: Any, path: str, at: str = "batch") -> Any:
 
 
 class _Tester:
-    def __init__(self, session: Session, batch: Any, size: int, whole: Collection[str] = (),
-                 progress: Progress = SILENT) -> None:
-        self.session, self.batch, self.size, self.whole, self.progress = session, batch, size, whole, progress
-        self.snapshot = session.snapshot(stepping=False)  # every pass runs under no_optimizer_step
-        self.passes = 0
+    """Runs the step on subsets of the batch from the step's state. ``update``: the whole step, ``optimizer.step()``
+    and the code after it included, for a failure the forward and backward alone do not make (a sample whose large
+    finite gradient overflows Adam's moments); otherwise forward and backward only, nothing written. ``whole``: the
+    leaves kept whole in every subset (per-batch tensors)."""
+
+    def __init__(self, session: Session, batch: Any, size: int, whole: Collection[str] = (), progress: Progress = SILENT,
+                 update: bool = False, passes: int = 0, loss_only: bool = False) -> None:
+        self.session, self.batch, self.size, self.whole = session, batch, size, whole
+        self.progress, self.update = progress, update
+        self.loss_only = loss_only  # the step explained is loss-only: a subset fails as it did, by its loss alone
+        self.snapshot = session.snapshot(stepping=update)  # without the update, every pass runs under no_optimizer_step
+        self.passes = passes
         self.errors: list[str] = []
 
     def fails(self, indices: list[int]) -> bool:
-        """One forward/backward pass on the subset; True when a non-finite value appears before the optimizer."""
+        """One pass on the subset; True when a non-finite value appears before the optimizer (with ``update``:
+        anywhere but in a forward activation and the loss alone)."""
         return self.fails_on(select(self.batch, indices, self.size, self.whole))
 
     def fails_on(self, subset: Any) -> bool:
-        """One forward/backward pass on ``subset`` (any batch) from the step's state."""
+        """One pass on ``subset`` (any batch) from the step's state."""
         self.passes += 1
         self.progress.update(self.passes)
         s = self.session
         s.restore(self.snapshot)
-        with StepMonitor(s.model, s.optimizer) as monitor, no_optimizer_step(s.optimizer):
+        stepped: list[bool] = []  # whether optimizer.step() was called (a GradScaler skips it on an overflow)
+        with StepMonitor(s.model, s.optimizer, prove=False) as monitor, \
+                (nullcontext() if self.update else no_optimizer_step(s.optimizer, stepped)):
+            handle = s.optimizer.register_step_post_hook(lambda *_: stepped.append(True))
             monitor.begin(s.step, subset, locate=False)
             try:
                 loss = s.call_step(subset)
             except BadInput as e:  # e.g. BatchNorm refuses a single sample: this subset cannot be judged
                 self.errors.append(e.problem)
                 return False
+            finally:
+                handle.remove()
             events = monitor.end(loss)
-        return any(e.stage in _BEFORE_OPTIMIZER for e in events)
+        if scaler_caught(s.scaler, bool(stepped), events):
+            return False  # the scaler caught this subset's overflow: benign, as the replay judges a step
+        # it fails as the step did: loss-only as a loss-only step, else with an origin (a subset whose only fault is a
+        # loss over no target is not the origin's failure)
+        stages = {e.stage for e in events if self.update or e.stage in _BEFORE_OPTIMIZER}
+        return loss_only(stages) if self.loss_only else bool(stages) and not loss_only(stages)
 
 
 def group_test(size: int, fails: Callable[[list[int]], bool]) -> tuple[list[int], list[list[int]]]:
@@ -283,9 +306,10 @@ def max_passes(size: int, probes: int = PROBES) -> int:
     return 1 + len(probe_order(size, probes)) + 2 * (size - 1)
 
 
-def attribute_samples(session: Session, hint: int | None = None, progress: Progress = SILENT) -> SampleAttribution:
-    """Group-test the batch of ``session.step`` (``hint``: see ``split_batch``); the session's state is restored
-    afterwards."""
+def attribute_samples(session: Session, hint: int | None = None, progress: Progress = SILENT,
+                      loss_only: bool = False) -> SampleAttribution:
+    """Group-test the batch of ``session.step`` (``hint``: see ``split_batch``; ``loss_only``: the step is loss-only,
+    its samples are those whose loss alone is non-finite); the session's state is restored afterwards."""
     step_fn = session.code.step_fn
     batch = session.batch(session.step)
     logged = session.logged_batch(session.step)
@@ -299,13 +323,17 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
     kept = whole_leaves(batch, size, named)
     progress.phase(f"attributing samples of step {session.step}: forward/backward passes", max_passes(size),
                    unit="pass", at_most=True)
-    tester = _Tester(session, batch, size, named, progress)
+    tester = _Tester(session, batch, size, named, progress, loss_only=loss_only)
     try:
         if not tester.fails(list(range(size))):
-            return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
-                                     "forward and backward on the whole batch stay finite: the failure needs the "
-                                     "update (optimizer.step() or the step function's code after it), not a sample",
-                                     whole_leaves=kept)
+            # forward and backward stay finite: the failure needs the update, and the samples are judged through it
+            session.restore(tester.snapshot)
+            tester = _Tester(session, batch, size, named, progress, update=True, passes=tester.passes,
+                             loss_only=loss_only)
+            if not tester.fails(list(range(size))):
+                return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
+                                         "the whole step on the whole batch, run again, stays finite",
+                                         whole_leaves=kept)
         found = split_batch(size, tester.fails, hint=hint)
         # "the step, not its data": tested, with the step before's batch run from this step's state; and each
         # per-batch tensor, with the step before's in its place
@@ -317,11 +345,12 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
                   and not tester.fails_on(swapped(batch, donor, p))]
     finally:
         session.restore(tester.snapshot)
-    passes = f"{tester.passes} forward/backward passes"
+    passes = f"{tester.passes} forward/backward passes" + (
+        ", through optimizer.step(): forward and backward alone stay finite" if tester.update else "")
     if found.status == "batch_wide":
         follows = (f"; it follows the batch's per-batch {'tensors' if len(causes) > 1 else 'tensor'} "
                    f"{', '.join(causes)}: with step {before}'s in {'their' if len(causes) > 1 else 'its'} place the "
-                   "batch's forward and backward stay finite") if causes else ""
+                   f"batch's {'step stays' if tester.update else 'forward and backward stay'} finite") if causes else ""
         return SampleAttribution("batch_wide", size, [], {}, tester.passes, [],
                                  f"{batch_wide_message(found, size)}{follows} ({passes})", compared_step=compared,
                                  compared_fails=compared_fails, whole_leaves=kept, cause_leaves=causes)

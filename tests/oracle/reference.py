@@ -1,0 +1,348 @@
+"""The reference monitor: deliberately simple and slow, sharing no code with the replay (no proofs, no locate mode,
+no skipped reads). Every step runs from the program's start with hooks on every module, every gradient, the optimizer
+(before and after its step) and, for the origin step, a ``TorchDispatchMode`` over every op; every checked tensor is
+read whole with ``torch.isfinite``.
+
+What it reports (``Reference``): per step the first non-finite value of each stage in program order (stage, tensor,
+coordinate, value); the origin, the first step with a non-finite value that is not loss-only; the loss-only steps
+(a non-finite loss, nothing but forward activations non-finite with it); the op that made the origin step's first
+non-finite value from finite inputs, with its phase; and the samples of that step that fail alone (the step re-run
+from a snapshot on each single sample).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
+
+ORDER = ("batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param", "buffer")
+LOSS_ONLY = {"forward", "loss"}
+PERSISTENT = ("optimizer_state", "param", "buffer")  # what outlives the step
+ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+               "aten::set_"}
+
+
+@dataclass
+class Found:
+    """The first non-finite value of one stage of one step."""
+
+    step: int
+    stage: str
+    tensor: str
+    index: list[int]
+    value: str
+    state_key: str | None = None
+
+
+@dataclass
+class Reference:
+    verdict: str  # nonfinite | loss_only | clean
+    origin: Found | None
+    loss_only_steps: list[int]
+    op: str | None = None  # "aten::log", overload left out
+    phase: str | None = None
+    samples: list[int] = field(default_factory=list)  # those that fail alone, at the origin (or first loss-only) step
+    batch_size: int | None = None
+    steps: dict[int, list[Found]] = field(default_factory=dict)
+
+
+def first_bad(t: torch.Tensor) -> tuple[list[int], str] | None:
+    """The first non-finite coordinate in row-major order and its value; a sparse tensor's in its coordinates."""
+    if t.is_sparse:
+        t = t.coalesce()
+        values = t.values()
+        bad = (~torch.isfinite(values)).reshape(values.shape[0], -1)
+        rows = torch.nonzero(bad.any(1))
+        if len(rows) == 0:
+            return None
+        k = int(rows[0])
+        j = int(torch.nonzero(bad[k])[0])
+        inner = list(torch.unravel_index(torch.tensor(j), values.shape[1:])) if values.dim() > 1 else []
+        return [int(i) for i in t.indices()[:, k]] + [int(i) for i in inner], _name(float(values.reshape(
+            values.shape[0], -1)[k, j]))
+    flat = t.detach().reshape(-1)
+    bad = torch.nonzero(~torch.isfinite(flat))
+    if len(bad) == 0:
+        return None
+    i = int(bad[0])
+    return [int(c) for c in torch.unravel_index(torch.tensor(i), t.shape)], _name(float(flat[i]))
+
+
+def _name(v: float) -> str:
+    return "nan" if v != v else ("inf" if v > 0 else "-inf")
+
+
+def _checkable(t: Any) -> bool:
+    if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(t)  # inside vmap/grad: read outside the transform
+    return not wrapped and not isinstance(t, torch._subclasses.FakeTensor)
+
+
+class StepWatch:
+    """Hooks for one run of one step: every stage's first non-finite value, in the order the hooks saw them."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                 constant_buffers: set[str]) -> None:
+        self.model, self.optimizer, self.step = model, optimizer, step
+        self.names = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(p, n)
+        self.constant_buffers = constant_buffers
+        self.found: dict[str, Found] = {}
+        self.stepped = False
+        self.handles: list[Any] = []
+
+    def see(self, stage: str, name: str, t: Any, key: str | None = None) -> None:
+        if stage in self.found or not _checkable(t):
+            return
+        bad = first_bad(t.detach())
+        if bad is not None:
+            self.found[stage] = Found(self.step, stage, name, bad[0], bad[1], key)
+
+    def __enter__(self) -> "StepWatch":
+        for name, module in self.model.named_modules():
+            self.handles.append(module.register_forward_hook(self._module(name or "<root>")))
+        for p, name in self.names.items():
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(
+                    lambda p, name=name: self.see("grad", name, p.grad)))
+        self.handles.append(self.optimizer.register_step_pre_hook(self._before_update))
+        return self
+
+    def _module(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            for i, (path, t) in enumerate(tree_flatten_with_path(output)[0]):
+                self.see("forward", name if i == 0 else name + keystr(path), t)
+        return hook
+
+    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.stepped = True
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.see("optimizer_grad", self.names.get(p, "?"), p.grad)
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def finish(self, batch: Any, loss: Any) -> list[Found]:
+        """The checks after the step, then every stage's first non-finite value in stage order."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, t in self.optimizer.state.get(p, {}).items():
+                    self.see("optimizer_state", self.names.get(p, "?"), t, key)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                self.see("param", self.names.get(p, "?"), p)
+        for name, b in self.model.named_buffers():
+            if name not in self.constant_buffers:
+                self.see("buffer", name, b)
+        if isinstance(loss, torch.Tensor):
+            self.see("loss", "loss", loss)
+        for path, t in tree_flatten_with_path(batch)[0]:
+            self.see("batch", "batch" + keystr(path), t)
+        return [self.found[s] for s in ORDER if s in self.found]
+
+
+def loss_only(found: list[Found]) -> bool:
+    stages = {f.stage for f in found}
+    return "loss" in stages and stages <= LOSS_ONLY
+
+
+class Program:
+    """A generated program's callables, run from its start: ``run`` steps it, ``snapshot``/``restore`` bracket a
+    step that is run again."""
+
+    def __init__(self, module: Any, extras: Callable[[Any, Any], dict[str, Any]]) -> None:
+        self.module = module
+        built = module.build_model()
+        # a compiled model runs eagerly here: its hooks see every module (aot_eager runs the kernels eager mode runs),
+        # and its parameters are named as the model the user wrote
+        self.model = getattr(built, "_orig_mod", built)
+        self.optimizer = module.make_optimizer(built)
+        self.extras = extras(module, self.optimizer)
+        held = [(n, b) for n, b in self.model.named_buffers() if _checkable(b)]
+        self.constant_buffers = {n for n, b in held if not bool(torch.isfinite(b).all())}
+
+    def snapshot(self) -> Any:
+        """Everything a step reads: parameters, buffers, every gradient (a parameter no optimizer holds keeps its own
+        from step to step), optimizer, scaler and scheduler state, the RNG."""
+        grads = [None if p.grad is None else p.grad.detach() for p in self.model.parameters()]
+        return copy.deepcopy((self.model.state_dict(), grads, self.optimizer.state_dict(),
+                              {k: v.state_dict() for k, v in self.extras.items()}, torch.get_rng_state()))
+
+    def restore(self, snap: Any) -> None:
+        model, grads, opt, extras, rng = copy.deepcopy(snap)
+        self.model.load_state_dict(model)
+        for p, g in zip(self.model.parameters(), grads):
+            p.grad = g
+        self.optimizer.load_state_dict(opt)
+        for k, v in extras.items():
+            self.extras[k].load_state_dict(v)
+        torch.set_rng_state(rng)
+
+    def run(self, step: int, batch: Any) -> tuple[list[Found], bool]:
+        """One step watched: its first non-finite value per stage, and whether ``optimizer.step()`` ran."""
+        with StepWatch(self.model, self.optimizer, step, self.constant_buffers) as watch:
+            loss = self.module.train_step(self.model, self.optimizer, batch, **self.extras)
+        return watch.finish(batch, loss), watch.stepped
+
+    def fails(self, step: int, batch: Any, want_loss_only: bool) -> bool:
+        found, stepped = self.run(step, batch)
+        found = caught(self, found, stepped)
+        return bool(found) and loss_only(found) == want_loss_only
+
+
+def caught(prog: Program, found: list[Found], stepped: bool) -> list[Found]:
+    """A step whose overflow the GradScaler caught (it skipped the update) is benign, nothing found, unless something
+    that outlives the step went non-finite anyway (BatchNorm's statistics, written by the forward): then all of it."""
+    skipped = "scaler" in prog.extras and not stepped
+    return [] if skipped and not any(f.stage in PERSISTENT for f in found) else found
+
+
+def reference(module: Any, extras: Callable[[Any, Any], dict[str, Any]], steps: int) -> Reference:
+    """The reference answer for a program: every step watched from the program's start."""
+    prog = Program(module, extras)
+    loss_only_steps: list[int] = []
+    per_step: dict[int, list[Found]] = {}
+    origin_step = None
+    snaps: dict[int, Any] = {}
+    for step in range(steps):
+        snaps[step] = prog.snapshot()
+        found, stepped = prog.run(step, module.make_batch(step))
+        found = caught(prog, found, stepped)
+        per_step[step] = found
+        if found and loss_only(found):
+            loss_only_steps.append(step)
+        elif found:
+            origin_step = step
+            break
+    explained = origin_step if origin_step is not None else (loss_only_steps[0] if loss_only_steps else None)
+    out = Reference("nonfinite" if origin_step is not None else "loss_only" if loss_only_steps else "clean",
+                    per_step[origin_step][0] if origin_step is not None else None, loss_only_steps, steps=per_step)
+    if explained is None:
+        return out
+    batch = module.make_batch(explained)
+    prog.restore(snaps[explained])
+    out.op, out.phase = birth(prog, batch)
+    size, singles = single_samples(batch)
+    out.batch_size = size
+    for i, one in enumerate(singles):
+        prog.restore(snaps[explained])
+        if prog.fails(explained, one, want_loss_only=origin_step is None):
+            out.samples.append(i)
+    return out
+
+
+# ---- the op that made it ----------------------------------------------------------------------------------------
+
+def _kinds(values: list[Any]) -> tuple[bool, bool]:
+    """Whether any of these tensors holds a NaN, and whether any holds ±inf."""
+    nan = inf = False
+    for t in values:
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel() and not t.is_sparse \
+                and not t.is_meta:
+            nan = nan or bool(torch.isnan(t).any())
+            inf = inf or bool(torch.isinf(t).any())
+    return nan, inf
+
+
+class Births(TorchDispatchMode):
+    """Every op whose output holds a NaN none of its inputs held, or an ±inf none held (a NaN made from ±inf counts):
+    a non-tensor inf argument (``masked_fill(mask, -inf)``) is a constant written, not a value made."""
+
+    def __init__(self, phase: Callable[[list[Any]], str]) -> None:
+        super().__init__()
+        self.phase = phase
+        self.made: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        inputs = tree_flatten((args, kwargs))[0]
+        before = [_kinds([t]) for t in inputs]
+        in_nan, in_inf = any(n for n, _ in before), any(i for _, i in before)
+        constant_inf = any(isinstance(a, float) and a in (float("inf"), float("-inf")) for a in inputs)
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if name not in ALLOCATIONS and not constant_inf:
+            # what it wrote: its outputs, and inputs it changed in place (BatchNorm's running statistics)
+            written = [_kinds([t]) for t in inputs]
+            out_nan, out_inf = _kinds(tree_flatten(out)[0])
+            out_nan = out_nan or any(a[0] and not b[0] for a, b in zip(written, before))
+            out_inf = out_inf or any(a[1] and not b[1] for a, b in zip(written, before))
+            if (out_nan and not in_nan) or (out_inf and not in_inf and not in_nan):
+                self.made.append((name, self.phase(inputs)))
+        return out
+
+
+def birth(prog: Program, batch: Any) -> tuple[str | None, str | None]:
+    """The first op, in program order, of the step that made a non-finite value from finite inputs, and its phase:
+    forward (inside a module, or building the graph), backward, optimizer (inside ``optimizer.step()``),
+    before_update (the step's own code before the update, not building the graph), after_update (after it)."""
+    state = {"depth": 0, "optimizer": False, "after": False}
+
+    def phase(inputs: list[Any]) -> str:
+        if state["optimizer"]:
+            return "optimizer"
+        if torch._C._current_autograd_node() is not None:
+            return "backward"
+        if state["after"]:
+            return "after_update"
+        building = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+        if state["depth"] or building:
+            return "forward"
+        return "before_update"
+
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: state.__setitem__(
+        "depth", state["depth"] + 1)),
+               torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: state.__setitem__(
+                   "depth", state["depth"] - 1)),
+               prog.optimizer.register_step_pre_hook(lambda *a: state.__setitem__("optimizer", True)),
+               prog.optimizer.register_step_post_hook(lambda *a: state.update(optimizer=False, after=True))]
+    mode = Births(phase)
+    try:
+        with mode:
+            prog.module.train_step(prog.model, prog.optimizer, batch, **prog.extras)
+    finally:
+        for h in handles:
+            h.remove()
+    return mode.made[0] if mode.made else (None, None)
+
+
+# ---- samples alone ------------------------------------------------------------------------------------------------
+
+def single_samples(batch: Any) -> tuple[int | None, list[Any]]:
+    """The batch's size and the batch of each single sample: every tensor or list as long as the batch (the size its
+    tensors' first dimension and its lists share most) cut to that row, everything else kept whole; the samples of a
+    batch of micro-batches counted across them in order."""
+    if isinstance(batch, dict) and "micro_batches" in batch:
+        out = []
+        for micro in batch["micro_batches"]:
+            n, singles = single_samples(micro)
+            out += [{**batch, "micro_batches": [one]} for one in singles]
+        return len(out), out
+    sizes = [t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()]
+    if not sizes:
+        return None, []
+    lists = [len(v) for v in (batch.values() if isinstance(batch, dict) else ()) if isinstance(v, list)]
+    n = max(set(sizes), key=lambda k: ((sizes + lists).count(k), k))  # the size most leaves share, the larger on a tie
+
+    def cut(node: Any, i: int) -> Any:
+        if isinstance(node, torch.Tensor):
+            return node[i:i + 1] if node.dim() and node.shape[0] == n else node
+        if isinstance(node, dict):
+            return {k: cut(v, i) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            if len(node) == n and not any(isinstance(t, torch.Tensor) for t in tree_flatten(node)[0]):
+                return type(node)(node[i:i + 1])
+            return type(node)(cut(v, i) for v in node)
+        return node
+
+    return n, [cut(batch, i) for i in range(n)]

@@ -1,0 +1,322 @@
+"""The oracle (tests/oracle, issue 31): the reference monitor proven on hand-made steps whose answers are known by
+construction, both sides; the up-front refusal; and the property over a fixed set of generated programs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from nanforensics.replay import support
+from torch import nn
+
+from conftest import assert_one_line_error, run_cli
+from oracle import programs
+from oracle.check import check, compare
+from oracle.reference import first_bad, reference, single_samples
+
+# ---- the reference monitor on hand-made steps ----------------------------------------------------------------------
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class LogGain(nn.Module):
+    """log(softplus(gain) * x): log's backward divides by its input, so a near-zero reading gives an inf gradient."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(F.softplus(self.gain) * x)
+
+
+def _program(model: nn.Module, batches: dict[int, Any], step_fn: Any, optimizer: Any = None) -> SimpleNamespace:
+    """A program as the reference runs it: a model, an optimizer, a batch per step, a step function."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def build_model() -> nn.Module:
+        model.load_state_dict(state)
+        return model
+
+    return SimpleNamespace(build_model=build_model, make_batch=lambda step: batches[step], train_step=step_fn,
+                           make_optimizer=optimizer or (lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
+                           make_scheduler=None)
+
+
+def _plain(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _rows(n: int = 4, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.rand(n, 3, generator=g) + 0.5, "y": torch.zeros(n, 1)}
+
+
+def _run(model: nn.Module, batches: list[dict[str, Any]], step_fn: Any = _plain, optimizer: Any = None) -> Any:
+    torch.manual_seed(0)
+    return reference(_program(model, dict(enumerate(batches)), step_fn, optimizer), lambda m, o: {}, len(batches))
+
+
+def test_a_clean_program_is_clean() -> None:
+    ref = _run(nn.Sequential(Log(), nn.Linear(3, 1)), [_rows(), _rows(seed=1)])
+    assert (ref.verdict, ref.origin, ref.loss_only_steps, ref.op, ref.samples) == ("clean", None, [], None, [])
+
+
+def test_log_of_zero_in_the_forward_names_module_coordinate_op_and_sample() -> None:
+    bad = _rows(seed=1)
+    bad["x"][2, 1] = 0.0  # log(0) = -inf at sample 2, feature 1, inside module "0"
+    ref = _run(nn.Sequential(Log(), nn.Linear(3, 1)), [_rows(), bad])
+    o = ref.origin
+    assert (ref.verdict, o.step, o.stage, o.tensor, o.index, o.value) == ("nonfinite", 1, "forward", "0", [2, 1], "-inf")
+    assert (ref.op, ref.phase, ref.samples, ref.batch_size) == ("aten::log", "forward", [2], 4)
+    # the step before is clean, and a step after is never reached: the first origin ends the run
+    assert ref.steps[0] == [] and set(ref.steps) == {0, 1}
+
+
+def test_nan_in_the_batch_is_the_batch_stage_with_no_op() -> None:
+    bad = _rows()
+    bad["x"][3, 0] = math.nan
+    ref = _run(nn.Linear(3, 1), [bad])
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.index, ref.origin.value) == ("batch", "batch['x']", [3, 0],
+                                                                                         "nan")
+    assert ref.op is None and ref.samples == [3]
+
+
+def _zero_norm_after_update(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    loss = _plain(model, optimizer, batch)
+    with torch.no_grad():  # renormalise the rows after the update: a row of zeros is 0/0
+        model.weight.div_(model.weight.norm(dim=1, keepdim=True))
+    return loss
+
+
+def test_code_after_the_update_is_phase_after_update() -> None:
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight[1] = 0.0
+    batch = {"x": torch.zeros(4, 3), "y": torch.zeros(4, 2)}  # zero inputs: the zero row's gradient is 0 too
+    ref = _run(model, [batch], _zero_norm_after_update)
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.index, ref.origin.value) == ("param", "weight", [1, 0], "nan")
+    assert (ref.op, ref.phase) == ("aten::div_", "after_update")
+    assert ref.samples == [0, 1, 2, 3]  # every sample alone fails: it is the code, not a sample
+
+
+def test_adam_with_eps_zero_makes_nan_in_the_optimizer() -> None:
+    batch = _rows()
+    batch["x"][:, 1] = 0.0  # feature 1 absent from the batch: its weight's gradient is exactly 0, so m/sqrt(v) = 0/0
+    ref = _run(nn.Linear(3, 1), [batch], optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=0.1, eps=0.0))
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.index) == ("param", "weight", [0, 1])
+    assert (ref.op, ref.phase) == ("aten::addcdiv_", "optimizer")
+
+
+def test_inf_gradient_from_a_near_zero_input_is_made_in_the_backward() -> None:
+    bad = _rows()
+    bad["x"][1, 2] = 3e-45  # log is finite (-103), its backward 1/x is not
+    ref = _run(nn.Sequential(LogGain(3), nn.Linear(3, 1)), [bad])
+    o = ref.origin
+    assert (o.stage, o.tensor, o.index) == ("grad", "0.gain", [2]) and o.value in ("inf", "-inf")  # 1.* finite
+    assert (ref.op, ref.phase, ref.samples) == ("aten::div", "backward", [1])
+
+
+def _unclipped_division(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    for p in model.parameters():  # a rescale by a norm that is 0 on this batch
+        p.grad.div_(batch["x"].abs().sum())
+    optimizer.step()
+    return loss
+
+
+def test_rescaling_the_gradients_before_the_update_is_before_update() -> None:
+    batch = {"x": torch.zeros(2, 3), "y": torch.ones(2, 1)}  # weight gradient 0/0, bias gradient -2/0 = -inf
+    ref = _run(nn.Linear(3, 1), [batch], _unclipped_division)
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.value) == ("optimizer_grad", "weight", "nan")
+    assert (ref.op, ref.phase) == ("aten::div_", "before_update")
+
+
+def _classify(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(batch["x"]), batch["y"], ignore_index=-100)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_loss_over_no_target_is_loss_only_and_both_sides_hold() -> None:
+    ok = {"x": torch.ones(2, 3), "y": torch.tensor([1, -100])}
+    none = {"x": torch.ones(2, 3), "y": torch.tensor([-100, -100])}  # a mean over no target: NaN loss, zero gradients
+    ref = _run(nn.Linear(3, 2), [ok, none, ok], _classify)
+    assert (ref.verdict, ref.loss_only_steps, ref.origin) == ("loss_only", [1], None)
+    assert (ref.op, ref.phase, ref.samples) == ("aten::nll_loss_forward", "forward", [0, 1])
+    assert _run(nn.Linear(3, 2), [ok, ok], _classify).verdict == "clean"
+
+
+def _batch_likelihood(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    err = model(batch["x"]) - batch["y"]
+    loss = -torch.log(torch.exp(-0.5 * (err ** 2).sum()))  # the batch's likelihood underflows together, not alone
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_samples_that_fail_only_together_are_not_named() -> None:
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    coupled = {"x": torch.ones(4, 1), "y": torch.tensor([[0.0], [12.5], [12.5], [0.0]])}  # 78 each: 156 together
+    ref = _run(model, [coupled], _batch_likelihood)
+    assert ref.verdict == "nonfinite" and ref.samples == []
+    alone = {"x": torch.ones(4, 1), "y": torch.tensor([[0.0], [20.0], [0.0], [0.0]])}  # 200: fails alone
+    assert _run(model, [alone], _batch_likelihood).samples == [1]
+
+
+def test_single_samples_cut_rows_and_keep_per_batch_tensors_and_micro_batches_count_across() -> None:
+    batch = {"x": torch.arange(8.0).view(4, 2), "w": torch.ones(3), "ids": ["a", "b", "c", "d"]}
+    n, singles = single_samples(batch)
+    assert n == 4 and singles[2]["x"].tolist() == [[4.0, 5.0]] and singles[2]["w"].shape == (3,)
+    assert singles[2]["ids"] == ["c"]
+    n, singles = single_samples({"micro_batches": [batch, batch]})
+    assert n == 8 and singles[5]["micro_batches"][0]["x"].tolist() == [[2.0, 3.0]]
+
+
+def test_first_bad_reads_dense_and_sparse_coordinates_in_row_major_order() -> None:
+    t = torch.zeros(3, 4)
+    t[2, 0], t[1, 3] = math.nan, -math.inf
+    assert first_bad(t) == ([1, 3], "-inf") and first_bad(torch.zeros(2)) is None
+    sparse = torch.sparse_coo_tensor(torch.tensor([[5, 2]]), torch.tensor([[0.0, math.inf], [math.nan, 0.0]]), (8, 2))
+    assert first_bad(sparse) == ([2, 0], "nan")  # row 2 comes before row 5 whatever order they were given in
+
+
+# ---- the up-front refusal --------------------------------------------------------------------------------------------
+
+# the programs each refusal of nanforensics/replay/support.py covers, by the axes they draw
+REFUSES: dict[str, Any] = {
+    "optimizer": lambda axes: axes["optimizer"] in support.REFUSED_OPTIMIZERS,
+}
+
+
+def _refused_seed(reason: str) -> int:
+    return next(s for s in range(400) if _would_refuse(programs.draw(s).axes) == reason)
+
+
+def _would_refuse(axes: dict[str, str]) -> str | None:
+    """The first check of support.CHECKS that refuses a program with these axes (one with two optimizers is not
+    recorded at all)."""
+    if axes["optimizers"] == "two":
+        return None
+    return next((feature for feature in support.CHECKS if REFUSES[feature](axes)), None)
+
+
+@pytest.mark.parametrize("reason", list(support.CHECKS))
+def test_unsupported_runs_are_refused_before_any_step_in_one_line_exit_2(reason: str, tmp_path: Path) -> None:
+    seed = _refused_seed(reason)
+    program = programs.draw(seed)
+    module = programs.materialise(program, tmp_path)
+    programs.record(program, module, tmp_path / "run")
+    calls = []
+    step = module.train_step  # replay imports the module already imported: the step it calls, counted
+    module.train_step = lambda *a, **k: calls.append(1) or step(*a, **k)
+    result = run_cli("replay", tmp_path / "run", "--code-path", tmp_path)
+    assert_one_line_error(result, "replay does not support")
+    assert calls == []  # refused before the step function ran once
+    assert check(seed, tmp_path / "again").kind == "refused"
+
+
+def test_a_supported_run_is_not_refused(tmp_path: Path) -> None:
+    seed = next(s for s in range(400) if _would_refuse(programs.draw(s).axes) is None
+                and programs.draw(s).axes["optimizers"] == "one" and programs.draw(s).axes["arch"] == "mlp")
+    program = programs.draw(seed)
+    programs.record(program, programs.materialise(program, tmp_path), tmp_path / "run")
+    result = run_cli("replay", tmp_path / "run", "--code-path", tmp_path, "--json", "-")
+    assert result.code in (0, 1, 4), result.stderr
+
+
+# ---- the property on a fixed set of generated programs -------------------------------------------------------------
+
+# Seeds of disagreements found by the long run, kept for good once their class was fixed: the reference's own classes
+# (a compiled model watched through dynamo and named with _orig_mod; a step the GradScaler skipped that still poisoned
+# BatchNorm's statistics; an in-place write to an input, BatchNorm's running_var, not counted as the op's output) and
+# the replay's (65, 437: the samples of an origin in the update were never judged through the update, so replay said
+# "not a sample" where one sample alone, or most, fail; fixed in rootcause/samples.py's _Tester; 574: a parameter no
+# optimizer holds, Muon's bias, kept the NaN gradient of one re-run of a step into the next, so every single sample
+# "failed"; fixed in Session.snapshot/restore, which keep those gradients as they were before the step; 1149, 1266:
+# a micro-batch whose only label is ignored makes a NaN loss alone, loss-only, and was counted as the origin's failure;
+# fixed by one rule for "loss-only" that replay and sample attribution share, report.loss_only; 1540: a single sample
+# whose overflow the GradScaler catches (it skips the step) was counted as failing; fixed by one rule for "caught" that
+# the replay's steps and sample attribution's passes share, replay.amp.scaler_caught).
+FIXED = [65, 91, 179, 185, 201, 311, 353, 372, 409, 437, 474, 574, 1149, 1266, 1540]
+# Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
+# join FIXED.
+KNOWN: dict[int, str] = {
+    1298: "samples: a batch that fails in the forward is group-tested on forward and backward only, so a sample whose "
+          "loss stays finite but whose update overflows (an LR spike) passes, and 5 of 10 are named where every "
+          "sample alone fails the step (batch-wide)",
+    354: "operation: an inf born beside NaN from finite inputs (addmm of weights an LR spike made huge) is unseen by "
+         "the trace (rootcause/operations.py's summaries), which names no op where the reference names addmm",
+}
+LOSS_ONLY = [101, 132]  # every label of a step ignored: the fault seeds 0-99 draw only where it is refused
+SEEDS = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[s])) if s in KNOWN else s
+         for s in sorted({*range(100), *FIXED, *KNOWN, *LOSS_ONLY})]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder for the module's programs: one entry on sys.path, not one a program."""
+    return tmp_path_factory.mktemp("programs")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_replay_agrees_with_the_reference_or_refuses_up_front(seed: int, folder: Path) -> None:
+    outcome = check(seed, folder)
+    assert outcome.kind in ("agree", "refused", "unrecordable"), (outcome.reason, outcome.axes, outcome.details)
+
+
+def _namespace(node: Any) -> Any:
+    """The JSON report as attributes, the way ``compare`` reads the library's report."""
+    if isinstance(node, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in node.items()})
+    return [_namespace(v) for v in node] if isinstance(node, list) and node and isinstance(node[0], dict) else node
+
+
+@pytest.mark.parametrize("seed", [3, 15, 18])  # a softmax of a fully masked row, an LR spike, an inf in the batch
+def test_the_cli_agrees_with_the_reference(seed: int, folder: Path) -> None:
+    program = programs.draw(seed)
+    module = programs.materialise(program, folder)
+    programs.record(program, module, folder / f"cli_{seed}")
+    ref = reference(module, programs.extras, programs.STEPS)
+    result = run_cli("replay", folder / f"cli_{seed}", "--code-path", folder, "--json", "-")
+    assert result.code == 1 and ref.verdict == "nonfinite", (result.code, result.stderr)
+    assert compare(ref, _namespace(result.json())) == []
+
+
+def test_the_property_fails_on_a_wrong_report(folder: Path) -> None:
+    """The comparison is not vacuous: an origin one coordinate off, another op, other samples are each caught."""
+    from dataclasses import replace
+
+    from nanforensics.replay.engine import ReplayOptions, replay_run
+
+    program = programs.draw(FIXED[0])
+    module = programs.materialise(program, folder)
+    programs.record(program, module, folder / "wrong")
+    ref = reference(module, programs.extras, programs.STEPS)
+    report = replay_run(folder / "wrong", ReplayOptions(code_paths=[folder]))
+    assert compare(ref, report) == []
+    moved = replace(report, origin=replace(report.origin, index=[i + 1 for i in report.origin.index]))
+    assert [c for c, _ in compare(ref, moved)] == ["origin.index"]
+    other = replace(report, operation=replace(report.operation, site=replace(report.operation.site, op="aten::exp")))
+    assert [c for c, _ in compare(ref, other)] == ["operation"]
+    fewer = replace(report, samples=replace(report.samples, status="attributed", samples=[0]))
+    assert compare(ref, fewer)[0][0] == "samples.attributed"

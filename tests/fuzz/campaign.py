@@ -7,6 +7,7 @@ import json
 import random
 import shutil
 import time
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -90,7 +91,7 @@ def run_one(layout: seeds.Layout, command: str, mode: str, ws: Workspace, before
     ws.sentinel.unlink(missing_ok=True)
     args, outputs = _args(layout, command, ws)
     if mode == "fork":
-        outcome = oracle.run_fork(args, ws, ascii_streams=hash(target) % 4 == 0, time_limit=time_limit)
+        outcome = oracle.run_fork(args, ws, ascii_streams=zlib.crc32(target.encode()) % 4 == 0, time_limit=time_limit)
     else:
         outcome = oracle.run_spawn(args, ws, module_in_tree=mode == "module", time_limit=time_limit)
     return outcome, oracle.violations(command, outcome, ws, before, outputs, target)
@@ -156,15 +157,17 @@ class Figures:
     skipped: int = 0  # mutations the mutator could not apply (a seed it does not fit)
     seconds: float = 0.0
     calls: Counter = field(default_factory=Counter)  # mode -> calls
+    time: Counter = field(default_factory=Counter)  # (layout, command) -> seconds its calls took
 
     def by_class(self) -> Counter:
         return Counter(c.violation for c in self.crashes)
 
     def lines(self) -> list[str]:
         out = [f"{sum(self.mutants.values())} command runs on mutants in {self.seconds:.1f} s "
-               f"({', '.join(f'{n} {m}' for m, n in sorted(self.calls.items()))}); {self.skipped} mutations not applicable",
+               f"({', '.join(f'{n} {m}' for m, n in sorted(self.calls.items()))}); {self.skipped} draws refitted",
                "runs by layout and command:"]
-        out += [f"  {layout:<12} {command:<11} {n}" for (layout, command), n in sorted(self.mutants.items())]
+        out += [f"  {layout:<12} {command:<11} {n:>6}  {self.time[layout, command]:8.1f} s"
+                for (layout, command), n in sorted(self.mutants.items())]
         out.append("exit codes by command: " + ", ".join(f"{c} {code}: {n}" for (c, code), n in sorted(self.exits.items(),
                                                                                                    key=str)))
         out.append(f"crashes: {len(self.crashes)}")
@@ -191,12 +194,15 @@ def fuzz(seed_trees: dict[str, Path], scratch: Path, *, mutants: int, seed: int 
         layout = chosen[i % len(chosen)]
         rng = random.Random(f"{seed}:{i}")
         ws = Workspace(scratch / f"m{i % 2}")
-        ws.make(seed_trees[layout.name])
-        try:
-            mutation = generate(rng, ws.tree)
-            mutation.apply(ws.tree)
-        except Exception:
-            figures.skipped += 1
+        for _ in range(5):  # a mutator that does not fit its draw (a path into a tensor) draws again
+            ws.make(seed_trees[layout.name])
+            try:
+                mutation = generate(rng, ws.tree)
+                mutation.apply(ws.tree)
+                break
+            except Exception:
+                figures.skipped += 1
+        else:
             ws.remove()
             continue
         before = oracle.digest(ws.tree)
@@ -207,6 +213,7 @@ def fuzz(seed_trees: dict[str, Path], scratch: Path, *, mutants: int, seed: int 
                 mode = "module" if calls % (2 * spawn_every) == 0 else "spawn"
             outcome, found = run_one(layout, command, mode, ws, before, mutation.target, time_limit)
             figures.mutants[layout.name, command] += 1
+            figures.time[layout.name, command] += outcome.seconds
             figures.calls[mode] += 1
             figures.exits[command, outcome.code if outcome.signal is None else f"sig{outcome.signal}"] += 1
             if found:

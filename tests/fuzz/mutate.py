@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from .payload import MODULE
+from .payload import MODULE, SHADOWS
 
 # ---- values at every extreme, as raw JSON text (a value JSON cannot hold is written as the text a file can hold) ----
 
@@ -524,11 +524,13 @@ def gen_manifest_code(rng: random.Random, path: Path) -> Any:
 
 
 def apply_manifest_code(path: Path, arg: Any) -> None:
-    """The manifest names the payload planted in the tree: a name resolved on the path, or a file beside it."""
+    """The manifest names the payload planted at the tree's root: a module name, or the file (for an incident's
+    manifest, a file of the run around it)."""
     field, name = arg
     manifest = json.loads(path.read_text())
     if name.endswith(".py:build"):
-        name = f"{path.parent / MODULE}.py:build"
+        root = next(p for p in path.parents if (p / f"{MODULE}.py").exists())
+        name = f"{root / MODULE}.py:build"
     manifest[field] = name
     path.write_text(json.dumps(manifest))
 
@@ -573,7 +575,8 @@ class Mutation:
 
 def targets(tree: Path) -> list[Path]:
     """The files and folders of a tree a mutation may hit (the planted payload excepted)."""
-    return sorted(p for p in tree.rglob("*") if not p.name.startswith(MODULE))
+    planted = {f"{name}.py" for name in (MODULE, *SHADOWS)}
+    return sorted(p for p in tree.rglob("*") if p.name not in planted)
 
 
 def generate(rng: random.Random, tree: Path) -> Mutation:

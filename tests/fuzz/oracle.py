@@ -205,9 +205,9 @@ _EXC = re.compile(r"nanforensics: error: ([A-Za-z_][\w.]*(?:Error|Exception|Warn
 
 def violations(command: str, outcome: Outcome, ws: Workspace, before: dict[str, str], outputs: list[Path],
                target: str) -> list[str]:
-    """The invariants broken by one call, each as a class name ("" when all hold). ``target`` is the mutated file,
-    relative to the tree; ``outputs`` the paths the command line named."""
-    found = []
+    """The invariants broken by one call, each as a class name, the gravest first (code run, inputs written); empty
+    when all hold. ``target`` is the mutated file, relative to the tree; ``outputs`` the paths the command line named."""
+    found: list[str] = []
     if outcome.harness:
         return [f"harness: {outcome.harness.strip().splitlines()[-1][:120]}"]
     if outcome.timed_out:
@@ -234,13 +234,13 @@ def violations(command: str, outcome: Outcome, ws: Workspace, before: dict[str, 
                 found.append("error names no file")
             elif str(ws.tmp) in lines[0]:
                 found.append("error names a temporary path")
-    if ws.sentinel.exists():
-        found.append("payload ran")
-    if digest(ws.tree) != before:
-        found.append("input changed")
     stray = _stray(ws, outputs, outcome.forked)
     if stray:
-        found.append(f"created outside the named outputs: {stray[0]}")
+        found.insert(0, f"created outside the named outputs: {stray[0]}")
+    if digest(ws.tree) != before:
+        found.insert(0, "input changed")
+    if ws.sentinel.exists():
+        found.insert(0, "payload ran")
     return found
 
 

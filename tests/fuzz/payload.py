@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-MODULE = "nf_fuzz_payload"  # planted at the examined tree's root (and beside a target it names) as MODULE.py
+MODULE = "nf_fuzz_payload"  # planted at the examined tree's root as MODULE.py
+SHADOWS = ("typing",)  # and under the names of modules imported at start-up, for a process started inside the tree
 
 
 def source(sentinel: Path) -> str:
@@ -15,7 +16,6 @@ def source(sentinel: Path) -> str:
             f"class Optim:\n    def __init__(self, *a, **k):\n        {mark}\n")
 
 
-def plant(folder: Path, sentinel: Path) -> Path:
-    path = folder / f"{MODULE}.py"
-    path.write_text(source(sentinel))
-    return path
+def plant(folder: Path, sentinel: Path) -> None:
+    for name in (MODULE, *SHADOWS):
+        (folder / f"{name}.py").write_text(source(sentinel))

@@ -53,6 +53,17 @@ LAYOUTS = (
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 
+def _state(run: Path, step: int) -> tuple[dict, dict]:
+    """A recorded checkpoint's model and optimizer state dicts, the optimizer's param groups whole (betas, eps,
+    weight decay: what a soundness check reads) as torch's state_dict has them."""
+    model, optim, _ = state_of(run, step)
+    meta = json.loads((run / "checkpoints" / f"step_{step:08d}" / "meta.json").read_text())
+    names = optim["param_groups"][0]["param_names"]
+    optim["param_groups"] = [{**g, "params": [names.index(n) for n in g["params"]], "param_names": g["params"]}
+                             for g in meta["param_groups"]]
+    return model, optim
+
+
 def _recorded(root: Path) -> Path:
     run = root / "run"
     scenarios.record(run, "adam_near_zero", steps=STEPS, defect_step=DEFECT, checkpoint_every=EVERY)
@@ -74,7 +85,7 @@ def _incident(dest: Path) -> None:
 def _lightning(dest: Path, run: Path) -> None:
     dest.mkdir()
     for step in (5, 10):
-        model, optim, _ = state_of(run, step)
+        model, optim = _state(run, step)
         ckpt = {"state_dict": model, "optimizer_states": [optim], "global_step": step, "epoch": 0,
                 "lr_schedulers": [], "callbacks": {"ModelCheckpoint": {"kth_value": float("inf"), "best_model_score": None}},
                 "hyper_parameters": {"lr": 0.01, "name": "regressor"}}
@@ -85,7 +96,7 @@ def _lightning(dest: Path, run: Path) -> None:
 def _accelerate(dest: Path, run: Path) -> None:
     folder = dest / "checkpoint_2"
     folder.mkdir(parents=True)
-    model, optim, _ = state_of(run, 10)
+    model, optim = _state(run, 10)
     save_file(model, folder / "model.safetensors", metadata={"format": "pt"})
     torch.save(optim, folder / "optimizer.bin")
     torch.save({"step": 2}, folder / "random_states_0.pkl")
@@ -127,11 +138,15 @@ def build(root: Path) -> dict[str, Path]:
         shutil.copytree(run / "checkpoints" / "step_00000005", out["checkpoint"])
         _incident(out["incident"])
         shutil.copytree(ROOT / "sample_runs" / "ddp_two_ranks", out["distributed"])
-        for fmt, layout in (("pt", "pt"), ("safetensors", "safetensors"), ("hf", "hf")):
+        for fmt in ("safetensors", "hf"):
             for step in (0, 5, 10):
-                write_checkpoint(out[layout], fmt, run, step, step)
+                write_checkpoint(out[fmt], fmt, run, step, step)
+        out["pt"].mkdir()
+        for step in (0, 5, 10):
+            model, optim = _state(run, step)
+            torch.save({"model": model, "optimizer": optim, "global_step": step}, out["pt"] / f"ckpt_{step}.pt")
         out["legacy"].mkdir()
-        model, optim, _ = state_of(run, 10)
+        model, optim = _state(run, 10)
         torch.save({"model": model, "optimizer": optim, "step": 10}, out["legacy"] / "legacy.pth",
                    _use_new_zipfile_serialization=False)
         _lightning(out["lightning"], run)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is read: the CLI's help an
 # ---- the limits (README, Security: "Files nanforensics reads and writes") ---------------------------------------
 MAX_TEXT_BYTES = 256 << 20  # a JSON or text file read whole: manifest, meta.json, steps.jsonl, a report
 MAX_NESTING = 100  # no file this tool reads nests deeper; past it, recursive readers and writers would crash
-MAX_JSON_OBJECTS = 1_000_000  # objects in one JSON document (a long run's report holds some thousands)
+MAX_JSON_OBJECTS = 1_000_000  # objects in one JSON document (a long run's report holds some thousands) or unpickled tree
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header: the format's own limit
 MAX_TENSORS = 100_000  # tensors in one file (a safetensors header, a PyTorch pickle, a DCP checkpoint)
 MAX_EXPANDED_BYTES = 64 << 20  # how far a view (a stride of 0) may claim more bytes than its storage holds
@@ -225,14 +225,19 @@ def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
 
 def check_tensors(obj: Any, where: Path) -> None:
     """Refuse an unpickled object whose tensors claim what no storage holds, before anything reads them: more than
-    ``MAX_TENSORS`` of them, containers nested deeper than ``MAX_NESTING``, a view claiming more than
+    ``MAX_TENSORS`` of them, more than ``MAX_JSON_OBJECTS`` objects walked as a tree (a pickle's memo makes one
+    container referenced a million times in a few bytes: every reader would walk it a million times), containers
+    nested deeper than ``MAX_NESTING`` (a cycle among them), a view claiming more than
     ``MAX_EXPANDED_BYTES`` beyond its storage (a stride of 0 over 2^40 elements), a sparse tensor whose stored
     values do not fit its claimed size."""
     import torch
 
-    stack, seen, tensors = [(obj, 0)], set(), 0
+    stack, objects, tensors = [(obj, 0)], 0, 0
     while stack:
         node, depth = stack.pop()
+        objects += 1  # every reference: the readers walk the object as a tree, a shared part once per reference
+        if objects > MAX_JSON_OBJECTS:
+            raise BadInput(where, f"holds more than {MAX_JSON_OBJECTS:,} objects, counting each reference to a shared one")
         if depth > MAX_NESTING:
             raise BadInput(where, f"its objects nest more than {MAX_NESTING} deep")
         if isinstance(node, torch.Tensor):
@@ -240,8 +245,7 @@ def check_tensors(obj: Any, where: Path) -> None:
             if tensors > MAX_TENSORS:
                 raise BadInput(where, f"holds more than {MAX_TENSORS} tensors")
             _check_claim(node, where)
-        elif isinstance(node, (dict, list, tuple)) and id(node) not in seen:
-            seen.add(id(node))
+        elif isinstance(node, (dict, list, tuple)):
             children = node.values() if isinstance(node, dict) else node
             stack += [(c, depth + 1) for c in children]
 

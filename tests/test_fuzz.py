@@ -81,3 +81,21 @@ def test_a_mutation_is_reproduced_from_its_record(seed_trees, tmp_path):
         Mutation("json", "manifest.json", {"op": "value", "path": ["checkpoint_every"], "value": 8}).apply(ws.tree)
         trees.append({k: v for k, v in oracle.digest(ws.tree).items() if not k.endswith(".py")})  # but the payload
     assert trees[0] == trees[1] and '"checkpoint_every":1' + "0" * 400 in (tmp_path / "a/in/manifest.json").read_text()
+
+
+@pytest.mark.parametrize("references", [1000, 40_000])
+def test_a_container_shared_by_many_references_counts_once_per_reference(references, tmp_path):
+    """The class of the fuzzer's first find: a pickle's memo makes one param group referenced n times in 2n bytes, and
+    every reader walks it n times (10^6 references: minutes). The one gate after unpickling counts each reference:
+    a few thousand pass, past MAX_JSON_OBJECTS walked objects it is one line naming the file."""
+    from nanforensics.errors import BadInput
+    from nanforensics.inputs import MAX_JSON_OBJECTS, check_tensors
+
+    group = {"params": list(range(7)), "param_names": [f"p{i}" for i in range(7)], "lr": 0.01, "betas": (0.9, 0.999)}
+    obj = {"optimizer": {"state": {}, "param_groups": [group] * references}}
+    expanded = 3 + references * (1 + len(group) + 7 + 7 + 2)
+    if expanded <= MAX_JSON_OBJECTS:
+        check_tensors(obj, tmp_path / "ok.pt")
+    else:
+        with pytest.raises(BadInput, match=r"ckpt\.pt: holds more than 1,000,000 objects"):
+            check_tensors(obj, tmp_path / "ckpt.pt")

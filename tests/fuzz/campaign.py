@@ -7,7 +7,6 @@ import json
 import random
 import shutil
 import time
-import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,7 +58,8 @@ def pending_class(violation: str, layout: str, mutation: Mutation, mode: str) ->
 class Crash:
     layout: str
     command: str
-    mode: str  # fork (the entry point in a forked child), spawn (the console script), module (python -m in the tree)
+    mode: str  # fork (the entry point in a forked child), fork-ascii (its streams ASCII-only), spawn (the console
+    # script, LANG=C, PYTHONIOENCODING=ascii), module (python -m nanforensics started in the tree)
     mutation: Mutation
     violation: str  # the first invariant it broke: its class
 
@@ -90,8 +90,8 @@ def run_one(layout: seeds.Layout, command: str, mode: str, ws: Workspace, before
         d.mkdir()
     ws.sentinel.unlink(missing_ok=True)
     args, outputs = _args(layout, command, ws)
-    if mode == "fork":
-        outcome = oracle.run_fork(args, ws, ascii_streams=zlib.crc32(target.encode()) % 4 == 0, time_limit=time_limit)
+    if mode in ("fork", "fork-ascii"):
+        outcome = oracle.run_fork(args, ws, ascii_streams=mode == "fork-ascii", time_limit=time_limit)
     else:
         outcome = oracle.run_spawn(args, ws, module_in_tree=mode == "module", time_limit=time_limit)
     return outcome, oracle.violations(command, outcome, ws, before, outputs, target)
@@ -181,9 +181,9 @@ class Figures:
 def fuzz(seed_trees: dict[str, Path], scratch: Path, *, mutants: int, seed: int = 0, spawn_every: int = 0,
          layouts: list[str] | None = None, time_limit: float = oracle.TIME_LIMIT_S,
          progress: Callable[[str], None] | None = None) -> Figures:
-    """``mutants`` mutants, the layouts taken in turn, every command of a layout on each. ``spawn_every``: every n-th
-    call runs the console script as a fresh process (LANG=C, ascii streams) instead of the forked entry point, and
-    every 2n-th ``python -m nanforensics`` from inside the tree."""
+    """``mutants`` mutants, the layouts taken in turn, every command of a layout on each; every 4th call's output
+    streams ASCII-only. ``spawn_every``: every n-th call runs the console script as a fresh process (LANG=C, ascii
+    streams) instead of the forked entry point, and every 2n-th ``python -m nanforensics`` from inside the tree."""
     figures = Figures()
     start = time.monotonic()
     chosen = [seeds.BY_NAME[n] for n in (layouts or [lay.name for lay in seeds.LAYOUTS])]
@@ -208,7 +208,7 @@ def fuzz(seed_trees: dict[str, Path], scratch: Path, *, mutants: int, seed: int 
         before = oracle.digest(ws.tree)
         for command in layout.commands:
             calls += 1
-            mode = "fork"
+            mode = "fork-ascii" if calls % 4 == 0 else "fork"
             if spawn_every and calls % spawn_every == 0:
                 mode = "module" if calls % (2 * spawn_every) == 0 else "spawn"
             outcome, found = run_one(layout, command, mode, ws, before, mutation.target, time_limit)

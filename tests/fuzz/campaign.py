@@ -198,7 +198,6 @@ def fuzz(seed_trees: dict[str, Path], scratch: Path, *, mutants: int, seed: int 
             ws.make(seed_trees[layout.name])
             try:
                 mutation = generate(rng, ws.tree)
-                mutation.apply(ws.tree)
                 break
             except Exception:
                 figures.skipped += 1

@@ -13,9 +13,10 @@ import json
 import os
 import pickle
 import random
+import stat
 import struct
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -573,15 +574,40 @@ class Mutation:
         return f"{self.mutator} {self.target} {text[:160]}{'...' if len(text) > 160 else ''}"
 
 
+def apply_chain(tree: Path, parts: Any) -> None:
+    for part in parts:
+        Mutation(**part).apply(tree)
+
+
+MUTATORS["chain"] = Mutator((), lambda rng, path: [], apply_chain)  # several mutations in turn, made by ``generate``
+
+
 def targets(tree: Path) -> list[Path]:
     """The files and folders of a tree a mutation may hit (the planted payload excepted)."""
     planted = {f"{name}.py" for name in (MODULE, *SHADOWS)}
-    return sorted(p for p in tree.rglob("*") if p.name not in planted)
+    return sorted(p for p in tree.rglob("*") if p.name not in planted and _mutable(p))
 
 
-def generate(rng: random.Random, tree: Path) -> Mutation:
-    """One mutation of the seed ``tree``: a target, then a mutator that applies to its kind, structural ones
-    preferred (a header's numbers say more than a flipped bit)."""
+def _mutable(path: Path) -> bool:
+    """A real folder, or a regular file small enough to read whole (not a symlink, FIFO or sparse file an earlier
+    mutation of a chain left: reading those would block or read gigabytes)."""
+    st = path.lstat()
+    return stat.S_ISDIR(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_size <= 64 * 2**20)
+
+
+def generate(rng: random.Random, tree: Path, chain: float = 0.25) -> Mutation:
+    """A mutation of the seed ``tree``, applied to it: one (a target, then a mutator that applies to its kind,
+    structural ones preferred: a header's numbers say more than a flipped bit), or with probability ``chain`` two
+    or three in turn (a checkpoint and the step log both damaged; a header changed, then cut)."""
+    parts = [_one(rng, tree)]
+    parts[0].apply(tree)
+    while rng.random() < chain and len(parts) < 3:
+        parts.append(_one(rng, tree))
+        parts[-1].apply(tree)
+    return parts[0] if len(parts) == 1 else Mutation("chain", "", [asdict(p) for p in parts])
+
+
+def _one(rng: random.Random, tree: Path) -> Mutation:
     target = rng.choice(targets(tree))
     kind = _kind(target)
     choices = {name: w for name, w in {**STRUCTURAL, **GENERIC}.items()
@@ -613,6 +639,12 @@ def shrink(mutation: Mutation) -> list[Mutation]:
             found += [arg[:1], arg[1:]]
         return found
 
+    if mutation.mutator == "chain":  # each part alone, then the parts made smaller
+        out += [Mutation(**part) for part in mutation.arg]
+        for i, part in enumerate(mutation.arg):
+            out += [Mutation("chain", "", [*mutation.arg[:i], asdict(m), *mutation.arg[i + 1:]])
+                    for m in shrink(Mutation(**part))]
+        return out
     for arg in smaller(mutation.arg):
         out.append(Mutation(mutation.mutator, mutation.target, arg))
     return out

@@ -69,10 +69,13 @@ def encode(text: str) -> bytes:
 
 
 def _paths(x: Any, prefix: tuple = ()) -> list[tuple]:
-    """Every node's path in a JSON-like tree (keys and indexes), the root first."""
+    """Every node's path in a JSON file or a loaded checkpoint (keys and indexes), the root first; the first 200 keys
+    and 50 items of a container, 8 levels deep: the seeds' structure, not their bulk."""
     out = [prefix]
+    if len(prefix) > 8:
+        return out
     if isinstance(x, dict):
-        for k, v in x.items():
+        for k, v in list(x.items())[:200]:
             out += _paths(v, (*prefix, k))
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x[:50]):
@@ -87,7 +90,7 @@ def _get(x: Any, path: tuple) -> Any:
 
 
 def _set(x: Any, path: tuple, value: Any) -> Any:
-    """``x`` with the node at ``path`` replaced (tuples become lists on the way)."""
+    """``x`` with the node at ``path`` replaced, copied on the way (a tuple stays a tuple)."""
     if not path:
         return value
     head, rest = path[0], path[1:]
@@ -95,7 +98,7 @@ def _set(x: Any, path: tuple, value: Any) -> Any:
         return {**x, head: _set(x[head], rest, value)}
     y = list(x)
     y[head] = _set(y[head], rest, value)
-    return y
+    return tuple(y) if isinstance(x, tuple) else y
 
 
 def _pick_path(rng: random.Random, tree: Any) -> list:
@@ -204,50 +207,21 @@ def _zip_join(members: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def _leaves(x: Any, prefix: tuple = (), depth: int = 0) -> list[tuple]:
-    """Paths to every non-tensor node of a loaded checkpoint (containers included)."""
-    out = [prefix]
-    if depth > 8:
-        return out
-    if isinstance(x, dict):
-        for k, v in list(x.items())[:200]:
-            out += _leaves(v, (*prefix, k), depth + 1)
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x[:50]):
-            out += _leaves(v, (*prefix, i), depth + 1)
-    return out
-
-
-def _py_set(x: Any, path: tuple, value: Any) -> Any:
-    if not path:
-        return value
-    head, rest = path[0], path[1:]
-    if isinstance(x, dict):
-        y = dict(x)
-        y[head] = _py_set(x[head], rest, value)
-        return y
-    y = list(x)
-    y[head] = _py_set(y[head], rest, value)
-    return tuple(y) if isinstance(x, tuple) else y
-
-
 def mutate_object(obj: Any, arg: dict) -> Any:
     """One change of a loaded checkpoint's object tree: a value at an extreme, a container nested or repeated (shared
     references, as a pickle memo makes them), a type swapped, a tensor swapped for a hostile one."""
     path, op = tuple(arg["path"]), arg["op"]
-    node = obj
-    for p in path:
-        node = node[p]
+    node = _get(obj, path)
     if op == "value":
-        return _py_set(obj, path, PY_EXTREMES[arg["value"]])
+        return _set(obj, path, PY_EXTREMES[arg["value"]])
     if op == "nest":
         for _ in range(arg["depth"]):
             node = [node]
-        return _py_set(obj, path, node)
+        return _set(obj, path, node)
     if op == "repeat":
-        return _py_set(obj, path, [node] * arg["n"])
+        return _set(obj, path, [node] * arg["n"])
     if op == "type":
-        return _py_set(obj, path, list(node.values()) if isinstance(node, dict) else str(node)[:100])
+        return _set(obj, path, list(node.values()) if isinstance(node, dict) else str(node)[:100])
     if op == "tensor":
         hostile = {"expand": lambda: torch.zeros(1).expand(2**40),
                    "scalar_str": lambda: "tensor",
@@ -257,12 +231,12 @@ def mutate_object(obj: Any, arg: dict) -> Any:
                    "nan": lambda: torch.full((4,), float("nan")),
                    "complex": lambda: torch.zeros(2, dtype=torch.complex64),
                    "bool": lambda: torch.ones(2, dtype=torch.bool)}
-        return _py_set(obj, path, hostile[arg["tensor"]]())
+        return _set(obj, path, hostile[arg["tensor"]]())
     raise ValueError(op)
 
 
 def gen_object(rng: random.Random, obj: Any) -> dict:
-    paths = _leaves(obj)
+    paths = _paths(obj)
     hot = [p for p in paths if any(k in KEYS for k in p if isinstance(k, str))]
     path = list(rng.choice(hot if hot and rng.random() < 0.6 else paths))
     op = rng.choice(("value", "value", "value", "nest", "repeat", "type", "tensor"))

@@ -58,25 +58,14 @@ class Workspace:
 
     root: Path
     tree: Path = field(init=False)
+    out: Path = field(init=False)
+    cwd: Path = field(init=False)
+    tmp: Path = field(init=False)
+    sentinel: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tree = self.root / "in"
-
-    @property
-    def out(self) -> Path:
-        return self.root / "out"
-
-    @property
-    def cwd(self) -> Path:
-        return self.root / "cwd"
-
-    @property
-    def tmp(self) -> Path:
-        return self.root / "tmp"
-
-    @property
-    def sentinel(self) -> Path:
-        return self.root / "SENTINEL"
+        for name, child in (("tree", "in"), ("out", "out"), ("cwd", "cwd"), ("tmp", "tmp"), ("sentinel", "SENTINEL")):
+            setattr(self, name, self.root / child)
 
     def make(self, seed: Path) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -6,7 +6,10 @@ closes (``KNOWN_PENDING``), expected to fail until that change is merged."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Hashable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,3 +102,40 @@ def test_a_container_shared_by_many_references_counts_once_per_reference(referen
     else:
         with pytest.raises(BadInput, match=r"ckpt\.pt: holds more than 1,000,000 objects"):
             check_tensors(obj, tmp_path / "ckpt.pt")
+
+
+def _optimizer_state() -> tuple[Any, Any, dict]:
+    """The scenarios' model and Adam after one step: its state dict as torch writes it (tensors per parameter)."""
+    import torch
+
+    import scenarios
+
+    model = scenarios.build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scenarios.train_step(model, optimizer, scenarios.make_batch(0))
+    return model, optimizer, copy.deepcopy(optimizer.state_dict())
+
+
+PLACES = {  # where in an optimizer state dict a value is put, as the fuzzer's object mutator puts it
+    "a parameter's state": lambda sd, v: sd["state"].__setitem__(0, v),
+    "a state value": lambda sd, v: sd["state"][0].__setitem__("exp_avg", v),
+    "a state key": lambda sd, v: sd["state"][0].__setitem__(v if isinstance(v, Hashable) else str(v), 0.0),
+    "a group's params item": lambda sd, v: sd["param_groups"][0]["params"].__setitem__(0, v),
+    "a group": lambda sd, v: sd["param_groups"].__setitem__(0, v),
+}
+
+
+@pytest.mark.parametrize("place", sorted(PLACES))
+@pytest.mark.parametrize("value", [float("nan"), 10**400, "x", None, b"\xff", [1.0], {"a": 1}, (0.5, 2.0), True])
+def test_an_optimizer_state_of_any_shape_loads_or_is_one_line(place, value, tmp_path):
+    """The class of the fuzzer's second find (a parameter's state a float in a replay --checkpoint: AttributeError):
+    whatever a pickled optimizer state dict holds where, loading it works or is BadInput naming the file."""
+    from nanforensics.errors import BadInput
+    from nanforensics.formats.training_state import load_optimizer
+
+    model, optimizer, sd = _optimizer_state()
+    PLACES[place](sd, value)
+    try:
+        load_optimizer(model, optimizer, sd, tmp_path / "ckpt.pt", "make_optimizer")
+    except BadInput as e:
+        assert str(e).startswith(str(tmp_path / "ckpt.pt")), e

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .payload import MODULE, SHADOWS
+from .payload import MODULE
 
 # ---- values at every extreme, as raw JSON text (a value JSON cannot hold is written as the text a file can hold) ----
 
@@ -557,9 +557,9 @@ MUTATORS["chain"] = Mutator((), lambda rng, path: [], apply_chain)  # several mu
 
 
 def targets(tree: Path) -> list[Path]:
-    """The files and folders of a tree a mutation may hit (the planted payload excepted)."""
-    planted = {f"{name}.py" for name in (MODULE, *SHADOWS)}
-    return sorted(p for p in tree.rglob("*") if p.name not in planted and _mutable(p))
+    """The files and folders of a tree a mutation may hit: not the planted payload, nor a ``--code`` script (code the
+    user chose to run, not an artifact)."""
+    return sorted(p for p in tree.rglob("*") if p.suffix != ".py" and _mutable(p))
 
 
 def _mutable(path: Path) -> bool:

@@ -1,5 +1,6 @@
 """The fuzzer's seeds: real artifacts of every layout the commands read, made by the project's own recorder (a run, a
-guarded run with an incident, a distributed run) and converted from its checkpoints into every other format
+guarded run with an incident, a distributed run; the sample of a run nobody recorded, its checkpoints and training
+script) and converted from its checkpoints into every other format
 (``checkpoint_formats`` for torch zip files, safetensors and Hugging Face folders; torch's own writers for Lightning's
 ``.ckpt``, accelerate's ``save_state`` folder, a legacy pickle and DCP). Each layout names the tree a command examines
 and the command lines run on every mutant of it; ``{in}`` is the examined tree, ``{out}`` a folder for outputs."""
@@ -48,6 +49,9 @@ LAYOUTS = (
                          "postmortem": ("postmortem", "{in}", "--json", "{out}/p.json")}),
     Layout("accelerate", {"scan": ("scan", "{in}/checkpoint_2", "--full")}),
     Layout("dcp", {"scan": ("scan", "{in}/ckpt-10", "--full"), "bisect": ("bisect", "{in}", "--linear")}),
+    Layout("unrecorded", {"replay": ("replay", "--checkpoint", "{in}/ckpts/step_000010.pt", "--code", "{in}/train.py",
+                                     "--json", "{out}/r.json"),
+                          "bisect": ("bisect", "{in}/ckpts", "--code", "{in}/train.py", "--json", "{out}/b.json")}),
     Layout("report", {"report": ("report", "{in}/r.json", "--markdown", "{out}/r.md", "--html", "{out}/r.html")}),
 )
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
@@ -130,14 +134,17 @@ def build(root: Path) -> dict[str, Path]:
     out = {layout.name: root / layout.name for layout in LAYOUTS}
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (root / "done").exists():
+        done = root / "done"
+        if done.exists() and done.read_text() == " ".join(out):
             return out
-        shutil.rmtree(root / "work", ignore_errors=True)
+        for path in (*out.values(), root / "work"):  # an older set of seeds
+            shutil.rmtree(path, ignore_errors=True)
         run = _recorded(root / "work")
         shutil.copytree(run, out["run"])
         shutil.copytree(run / "checkpoints" / "step_00000005", out["checkpoint"])
         _incident(out["incident"])
         shutil.copytree(ROOT / "sample_runs" / "ddp_two_ranks", out["distributed"])
+        shutil.copytree(ROOT / "sample_runs" / "unrecorded", out["unrecorded"])
         for fmt in ("safetensors", "hf"):
             for step in (0, 5, 10):
                 write_checkpoint(out[fmt], fmt, run, step, step)
@@ -153,6 +160,5 @@ def build(root: Path) -> dict[str, Path]:
         _accelerate(out["accelerate"], run)
         _dcp(out["dcp"], run)
         _report(out["report"], run)
-        (root / "manifest-of-seeds.json").write_text(json.dumps({k: str(v) for k, v in out.items()}))
-        (root / "done").touch()
+        done.write_text(" ".join(out))
     return out

@@ -128,14 +128,20 @@ PLACES = {  # where in an optimizer state dict a value is put, as the fuzzer's o
 @pytest.mark.parametrize("place", sorted(PLACES))
 @pytest.mark.parametrize("value", [float("nan"), 10**400, "x", None, b"\xff", [1.0], {"a": 1}, (0.5, 2.0), True])
 def test_an_optimizer_state_of_any_shape_loads_or_is_one_line(place, value, tmp_path):
-    """The class of the fuzzer's second find (a parameter's state a float in a replay --checkpoint: AttributeError):
-    whatever a pickled optimizer state dict holds where, loading it works or is BadInput naming the file."""
+    """The class of the fuzzer's second and third finds (a parameter's state a float in replay --checkpoint:
+    AttributeError; a params item a list in bisect: TypeError, unhashable): whatever a pickled optimizer state dict
+    holds where, the gate after unpickling (``check_tensors``, every reader's) and loading it into an optimizer each
+    work or are BadInput naming the file."""
     from nanforensics.errors import BadInput
     from nanforensics.formats.training_state import load_optimizer
+    from nanforensics.inputs import check_tensors
 
     model, optimizer, sd = _optimizer_state()
     PLACES[place](sd, value)
-    try:
-        load_optimizer(model, optimizer, sd, tmp_path / "ckpt.pt", "make_optimizer")
-    except BadInput as e:
-        assert str(e).startswith(str(tmp_path / "ckpt.pt")), e
+    path = tmp_path / "ckpt.pt"
+    for step in (lambda: check_tensors({"model": {}, "optimizer": sd}, path),
+                 lambda: load_optimizer(model, optimizer, sd, path, "make_optimizer")):
+        try:
+            step()
+        except BadInput as e:
+            assert str(e).startswith(str(path)), e

@@ -38,7 +38,7 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import BadInput
-from ..inputs import TensorFile
+from ..inputs import TensorFile, optimizer_problem
 from ..runs.checkpoint import Checkpoint, b64, restore_rng, rng_state, state_from_json
 from . import torch_file
 from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS
@@ -326,28 +326,6 @@ def _saved_names(groups: list[dict[str, Any]]) -> list[list[str]] | None:
     return None
 
 
-def _malformed(sd: dict[str, Any]) -> str | None:
-    """What makes an unpickled optimizer state dict unlike any torch writes, or None: everything below indexes it as
-    torch lays it out (groups of hashable parameter ids or names; per parameter, named tensors and numbers)."""
-    for g in sd["param_groups"]:
-        if not (isinstance(g, dict) and isinstance(g.get("params"), list)):
-            return "a parameter group without a 'params' list"
-        if not all(isinstance(p, (int, str)) and not isinstance(p, bool) for p in g["params"]):
-            return "a parameter group's 'params' holds something other than parameter ids or names"
-    for entry in sd["state"].values():
-        if not isinstance(entry, dict):
-            return f"a parameter's state is a {type(entry).__name__}, not a dict of named values"
-        if not all(isinstance(k, str) and _state_value(v) for k, v in entry.items()):
-            return "a parameter's state holds a key that is not a name or a value that is neither a tensor nor a number"
-    return None
-
-
-def _state_value(v: Any) -> bool:
-    """A value an optimizer keeps per parameter: a tensor, a number, None, or a list of them (LBFGS's history)."""
-    values = v if isinstance(v, (list, tuple)) else [v]
-    return all(x is None or isinstance(x, (torch.Tensor, int, float)) for x in values)
-
-
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
@@ -356,7 +334,7 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd:
                    factory: str) -> tuple[str, int]:
     """Load by name when the file names the parameters, else by order; returns (NAME or ORDER, and for ORDER the
     parameters that share their shape with another of their group)."""
-    problem = _malformed(sd)
+    problem = optimizer_problem(sd)
     if problem is not None:
         raise BadInput(where, f"optimizer state is malformed: {problem}")
     named = _saved_names(sd["param_groups"])

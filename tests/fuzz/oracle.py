@@ -48,7 +48,6 @@ class Outcome:
     seconds: float = 0.0
     max_rss: int = 0  # bytes
     harness: str = ""  # the harness' own failure (not the command's), to be told apart
-    forked: bool = True  # run_fork's (a child of this process), else a fresh process
 
 
 @dataclass
@@ -180,11 +179,11 @@ def run_spawn(args: list[str], ws: Workspace, *, module_in_tree: bool = False, t
     except subprocess.TimeoutExpired:
         p.kill()
         p.communicate()
-        return Outcome(None, "", "", timed_out=True, seconds=time.monotonic() - start, forked=False)
+        return Outcome(None, "", "", timed_out=True, seconds=time.monotonic() - start)
     text = (out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
     if p.returncode < 0:
-        return Outcome(None, *text, signal=-p.returncode, seconds=time.monotonic() - start, forked=False)
-    return Outcome(p.returncode, *text, seconds=time.monotonic() - start, forked=False)
+        return Outcome(None, *text, signal=-p.returncode, seconds=time.monotonic() - start)
+    return Outcome(p.returncode, *text, seconds=time.monotonic() - start)
 
 
 # ---- the invariants ------------------------------------------------------------------------------------------------
@@ -223,7 +222,7 @@ def violations(command: str, outcome: Outcome, ws: Workspace, before: dict[str, 
                 found.append("error names no file")
             elif str(ws.tmp) in lines[0]:
                 found.append("error names a temporary path")
-    stray = _stray(ws, outputs, outcome.forked)
+    stray = _stray(ws, outputs)
     if stray:
         found.insert(0, f"created outside the named outputs: {stray[0]}")
     if digest(ws.tree) != before:
@@ -245,19 +244,19 @@ def _names_a_file(line: str, ws: Workspace, target: str) -> bool:
     return any(n and n in line for n in names)
 
 
-# torch's inductor cache folder, made in $TMPDIR by a forked child because this process imported torch._inductor while
-# recording the seeds: a fresh process of the console script makes none (the spawned calls check the same folder).
-_HARNESS_ONLY = re.compile(r"tmp/torchinductor_[^/]+(/.*)?$")
+# torch's per-user cache folder: torch makes it in $TMPDIR when dynamo is first imported, which building any optimizer
+# does (Optimizer.add_param_group is wrapped by torch._disable_dynamo). Not the tool's: every torch program makes it.
+TORCH_CACHE = re.compile(r"tmp/torchinductor_[^/]+(/.*)?$")
 
 
-def _stray(ws: Workspace, outputs: list[Path], forked: bool) -> list[str]:
+def _stray(ws: Workspace, outputs: list[Path]) -> list[str]:
     """What the call created outside its named outputs: in the workspace, its cwd, its $TMPDIR."""
     allowed = {ws.tree, ws.out, ws.cwd, ws.tmp, ws.sentinel, *outputs}
     out = []
     for p in sorted(ws.root.rglob("*")):
         if p == ws.tree or ws.tree in p.parents:
             continue
-        if forked and _HARNESS_ONLY.match(str(p.relative_to(ws.root))):
+        if TORCH_CACHE.match(str(p.relative_to(ws.root))):
             continue
         if p in allowed or any(o in p.parents for o in outputs):
             continue

@@ -160,7 +160,8 @@ class Figures:
     time: Counter = field(default_factory=Counter)  # (layout, command) -> seconds its calls took
 
     def by_class(self) -> Counter:
-        return Counter(c.violation for c in self.crashes)
+        """(violation, the pending class it belongs to or None) -> crashes."""
+        return Counter((c.violation, c.pending) for c in self.crashes)
 
     def lines(self) -> list[str]:
         out = [f"{sum(self.mutants.values())} command runs on mutants in {self.seconds:.1f} s "
@@ -171,9 +172,8 @@ class Figures:
         out.append("exit codes by command: " + ", ".join(f"{c} {code}: {n}" for (c, code), n in sorted(self.exits.items(),
                                                                                                    key=str)))
         out.append(f"crashes: {len(self.crashes)}")
-        for violation, n in self.by_class().most_common():
-            crash = next(c for c in self.crashes if c.violation == violation)
-            tag = f" [pending: {KNOWN_PENDING[crash.pending][0]}, {crash.pending}]" if crash.pending else ""
+        for (violation, pending), n in self.by_class().most_common():
+            tag = f" [pending: {KNOWN_PENDING[pending][0]}, {pending}]" if pending else ""
             out.append(f"  {n:>4}  {violation}{tag}")
         return out
 

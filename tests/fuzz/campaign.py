@@ -18,8 +18,9 @@ from .oracle import Outcome, Workspace
 
 CORPUS = Path(__file__).resolve().parent / "corpus.json"
 
-# Classes other helpers close in parallel (issue 32): a regression case of one is kept, expected to fail until its
-# fix is merged; the integrator then deletes its row here and the case must pass. class -> (owner, what it is).
+# Classes other helpers close in parallel (issue 32): a regression case of one is kept, expected to fail (strict xfail)
+# until its fix is merged; the integrator then deletes its row here, and the case and every mutant of the class
+# must pass. class -> (owner, what it is).
 KNOWN_PENDING: dict[str, tuple[str, str]] = {
     "deep-nested pickle": ("hostile", "a pickle nested past the stack kills the unpickler (opcode prescan)"),
     "quadratic DCP metadata": ("hostile", "DCP metadata work grows faster than its size (chunk pairs, prefix tuples)"),
@@ -72,7 +73,9 @@ class Crash:
 
     @property
     def pending(self) -> str | None:
-        return pending_class(self.violation, self.layout, self.mutation, self.mode)
+        """The KNOWN_PENDING class this crash belongs to; None once its row is deleted (its fix merged)."""
+        found = pending_class(self.violation, self.layout, self.mutation, self.mode)
+        return found if found in KNOWN_PENDING else None
 
 
 def _args(layout: seeds.Layout, command: str, ws: Workspace) -> tuple[list[str], list[Path]]:

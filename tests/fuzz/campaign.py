@@ -44,10 +44,10 @@ def pending_class(violation: str, layout: str, mutation: Mutation, mode: str) ->
         return "text in output"
     if "MemoryError" in violation or "allocate" in violation:
         return "memory error unnamed"
-    if violation == "payload ran" and layout == "incident":
-        return "code from an enclosing run"
     if mode == "module" and violation in ("payload ran", "input changed"):
         return "python -m imports from cwd"
+    if violation == "payload ran" and layout == "incident":
+        return "code from an enclosing run"
     if violation == "error names a temporary path":
         return "temporary path in an error"
     if violation.startswith("catch-all: OverflowError") or "math domain" in violation:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is read: the CLI's help an
 # ---- the limits (README, Security: "Files nanforensics reads and writes") ---------------------------------------
 MAX_TEXT_BYTES = 256 << 20  # a JSON or text file read whole: manifest, meta.json, steps.jsonl, a report
 MAX_NESTING = 100  # no file this tool reads nests deeper; past it, recursive readers and writers would crash
-MAX_JSON_OBJECTS = 1_000_000  # objects in one JSON document (a long run's report holds some thousands)
+MAX_JSON_OBJECTS = 1_000_000  # objects in one JSON document (a long run's report holds some thousands) or unpickled tree
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header: the format's own limit
 MAX_TENSORS = 100_000  # tensors in one file (a safetensors header, a PyTorch pickle, a DCP checkpoint)
 MAX_PICKLE_OBJECTS = 10_000_000  # objects a pickle stands for, every shared (memo) reference followed
@@ -246,14 +246,20 @@ def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
 
 def check_tensors(obj: Any, where: Path) -> None:
     """Refuse an unpickled object whose tensors claim what no storage holds, before anything reads them: more than
-    ``MAX_TENSORS`` of them, containers nested deeper than ``MAX_NESTING``, a view claiming more than
+    ``MAX_TENSORS`` of them, more than ``MAX_JSON_OBJECTS`` objects walked as a tree (a pickle's memo makes one
+    container referenced a million times in a few bytes: every reader would walk it a million times), containers
+    nested deeper than ``MAX_NESTING`` (a cycle among them), an optimizer state dict of another shape than torch's
+    (``optimizer_problem``), a view claiming more than
     ``MAX_EXPANDED_BYTES`` beyond its storage (a stride of 0 over 2^40 elements), a sparse tensor whose stored
     values do not fit its claimed size."""
     import torch
 
-    stack, seen, tensors = [(obj, 0)], set(), 0
+    stack, objects, tensors = [(obj, 0)], 0, 0
     while stack:
         node, depth = stack.pop()
+        objects += 1  # every reference: the readers walk the object as a tree, a shared part once per reference
+        if objects > MAX_JSON_OBJECTS:
+            raise BadInput(where, f"holds more than {MAX_JSON_OBJECTS:,} objects, counting each reference to a shared one")
         if depth > MAX_NESTING:
             raise BadInput(where, f"its objects nest more than {MAX_NESTING} deep")
         if isinstance(node, torch.Tensor):
@@ -261,10 +267,34 @@ def check_tensors(obj: Any, where: Path) -> None:
             if tensors > MAX_TENSORS:
                 raise BadInput(where, f"holds more than {MAX_TENSORS} tensors")
             _check_claim(node, where)
-        elif isinstance(node, (dict, list, tuple)) and id(node) not in seen:
-            seen.add(id(node))
+        elif isinstance(node, (dict, list, tuple)):
+            if isinstance(node, dict) and isinstance(node.get("state"), dict) and isinstance(node.get("param_groups"), list):
+                problem = optimizer_problem(node)
+                if problem is not None:
+                    raise BadInput(where, f"optimizer state is malformed: {problem}")
             children = node.values() if isinstance(node, dict) else node
             stack += [(c, depth + 1) for c in children]
+
+
+def optimizer_problem(sd: dict[str, Any]) -> str | None:
+    """What makes an optimizer state dict (``state`` a dict, ``param_groups`` a list) unlike any torch writes, or
+    None. Every reader indexes it as torch lays it out (groups of hashable parameter ids or names; per parameter,
+    named tensors and numbers), so the gate after unpickling refuses any other shape, wherever it lies in the file."""
+    import torch
+
+    for g in sd["param_groups"]:
+        if not (isinstance(g, dict) and isinstance(g.get("params"), list)):
+            return "a parameter group without a 'params' list"
+        if not all(isinstance(p, (int, str)) and not isinstance(p, bool) for p in g["params"]):
+            return "a parameter group's 'params' holds something other than parameter ids or names"
+    for entry in sd["state"].values():
+        if not isinstance(entry, dict):
+            return f"a parameter's state is a {type(entry).__name__}, not a dict of named values"
+        for key, value in entry.items():
+            values = value if isinstance(value, (list, tuple)) else [value]  # a list: LBFGS's history
+            if not isinstance(key, str) or not all(v is None or isinstance(v, (torch.Tensor, int, float)) for v in values):
+                return "a parameter's state holds a key that is not a name or a value that is neither a tensor nor a number"
+    return None
 
 
 def _check_claim(t: torch.Tensor, where: Path) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import BadInput, shown
 from ..inputs import check_tensors, claiming, open_input, read_input, shape_problem
+from . import torch_file
 from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS, Entry, TensorInfo, group_of_key
 from .pickles import check_pickle, check_torch_file
 
@@ -326,7 +327,7 @@ class _Blob:
 def _load(f: io.BufferedReader, file: Path, fqn: str) -> Any:
     check_torch_file(f, file)
     try:
-        value = torch.load(f, map_location="cpu", weights_only=True)
+        value = torch_file.weights_only(f)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" in str(e):
             raise BadInput(file, f"refused, not loaded: {fqn!r} needs more than tensors and plain values, and "

@@ -48,6 +48,16 @@ class Refused(BadInput):
                                "and plain containers (convert the file to safetensors where you trust it)")
 
 
+def weights_only(source: Any, mmap: bool = False) -> Any:
+    """``torch.load(source, weights_only=True)`` on the CPU, the one call of it: torch's warnings about what it reads
+    (a pickle protocol it did not write, sparse CSR in beta) are not the user's, and would break the one-line error
+    (README, Security: the invariants)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pickle protocol")
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+
+
 def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
     """The unpickled object and a ``release(view)`` that drops the pages of a part of a tensor already read."""
     try:
@@ -60,20 +70,17 @@ def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
     if not magic:
         raise BadInput(path, "empty file, not a PyTorch checkpoint")
     mapped = magic == _ZIP_MAGIC
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*pickle protocol")
-        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        try:
-            with claiming(path, "the file", os.stat(path).st_size):
-                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
-        except BadInput:
-            raise
-        except pickle.UnpicklingError as e:
-            if "Weights only load failed" in str(e):
-                raise Refused(path, _refusal(str(e))) from None
-            raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
-        except Exception as e:  # noqa: BLE001 -- torch.load reports damage with many exception types
-            raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
+    try:
+        with claiming(path, "the file", os.stat(path).st_size):
+            obj = weights_only(path, mmap=mapped)
+    except BadInput:
+        raise
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):
+            raise Refused(path, _refusal(str(e))) from None
+        raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
+    except Exception as e:  # noqa: BLE001 -- torch.load reports damage with many exception types
+        raise BadInput(path, f"not a readable PyTorch checkpoint ({_brief(e)})") from None
     check_tensors(obj, path)
     return obj, (_PageRelease(path) if mapped else _keep)
 

@@ -38,7 +38,7 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import BadInput
-from ..inputs import TensorFile
+from ..inputs import TensorFile, optimizer_problem
 from ..numbers import spoken, unrepresentable
 from ..runs.checkpoint import Checkpoint, b64, restore_rng, rng_state, state_from_json
 from . import torch_file
@@ -335,14 +335,14 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd:
                    factory: str) -> tuple[str, int]:
     """Load by name when the file names the parameters, else by order; returns (NAME or ORDER, and for ORDER the
     parameters that share their shape with another of their group)."""
-    saved_groups = sd["param_groups"]
-    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups):
-        raise BadInput(where, "optimizer state is malformed: a parameter group without a 'params' list")
+    problem = optimizer_problem(sd)
+    if problem is not None:
+        raise BadInput(where, f"optimizer state is malformed: {problem}")
     huge = _unrepresentable(sd)
     if huge is not None:
         raise BadInput(where, f"optimizer state holds {huge}, an integer too large for a float: torch cannot step "
                               "with it (`nanforensics scan` reports it as unsound)")
-    named = _saved_names(saved_groups)
+    named = _saved_names(sd["param_groups"])
     state, groups = (_by_name(model, optimizer, sd, named, where, factory) if named is not None
                      else _by_order(optimizer, sd, where, factory))
     # Another optimizer class loads without complaint (torch replaces the hyperparameters wholesale) and then

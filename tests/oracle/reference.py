@@ -84,6 +84,11 @@ def _checkable(t: Any) -> bool:
     return not wrapped and not isinstance(t, torch._subclasses.FakeTensor)
 
 
+def each(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers a program made: one, or each of the tuple a program of two returns."""
+    return list(optimizer) if isinstance(optimizer, (tuple, list)) else [optimizer]
+
+
 class StepWatch:
     """Hooks for one run of one step: every stage's first non-finite value, in the order the hooks saw them."""
 
@@ -112,7 +117,7 @@ class StepWatch:
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(
                     lambda p, name=name: self.see("grad", name, p.grad)))
-        self.handles.append(self.optimizer.register_step_pre_hook(self._before_update))
+        self.handles += [o.register_step_pre_hook(self._before_update) for o in each(self.optimizer)]
         return self
 
     def _module(self, name: str) -> Callable[..., None]:
@@ -134,13 +139,15 @@ class StepWatch:
 
     def finish(self, batch: Any, loss: Any) -> list[Found]:
         """The checks after the step, then every stage's first non-finite value in stage order."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                for key, t in self.optimizer.state.get(p, {}).items():
-                    self.see("optimizer_state", self.names.get(p, "?"), t, key)
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                self.see("param", self.names.get(p, "?"), p)
+        for o in each(self.optimizer):
+            for group in o.param_groups:
+                for p in group["params"]:
+                    for key, t in o.state.get(p, {}).items():
+                        self.see("optimizer_state", self.names.get(p, "?"), t, key)
+        for o in each(self.optimizer):
+            for group in o.param_groups:
+                for p in group["params"]:
+                    self.see("param", self.names.get(p, "?"), p)
         for name, b in self.model.named_buffers():
             if name not in self.constant_buffers:
                 self.see("buffer", name, b)
@@ -175,7 +182,7 @@ class Program:
         """Everything a step reads: parameters, buffers, every gradient (a parameter no optimizer holds keeps its own
         from step to step), optimizer, scaler and scheduler state, the RNG."""
         grads = [None if p.grad is None else p.grad.detach() for p in self.model.parameters()]
-        return copy.deepcopy((self.model.state_dict(), grads, self.optimizer.state_dict(),
+        return copy.deepcopy((self.model.state_dict(), grads, [o.state_dict() for o in each(self.optimizer)],
                               {k: v.state_dict() for k, v in self.extras.items()}, torch.get_rng_state()))
 
     def restore(self, snap: Any) -> None:
@@ -183,7 +190,8 @@ class Program:
         self.model.load_state_dict(model)
         for p, g in zip(self.model.parameters(), grads):
             p.grad = g
-        self.optimizer.load_state_dict(opt)
+        for o, state in zip(each(self.optimizer), opt):
+            o.load_state_dict(state)
         for k, v in extras.items():
             self.extras[k].load_state_dict(v)
         torch.set_rng_state(rng)
@@ -304,8 +312,9 @@ def birth(prog: Program, batch: Any) -> tuple[str | None, str | None]:
         "depth", state["depth"] + 1)),
                torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: state.__setitem__(
                    "depth", state["depth"] - 1)),
-               prog.optimizer.register_step_pre_hook(lambda *a: state.__setitem__("optimizer", True)),
-               prog.optimizer.register_step_post_hook(lambda *a: state.update(optimizer=False, after=True))]
+               *[o.register_step_pre_hook(lambda *a: state.__setitem__("optimizer", True)) for o in each(prog.optimizer)],
+               *[o.register_step_post_hook(lambda *a: state.update(optimizer=False, after=True))
+                 for o in each(prog.optimizer)]]
     mode = Births(phase)
     try:
         with mode:

@@ -18,19 +18,10 @@ from .oracle import Outcome, Workspace
 
 CORPUS = Path(__file__).resolve().parent / "corpus.json"
 
-# Classes other helpers close in parallel (issue 32): a regression case of one is kept, expected to fail (strict xfail)
-# until its fix is merged; the integrator then deletes its row here, and the case and every mutant of the class
-# must pass. class -> (owner, what it is).
-KNOWN_PENDING: dict[str, tuple[str, str]] = {
-    "deep-nested pickle": ("hostile", "a pickle nested past the stack kills the unpickler (opcode prescan)"),
-    "quadratic DCP metadata": ("hostile", "DCP metadata work grows faster than its size (chunk pairs, prefix tuples)"),
-    "text in output": ("hostile", "text from a file not encodable in the output's encoding, or printed unbounded"),
-    "memory error unnamed": ("hostile", "a memory limit met while reading names no file"),
-    "code from an enclosing run": ("hostile", "an incident's manifest imports code from the run around it"),
-    "python -m imports from cwd": ("hostile", "python -m nanforensics started in a run imports from it"),
-    "temporary path in an error": ("hostile", "an error names a temporary path, not what the user gave"),
-    "number out of domain": ("guard", "a number read from a checkpoint (betas, lr, step) out of its domain"),
-}
+# Classes being closed on another branch: a regression case of one is kept, expected to fail (strict xfail) until the
+# fix is merged, then its row is deleted here and the case and every mutant of the class must pass. class -> (owner,
+# what it is); pending_class names the classes. Empty: the eight the fuzzer met in issue 32 are closed on main.
+KNOWN_PENDING: dict[str, tuple[str, str]] = {}  # every class the fuzzer met is fixed on main (issue 32)
 
 
 def pending_class(violation: str, layout: str, mutation: Mutation, mode: str) -> str | None:

@@ -37,7 +37,7 @@ LAYOUTS = (
                    "postmortem": ("postmortem", "{in}", "--json", "{out}/p.json", "--markdown", "{out}/p.md"),
                    "repair": ("repair", "{in}", "--out", "{out}/fixed", "--verify-steps", "2")}),
     Layout("checkpoint", {"scan": ("scan", "{in}", "--full", "--json", "{out}/s.json")}),
-    Layout("incident", {"replay": ("replay", "{in}/incidents/step_00000024", "--json", "{out}/r.json")}),
+    Layout("incident", {"replay": ("replay", "{in}/incidents/step_00000023", "--json", "{out}/r.json")}),
     Layout("distributed", {"bisect": ("bisect", "{in}", "--json", "{out}/b.json"),
                            "postmortem": ("postmortem", "{in}", "--json", "{out}/p.json")}),
     Layout("pt", {"scan": ("scan", "{in}/ckpt_10.pt", "--full"), "bisect": ("bisect", "{in}", "--linear")}),
@@ -75,15 +75,13 @@ def _recorded(root: Path) -> Path:
 
 
 def _incident(dest: Path) -> None:
-    from nanforensics.runs.guard import GuardPolicy, GuardStop
+    from nanforensics.runs.guard import GuardPolicy
 
     import guard_training as gt
 
-    try:
-        gt.train_update_nan(dest, 40, checkpoint_every=10, guard=GuardPolicy(state_check_every=5))
-    except GuardStop:
-        pass
-    assert (dest / "incidents" / "step_00000024").is_dir(), "the guarded run left no incident at step 24"
+    gt.train_update_nan(dest, 40, checkpoint_every=10, guard=GuardPolicy(state_check_every=5))
+    # the update at THAW would make a NaN from finite gradients: the guard skips it and files its incident there
+    assert (dest / "incidents" / f"step_{gt.THAW:08d}").is_dir(), f"the guarded run left no incident at step {gt.THAW}"
 
 
 def _lightning(dest: Path, run: Path) -> None:

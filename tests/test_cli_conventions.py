@@ -4,21 +4,15 @@ JUnit XML that CI dashboards line up across runs."""
 
 from __future__ import annotations
 
-import io
 import re
 import xml.etree.ElementTree as ET
 
-import pytest
 import torch
 import typer
 from nanforensics import __version__
 from nanforensics.cli import app
 from nanforensics.report import to_json
-from nanforensics.views import layout
 from nanforensics.views.postmortem import render_junit
-from rich.console import Console
-from rich.panel import Panel
-from rich.text import Text
 
 from conftest import ROOT, run_cli
 from postmortem_cases import examined
@@ -114,24 +108,3 @@ def test_a_dash_is_stdout_for_every_report_and_only_one_may_take_it(tmp_path, ru
     both = run_cli("replay", runs["adam_near_zero"], "--json", "-", "--markdown", "-", cwd=tmp_path)
     assert both.code == 2 and both.stderr.count("\n") == 1 and "only one report can go to stdout" in both.stderr
     assert not (tmp_path / "-").exists()
-
-
-def _panel_lines(word: str) -> list[str]:
-    console = Console(file=io.StringIO(), width=80, color_system=None)
-    layout.print_whole(console, Panel(Text(f"tensor {word} is non-finite")))
-    return console.file.getvalue().splitlines()
-
-
-@pytest.mark.parametrize("length", [100, 300])
-def test_a_long_name_widens_its_panel_and_stays_whole(length):
-    """A name longer than the console's width is printed whole, the panel widened to it (a line runs past the width)."""
-    lines = _panel_lines("w" * length)
-    assert any("w" * length in line for line in lines) and max(map(len, lines)) == length + 4  # borders, padding
-
-
-@pytest.mark.parametrize("length", [4096, 1 << 16])
-def test_a_hostile_word_does_not_widen_every_line(length):
-    """A word of thousands of characters (a manifest string, cut on its way out) is folded: the report's lines stay
-    about a screen wide, not the word's length each (the fuzzer's case: 65 lines of 4 KiB each)."""
-    lines = _panel_lines("w" * length)
-    assert max(map(len, lines)) <= 600 and not any("w" * 600 in line for line in lines)

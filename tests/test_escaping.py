@@ -317,3 +317,21 @@ def test_markdown_code_holds_any_text(text):
     lines = f"a\n{text}\nb"
     blocks = [t for t in _MARKDOWN.parse(fenced(lines)) if t.type == "fence"]
     assert len(blocks) == 1 and blocks[0].content == "\n".join(map(visible, lines.split("\n"))) + "\n"
+
+
+@pytest.mark.parametrize("words, kept", [
+    (["w" * 400], True),  # a long tensor name or path: whole
+    (["a" * 10] * 300, True),  # a long sentence: its words wrap, whole
+    (["w" * 5000], False),  # one hostile word (a manifest string): cut, counted
+    (["id", "x" * 100_000, "then"], False),
+])
+def test_a_word_is_cut_where_it_would_widen_every_line(words, kept):
+    """A terminal view widens to its longest word rather than break a name (views/layout.py): a word of thousands of
+    characters from a run is cut on its way out, with its count, so that no line of a report grows with it."""
+    text = " ".join(words)
+    shown = visible(text)
+    assert (shown == text) == kept
+    assert max(map(len, shown.split())) <= 600
+    if not kept:
+        longest = max(map(len, words))
+        assert f"({longest - 512} more characters)" in shown

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -348,8 +349,8 @@ def test_repair_names_out_when_a_write_fails(tmp_path):
        encoding=st.sampled_from(["ascii", "latin-1", "utf-8", "cp1252", "iso8859-5"]))
 def test_any_text_reaches_a_stream_of_any_encoding_escaped_and_cut(text, repeat, encoding):
     """Whatever a run supplies (any code point, surrogates too, up to megabytes), through ``visible`` onto a stream
-    of any encoding: written, never ``UnicodeEncodeError``; at most ``MAX_SHOWN`` characters of it, the rest counted;
-    and text within the bound, printable and encodable, comes out as it went in."""
+    of any encoding: written, never ``UnicodeEncodeError``; at most ``MAX_SHOWN`` characters of it and of each word
+    512, the rest counted; and text within the bounds, printable and encodable, comes out as it went in."""
     import io
 
     from nanforensics.views.escaping import MAX_SHOWN, unencodable_escaped, visible
@@ -360,9 +361,11 @@ def test_any_text_reaches_a_stream_of_any_encoding_escaped_and_cut(text, repeat,
     shown = visible(whole)
     stream.write(shown)
     stream.flush()
-    if len(whole) > MAX_SHOWN:
-        assert shown.endswith(f"... ({len(whole) - MAX_SHOWN} more characters)")
+    long_word = any(len(w) > 512 for w in whole.split(" "))  # a word: what no space breaks, once escaped
+    if len(whole) > MAX_SHOWN or long_word:
+        assert re.search(r"\.\.\. \(\d+ more characters\)$", shown)
         assert len(shown) <= 10 * MAX_SHOWN + 40  # an escape is at most 10 characters
+        assert all(len(w) <= 10 * 512 + 3 for w in shown.split(" "))  # a word is cut at 512 characters, then escaped
     elif whole.isprintable():
         try:
             whole.encode(encoding)

@@ -38,10 +38,17 @@ def _escape(ch: str) -> str:
 
 
 MAX_SHOWN = 4096  # characters of one text on its way out; the rest is cut, with its count (a manifest string of 64 MiB)
+# characters of one word on its way out: a terminal view widens to its longest word rather than break a tensor name or a
+# path (views/layout.py), so one hostile word would widen every line of a report. A word is a run without a space:
+# other white space (a newline, NEL, U+3000) is escaped into visible text and joins the words around it.
+MAX_WORD = 512
+_LONG_WORD = re.compile(rf"[^ ]{{{MAX_WORD + 1},}}")
 
 
 def cut(text: str) -> str:
-    """``text``, or its first ``MAX_SHOWN`` characters and how many more there were."""
+    """``text`` with each word longer than ``MAX_WORD`` cut to it and how many more characters it had (sentences wrap,
+    so only a word sets a line's width); then at most ``MAX_SHOWN`` characters of it, the rest counted the same way."""
+    text = _LONG_WORD.sub(lambda m: f"{m[0][:MAX_WORD]}... ({len(m[0]) - MAX_WORD} more characters)", text)
     return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}... ({len(text) - MAX_SHOWN} more characters)"
 
 

@@ -1,9 +1,7 @@
 """Terminal output that stays readable in a pipe or a CI log, as pytest's and ruff's does: text wraps at the
 console's width ($COLUMNS where set, else the terminal's, else 80) between words, but no word (a tensor name,
 a path) is broken across lines and no table column is cut off. A line runs past the width instead, when
-a word or a row of identifiers is longer than it, up to ``MAX_WIDENED`` characters: a longer word comes from a damaged
-or hostile file (a manifest string of megabytes, cut at ``escaping.MAX_SHOWN``) and is folded, so that one word does
-not widen every line of a report."""
+a word or a row of identifiers is longer than it."""
 
 from __future__ import annotations
 
@@ -15,14 +13,13 @@ from rich.panel import Panel
 from rich.table import Table
 
 _UNBOUNDED = 1 << 16
-MAX_WIDENED = 512  # the widest a renderable is printed at: far past any real tensor name, path or table
 
 
 def print_whole(console: Console, renderable: RenderableType, **options: Any) -> None:
     """``console.print``, widened for this one renderable when it needs more than the console's width: a table
     to its natural width (its cells are identifiers and numbers, which rich would otherwise cut), anything
     else to the narrowest width that breaks no word (rich's minimum measurement)."""
-    need = min(_needed(console, renderable), MAX_WIDENED)
+    need = _needed(console, renderable)
     width = console.width
     if need <= width:
         console.print(renderable, **options)

@@ -321,3 +321,44 @@ def test_a_venv_package_through_the_command_line(tmp_path, monkeypatch):
         replay = next(a for a in pm.json()["analyses"] if a["name"] == "replay")
         assert said in replay["detail"], (extra, replay)
         assert (site / "venvpkg" / "imported").exists() == bool(extra)
+
+
+# ---- the allow-list's last line: a file in no place the user chose -------------------------------------------
+
+
+CHOSEN_BY = ["nothing", "--code-path", "$PYTHONPATH", "the working directory"]
+
+
+@pytest.mark.parametrize("reached", ["on sys.path", "as a .py path"])
+@pytest.mark.parametrize("chosen_by", CHOSEN_BY)
+def test_a_file_in_no_chosen_place_is_refused_and_each_choice_admits_it(tmp_path, monkeypatch, reached, chosen_by):
+    """The closing refusal of the allow-list: a script neither installed, nor in the run directory, nor under the
+    working directory, a --code-path folder or $PYTHONPATH (here a folder something else put on sys.path, or a path
+    the manifest names) is refused before it runs; each of the three choices admits that very file."""
+    stray, cwd = tmp_path / "elsewhere", tmp_path / "cwd"
+    stray.mkdir()
+    cwd.mkdir()
+    name = f"stray_{CHOSEN_BY.index(chosen_by)}_{reached[:2]}"
+    (stray / f"{name}.py").write_text("from pathlib import Path\nPath(__file__).with_name('ran').write_text('ran')\n"
+                                      "def step(*args, **kwargs):\n    return 0\n")
+    spec = f"{name}:step" if reached == "on sys.path" else f"{stray / name}.py:step"
+    if reached == "on sys.path":
+        monkeypatch.syspath_prepend(str(stray))  # as a .pth file or an IDE would put it there
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.chdir(stray if chosen_by == "the working directory" else cwd)
+    if chosen_by == "$PYTHONPATH":
+        monkeypatch.setenv("PYTHONPATH", str(stray))
+    search = [stray] if chosen_by == "--code-path" else []
+    modules = set(sys.modules)
+    try:
+        if chosen_by == "nothing":
+            with pytest.raises(BadInput) as refused:
+                load_callable("step_fn", spec, where=tmp_path / "manifest.json", search_paths=search)
+            assert "lies outside the working directory, the --code-path folders, $PYTHONPATH" in str(refused.value)
+            assert not (stray / "ran").exists() and set(sys.modules) == modules  # refused before it ran
+        else:
+            assert load_callable("step_fn", spec, where=tmp_path / "manifest.json", search_paths=search)() == 0
+            assert (stray / "ran").exists()
+    finally:
+        for loaded in set(sys.modules) - modules:
+            del sys.modules[loaded]

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from markdown_it import MarkdownIt
+from mdit_py_plugins.dollarmath import dollarmath_plugin
 from nanforensics.checkpoints.scan import ScanReport, scan_checkpoint
 from nanforensics.cli import say
 from nanforensics.errors import BadInput
@@ -267,11 +268,13 @@ def test_every_string_of_a_report_leaves_escaped(saved, scanned, text):
 
 # ---- Markdown: a run's text never changes the structure of the page ------------------------------------------
 
-_MARKDOWN = MarkdownIt("commonmark").enable(["table", "strikethrough"])
+# GitHub's flavour as far as a page's structure goes: GFM tables and strikethrough, and the math a step summary
+# renders ($...$, $$...$$): a parser without it cannot see an unescaped dollar turn text into a formula
+_MARKDOWN = MarkdownIt("commonmark").enable(["table", "strikethrough"]).use(dollarmath_plugin, double_inline=True)
 
 
 def _structure(markdown: str) -> list[str]:
-    """The page's blocks and inline elements, as a CommonMark + GFM tables parser sees them, without their text."""
+    """The page's blocks and inline elements, as a CommonMark + GFM + math parser sees them, without their text."""
     out = []
     for token in _MARKDOWN.parse(markdown):
         out.append(token.type if token.type != "html_block" else f"html_block {token.content.strip()}")
@@ -303,6 +306,14 @@ def test_markdown_keeps_its_structure_whatever_the_run_says(saved, scanned, plai
         assert printable(spelled, keep="\n")
     assert _heading(page) == \
         f"nanforensics post-mortem: non-finite - {visible(saved.headline + text)}".rstrip()  # as CommonMark ends one
+
+
+@pytest.mark.parametrize("piece", SEQUENCES)
+def test_markdown_keeps_its_structure_with_each_hostile_piece(saved, scanned, plain_structures, piece):
+    """The pieces hostile text is made of, each one in every string field, listed rather than left to sampling: a
+    math formula, a link, a table pipe or an emphasis is the run's text, never the page's structure."""
+    for plain, spelled in zip(plain_structures, (render(_spelled(saved, piece)), render_scan(_spelled(scanned, piece)))):
+        assert _structure(spelled) == plain, piece
 
 
 @settings(max_examples=200, deadline=None)

@@ -79,6 +79,22 @@ def test_visible_leaves_printable_text_as_it_is(text):
     assert visible(text) == text
 
 
+# one code point in 97 of all of Unicode, and the edges of XML 1.0's Char production
+CODE_POINTS = sorted({*range(0, 0x110000, 97), 0x9, 0xA, 0xD, 0x1F, 0x20, 0x7E, 0x7F, 0xD7FB, 0xD7FF, 0xD800, 0xDFFF,
+                      0xE000, 0xFFFC, 0xFFFD, 0xFFFE, 0xFFFF, 0x10000, 0x1F600, 0x10FFFF})
+
+
+def test_xml_text_keeps_every_printable_character_and_escapes_the_rest():
+    """Every code point sampled across Unicode, in a text node: the document parses (XML 1.0 refuses C0 controls,
+    surrogates, U+FFFE/FFFF), a letter, mark, number, punctuation, symbol, space, newline or tab reads back as itself,
+    and anything else reads back as a visible escape, never as itself."""
+    for cp in CODE_POINTS:
+        ch = chr(cp)
+        body = ET.fromstring(f"<a>x{xml_text(ch)}y</a>").text
+        keep = ch in "\t\n" or unicodedata.category(ch)[0] in "LMNPS" or unicodedata.category(ch) == "Zs"
+        assert (body == f"x{ch}y") == keep, (hex(cp), unicodedata.category(ch), body)
+
+
 @EXAMPLES
 @given(hostile)
 def test_markup_stays_text_in_rich(text):

@@ -93,6 +93,8 @@ def test_xml_text_keeps_every_printable_character_and_escapes_the_rest():
         body = ET.fromstring(f"<a>x{xml_text(ch)}y</a>").text
         keep = ch in "\t\n" or unicodedata.category(ch)[0] in "LMNPS" or unicodedata.category(ch) == "Zs"
         assert (body == f"x{ch}y") == keep, (hex(cp), unicodedata.category(ch), body)
+    kept = "".join(chr(cp) for cp in CODE_POINTS if chr(cp) in "\t\n" or unicodedata.category(chr(cp))[0] in "LMNPS")
+    assert xml_text(kept) == kept  # characters in a row: nothing between them
 
 
 @EXAMPLES

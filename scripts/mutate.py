@@ -77,15 +77,15 @@ def dotted(module: str) -> str:
     return module.removesuffix(".py").replace("/", ".")
 
 
-def scratch_dir(module: str) -> Path:
+def scratch_dir(module: str, tests_at: str | None = None) -> Path:
     """Where a module's mutants are made and run (and stay, for `mutmut show` and `mutmut browse` there)."""
-    return Path(tempfile.gettempdir()) / "nanforensics-mutate" / dotted(module)
+    return Path(tempfile.gettempdir()) / "nanforensics-mutate" / (dotted(module) + (f"@{tests_at}" if tests_at else ""))
 
 
 def scratch_copy(module: str, tests_at: str | None = None) -> Path:
     """A fresh copy of the checkout's sources and tests with mutmut's configuration for this module alone; the tests
     as the commit ``tests_at`` had them, when given (the same mutants against an earlier suite: a before/after)."""
-    scratch = scratch_dir(module)
+    scratch = scratch_dir(module, tests_at)
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in tally.surviving:
             print(f"    survived: {line}")
             if options.show:
-                print(mutmut(scratch_dir(module), "show", line.split()[0]))
+                print(mutmut(scratch_dir(module, options.tests_at), "show", line.split()[0]))
         for line in stale:
             print(f"    stale equivalent: {line}")
         failed |= bool(tally.surviving or stale)

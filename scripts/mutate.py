@@ -61,6 +61,7 @@ class Tally:
     mutants: int = 0  # made in the module
     run: int = 0  # of them, run (all, or those of the functions --only names)
     killed: int = 0
+    killed_again: int = 0  # of the killed, those mutmut let survive and the whole test files killed
     equivalent: int = 0
     surviving: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -142,16 +143,34 @@ def load_equivalents() -> dict[str, dict[str, str]]:
     return {entry["mutant"]: entry for entry in entries}
 
 
-def mutate(module: str, equivalents: dict[str, dict[str, str]], tests_at: str | None,
-           only: list[str], count_only: bool = False, children: int = 1) -> tuple[Tally, list[str]]:
-    """Run one module's mutants (those of the functions ``only`` names, when given: mutmut's mangled names, such as
-    ``x__checked`` or ``xǁPlacesǁrefusal``, globs allowed); its tally and the stale equivalents entries among them."""
+def killed_by_the_files(scratch: Path, module: str, name: str) -> bool:
+    """Whether the module's whole test files kill the survivor ``name``: mutmut runs a mutant against the tests that
+    reached its function while its statistics were taken, and a module fixture that does the work of many tests at
+    the first one's setup (test_trust_io's ``results``) credits that one alone, so a survivor is run again, applied
+    to the scratch copy's source, against every mapped file (its processes too, through $PYTHONPATH)."""
+    source = scratch / module
+    original = source.read_bytes()
+    mutmut(scratch, "apply", name)
+    try:
+        deselect = [arg for t in DESELECTED for arg in ("--deselect", t)]
+        done = subprocess.run(["nice", sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
+                               *deselect, *MODULES[module]], cwd=scratch, capture_output=True,
+                              env={**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"})
+    finally:
+        source.write_bytes(original)
+    return done.returncode == 1  # tests failed; 0 all passed (it survives), anything else is no verdict
+
+
+def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argparse.Namespace) -> tuple[Tally, list[str]]:
+    """Run one module's mutants (those of the functions ``options.only`` names, when given: mutmut's mangled names,
+    such as ``x__checked`` or ``xǁPlacesǁrefusal``, globs allowed; none with ``--count``; the last run's with
+    ``--again``); its tally and the stale equivalents entries among them."""
     started = time.monotonic()
-    scratch = scratch_copy(module, tests_at)
-    if count_only:
+    scratch = scratch_dir(module, options.tests_at) if options.again else scratch_copy(module, options.tests_at)
+    if options.count:
         subprocess.run([sys.executable, "-c", GENERATE], cwd=scratch, check=True, capture_output=True)
-    else:
-        mutmut(scratch, "run", "--max-children", str(children), *[f"{dotted(module)}.{f}*" for f in only])
+    elif not options.again:
+        mutmut(scratch, "run", "--max-children", str(options.children), *[f"{dotted(module)}.{f}*" for f in options.only])
     tally = Tally(module)
     found = statuses(scratch)
     tally.mutants = len(found)
@@ -163,10 +182,13 @@ def mutate(module: str, equivalents: dict[str, dict[str, str]], tests_at: str | 
             tally.killed += 1
         elif name in equivalents and equivalents[name]["change"].strip() in added_lines(scratch, name):
             tally.equivalent += 1
+        elif killed_by_the_files(scratch, module, name):
+            tally.killed += 1
+            tally.killed_again += 1
         else:
             tally.surviving.append(f"{name} ({status})")
     for name, entry in equivalents.items():
-        if not name.startswith(dotted(module) + ".") or (only and name not in found):
+        if not name.startswith(dotted(module) + ".") or (options.only and name not in found):
             continue
         if found.get(name) in KILLED or name not in found:
             stale.append(f"{name}: {'now killed' if name in found else 'no such mutant'} ({entry['reason']})")
@@ -182,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print each survivor's diff")
     parser.add_argument("--tests-at", metavar="COMMIT", help="run the tests as COMMIT had them (the 'before' of a table)")
     parser.add_argument("--children", type=int, default=1, help="mutants run at once (default 1: a shared machine)")
+    parser.add_argument("--again", action="store_true", help="tally the last run's results (an interrupted run's too)")
     parser.add_argument("--count", action="store_true", help="make the mutants and count them, run none")
     parser.add_argument("--only", action="append", default=[], metavar="FUNCTION",
                         help="only the mutants of this function (mutmut's name: x_NAME, xǁCLASSǁMETHOD; a glob), repeatable")
@@ -191,12 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     print(f"{'module':<40} {'mutants':>7} {'run':>5} {'killed':>7} {'equiv':>6} {'surviving':>9} {'seconds':>8}")
     for module in modules:
-        tally, stale = mutate(module, equivalents, options.tests_at, options.only, options.count, options.children)
+        tally, stale = mutate(module, equivalents, options)
         if options.count:
             print(f"{module:<40} {tally.mutants:>7}", flush=True)
             continue
         print(f"{module:<40} {tally.mutants:>7} {tally.run:>5} {tally.killed:>7} {tally.equivalent:>6} {len(tally.surviving):>9} "
               f"{tally.seconds:>8.0f}", flush=True)
+        if tally.killed_again:
+            print(f"    killed: {tally.killed_again} of them by the whole test files, not by the tests mutmut chose")
         for line in tally.surviving:
             print(f"    survived: {line}")
             if options.show:

@@ -396,6 +396,24 @@ def test_outputs_over_every_kind_of_path(kind: str, role: str) -> None:
         _one_output(kind, role, through_symlink, folder_missing, create_dirs, 3 if deep else 1)
 
 
+# what a refusal says, by role ("plain": the kind of file or its missing folder, said by their own tests)
+WHY = {"plain": "", "an input": "an input of this command", "inside an input folder": "lies inside",
+       "under a code path": "lies inside", "inside an examined tree": "lies inside",
+       "imported": "which this process imported"}
+
+
+def test_a_refusal_without_an_option_names_the_path_once(tmp_path: Path) -> None:
+    """A report written with no option to name (a saved report's own writer): the error names the path, once, then
+    why."""
+    (tmp_path / "tree").mkdir()
+    check_outputs([tmp_path / "tree"], {})
+    target = tmp_path / "tree" / "r.json"
+    with pytest.raises(BadInput) as refused:
+        write_output(target, "{}\n")
+    assert str(refused.value) == f"{target}: lies inside {tmp_path / 'tree'}, which this command examines and never writes into"
+    assert not target.exists()
+
+
 def _one_output(kind: str, role: str, through_symlink: bool, folder_missing: bool, create_dirs: bool, depth: int) -> None:
     """One combination of test_outputs_over_every_kind_of_path."""
     if kind == "device" and not IS_ROOT:
@@ -424,6 +442,7 @@ def _one_output(kind: str, role: str, through_symlink: bool, folder_missing: boo
             except BadInput as e:
                 assert not allowed, e
                 assert str(e).startswith("--json: ") and "\n" not in str(e)
+                assert WHY[role] in str(e), (role, str(e))  # the reason it is refused, not only that it is
                 assert (_state(target) if os.path.lexists(target) else None) == before
             else:
                 assert allowed, (kind, role, through_symlink, folder_missing, create_dirs, depth)

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from markdown_it import MarkdownIt
+from mdit_py_plugins.dollarmath import dollarmath_plugin
 from nanforensics.checkpoints.scan import ScanReport, scan_checkpoint
 from nanforensics.cli import say
 from nanforensics.errors import BadInput
@@ -76,6 +77,24 @@ def test_visible_leaves_one_line_of_printable_characters(text):
 @given(st.text(st.characters(categories=("L", "M", "N", "P", "S", "Zs"))))
 def test_visible_leaves_printable_text_as_it_is(text):
     assert visible(text) == text
+
+
+# one code point in 97 of all of Unicode, and the edges of XML 1.0's Char production
+CODE_POINTS = sorted({*range(0, 0x110000, 97), 0x9, 0xA, 0xD, 0x1F, 0x20, 0x7E, 0x7F, 0xD7FB, 0xD7FF, 0xD800, 0xDFFF,
+                      0xE000, 0xFFFC, 0xFFFD, 0xFFFE, 0xFFFF, 0x10000, 0x1F600, 0x10FFFF})
+
+
+def test_xml_text_keeps_every_printable_character_and_escapes_the_rest():
+    """Every code point sampled across Unicode, in a text node: the document parses (XML 1.0 refuses C0 controls,
+    surrogates, U+FFFE/FFFF), a letter, mark, number, punctuation, symbol, space, newline or tab reads back as itself,
+    and anything else reads back as a visible escape, never as itself."""
+    for cp in CODE_POINTS:
+        ch = chr(cp)
+        body = ET.fromstring(f"<a>x{xml_text(ch)}y</a>").text
+        keep = ch in "\t\n" or unicodedata.category(ch)[0] in "LMNPS" or unicodedata.category(ch) == "Zs"
+        assert (body == f"x{ch}y") == keep, (hex(cp), unicodedata.category(ch), body)
+    kept = "".join(chr(cp) for cp in CODE_POINTS if chr(cp) in "\t\n" or unicodedata.category(chr(cp))[0] in "LMNPS")
+    assert xml_text(kept) == kept  # characters in a row: nothing between them
 
 
 @EXAMPLES
@@ -267,11 +286,13 @@ def test_every_string_of_a_report_leaves_escaped(saved, scanned, text):
 
 # ---- Markdown: a run's text never changes the structure of the page ------------------------------------------
 
-_MARKDOWN = MarkdownIt("commonmark").enable(["table", "strikethrough"])
+# GitHub's flavour as far as a page's structure goes: GFM tables and strikethrough, and the math a step summary
+# renders ($...$, $$...$$): a parser without it cannot see an unescaped dollar turn text into a formula
+_MARKDOWN = MarkdownIt("commonmark").enable(["table", "strikethrough"]).use(dollarmath_plugin, double_inline=True)
 
 
 def _structure(markdown: str) -> list[str]:
-    """The page's blocks and inline elements, as a CommonMark + GFM tables parser sees them, without their text."""
+    """The page's blocks and inline elements, as a CommonMark + GFM + math parser sees them, without their text."""
     out = []
     for token in _MARKDOWN.parse(markdown):
         out.append(token.type if token.type != "html_block" else f"html_block {token.content.strip()}")
@@ -303,6 +324,14 @@ def test_markdown_keeps_its_structure_whatever_the_run_says(saved, scanned, plai
         assert printable(spelled, keep="\n")
     assert _heading(page) == \
         f"nanforensics post-mortem: non-finite - {visible(saved.headline + text)}".rstrip()  # as CommonMark ends one
+
+
+@pytest.mark.parametrize("piece", SEQUENCES)
+def test_markdown_keeps_its_structure_with_each_hostile_piece(saved, scanned, plain_structures, piece):
+    """The pieces hostile text is made of, each one in every string field, listed rather than left to sampling: a
+    math formula, a link, a table pipe or an emphasis is the run's text, never the page's structure."""
+    for plain, spelled in zip(plain_structures, (render(_spelled(saved, piece)), render_scan(_spelled(scanned, piece)))):
+        assert _structure(spelled) == plain, piece
 
 
 @settings(max_examples=200, deadline=None)

@@ -321,3 +321,71 @@ def test_a_venv_package_through_the_command_line(tmp_path, monkeypatch):
         replay = next(a for a in pm.json()["analyses"] if a["name"] == "replay")
         assert said in replay["detail"], (extra, replay)
         assert (site / "venvpkg" / "imported").exists() == bool(extra)
+
+
+# ---- the allow-list's last line: a file in no place the user chose -------------------------------------------
+
+
+CHOSEN_BY = ["nothing", "--code-path", "$PYTHONPATH", "the working directory"]
+
+
+@pytest.mark.parametrize("reached", ["on sys.path", "as a .py path"])
+@pytest.mark.parametrize("chosen_by", CHOSEN_BY)
+def test_a_file_in_no_chosen_place_is_refused_and_each_choice_admits_it(tmp_path, monkeypatch, reached, chosen_by):
+    """The closing refusal of the allow-list: a script neither installed, nor in the run directory, nor under the
+    working directory, a --code-path folder or $PYTHONPATH (here a folder something else put on sys.path, or a path
+    the manifest names) is refused before it runs; each of the three choices admits that very file."""
+    stray, cwd = tmp_path / "elsewhere", tmp_path / "cwd"
+    stray.mkdir()
+    cwd.mkdir()
+    name = f"stray_{CHOSEN_BY.index(chosen_by)}_{reached[:2]}"
+    (stray / f"{name}.py").write_text("from pathlib import Path\nPath(__file__).with_name('ran').write_text('ran')\n"
+                                      "def step(*args, **kwargs):\n    return 0\n")
+    spec = f"{name}:step" if reached == "on sys.path" else f"{stray / name}.py:step"
+    if reached == "on sys.path":
+        monkeypatch.syspath_prepend(str(stray))  # as a .pth file or an IDE would put it there
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.chdir(stray if chosen_by == "the working directory" else cwd)
+    if chosen_by == "$PYTHONPATH":
+        monkeypatch.setenv("PYTHONPATH", str(stray))
+    search = [stray] if chosen_by == "--code-path" else []
+    modules = set(sys.modules)
+    try:
+        if chosen_by == "nothing":
+            with pytest.raises(BadInput) as refused:
+                load_callable("step_fn", spec, where=tmp_path / "manifest.json", search_paths=search)
+            assert (f"{stray / name}.py) lies outside the working directory, the --code-path folders, $PYTHONPATH and "
+                    "the --trust-package distributions;") in str(refused.value), str(refused.value)
+            assert not (stray / "ran").exists() and set(sys.modules) == modules  # refused before it ran
+        else:
+            assert load_callable("step_fn", spec, where=tmp_path / "manifest.json", search_paths=search)() == 0
+            assert (stray / "ran").exists()
+    finally:
+        for loaded in set(sys.modules) - modules:
+            del sys.modules[loaded]
+
+
+@pytest.mark.parametrize("spec, part_of, hint", [
+    ("json:loads", "Python's standard library", False),  # nothing to name: no distribution holds it
+    ("sympy:symbols", "the installed packages", True),  # a distribution, which --trust-package names
+])
+def test_installed_code_is_refused_naming_what_it_is_part_of_and_the_way_out(tmp_path, spec, part_of, hint):
+    """The refusal of installed code says what the file is part of, and offers --trust-package only where a
+    distribution could be named: never for the standard library."""
+    with nowhere_chosen(tmp_path), pytest.raises(BadInput) as refused:
+        load_callable("step_fn", spec, where=tmp_path / "manifest.json")
+    message = str(refused.value)
+    assert f"is part of {part_of} (" in message, message
+    assert ("which a run may not call; name its distribution with --trust-package NAME to allow it;" if hint else
+            "which a run may not call; --trust-code calls it anyway") in message, message
+
+
+def test_code_in_the_run_directory_is_refused_saying_how_to_allow_it(tmp_path):
+    """A module file inside the run directory: refused before it runs, and the message says the way out."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "shipped.py").write_text("raise SystemExit('ran')\n")
+    with nowhere_chosen(tmp_path), pytest.raises(BadInput) as refused:
+        load_callable("step_fn", f"{run / 'shipped.py'}:step", where=run / "manifest.json", forbidden=run)
+    assert "lies inside the run directory; pass --trust-run-dir to allow code shipped with the run" in str(refused.value), \
+        str(refused.value)

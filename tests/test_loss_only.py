@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 import scenarios
@@ -74,3 +75,15 @@ def test_postmortem_verdict_and_exit_code_follow_the_replay(runs, tmp_path):
     assert f"step {DEFECT_STEP} only" in r["headline"]
     assert "LOSS ONLY" in result.stdout
     assert 'type="loss_only"' in (tmp_path / "junit.xml").read_text()
+
+
+@pytest.mark.parametrize("name, stage", [("logcosh_overflow", "loss"), ("decoder_fully_padded", "forward")])
+def test_a_nonfinite_loss_that_reaches_the_model_is_never_loss_only(runs, tmp_path, name, stage):
+    """The other side of the decision: a loss that turns non-finite in the loss itself or before it, and whose
+    backward carries it into the gradients, is the origin (verdict nonfinite, exit 1), not loss-only."""
+    result = run_cli("replay", runs[name], "--json", tmp_path / "r.json", "--no-explain")
+    assert result.code == 1, result.stderr
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert (r["verdict"], r["loss_only_steps"], r["responsible_step"]) == ("nonfinite", [], DEFECT_STEP)
+    assert r["origin"]["stage"] == stage
+    assert not any(LOSS_ONLY in f for f in r["findings"]), r["findings"]

@@ -511,3 +511,24 @@ def test_the_other_checks_and_betas_that_give_no_bound(recorded, tmp_path):
     assert "past the checkpoint's own step 10" in messages["fc2.bias/step"]
     assert "head.bias at 3, fc2.bias at 12" in messages["param_groups[0].step"]
     assert any("give no bound on |exp_avg|" in n for n in report.soundness.notes)
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.05, 1.09])
+def test_a_first_moment_past_adams_bound_is_flagged_on_a_real_checkpoint(recorded, tmp_path, factor):
+    """One exp_avg coordinate of a recorded Adam checkpoint set to ``factor`` times the bound over its own exp_avg_sq:
+    at the bound it is a state Adam can reach (clean); 5% or 9% past it, no gradients could have made it (flagged,
+    at that coordinate). The slack is rounding: a tolerance loosened to 0.1% or more lets these through."""
+    run = tmp_path / "run"
+    shutil.copytree(recorded["adam"], run)
+    ck = run / "checkpoints" / f"step_{START:08d}"
+    b1, b2 = json.loads((ck / "meta.json").read_text())["param_groups"][0]["betas"]
+    v = load_file(ck / "optimizer.safetensors")["fc1.weight/exp_avg_sq"]
+    index = divmod(int(v.argmax()), v.shape[1])  # the largest second moment: far from the absolute floor
+
+    def past_the_bound(t: dict[str, torch.Tensor]) -> None:
+        t["fc1.weight/exp_avg"][index] = -factor * soundness.adam_bound(b1, b2) * math.sqrt(float(v[index]))
+
+    _tensors(ck, past_the_bound)
+    report = scan_checkpoint(open_checkpoint(ck))
+    hits = [u for u in report.unsound if u.check == soundness.BOUND and u.tensor == "fc1.weight/exp_avg"]
+    assert [h.index for h in hits] == ([list(index)] if factor > 1 else []), [(u.check, u.tensor) for u in report.unsound]

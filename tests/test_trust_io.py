@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -227,6 +228,17 @@ def no_folder_made(tmp: Path, r: Result) -> None:
     assert not (tmp / "no").exists()
 
 
+def json_deep_inside_the_code_path(tmp: Path) -> list[str | Path]:
+    """--code-path X --json X/sub/r.json --create-dirs: nothing is written inside an input, at any depth (a check
+    of "directly inside" passed while every other case wrote one level deep)."""
+    shutil.copytree(ROOT / CODE.parent, tmp / "code")
+    return ["replay", SAMPLE, "--code-path", tmp / "code", "--json", tmp / "code" / "sub" / "r.json", "--create-dirs"]
+
+
+def code_folder_untouched(tmp: Path, r: Result) -> None:
+    assert tree_digest(tmp / "code") == tree_digest(ROOT / CODE.parent) and not (tmp / "code" / "sub").exists()
+
+
 def step_summary_is_a_fifo(tmp: Path) -> list[str | Path]:
     os.mkfifo(tmp / "summary")
     return ["postmortem", SAMPLE / "checkpoints", "--markdown", tmp / "summary"]
@@ -252,6 +264,9 @@ CASES = [
          code_untouched),
     Case("json_into_a_missing_folder", WRITER, "scan", json_into_a_missing_folder, ("--json", "does not exist",
                                                                             "--create-dirs"), no_folder_made),
+    Case("json_deep_inside_the_code_path", WRITER, "replay", json_deep_inside_the_code_path, ("--json", "r.json",
+                                                                                            "lies inside"),
+         code_folder_untouched),
     Case("step_summary_is_a_fifo", WRITER, "postmortem", step_summary_is_a_fifo, ("--markdown", "summary", "FIFO")),
     *([Case("json_over_a_device_node", WRITER, "scan", json_over_a_device_node, ("--json", "null", "character device"),
             still_a_device)] if IS_ROOT else []),
@@ -356,32 +371,56 @@ def _import_file(path: Path) -> str:
     return name
 
 
-def _role(role: str, folder: Path, name: str) -> tuple[Path, Callable[[], None]]:
-    """Where the output goes for ``role``, and what makes it that (run before the output is written)."""
+def _role(role: str, folder: Path, name: str, depth: int) -> tuple[Path, Callable[[], None]]:
+    """Where the output goes for ``role``, ``depth`` folders below the input or tree it is inside (none for the
+    others), and what makes it that (run before the output is written)."""
     if role == "an input":
         return folder / name, lambda: check_outputs([folder / name], {})
-    if role in ("inside an input folder", "under a code path"):
-        (folder / "tree").mkdir()
-        return folder / "tree" / name, lambda: check_outputs([folder / "tree"], {})
-    if role == "inside an examined tree":
-        (folder / "tree").mkdir()
-        return folder / "tree" / name, lambda: examine(folder / "tree")
+    if role in ("inside an input folder", "under a code path", "inside an examined tree"):
+        below = folder.joinpath("tree", *[f"sub{i}" for i in range(depth - 1)])
+        below.mkdir(parents=True)
+        if role == "inside an examined tree":
+            return below / name, lambda: examine(folder / "tree")
+        return below / name, lambda: check_outputs([folder / "tree"], {})
     return folder / name, lambda: None
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(KINDS), role=st.sampled_from(ROLES), through_symlink=st.booleans(),
-       folder_missing=st.booleans(), create_dirs=st.booleans())
-def test_outputs_over_every_kind_of_path(kind: str, role: str, through_symlink: bool, folder_missing: bool,
-                                         create_dirs: bool) -> None:
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_outputs_over_every_kind_of_path(kind: str, role: str) -> None:
     """Written only when absent, or a regular file this process may write, and nothing the command reads, examines
-    or imported; through a symlink, the file it resolves to is replaced and the symlink stays. Else refused, one
-    line, and the path as it was."""
+    or imported, however deep inside it; through a symlink, the file it resolves to is replaced and the symlink stays.
+    Else refused, one line, and the path as it was. Every combination (kind x role x the four yes/no choices, 768),
+    enumerated: a space this small is listed, not sampled."""
+    for through_symlink, folder_missing, create_dirs, deep in itertools.product([False, True], repeat=4):
+        _one_output(kind, role, through_symlink, folder_missing, create_dirs, 3 if deep else 1)
+
+
+# what a refusal says, by role ("plain": the kind of file or its missing folder, said by their own tests)
+WHY = {"plain": "", "an input": "an input of this command", "inside an input folder": "lies inside",
+       "under a code path": "lies inside", "inside an examined tree": "lies inside",
+       "imported": "which this process imported"}
+
+
+def test_a_refusal_without_an_option_names_the_path_once(tmp_path: Path) -> None:
+    """A report written with no option to name (a saved report's own writer): the error names the path, once, then
+    why."""
+    (tmp_path / "tree").mkdir()
+    check_outputs([tmp_path / "tree"], {})
+    target = tmp_path / "tree" / "r.json"
+    with pytest.raises(BadInput) as refused:
+        write_output(target, "{}\n")
+    assert str(refused.value) == f"{target}: lies inside {tmp_path / 'tree'}, which this command examines and never writes into"
+    assert not target.exists()
+
+
+def _one_output(kind: str, role: str, through_symlink: bool, folder_missing: bool, create_dirs: bool, depth: int) -> None:
+    """One combination of test_outputs_over_every_kind_of_path."""
     if kind == "device" and not IS_ROOT:
         kind = "fifo"  # making a device node takes root; as root, /dev/null's twin is made in the temporary folder
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        target, declare = _role(role, folder, "report.py" if role == "imported" else "report.json")
+        target, declare = _role(role, folder, "report.py" if role == "imported" else "report.json", depth)
         if role == "imported":
             kind = "regular"
         with _made(kind, target):
@@ -403,9 +442,10 @@ def test_outputs_over_every_kind_of_path(kind: str, role: str, through_symlink: 
             except BadInput as e:
                 assert not allowed, e
                 assert str(e).startswith("--json: ") and "\n" not in str(e)
+                assert WHY[role] in str(e), (role, str(e))  # the reason it is refused, not only that it is
                 assert (_state(target) if os.path.lexists(target) else None) == before
             else:
-                assert allowed, (kind, role)
+                assert allowed, (kind, role, through_symlink, folder_missing, create_dirs, depth)
                 assert target.read_text() == "{}\n" and (not through_symlink or path.is_symlink())
             finally:
                 if role == "imported":

@@ -160,10 +160,6 @@ class Mesh:
     def data_ranks(self) -> int:
         return math.prod(n for n, name in zip(self.shape, self.dim_names) if name != self.tp_dim)
 
-    @property
-    def tp_size(self) -> int:
-        return self.shape[self.dim_names.index(self.tp_dim)] if self.tp_dim is not None else 1
-
     def coordinate(self, rank: int) -> dict[str, int]:
         out, rest = {}, rank
         for name, n in reversed(list(zip(self.dim_names, self.shape))):

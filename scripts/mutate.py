@@ -1,0 +1,239 @@
+"""Mutation testing of the modules that hold the README's promises, by hand (never in CI's suite).
+
+    python -m scripts.mutate [MODULE...]      # e.g. escaping outputs; none: every module in MODULES
+
+Each module is mutated by mutmut 3 (`pip install -e '.[test,mutation]'`) in a scratch copy of the checkout under the
+temporary folder (the checkout itself is never written), and its mutants run only the test files mapped to it below,
+in one process (`-n 0`): mutmut forks one child per mutant from a process that already imported torch and the tests,
+and each child runs only the tests that reached the mutated function. A survivor is either killed by a test or named
+in tests/mutation_equivalents.toml with a one-line reason; an entry whose mutant no longer exists, or no longer makes
+the change the entry quotes, is stale and reported, so the file cannot drift from the code. The exit code is 1 while a
+mutant survives unexplained or an entry is stale, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENTS = ROOT / "tests" / "mutation_equivalents.toml"
+
+# module -> the test files that exercise it (a mutant runs those of them whose tests reached its function)
+MODULES: dict[str, tuple[str, ...]] = {
+    "nanforensics/runs/imports.py": ("tests/test_import_policy.py", "tests/test_untrusted_code.py", "tests/test_startup.py"),
+    "nanforensics/inputs.py": ("tests/test_trust_io.py", "tests/test_faults.py", "tests/test_buffers.py"),
+    "nanforensics/outputs.py": ("tests/test_trust_io.py", "tests/test_faults.py"),
+    "nanforensics/views/escaping.py": ("tests/test_escaping.py",),
+    "nanforensics/runs/guard.py": ("tests/test_guard.py",),
+    "nanforensics/replay/proof.py": ("tests/test_proof.py",),
+    "nanforensics/checkpoints/soundness.py": ("tests/test_soundness.py",),
+    "nanforensics/rootcause/findings.py": ("tests/test_findings.py", "tests/test_rootcause.py"),
+    "nanforensics/replay/engine.py": ("tests/test_loss_only.py", "tests/test_replay.py", "tests/test_proof.py"),
+}
+# the mutants made and nothing run: `mutmut run`'s first steps (mutmut has no command for them alone)
+GENERATE = ("import os, mutmut.__main__ as m; os.makedirs('mutants', exist_ok=True); "
+            "m.set_mutant_under_test('mutant_generation'); m.copy_src_dir(); m.copy_also_copy_files(); "
+            "m.setup_source_paths(); m.store_lines_covered_by_tests(); m.create_mutants(1)")
+# tests that cannot pass on mutmut's copy whatever the mutant: one reads the package's own imports (the trampolines
+# import mutmut); one trusts an installed distribution, which points at the checkout, not at the copy. And one that a
+# mutant must never run: it writes to the machine's own /dev/null, which a writer's mutant, as root, replaces with a
+# regular file (it did, in a run of outputs' _checked); the device-node cases made in the temporary folder stay.
+DESELECTED = ("tests/test_startup.py::test_the_package_imports_only_what_it_declares",
+              "tests/test_import_policy.py::test_a_venv_inside_the_project_is_refused_unless_its_package_is_named",
+              "tests/test_trust_io.py::test_dev_null_itself_is_never_replaced")
+COPIED = ("nanforensics", "tests", "sample_runs", "README.md", "pyproject.toml")
+KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # a mutant the tests noticed
+
+
+@dataclass
+class Tally:
+    """One module's mutants by outcome; the survivors not named in the equivalents file are listed."""
+
+    module: str
+    mutants: int = 0  # made in the module
+    run: int = 0  # of them, run (all, or those of the functions --only names)
+    killed: int = 0
+    killed_again: int = 0  # of the killed, those mutmut let survive and the whole test files killed
+    equivalent: int = 0
+    surviving: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def resolve(name: str) -> str:
+    """A module of MODULES named by its path or by any unambiguous part of it (`escaping`, `runs/guard`)."""
+    hits = [m for m in MODULES if name == m or name in m]
+    if len(hits) != 1:
+        raise SystemExit(f"mutate: {name!r} names {len(hits)} of the modules {', '.join(MODULES)}; name exactly one")
+    return hits[0]
+
+
+def dotted(module: str) -> str:
+    """nanforensics/views/escaping.py -> nanforensics.views.escaping, the prefix of mutmut's mutant names."""
+    return module.removesuffix(".py").replace("/", ".")
+
+
+def scratch_dir(module: str, tests_at: str | None = None) -> Path:
+    """Where a module's mutants are made and run (and stay, for `mutmut show` and `mutmut browse` there)."""
+    return Path(tempfile.gettempdir()) / "nanforensics-mutate" / (dotted(module) + (f"@{tests_at}" if tests_at else ""))
+
+
+def scratch_copy(module: str, tests_at: str | None = None) -> Path:
+    """A fresh copy of the checkout's sources and tests with mutmut's configuration for this module alone; the tests
+    as the commit ``tests_at`` had them, when given (the same mutants against an earlier suite: a before/after)."""
+    scratch = scratch_dir(module, tests_at)
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in COPIED:
+        source = ROOT / name
+        (shutil.copytree(source, scratch / name, ignore=ignore) if source.is_dir() else shutil.copy2(source, scratch / name))
+    if tests_at is not None:
+        shutil.rmtree(scratch / "tests")
+        archive = subprocess.run(["git", "archive", tests_at, "tests"], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(scratch)], input=archive, check=True)
+    tests = "\n    ".join(MODULES[module])
+    deselect = "".join(f"    --deselect\n    {t}\n" for t in DESELECTED)
+    (scratch / "setup.cfg").write_text(
+        "[mutmut]\n"
+        "source_paths = nanforensics\n"
+        f"only_mutate = {module}\n"
+        f"pytest_add_cli_args_test_selection =\n    {tests}\n"
+        f"pytest_add_cli_args =\n    -n\n    0\n    -p\n    no:cacheprovider\n{deselect}"
+        "also_copy =\n    tests\n    sample_runs\n    README.md\n    pyproject.toml\n",
+        encoding="utf-8",
+    )
+    return scratch
+
+
+def mutmut(scratch: Path, *args: str) -> str:
+    """mutmut's command line in the scratch copy, niced (the machine is shared); its output. A run that could not
+    start (the unmutated tests fail, or its statistics could not be collected) is an error, not a result."""
+    done = subprocess.run(
+        ["nice", sys.executable, "-m", "mutmut", *args], cwd=scratch, text=True, capture_output=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    if done.returncode != 0 or "failed to collect stats" in done.stdout or "Failed to run clean test" in done.stdout:
+        raise SystemExit(f"mutate: mutmut {' '.join(args)} failed in {scratch}:\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
+    return done.stdout
+
+
+def statuses(scratch: Path) -> dict[str, str]:
+    """mutant name -> mutmut's status, for every mutant of the run."""
+    out = mutmut(scratch, "results", "--all", "true")
+    return dict(re.findall(r"^\s+(\S+): (.+)$", out, flags=re.MULTILINE))
+
+
+def added_lines(scratch: Path, name: str) -> list[str]:
+    """The lines a mutant puts in the source (its diff's + side), stripped: what an equivalents entry quotes."""
+    diff = mutmut(scratch, "show", name)
+    return [line[1:].strip() for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+
+
+def load_equivalents() -> dict[str, dict[str, str]]:
+    """mutant name -> its entry (name, change: a line the mutant adds, reason) from tests/mutation_equivalents.toml."""
+    entries = tomllib.loads(EQUIVALENTS.read_text(encoding="utf-8")).get("equivalent", [])
+    return {entry["mutant"]: entry for entry in entries}
+
+
+def killed_by_the_files(scratch: Path, module: str, name: str) -> bool:
+    """Whether the module's whole test files kill the survivor ``name``: mutmut runs a mutant against the tests that
+    reached its function while its statistics were taken, and a module fixture that does the work of many tests at
+    the first one's setup (test_trust_io's ``results``) credits that one alone, so a survivor is run again, applied
+    to the scratch copy's source, against every mapped file (its processes too, through $PYTHONPATH)."""
+    source = scratch / module
+    original = source.read_bytes()
+    mutmut(scratch, "apply", name)
+    try:
+        deselect = [arg for t in DESELECTED for arg in ("--deselect", t)]
+        done = subprocess.run(["nice", sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
+                               *deselect, *MODULES[module]], cwd=scratch, capture_output=True,
+                              env={**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"})
+    finally:
+        source.write_bytes(original)
+    return done.returncode == 1  # tests failed; 0 all passed (it survives), anything else is no verdict
+
+
+def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argparse.Namespace) -> tuple[Tally, list[str]]:
+    """Run one module's mutants (those of the functions ``options.only`` names, when given: mutmut's mangled names,
+    such as ``x__checked`` or ``xǁPlacesǁrefusal``, globs allowed; none with ``--count``; the last run's with
+    ``--again``); its tally and the stale equivalents entries among them."""
+    started = time.monotonic()
+    scratch = scratch_dir(module, options.tests_at) if options.again else scratch_copy(module, options.tests_at)
+    if options.count:
+        subprocess.run([sys.executable, "-c", GENERATE], cwd=scratch, check=True, capture_output=True)
+    elif not options.again:
+        mutmut(scratch, "run", "--max-children", str(options.children), *[f"{dotted(module)}.{f}*" for f in options.only])
+    tally = Tally(module)
+    found = statuses(scratch)
+    tally.mutants = len(found)
+    found = {name: status for name, status in found.items() if status != "not checked"}
+    stale = []
+    for name, status in sorted(found.items()):
+        tally.run += 1
+        if status in KILLED:
+            tally.killed += 1
+        elif name in equivalents and equivalents[name]["change"].strip() in added_lines(scratch, name):
+            tally.equivalent += 1
+        elif killed_by_the_files(scratch, module, name):
+            tally.killed += 1
+            tally.killed_again += 1
+        else:
+            tally.surviving.append(f"{name} ({status})")
+    for name, entry in equivalents.items():
+        if not name.startswith(dotted(module) + ".") or (options.only and name not in found):
+            continue
+        if found.get(name) in KILLED or name not in found:
+            stale.append(f"{name}: {'now killed' if name in found else 'no such mutant'} ({entry['reason']})")
+        elif name in found and found[name] not in KILLED and entry["change"].strip() not in added_lines(scratch, name):
+            stale.append(f"{name}: the mutant no longer makes the change {entry['change']!r}")
+    tally.seconds = time.monotonic() - started
+    return tally, stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.mutate", description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help="modules to mutate (a path or part of one); default: all")
+    parser.add_argument("--show", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--tests-at", metavar="COMMIT", help="run the tests as COMMIT had them (the 'before' of a table)")
+    parser.add_argument("--children", type=int, default=1, help="mutants run at once (default 1: a shared machine)")
+    parser.add_argument("--again", action="store_true", help="tally the last run's results (an interrupted run's too)")
+    parser.add_argument("--count", action="store_true", help="make the mutants and count them, run none")
+    parser.add_argument("--only", action="append", default=[], metavar="FUNCTION",
+                        help="only the mutants of this function (mutmut's name: x_NAME, xǁCLASSǁMETHOD; a glob), repeatable")
+    options = parser.parse_args(argv)
+    modules = [resolve(name) for name in options.modules] or list(MODULES)
+    equivalents = load_equivalents()
+    failed = False
+    print(f"{'module':<40} {'mutants':>7} {'run':>5} {'killed':>7} {'equiv':>6} {'surviving':>9} {'seconds':>8}")
+    for module in modules:
+        tally, stale = mutate(module, equivalents, options)
+        if options.count:
+            print(f"{module:<40} {tally.mutants:>7}", flush=True)
+            continue
+        print(f"{module:<40} {tally.mutants:>7} {tally.run:>5} {tally.killed:>7} {tally.equivalent:>6} {len(tally.surviving):>9} "
+              f"{tally.seconds:>8.0f}", flush=True)
+        if tally.killed_again:
+            print(f"    killed: {tally.killed_again} of them by the whole test files, not by the tests mutmut chose")
+        for line in tally.surviving:
+            print(f"    survived: {line}")
+            if options.show:
+                print(mutmut(scratch_dir(module, options.tests_at), "show", line.split()[0]))
+        for line in stale:
+            print(f"    stale equivalent: {line}")
+        failed |= bool(tally.surviving or stale)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

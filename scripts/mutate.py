@@ -46,12 +46,11 @@ GENERATE = ("import os, mutmut.__main__ as m; os.makedirs('mutants', exist_ok=Tr
             "m.set_mutant_under_test('mutant_generation'); m.copy_src_dir(); m.copy_also_copy_files(); "
             "m.setup_source_paths(); m.store_lines_covered_by_tests(); m.create_mutants(1)")
 # tests that cannot pass on mutmut's copy whatever the mutant: one reads the package's own imports (the trampolines
-# import mutmut); one trusts an installed distribution, which points at the checkout, not at the copy. And one that a
-# mutant must never run: it writes to the machine's own /dev/null, which a writer's mutant, as root, replaces with a
-# regular file (it did, in a run of outputs' _checked); the device-node cases made in the temporary folder stay.
+# import mutmut); one trusts an installed distribution, which points at the checkout, not at the copy. (No test hands
+# the machine's own /dev/null to the code under test: a writer's mutant, as root, once replaced it with a regular file;
+# the device-node cases use a twin made in the temporary folder.)
 DESELECTED = ("tests/test_startup.py::test_the_package_imports_only_what_it_declares",
-              "tests/test_import_policy.py::test_a_venv_inside_the_project_is_refused_unless_its_package_is_named",
-              "tests/test_trust_io.py::test_dev_null_itself_is_never_replaced")
+              "tests/test_import_policy.py::test_a_venv_inside_the_project_is_refused_unless_its_package_is_named")
 COPIED = ("nanforensics", "tests", "sample_runs", "README.md", "pyproject.toml")
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # a mutant the tests noticed
 

@@ -453,12 +453,18 @@ def _one_output(kind: str, role: str, through_symlink: bool, folder_missing: boo
     assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
 
 
-def test_dev_null_itself_is_never_replaced() -> None:
+def test_a_device_node_is_never_replaced(tmp_path: Path) -> None:
+    """``--json /dev/null``'s promise, kept on /dev/null's twin made in the temporary folder: the real one is never
+    handed to the code under test (a mutant without the device check once replaced this machine's /dev/null)."""
+    if not IS_ROOT:
+        pytest.skip("making a device node takes root")
+    null = tmp_path / "null"
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     with pytest.raises(BadInput, match="character device"):
-        write_output("/dev/null", "x", "--json")
+        write_output(null, "x", "--json")
     with pytest.raises(BadInput, match="character device"):
-        check_outputs([], {"--json": "/dev/null"})
-    assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+        check_outputs([], {"--json": null})
+    assert stat.S_ISCHR(os.lstat(null).st_mode)
 
 
 # ---- B and D: reads of every kind of file; nothing of a file outside the tree quoted ------------------------------

@@ -78,11 +78,6 @@ class Soundness:
     # whether the model's state dict named them, verified by shapes, or they stay #i)
 
 
-def order_position(param: str | None) -> int | None:
-    """The optimizer position of a parameter this module labels ``#i`` (the checkpoint records no names)."""
-    return int(param[1:]) if param and param.startswith("#") and param[1:].isdigit() else None
-
-
 def adam_bound(beta1: float, beta2: float) -> float | None:
     """(1-b1)/sqrt((1-b2)(1-b1^2/b2)): |exp_avg| <= this * sqrt(exp_avg_sq) for any gradients; None where b1^2 >= b2
     (no such bound) or the betas are out of range."""

@@ -46,17 +46,21 @@ _LONG_WORD = re.compile(rf"[^ ]{{{MAX_WORD + 1},}}")
 
 
 def cut(text: str) -> str:
-    """``text`` with each word longer than ``MAX_WORD`` cut to it and how many more characters it had (sentences wrap,
-    so only a word sets a line's width); then at most ``MAX_SHOWN`` characters of it, the rest counted the same way."""
-    text = _LONG_WORD.sub(lambda m: f"{m[0][:MAX_WORD]}... ({len(m[0]) - MAX_WORD} more characters)", text)
+    """``text``, or its first ``MAX_SHOWN`` characters and how many more there were."""
     return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}... ({len(text) - MAX_SHOWN} more characters)"
+
+
+def _words_cut(text: str) -> str:
+    """Each word longer than ``MAX_WORD`` cut to it, with how many more characters it had (a terminal's text: sentences
+    wrap, so only a word sets a line's width; a page or a JUnit file wraps on its own)."""
+    return _LONG_WORD.sub(lambda m: f"{m[0][:MAX_WORD]}... ({len(m[0]) - MAX_WORD} more characters)", text)
 
 
 def visible(text: object) -> str:
     """``text`` as one line of printable characters: ``ESC`` becomes ``\\x1b``, a newline ``\\n``, U+202E
     ``\\u202e``; printable text (any script, symbols, emoji) is left as it is; at most ``MAX_SHOWN`` characters of
-    it (``cut``)."""
-    text = cut(str(text))
+    it, and of each word ``MAX_WORD`` (``cut``)."""
+    text = cut(_words_cut(str(text)))
     if text.isascii() and text.isprintable():  # the usual case: nothing to do
         return text
     return "".join(ch if _allowed(ch) else _escape(ch) for ch in text)

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 from nanforensics.checkpoints.bisect import bisect
-from nanforensics.distributed.layout import DISTRIBUTED_FORMAT
 from nanforensics.distributed.wrapping import describe
 from nanforensics.formats.discover import discover
 from nanforensics.replay.engine import ReplayOptions, replay_run
 from nanforensics.report import to_jsonable
+from nanforensics.runs.layout import DISTRIBUTED_FORMAT
 from nanforensics.runs.run import RUN_FORMAT
 
 import distributed_job as job

@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nanforensics.checkpoints.bisect import bisect
 from nanforensics.checkpoints.scan import scan_checkpoint
-from nanforensics.distributed.layout import Mesh, World
 from nanforensics.errors import BadInput
 from nanforensics.formats.discover import open_checkpoint
+from nanforensics.runs.layout import Mesh, World
 
 import mesh_job as job
 from conftest import run_cli, tree_digest
@@ -314,8 +314,8 @@ def test_the_plan_is_read_back_and_rebuilt(one_rank, style):
 
 def _plan_round_trip(style: str, given_in: str, given_out: str, local: bool, dim: int, sequence_local: bool) -> None:
     """One layout of test_the_plan_is_read_back_and_rebuilt."""
-    from nanforensics.distributed.layout import TP
     from nanforensics.distributed.wrapping import _placement, describe_mesh, parallelize
+    from nanforensics.runs.layout import TP
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 

@@ -21,11 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nanforensics.checkpoints.bisect import bisect
-from nanforensics.distributed.layout import DISTRIBUTED_FORMAT, World
-from nanforensics.distributed.stages import OPTIONS
 from nanforensics.distributed.world import mismatch
 from nanforensics.errors import BadInput
+from nanforensics.runs.layout import DISTRIBUTED_FORMAT, World
 from nanforensics.runs.run import Run
+from nanforensics.runs.stages import OPTIONS
 
 import pipeline_job as job
 from conftest import assert_one_line_error, run_cli, tree_digest

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
-from ..distributed.stages import PIPELINE
 from ..errors import BadInput
 from ..formats import CheckpointSource, Collection, discover
 from ..report import ReplayReport
 from ..runs.paths import MANIFEST
 from ..runs.run import Manifest, batch_gaps
+from ..runs.stages import PIPELINE
 from .scan import CLEAN, DEFAULT_MARGIN, Progress, ScanReport, ScanVerdict, TensorScan, check_margin, scan_checkpoint
 
 BISECT_SCHEMA = "nanforensics.bisect/1"

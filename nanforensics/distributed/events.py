@@ -7,7 +7,7 @@ from typing import Iterable
 import torch
 
 from ..report import STAGES, Event
-from .layout import DDP, SHARED_STAGES, World
+from ..runs.layout import DDP, SHARED_STAGES, World
 
 
 def rows(model: torch.nn.Module) -> dict[str, int]:

@@ -14,11 +14,11 @@ from ..report import BatchRef, Event, Precursor, RankCheck, ReplayReport
 from ..rootcause.findings import describe
 from ..rootcause.samples import batch_size
 from ..runs.batches import data_leaves
+from ..runs.layout import DDP, FSDP2, SHARED_STAGES, TP, Mesh, World
 from ..runs.run import Run
 from ..runs.steplog import first_nonfinite
 from ..words import every
 from .events import rows
-from .layout import DDP, FSDP2, SHARED_STAGES, TP, Mesh, World
 
 
 def complete(report: ReplayReport, run: Run, session: Session, match: Callable[[float, float], bool]) -> None:

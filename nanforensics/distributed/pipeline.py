@@ -22,10 +22,10 @@ from torch import nn
 
 from ..finite import encode_float
 from ..runs.checkpoint import state_meta
+from ..runs.layout import rank_dir
+from ..runs.stages import PIPELINE, SCHEDULES, last_rank
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
-from .layout import rank_dir
 from .record import RankRecorder
-from .stages import PIPELINE, SCHEDULES, last_rank
 from .world import object_group
 
 MICROBATCH_LOSSES = "microbatch_losses.jsonl"  # the last stage's: {"step": s, "losses": [...]} per line

@@ -46,11 +46,11 @@ from ..rootcause.data import check_batches
 from ..rootcause.samples import select, split_batch
 from ..runs.batches import data_leaves, map_tensors, per_sample
 from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state
+from ..runs.layout import rank_dir
 from ..runs.run import Run, UserCode
+from ..runs.stages import PIPELINE, last_rank, stage_of
 from .checkpoint import restore_rank_rng
-from .layout import rank_dir
 from .pipeline import MICROBATCH_LOSSES, prune, step_loss
-from .stages import PIPELINE, last_rank, stage_of
 from .world import object_group
 
 

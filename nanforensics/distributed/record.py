@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..runs.checkpoint import save_checkpoint
+from ..runs.layout import DDP, World, rank_dir
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
-from .layout import DDP, World, rank_dir
 from .world import object_group
 from .wrapping import describe, describe_mesh
 

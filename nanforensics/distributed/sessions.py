@@ -30,11 +30,11 @@ from ..replay.session import Session, loss_value, no_optimizer_step
 from ..report import Event
 from ..runs.batches import map_tensors
 from ..runs.checkpoint import Checkpoint, optimizer_params, rng_state
+from ..runs.layout import DDP, FSDP2, SHARED_STAGES, World, mean_loss
 from ..runs.run import Rebuilt, Run, UserCode
 from ..runs.source import StartPoint, StepCode, StepSource
 from .checkpoint import restore_rank_rng
 from .events import merge, rows, tag
-from .layout import DDP, FSDP2, SHARED_STAGES, World, mean_loss
 from .world import mismatch, object_group
 from .wrapping import check_placements, emulated, mixed_precision, parallelize, placements, shard_fsdp2, wrap_ddp
 

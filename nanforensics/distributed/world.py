@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from ..errors import BadInput
 from ..runs.run import Run
+from ..runs.stages import PIPELINE
 from .env import exit_now, exit_on_stop, torchrun_env
-from .stages import PIPELINE
 
 _GLOO: dict[Any, Any] = {}
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..errors import BadInput
+from ..runs.layout import DDP, DTYPES, FSDP2, STYLES, TP, Mesh, World
 from ..words import every
-from .layout import DDP, DTYPES, FSDP2, STYLES, TP, Mesh, World
 from .tensors import is_dtensor
 
 

@@ -20,7 +20,6 @@ from ..distributed.findings import complete
 from ..distributed.findings import findings as rank_findings
 from ..distributed.pipeline_replay import replay_pipeline
 from ..distributed.sessions import open_session, regrouped
-from ..distributed.stages import PIPELINE
 from ..errors import BadInput
 from ..finite import value_name
 from ..formats.discover import open_checkpoint
@@ -48,6 +47,7 @@ from ..runs.compiled import EAGER_KERNELS
 from ..runs.cpu import this_cpu
 from ..runs.run import Run, UserCode
 from ..runs.source import StartPoint, StepCode, StepSource
+from ..runs.stages import PIPELINE
 from ..runs.steplog import first_nonfinite
 from . import whatif
 from .amp import AmpLog

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..distributed.layout import rank_dir
 from ..distributed.tensors import is_dtensor
 from ..distributed.world import object_group
 from ..finite import is_finite, locate, value_name
@@ -41,6 +40,7 @@ from ..replay.proof import Hazard, UpdateCheck, max_abs, provable
 from .batches import data_leaves, encoded_bytes, leaves
 from .checkpoint import checkpoint_name, optimizer_params, param_names
 from .files import make_build_dir, publish_dir_atomic, write_bytes_atomic, write_json_atomic
+from .layout import rank_dir
 from .run import MANIFEST, STEPS, batch_path
 
 if TYPE_CHECKING:

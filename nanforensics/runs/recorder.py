@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..distributed.layout import DISTRIBUTED_FORMAT
 from ..distributed.pipeline import pipeline_world
 from ..distributed.record import recording_world
 from .batches import encoded_bytes, snapshot
@@ -25,6 +24,7 @@ from .cpu import this_cpu
 from .files import write_bytes_atomic, write_json_atomic
 from .guard import Guard, GuardPolicy, ring_nbytes
 from .imports import import_string_of
+from .layout import DISTRIBUTED_FORMAT
 from .optimizers import OptimizerSet, matched, optimizer_set, unsupported
 from .run import MANIFEST, RUN_FORMAT, SEVERAL_OPTIMIZERS_FORMAT, STEPS, batch_path
 from .steplog import step_line

@@ -10,8 +10,6 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..distributed.layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
-from ..distributed.stages import PIPELINE, last_rank
 from ..errors import BadInput, shown
 from ..inputs import examine, load_json
 from ..report import CpuIdentity
@@ -20,8 +18,10 @@ from . import imports
 from .batches import read_batch
 from .checkpoint import Checkpoint
 from .compiled import eager, wrapped_names
+from .layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
 from .optimizers import GIVEN, UNSUPPORTED, OptimizerSet, unsupported
 from .paths import MANIFEST, run_directory
+from .stages import PIPELINE, last_rank
 from .steplog import LoggedStep, is_step, read_steps
 
 RUN_FORMAT = "nanforensics.run/1"

@@ -12,8 +12,8 @@ import torch
 from .steplog import LoggedStep
 
 if TYPE_CHECKING:
-    from ..distributed.layout import World
     from ..report import CheckpointLoad, CpuIdentity
+    from .layout import World
     from .run import Rebuilt
 
 

@@ -8,6 +8,7 @@ RUN/
   checkpoints/step_.../                 DDP: one writer (rank 0); FSDP2: torch.distributed.checkpoint, a shard per rank
 ```
 
+It is the run format's, so it lives with the other readers of a run (runs/); distributed/ writes and replays it.
 The format string differs from a single-process run's, so a reader that knows only ``nanforensics.run/1`` refuses the
 run ("newer than this nanforensics reads") instead of replaying one rank's shard as if it were the whole batch.
 """
@@ -21,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput, shown
-from ..runs.steplog import LoggedStep
 from .stages import PIPELINE, pipeline_problem
+from .steplog import LoggedStep
 
 DISTRIBUTED_FORMAT = "nanforensics.run/1+distributed"
 RANKS = "ranks"

@@ -256,8 +256,10 @@ def test_a_supported_run_is_not_refused(tmp_path: Path) -> None:
 # a micro-batch whose only label is ignored makes a NaN loss alone, loss-only, and was counted as the origin's failure;
 # fixed by one rule for "loss-only" that replay and sample attribution share, report.loss_only; 1540: a single sample
 # whose overflow the GradScaler catches (it skips the step) was counted as failing; fixed by one rule for "caught" that
-# the replay's steps and sample attribution's passes share, replay.amp.scaler_caught).
-FIXED = [65, 91, 179, 185, 201, 311, 353, 372, 409, 437, 474, 574, 1149, 1266, 1540]
+# the replay's steps and sample attribution's passes share, replay.amp.scaler_caught; 171, 191: a forward inside vmap
+# read by replay on the plain tensor, vmap's dimension in front, and skipped by the reference, which named the plain
+# forward after it; one convention now, the replay's: the reference reads the real tensor under functorch's wrappers).
+FIXED = [65, 91, 171, 179, 185, 191, 201, 311, 353, 372, 409, 437, 474, 574, 1149, 1266, 1540]
 # Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
 # join FIXED.
 KNOWN: dict[int, str] = {
@@ -267,11 +269,7 @@ KNOWN: dict[int, str] = {
     354: "operation: an inf born beside NaN from finite inputs (addmm of weights an LR spike made huge) is unseen by "
          "the trace (rootcause/operations.py's summaries), which names no op where the reference names addmm",
     # found once sparse gradients, torch.func and per-batch tensors were no longer refused up front (the merge of the
-    # classes31 branch): two conventions and one class of per-batch leaves, open
-    171: "torch.func coordinates: replay reads a forward inside vmap on the plain tensor with vmap's dimension in front "
-         "([1, 0, 2]: sample 1 of the vmap, row 0 of its x[None]), the reference skips wrapped tensors and names the "
-         "plain forward after it ([1, 2]); one convention is to be chosen for both",
-    191: "torch.func coordinates, as 171",
+    # classes31 branch): torch.func's phase and two of per-batch leaves, open
     170: "torch.func phase: an LR spike's inf made inside vmap(grad) is a forward to replay and before_update to the "
          "reference, which sees no module forward under the transform",
     28: "samples with a per-batch tensor under a GradScaler's slow overflow: replay attributes [1] where samples 1 and 2 "

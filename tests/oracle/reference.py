@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
@@ -77,6 +78,18 @@ def _name(v: float) -> str:
     return "nan" if v != v else ("inf" if v > 0 else "-inf")
 
 
+def _plain(t: Any) -> Any:
+    """Inside vmap or grad: the real tensor under functorch's wrappers, each vmap's batch dimension moved in front, so
+    a per-sample forward is read at [sample, ...] as it happens, in program order."""
+    f = torch._C._functorch
+    while isinstance(t, torch.Tensor) and f.is_functorch_wrapped_tensor(t):
+        bdim = f.maybe_get_bdim(t) if f.is_batchedtensor(t) else -1
+        t = f.get_unwrapped(t)
+        if bdim >= 0:
+            t = t.movedim(bdim, 0)
+    return t
+
+
 def _checkable(t: Any) -> bool:
     if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return False
@@ -104,9 +117,11 @@ class StepWatch:
         self.handles: list[Any] = []
 
     def see(self, stage: str, name: str, t: Any, key: str | None = None) -> None:
-        if stage in self.found or not _checkable(t):
+        if stage in self.found:
             return
-        bad = first_bad(t.detach())
+        with temporarily_clear_interpreter_stack():  # read as plain tensors, outside any transform
+            t = _plain(t)
+            bad = first_bad(t.detach()) if _checkable(t) else None
         if bad is not None:
             self.found[stage] = Found(self.step, stage, name, bad[0], bad[1], key)
 

@@ -388,9 +388,8 @@ def _unrepresentable(sd: dict[str, Any]) -> str | None:
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if unrepresentable(item):
                     return f"{key} = {spoken(item)} in group {g}"
-    states = sd["state"].items() if isinstance(sd["state"], dict) else []
-    for pid, state in states:
-        for key, value in state.items() if isinstance(state, dict) else []:
+    for pid, state in sd["state"].items():  # dicts of dicts: optimizer_problem passed it first
+        for key, value in state.items():
             if unrepresentable(value):
                 return f"{key} = {spoken(value)} for parameter {pid}"
     return None

@@ -170,7 +170,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
 
     with pinned_threads(run.num_threads if device.type == "cpu" else None) as threads:
         r = open_session(run, code, checkpoint, device)
-        check_supported(run.path, r.model, r.optimizer, code.step_fn, r.logged_batch(r.step))  # before any step
+        check_supported(run.path, r.optimizer)  # before any step
         # the start checkpoint's optimizer state beyond finiteness: an origin on what it flags is explained by it
         unsound = start_soundness(getattr(checkpoint, "source", None) or open_checkpoint(checkpoint.path), r.model,
                                   r.optimizer)

@@ -9,7 +9,7 @@ rule supported them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -43,32 +43,22 @@ REFUSED_OPTIMIZERS: dict[str, str] = {
 
 class Unsupported(BadInput):
     """A run replay does not support, refused before any step is replayed (exit code 2); ``feature`` names the kind
-    of thing refused (a row of ``CHECKS``), for tallies."""
+    of thing refused (today only "optimizer"), for tallies."""
 
     def __init__(self, where: Any, feature: str, problem: str) -> None:
         super().__init__(where, f"replay does not support {problem}")
         self.feature = feature
 
 
-def check_supported(where: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    step_fn: Callable[..., Any], batch: Any) -> None:
-    """Refuse what replay does not support, naming it (``CHECKS``, in order)."""
-    for feature, check in CHECKS.items():
-        problem = check(model, optimizer, step_fn, batch)
+def check_supported(where: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a run whose optimizer (each of several) replay does not support, naming it."""
+    for member in members_of(optimizer):
+        problem = _optimizer(member)
         if problem is not None:
-            raise Unsupported(where, feature, problem)
+            raise Unsupported(where, "optimizer", problem)
 
 
 def _optimizer(optimizer: torch.optim.Optimizer) -> str | None:
-    """The first optimizer of the run (each of several) that is not one replay supports, named."""
-    for member in members_of(optimizer):
-        problem = _one_optimizer(member)
-        if problem is not None:
-            return problem
-    return None
-
-
-def _one_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
     known = next((c.__name__ for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")
                   and c.__name__ in OPTIMIZERS), None)
     if known is not None:
@@ -77,10 +67,3 @@ def _one_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
     why = REFUSED_OPTIMIZERS.get(name, "it is not one of the optimizers replay was tested on: "
                                  + ", ".join(sorted(OPTIMIZERS)))
     return f"the optimizer {name}: {why}"
-
-
-# What is checked, by feature, each from (model, optimizer, step function, first batch): supporting a feature is
-# deleting its row (tests/test_oracle.py then replays what it refused).
-CHECKS: dict[str, Callable[[torch.nn.Module, torch.optim.Optimizer, Callable[..., Any], Any], str | None]] = {
-    "optimizer": lambda model, optimizer, step_fn, batch: _optimizer(optimizer),
-}

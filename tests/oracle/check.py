@@ -81,8 +81,7 @@ def _samples(ref: Reference, samples: Any) -> list[tuple[str, str]]:
 
 def _refused_what(e: Unsupported, axes: dict[str, str]) -> str:
     """The axis value a refusal is about, for the tally by reason."""
-    return {"optimizer": axes["optimizer"], "gradients": "sparse", "transforms": "torch.func",
-            "batch": "per-batch tensor"}.get(e.feature, e.feature)
+    return axes["optimizer"] if e.feature == "optimizer" else e.feature
 
 
 def check(seed: int, folder: Path) -> Outcome:

@@ -81,10 +81,16 @@ def _part(j: int) -> str:
     return f"batch[{MICRO_BATCHES!r}][{j}]"
 
 
+def _first_dims(batch: Any, whole: Collection[str] = (), path: str = "batch") -> Counter[int]:
+    """How many of the batch's tensors (of one dimension or more, not named ``whole``) have each first dimension: what
+    the rows rule decides the batch size from, and what its message explains."""
+    return Counter(t.shape[0] for p, t in leaves(batch, path) if isinstance(t, torch.Tensor) and t.ndim >= 1
+                   and p not in whole)
+
+
 def _size(batch: Any, whole: Collection[str] = (), path: str = "batch") -> int | None:
     """The first dimension shared by the most tensors, a tie broken by the per-sample lists' length."""
-    counts = Counter(t.shape[0] for p, t in leaves(batch, path) if isinstance(t, torch.Tensor) and t.ndim >= 1
-                     and p not in whole)
+    counts = _first_dims(batch, whole, path)
     tied = [n for n, c in counts.items() if c == max(counts.values())]
     if len(tied) > 1:
         tied = [n for n in tied if any(per_sample(v, n) for _, v in data_leaves(batch, size=n))]
@@ -373,8 +379,7 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
 
 def _unsplittable(batch: Any, whole: Collection[str]) -> str:
     """Why the rule finds no batch size: no tensor to split, or first dimensions tied."""
-    sizes = Counter(t.shape[0] for p, t in leaves(batch) if isinstance(t, torch.Tensor) and t.ndim >= 1
-                    and p not in whole)
+    sizes = _first_dims(batch, whole)
     if not sizes:
         return "the batch holds no tensor of one dimension or more to split along"
     tied = ", ".join(f"{n} ({count(c, 'tensor')})" for n, c in sorted(sizes.items()))

@@ -435,3 +435,36 @@ def test_a_claim_beyond_the_memory_limit_names_the_file_and_the_claim(tmp_path, 
     result = run_cli(*args, cwd=ROOT, wrapper=[sys.executable, "-c", limit])
     claimed = 10 << 30 if reader == "checkpoint" else (10 << 30) + 256  # the batch: its other tensor (y) too
     assert_one_line_error(result, str(target), f": {claimed} bytes claimed, more memory than this process may take")
+
+
+def _central_directory(data: bytes, offset: int, value: int) -> bytes:
+    """``data`` (a zip file) with the 16-bit field at ``offset`` of every central directory record set to ``value``."""
+    import struct
+
+    out, at = bytearray(data), 0
+    while (at := out.find(b"PK\x01\x02", at)) >= 0:
+        struct.pack_into("<H", out, at + offset, value)
+        at += 4
+    return bytes(out)
+
+
+# every general-purpose flag bit (0: encrypted, 3: sizes in a data descriptor, 5: patched data, 11: UTF-8 names...),
+# a version to extract no zipfile implements, a compression method it does not know
+ZIP_FIELDS = [("flag", 8, 1 << bit) for bit in range(16)] + [("version", 6, 0xFF), ("method", 10, 99)]
+
+
+@pytest.mark.parametrize("field, offset, value", ZIP_FIELDS, ids=[f"{f}-{v}" for f, _, v in ZIP_FIELDS])
+def test_a_zip_field_python_cannot_read_is_left_to_torch_never_the_catch_all(tmp_path, field, offset, value):
+    """The pickle pre-check reads a torch.save zip with Python's zipfile before torch.load does: whatever zipfile
+    raises for a record it cannot read (NotImplementedError for a version, RuntimeError for an encrypted record, both
+    found by the fuzzer) leaves the file to torch.load, which reads it or says, in one line naming the file, why not."""
+    import torch
+
+    path = tmp_path / "ck.pt"
+    torch.save({"w": torch.ones(3)}, path)
+    path.write_bytes(_central_directory(path.read_bytes(), offset, value))
+    result = run_cli("scan", path)
+    if result.code == 2:
+        assert_one_line_error(result, str(path))
+    else:
+        assert result.code == 0, result.stderr

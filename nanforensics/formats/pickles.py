@@ -214,12 +214,18 @@ def check_torch_file(f: BinaryIO, where: Path) -> None:
     f.seek(start)
 
 
+# what Python's zipfile raises for an archive it cannot read, from its central directory (a version it does not
+# implement: NotImplementedError) to a record (an encrypted one: RuntimeError): the pre-check leaves such a file to
+# torch.load, which reads it or says what is wrong with it
+_ZIP_DAMAGE = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError)
+
+
 def _check_zip(f: BinaryIO, where: Path) -> None:
     try:
         archive = zipfile.ZipFile(f)
         records = [info for info in archive.infolist() if info.filename.endswith(".pkl")]
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        return  # torch.load says what is wrong with it
+    except _ZIP_DAMAGE:
+        return
     with archive:
         for info in records:
             if info.file_size > MAX_TEXT_BYTES:
@@ -227,6 +233,6 @@ def _check_zip(f: BinaryIO, where: Path) -> None:
                                       f"{MAX_TEXT_BYTES} this nanforensics reads of one")
             try:
                 data = archive.read(info)
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+            except _ZIP_DAMAGE:
                 return
             check_pickle(data, 0, where)

@@ -118,7 +118,7 @@ def console_commands(block: Block) -> list[tuple[str, list[str]]]:
             command = line[2:]
             while command.endswith("\\") and i + 1 < len(lines):
                 i += 1
-                command = command[:-1] + "\n" + lines[i]
+                command += "\n" + lines[i]  # bash reads the backslash-newline as one line
             out.append((command, []))
         else:
             out[-1][1].append(line)
@@ -214,11 +214,10 @@ def test_every_block_is_run_or_shown_on_purpose() -> None:
 
 
 def test_the_pages_hold_examples_that_run() -> None:
-    """The collector finds what the pages hold: something of each kind runs, few are left out."""
+    """The collector finds what the pages hold: commands with their output and scripts, in the README too."""
     kinds = {lang: sum(b.lang == lang for b in RUNNABLE) for lang in RUN}
-    assert all(kinds.values()), kinds
-    not_run = [b for b in BLOCKS if b.marker and b.marker[0] == "not-run"]
-    assert len(not_run) < len(RUNNABLE) / 2, [b.id for b in not_run]
+    assert kinds["console"] and kinds["python"], kinds
+    assert any(b.page == "README.md" and b.lang == "console" for b in RUNNABLE)
 
 
 def test_parse_reads_markers_indentation_and_longer_fences() -> None:
@@ -235,7 +234,7 @@ def test_parse_reads_markers_indentation_and_longer_fences() -> None:
 
 def test_console_commands_split_with_continuations() -> None:
     block = parse("p.md", "```console\n$ a \\\n  --b\none\n\n$ c\ntwo\n\n```\n")[0]
-    assert console_commands(block) == [("a \n  --b", ["one"]), ("c", ["two"])]
+    assert console_commands(block) == [("a \\\n  --b", ["one"]), ("c", ["two"])]
 
 
 @pytest.mark.parametrize("expected, actual, fit", [

@@ -29,13 +29,15 @@ def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _documented_loader(ckpt: str) -> str:
-    """docs/repair.md's plain torch + safetensors loading code, run as documented on the checkpoint ``ckpt`` (the page
-    runs it on a checkpoint of the seed sample, which is in the same format)."""
+    """docs/repair.md's plain torch + safetensors loading code with its imports, run as documented on the checkpoint
+    ``ckpt`` (the page runs it on a checkpoint of the seed sample, which is in the same format) and on the test's own
+    model and optimizer."""
     block = re.search(r"With plain `torch` \+ `safetensors`.*?```python\n(.*?)```", REPAIR_PAGE.read_text(), re.S).group(1)
+    imports = [line for line in block.splitlines() if line.startswith(("import ", "from ")) and "regressor" not in line]
     loader = block[block.index("\nckpt = ") + 1:]
     shown = loader.splitlines()[0]
     assert shown.startswith('ckpt = "') and loader.count(shown) == 1, shown
-    return loader.replace(shown, f"ckpt = {ckpt!r}")
+    return "\n".join(imports) + "\n" + loader.replace(shown, f"ckpt = {ckpt!r}")
 
 
 def _without_sample(batch: dict, sample: int) -> dict:

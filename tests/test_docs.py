@@ -220,6 +220,13 @@ def test_the_pages_hold_examples_that_run() -> None:
     assert any(b.page == "README.md" and b.lang == "console" for b in RUNNABLE)
 
 
+def test_a_not_run_reason_names_files_that_exist() -> None:
+    """A reason that points at the test or script that runs such a block instead names one that is there."""
+    named = {(b.id, path) for b in BLOCKS if b.marker and b.marker[0] == "not-run"
+             for path in re.findall(r"\b(?:tests|scripts|bench|examples)/[\w/.-]*\w", b.marker[1])}
+    assert named and not [(i, path) for i, path in named if not (ROOT / path).exists()]
+
+
 def test_parse_reads_markers_indentation_and_longer_fences() -> None:
     text = ("intro\n<!-- exit: 1 -->\n```console\n$ nanforensics replay x\nout\n```\n"
             "- item\n\n  ```bash\n  echo hi\n  ```\n"

@@ -134,10 +134,10 @@ def announce_code(named: list[tuple[str, str]]) -> None:
 
 
 _TRUST_CODE_HELP = ("Call the run's model factory, step function and optimizer even where the trust policy refuses "
-                    "them (README, Security): only for a run you trust.")
+                    "them (docs/security.md): only for a run you trust.")
 TrustPackageOption = Annotated[Optional[list[str]], typer.Option(
     metavar="NAME", help="An installed distribution the run's code may come from, such as transformers for a model "
-                         "class of it (repeatable; README, Security).")]
+                         "class of it (repeatable; docs/security.md).")]
 
 
 _MARKDOWN_HELP = "Write the report as Markdown to PATH (- for stdout)."

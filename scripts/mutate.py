@@ -51,7 +51,7 @@ GENERATE = ("import os, mutmut.__main__ as m; os.makedirs('mutants', exist_ok=Tr
 # the device-node cases use a twin made in the temporary folder.)
 DESELECTED = ("tests/test_startup.py::test_the_package_imports_only_what_it_declares",
               "tests/test_import_policy.py::test_a_venv_inside_the_project_is_refused_unless_its_package_is_named")
-COPIED = ("nanforensics", "tests", "sample_runs", "README.md", "pyproject.toml")
+COPIED = ("nanforensics", "tests", "sample_runs", "README.md", "docs", "pyproject.toml")  # tests read the docs
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # a mutant the tests noticed
 
 
@@ -109,7 +109,7 @@ def scratch_copy(module: str, tests_at: str | None = None) -> Path:
         f"only_mutate = {module}\n"
         f"pytest_add_cli_args_test_selection =\n    {tests}\n"
         f"pytest_add_cli_args =\n    -n\n    0\n    -p\n    no:cacheprovider\n{deselect}"
-        "also_copy =\n    tests\n    sample_runs\n    README.md\n    pyproject.toml\n",
+        "also_copy =\n    tests\n    sample_runs\n    README.md\n    docs\n    pyproject.toml\n",
         encoding="utf-8",
     )
     return scratch

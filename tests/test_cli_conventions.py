@@ -1,5 +1,5 @@
 """The conventions of the tools people already run beside it (pytest, ruff, git): --version and -h, plain help,
-output that stays readable in a pipe or a CI log at any $COLUMNS, a README synopsis that lists every option, and
+output that stays readable in a pipe or a CI log at any $COLUMNS, a documented synopsis that lists every option, and
 JUnit XML that CI dashboards line up across runs."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from nanforensics.cli import app
 from nanforensics.report import to_json
 from nanforensics.views.postmortem import render_junit
 
-from conftest import ROOT, run_cli
+from conftest import run_cli
 from postmortem_cases import examined
+from test_docs import pages, parse
 
 LONG = "model.encoder.layers.11.self_attention.query_key_value.weight"  # 61 characters
 
@@ -40,17 +41,18 @@ def test_help_is_plain_text_rewrapped_to_the_width():
     assert not any(line.rstrip().endswith("2 bad input,") for line in text.splitlines())
 
 
-def readme_synopsis(command: str) -> str:
-    """Every README line that starts ``nanforensics COMMAND``, with its backslash continuations."""
-    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+def documented_synopsis(command: str) -> str:
+    """Every line of a shown block of the README or the manual that starts ``nanforensics COMMAND`` (the synopses), with
+    its backslash continuations."""
+    text = "\n".join(b.text for p in pages() for b in parse(str(p), p.read_text()) if b.lang == "text").replace("\\\n", " ")
     return "\n".join(re.findall(rf"^nanforensics {command} .*$", text, re.MULTILINE))
 
 
-def test_the_readme_synopsis_lists_every_option():
+def test_the_documented_synopsis_lists_every_option():
     group = typer.main.get_command(app)
     for name, command in group.commands.items():  # type: ignore[attr-defined]
-        synopsis = readme_synopsis(name)
-        assert synopsis, f"no synopsis of `nanforensics {name}` in the README"
+        synopsis = documented_synopsis(name)
+        assert synopsis, f"no synopsis of `nanforensics {name}` in the README or docs/"
         for param in command.params:
             names = param.opts + param.secondary_opts
             if isinstance(param, typer.core.TyperOption) and "--help" not in names:

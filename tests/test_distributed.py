@@ -300,7 +300,7 @@ def test_shipped_sample_matches_its_generator(runs):
 
 
 def test_readme_emulated_replay_of_the_sample():
-    """The README's command on the shipped sample: rank 1, step 4, sample-00075, from one process."""
+    """docs/distributed.md's command on the shipped sample: rank 1, step 4, sample-00075, from one process."""
     before = tree_digest(SAMPLE)
     result = run_cli("replay", "sample_runs/ddp_two_ranks", "--json", "-", cwd=ROOT)
     assert result.code == 1, result.stderr

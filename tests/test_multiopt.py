@@ -79,11 +79,11 @@ def test_the_origin_is_the_first_pass_not_the_first_stage(gan_runs: Mapping[str,
         "optimizer generator: zeroed the optimizer state of 0 coordinates, put back 0 parameter values")
 
 
-def test_the_readme_gan_script_records_and_replays_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's GAN script, saved and run as ``python train_gan.py`` runs it (as ``__main__``, here in this
-    process: a new one would spend seconds importing torch): a healthy run of two optimizers replays clean from its
+def test_the_manual_gan_script_records_and_replays_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manual's GAN script (docs/recording.md), saved and run as ``python train_gan.py`` runs it (as ``__main__``,
+    here in this process: a new one would spend seconds importing torch): a healthy run of two optimizers replays clean from its
     first step, every checkpoint it passes matching the recorded one."""
-    block = (ROOT / "README.md").read_text().split("```python\n# train_gan.py")[1].split("```")[0]
+    block = (ROOT / "docs" / "recording.md").read_text().split("```python\n# train_gan.py")[1].split("```")[0]
     (tmp_path / "train_gan.py").write_text("# train_gan.py" + block)
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(tmp_path / "train_gan.py"), run_name="__main__")

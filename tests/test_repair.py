@@ -18,7 +18,7 @@ from nanforensics.runs.run import Run
 import scenarios
 from conftest import DEFECT_STEP, assert_one_line_error, run_cli, tree_digest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REPAIR_PAGE = Path(__file__).resolve().parent.parent / "docs" / "repair.md"
 RESUME = DEFECT_STEP + 1
 S = scenarios.DEFECT_SAMPLE
 
@@ -28,9 +28,16 @@ def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def _readme_loader() -> str:
-    """The README's plain torch + safetensors loading code, run as documented."""
-    return re.search(r"With plain `torch` \+ `safetensors`:\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)
+def _documented_loader(ckpt: str) -> str:
+    """docs/repair.md's plain torch + safetensors loading code with its imports, run as documented on the checkpoint
+    ``ckpt`` (the page runs it on a checkpoint of the seed sample, which is in the same format) and on the test's own
+    model and optimizer."""
+    block = re.search(r"With plain `torch` \+ `safetensors`.*?```python\n(.*?)```", REPAIR_PAGE.read_text(), re.S).group(1)
+    imports = [line for line in block.splitlines() if line.startswith(("import ", "from ")) and "regressor" not in line]
+    loader = block[block.index("\nckpt = ") + 1:]
+    shown = loader.splitlines()[0]
+    assert shown.startswith('ckpt = "') and loader.count(shown) == 1, shown
+    return "\n".join(imports) + "\n" + loader.replace(shown, f"ckpt = {ckpt!r}")
 
 
 def _without_sample(batch: dict, sample: int) -> dict:
@@ -56,13 +63,13 @@ def test_repair_drops_the_bad_sample_and_the_run_resumes_finite(runs, tmp_path, 
     v = report["verification"]
     assert (v["finite"], v["step"], v["last_step"]) == (True, RESUME, RESUME + 4)
 
-    # our format, and the README's plain torch + safetensors code, load the same tensors
+    # our format, and the documented plain torch + safetensors code, load the same tensors
     run = Run(run_dir)
     model, optimizer = _fresh()
     meta = Checkpoint(folder, RESUME).load_into(model, optimizer)
     plain_model, plain_optimizer = _fresh()
     monkeypatch.chdir(tmp_path)
-    exec(_readme_loader(), {"model": plain_model, "optimizer": plain_optimizer})
+    exec(_documented_loader(f"repaired/checkpoints/step_{RESUME:08d}"), {"model": plain_model, "optimizer": plain_optimizer})
     for a, b in zip(model.state_dict().values(), plain_model.state_dict().values()):
         assert torch.equal(a, b)
     assert all(torch.equal(a, b) for p, q in zip(optimizer.state.values(), plain_optimizer.state.values())

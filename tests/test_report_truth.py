@@ -225,14 +225,14 @@ ACCUM_DEFECT = 5  # the step whose micro-batch 1, sample 2 holds a corrupt targe
 
 @pytest.fixture(scope="module")
 def accum_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The README's gradient-accumulation script, as a user would save it."""
-    block = (ROOT / "README.md").read_text().split("```python\n# train_accum.py")[1].split("```")[0]
+    """The manual's gradient-accumulation script (docs/recording.md), as a user would save it."""
+    block = (ROOT / "docs" / "recording.md").read_text().split("```python\n# train_accum.py")[1].split("```")[0]
     folder = tmp_path_factory.mktemp("accum")
     (folder / "train_accum.py").write_text("# train_accum.py" + block)
     return folder
 
 
-def test_the_readme_accumulation_script_records_and_replays(accum_script):
+def test_the_manual_accumulation_script_records_and_replays(accum_script):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     subprocess.run([sys.executable, "train_accum.py"], cwd=accum_script, env=env, check=True, timeout=300)
     run = accum_script / "runs" / "accum"

@@ -1,4 +1,4 @@
-"""The shipped sample runs: what the README promises of them, and that they match their generator."""
+"""The shipped sample runs: what the README and docs/samples.md promise of them, and that they match their generator."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_readme_replay_on_sample_runs(name, code, responsible, logged):
 
 
 def test_readme_replay_of_a_run_nobody_recorded():
-    """The README's commands on the sample whose script saves plain torch.save checkpoints."""
+    """docs/unrecorded.md's commands on the sample whose script saves plain torch.save checkpoints."""
     before = tree_digest(SAMPLES)
     replay = run_cli("replay", "--checkpoint", "sample_runs/unrecorded/ckpts/step_000010.pt",
                      "--code", "sample_runs/unrecorded/train.py", cwd=ROOT)

@@ -164,5 +164,5 @@ def findings(r: RepairReport) -> list[str]:
         out.append(f"Verified the written state only: no logged step after {r.responsible_step} to replay.")
     if r.written:
         out.append(f"Resume at step {r.resume_step} from {r.checkpoint}: it loads with nanforensics "
-                   "(Checkpoint.load_into) and with plain torch + safetensors (README, Repair).")
+                   "(Checkpoint.load_into) and with plain torch + safetensors (docs/repair.md).")
     return out

@@ -182,7 +182,7 @@ ROLES: dict[str, Role] = {
 }
 # each of a run's several optimizers (manifest "optimizers.members.<i>") stands where a run's one optimizer does
 _MEMBER = re.compile(r"^optimizers\.members\.\d+\.")
-TRUST_HINT = "--trust-code calls it anyway (README, Security)"
+TRUST_HINT = "--trust-code calls it anyway (docs/security.md)"
 PACKAGE_HINT = "name its distribution with --trust-package NAME to allow it"
 
 

@@ -203,4 +203,4 @@ def unsupported(features: Iterable[str]) -> str | None:
     """Why a run of several optimizers cannot have ``features`` (the first of them ``UNSUPPORTED`` holds); None when
     it can. The one statement of the limit, for the recorder's error and the reader's."""
     refused = [f for f in features if f in UNSUPPORTED]
-    return f"{refused[0]} is not supported with several optimizers (README, Several optimizers)" if refused else None
+    return f"{refused[0]} is not supported with several optimizers (docs/recording.md, Several optimizers)" if refused else None

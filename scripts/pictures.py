@@ -122,21 +122,22 @@ class Chromium:
         if session is not None:
             message["sessionId"] = session
         os.write(self._write, json.dumps(message).encode() + b"\0")
-        while ident not in self._replies:  # a reply to a call made meanwhile (by a page's event) is kept for it
-            reply = self._receive()
-            if "id" in reply:
-                self._replies[reply["id"]] = reply
-            else:
-                self._dispatch(reply)
+        while ident not in self._replies:
+            self._pump()
         reply = self._replies.pop(ident)
         if "error" in reply:
             raise RuntimeError(f"{method}: {reply['error'].get('message')}")
         return reply.get("result", {})
 
-    def _dispatch(self, event: dict[str, Any]) -> None:
-        page = self._pages.get(event.get("sessionId", ""))
-        if page is not None:
-            page.record(event)
+    def _pump(self) -> None:
+        """One message handled: a reply kept for its call (one made meanwhile, by a page's event, may come first),
+        an event handed to its page."""
+        message = self._receive()
+        page = self._pages.get(message.get("sessionId", ""))
+        if "id" in message:
+            self._replies[message["id"]] = message
+        elif page is not None:
+            page.record(message)
 
     def _receive(self) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout
@@ -165,7 +166,7 @@ class Chromium:
                                                          "mobile": False}, session=session)
         self.call("Page.navigate", {"url": page.visit.url}, session=session)
         while not page.loaded:
-            self._dispatch(self._receive())
+            self._pump()
         return page
 
 
@@ -213,12 +214,13 @@ class Page:
         self.evaluate("0")  # a round trip: whatever the page reported before it has been received
         return self.visit
 
-    def screenshot(self) -> bytes:
-        """The whole page as a PNG, ``WIDTH`` pixels wide."""
+    def screenshot(self, scale: float = 1) -> bytes:
+        """The whole page as a PNG, ``WIDTH * scale`` pixels wide (in front: a tab behind others is not drawn)."""
+        self.browser.call("Page.bringToFront", session=self.session)
         height = self.evaluate("Math.ceil(document.documentElement.scrollHeight)")
         return base64.b64decode(self.browser.call("Page.captureScreenshot", {
             "format": "png", "captureBeyondViewport": True,
-            "clip": {"x": 0, "y": 0, "width": WIDTH, "height": height, "scale": 1}}, session=self.session)["data"])
+            "clip": {"x": 0, "y": 0, "width": WIDTH, "height": height, "scale": scale}}, session=self.session)["data"])
 
     def close(self) -> None:
         self.browser.call("Target.closeTarget", {"targetId": self.target})
@@ -285,23 +287,20 @@ def main() -> str | None:
         from nanforensics.saved import load_report
         from nanforensics.views.html import render_html
 
-        html = render_html(load_report(args.html) if args.html.is_file() else postmortem(args.html))
-        pictures = {args.out: None}
+        html, png, svg = render_html(load_report(args.html) if args.html.is_file() else postmortem(args.html)), args.out, None
     else:
-        html = report_html()
-        pictures = {IMAGES / "report.png": None, IMAGES / "terminal.svg": terminal_svg(seed_replay())}
+        html, png, svg = report_html(), IMAGES / "report.png", terminal_svg(seed_replay())
     with tempfile.TemporaryDirectory() as folder:
         page = Path(folder) / "report.html"
         page.write_text(html, encoding="utf-8")
         try:
-            png = next(iter(pictures))
             screenshot(page, png)
         except (OSError, RuntimeError, TimeoutError) as e:
             return f"pictures: the browser failed: {e}"
-    for path, svg in pictures.items():
-        if svg is not None:
-            path.write_text(svg, encoding="utf-8")
-        print(path)
+    print(png)
+    if svg is not None:
+        (IMAGES / "terminal.svg").write_text(svg, encoding="utf-8")
+        print(IMAGES / "terminal.svg")
     return None
 
 

@@ -104,7 +104,9 @@ def written(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Any]]]:
     _written(run_cli("bisect", SEED, "--json", bisected, "--quiet"), bisected)
     rerender("report-bisect", json.loads(bisected.read_text(encoding="utf-8")))
     cli("postmortem-checkpoints", "postmortem", SEED / "checkpoints")
-    hostile = cli("hostile", "postmortem", hostile_names.record(root / "hostile-run"))
+    # in a folder named as experiments are: 90 characters and nowhere a line may break
+    deep = root / "llama7b_lr3e4_warmup2000_bs512_seed17_fp16_zero3_gradclip1_run000042_resumed_from_step_12000"
+    hostile = cli("hostile", "postmortem", hostile_names.record(deep / "hostile-run"))
     spelled = root / "spelled.html"  # every string of the saved report with the payload appended (views' input)
     spelled.write_text(render_html(_spelled(load_report(root / "hostile.json"), PAYLOAD)), encoding="utf-8")
     out["spelled"] = spelled, hostile
@@ -119,6 +121,7 @@ def pages(chromium, written) -> dict[str, Any]:
         page = chromium.open(html)
         out[name] = {"visit": page.settle(), "facts": page.evaluate(FACTS_JS), "active": page.evaluate(ACTIVE_JS),
                      "text": page.evaluate("document.body.textContent"),
+                     "width": page.evaluate("document.documentElement.scrollWidth"),
                      "head": page.evaluate("document.querySelector('h1').innerText"), "report": report}
         page.close()
     return out
@@ -129,11 +132,12 @@ NAMES = ["postmortem", "report-postmortem", "report-replay", "report-bisect", "p
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_page_fetches_nothing_logs_nothing_and_runs_nothing(pages, name):
+def test_the_page_fetches_nothing_logs_nothing_runs_nothing_and_fits_the_window(pages, name):
     p = pages[name]
     visit = p["visit"]
     assert (visit.requests, visit.console, visit.errors, visit.dialogs) == ([], [], [], [])
     assert p["active"] == {"scripts": 0, "handlers": [], "urls": 0, "pwned": "undefined"}
+    assert p["width"] <= pictures.WIDTH  # no sideways scrolling: a long unbroken string wraps
 
 
 def _replay_of(report: dict[str, Any]) -> dict[str, Any] | None:

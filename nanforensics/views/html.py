@@ -94,8 +94,9 @@ def _postmortem(r: PostmortemReport) -> str:
 
 
 def _replay_sections(r: ReplayReport, spread: SpreadMap | None, loss_chart: Section | None) -> list[Section]:
-    facts = [("replayed", _text(f"{r.setup.run}: steps {r.setup.first_step}-{r.setup.last_step} from the checkpoint "
-                                f"at step {r.setup.from_checkpoint}, {r.setup.device}{world_text(r)}"))]
+    facts: list[tuple[str, Cell]] = [("replayed", [(r.setup.run, "code"), (
+        f": steps {r.setup.first_step}-{r.setup.last_step} from the checkpoint at step {r.setup.from_checkpoint}, "
+        f"{r.setup.device}{world_text(r)}", None)])]  # a path in <code>, which wraps anywhere (report.css)
     if r.responsible_batch is not None:
         facts.append((batch_label(r), [(f"step {r.responsible_batch.step}, ", None),
                                        (r.responsible_batch.file, "code")]))

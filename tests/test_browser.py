@@ -38,6 +38,7 @@ _spec.loader.exec_module(pictures)
 # A script three ways: an element, an event handler on an element that fails to load, one on an element that loads
 PAYLOAD = ("<script>window.__pwned=1</script><img src=x onerror=\"window.__pwned=2\">"
            "<svg onload=\"window.__pwned=3\"></svg>")
+UNBROKEN = "_".join(["checkpoint"] * 20)  # 219 characters where no line may break
 SEED = ROOT / "sample_runs" / "seed_adam"
 
 # The rows of every two-cell table (the facts): label -> the value's rendered text, and whether a reader sees it
@@ -110,6 +111,9 @@ def written(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Any]]]:
     spelled = root / "spelled.html"  # every string of the saved report with the payload appended (views' input)
     spelled.write_text(render_html(_spelled(load_report(root / "hostile.json"), PAYLOAD)), encoding="utf-8")
     out["spelled"] = spelled, hostile
+    unbroken = root / "unbroken.html"  # ... and with a word too long for any line
+    unbroken.write_text(render_html(_spelled(load_report(root / "hostile.json"), UNBROKEN)), encoding="utf-8")
+    out["unbroken"] = unbroken, hostile
     return out
 
 
@@ -128,7 +132,7 @@ def pages(chromium, written) -> dict[str, Any]:
 
 
 NAMES = ["postmortem", "report-postmortem", "report-replay", "report-bisect", "postmortem-checkpoints", "hostile",
-         "spelled"]
+         "spelled", "unbroken"]
 
 
 @pytest.mark.parametrize("name", NAMES)

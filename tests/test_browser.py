@@ -2,9 +2,10 @@
 
 The pages: ``postmortem --html`` of a recorded run (the seed sample) and of a folder of checkpoints alone; ``report
 --html`` of a saved replay, bisection and post-mortem; a run named by an attacker (tests/hostile_names.py) examined
-by ``postmortem --html``; and its saved report with a script in every string it holds. (``scan`` writes no HTML.)
-Each page is checked for what the browser reports (no request, console message, error or dialog), for what its
-DOM holds (the key figures visible, as the report's own JSON states them; run text as text), and drawn.
+by ``postmortem --html`` from a folder whose name cannot break; and its saved report with a script, then a word too
+long for any line, in every string it holds. (``scan`` writes no HTML.) Each page is checked for what the browser
+reports (no request, console message, error or dialog), for what its DOM holds (the key figures visible, as the
+report's own JSON states them; run text as text), for its width (no sideways scrolling), and drawn.
 
 One Chromium per module (scripts/pictures.py's driver: the DevTools protocol over a pipe), its pages opened once.
 Where no Chromium is installed the tests skip, but not under CI (``CI`` set), which installs it (.ci/run).
@@ -45,7 +46,7 @@ SEED = ROOT / "sample_runs" / "seed_adam"
 FACTS_JS = """(() => {
   const seen = el => { const r = el.getBoundingClientRect();
     return el.checkVisibility({opacityProperty: true, visibilityProperty: true}) && r.width > 0 && r.height > 0
-      && r.left >= 0 && r.right <= document.documentElement.scrollWidth; };
+      && r.left >= 0 && r.right <= window.innerWidth; };
   const out = {};
   for (const tr of document.querySelectorAll("tr")) {
     const cells = tr.querySelectorAll("th, td");
@@ -152,7 +153,6 @@ def _replay_of(report: dict[str, Any]) -> dict[str, Any] | None:
 def test_the_responsible_step_origin_and_samples_are_shown_as_the_report_states_them(pages, name):
     p = pages[name]
     facts, replay = p["facts"], _replay_of(p["report"])
-    assert p["head"].endswith(p["report"]["headline"]) if name != "hostile" else p["head"]
     batch, origin, samples = replay["responsible_batch"], replay["origin"], replay["samples"]
     assert all(facts[label]["visible"] for label in ("responsible batch", "origin", "samples"))
     shown = {label: facts[label]["text"] for label in ("responsible batch", "origin", "samples")}
@@ -160,6 +160,7 @@ def test_the_responsible_step_origin_and_samples_are_shown_as_the_report_states_
     assert shown["origin"].startswith(f"step {origin['step']}, ") and f"({origin['dtype']})" in shown["origin"]
     assert shown["samples"].startswith(f"{', '.join(map(str, samples['samples']))} of {samples['batch_size']}")
     if name != "hostile":  # run text as it is (the hostile run's is shown escaped: the next test)
+        assert p["head"].endswith(p["report"]["headline"])
         assert batch["file"] in shown["responsible batch"] and origin["text"] in shown["origin"]
         assert all(f"{key} = {value}" in shown["samples"] for key, value in samples["sample_leaves"].items())
 
@@ -172,6 +173,10 @@ def test_the_first_poisoned_and_last_clean_checkpoints_are_shown_as_the_report_s
     for label, key in (("first poisoned", "first_poisoned"), ("last clean", "last_clean")):
         ref = bisected[key]
         assert facts[label]["visible"] and facts[label]["text"] == f"step {ref['step']}: {ref['path']}"
+    if name == "postmortem-checkpoints":  # no replay: the origin bracketed by the two
+        window = report["window"]
+        assert facts["origin window"]["visible"]
+        assert facts["origin window"]["text"].startswith(f"in steps {window['first']}-{window['last']}: ")
 
 
 def test_a_run_named_by_an_attacker_is_shown_as_text(pages):
@@ -220,11 +225,19 @@ def png_pixels(png: bytes, limit: int | None = None) -> np.ndarray:
     return out[1:].reshape(height, width, n)
 
 
+def _drawn(chromium: Any, html: Path, scale: float) -> bytes:
+    page = chromium.open(html)
+    try:
+        return page.screenshot(scale=scale)
+    finally:
+        page.close()
+
+
 def test_the_seed_report_is_drawn_and_not_blank(chromium, written, tmp_path):
-    drawn = png_pixels(chromium.open(written["postmortem"][0]).screenshot(scale=0.25))  # a quarter: decoded faster
     blank = tmp_path / "blank.html"
     blank.write_text("<!doctype html><title>blank</title>", encoding="utf-8")
-    assert png_pixels(chromium.open(blank).screenshot(scale=0.25)).var() == 0  # the measure tells a blank page
+    drawn, empty = (png_pixels(_drawn(chromium, page, scale=0.25)) for page in (written["postmortem"][0], blank))
+    assert empty.var() == 0  # the measure tells a blank page (a quarter of the size: decoded faster)
     height, width, _ = drawn.shape
     assert width == pictures.WIDTH // 4 and height > 500 and drawn.var() > 100
     # the committed picture too: the seed's report, as wide, about as long (fonts differ by machine), its top drawn
@@ -249,7 +262,9 @@ def test_the_terminal_picture_is_current(chromium, written, monkeypatch):
     monkeypatch.chdir(ROOT)
     replay = load_report(written["report-replay"][0].with_suffix(".json"))
     assert pictures.terminal_svg(replay) == committed
-    visit = chromium.open(ROOT / "docs" / "images" / "terminal.svg").settle()
+    page = chromium.open(ROOT / "docs" / "images" / "terminal.svg")
+    visit = page.settle()
+    page.close()
     assert (visit.requests, visit.console, visit.errors) == ([], [], [])
 
 

@@ -104,7 +104,10 @@ def written(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Any]]]:
     rerender("report-replay", seed["replay"])  # what `replay --json` writes: the post-mortem's replay is that report
     bisected = root / "bisect.json"
     _written(run_cli("bisect", SEED, "--json", bisected, "--quiet"), bisected)
-    rerender("report-bisect", json.loads(bisected.read_text(encoding="utf-8")))
+    bisect = json.loads(bisected.read_text(encoding="utf-8"))
+    rerender("report-bisect", bisect)
+    # what `bisect --code` writes: the bisection, then the replay from its last clean checkpoint (here the seed's)
+    rerender("report-bisect-replayed", {**bisect, "replayed": seed["replay"]})
     cli("postmortem-checkpoints", "postmortem", SEED / "checkpoints")
     # in a folder named as experiments are: 90 characters and nowhere a line may break
     deep = root / "llama7b_lr3e4_warmup2000_bs512_seed17_fp16_zero3_gradclip1_run000042_resumed_from_step_12000"
@@ -127,13 +130,15 @@ def pages(chromium, written) -> dict[str, Any]:
         out[name] = {"visit": page.settle(), "facts": page.evaluate(FACTS_JS), "active": page.evaluate(ACTIVE_JS),
                      "text": page.evaluate("document.body.textContent"),
                      "width": page.evaluate("document.documentElement.scrollWidth"),
-                     "head": page.evaluate("document.querySelector('h1').innerText"), "report": report}
+                     "head": page.evaluate("document.querySelector('h1').innerText"),
+                     "headings": page.evaluate("[...document.querySelectorAll('h1, h2')].map(h => h.innerText).join('\\n')"),
+                     "report": report}
         page.close()
     return out
 
 
-NAMES = ["postmortem", "report-postmortem", "report-replay", "report-bisect", "postmortem-checkpoints", "hostile",
-         "spelled", "unbroken"]
+NAMES = ["postmortem", "report-postmortem", "report-replay", "report-bisect", "report-bisect-replayed",
+         "postmortem-checkpoints", "hostile", "spelled", "unbroken"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -145,11 +150,13 @@ def test_the_page_fetches_nothing_logs_nothing_runs_nothing_and_fits_the_window(
     assert p["width"] <= pictures.WIDTH  # no sideways scrolling: a long unbroken string wraps
 
 
-def _replay_of(report: dict[str, Any]) -> dict[str, Any] | None:
-    return report if report["schema"].startswith("nanforensics.replay/") else report.get("replay")
+def _replay_of(report: dict[str, Any]) -> dict[str, Any]:
+    """The replay a saved report holds: itself, a post-mortem's ``replay``, or what ``bisect --code`` ``replayed``."""
+    kind = report["schema"].split("/")[0]
+    return report if kind == "nanforensics.replay" else report["replay" if kind == "nanforensics.postmortem" else "replayed"]
 
 
-@pytest.mark.parametrize("name", ["postmortem", "report-postmortem", "report-replay", "hostile"])
+@pytest.mark.parametrize("name", ["postmortem", "report-postmortem", "report-replay", "report-bisect-replayed", "hostile"])
 def test_the_responsible_step_origin_and_samples_are_shown_as_the_report_states_them(pages, name):
     p = pages[name]
     facts, replay = p["facts"], _replay_of(p["report"])
@@ -160,15 +167,15 @@ def test_the_responsible_step_origin_and_samples_are_shown_as_the_report_states_
     assert shown["origin"].startswith(f"step {origin['step']}, ") and f"({origin['dtype']})" in shown["origin"]
     assert shown["samples"].startswith(f"{', '.join(map(str, samples['samples']))} of {samples['batch_size']}")
     if name != "hostile":  # run text as it is (the hostile run's is shown escaped: the next test)
-        assert p["head"].endswith(p["report"]["headline"])
+        assert p["report"].get("headline", replay["headline"]) in p["headings"]  # a bisection's has none: its replay's
         assert batch["file"] in shown["responsible batch"] and origin["text"] in shown["origin"]
         assert all(f"{key} = {value}" in shown["samples"] for key, value in samples["sample_leaves"].items())
 
 
-@pytest.mark.parametrize("name", ["report-bisect", "postmortem-checkpoints"])
+@pytest.mark.parametrize("name", ["report-bisect", "report-bisect-replayed", "postmortem-checkpoints"])
 def test_the_first_poisoned_and_last_clean_checkpoints_are_shown_as_the_report_states_them(pages, name):
     report = pages[name]["report"]
-    bisected = report if name == "report-bisect" else report["checkpoints"]
+    bisected = report if name.startswith("report-bisect") else report["checkpoints"]
     facts = pages[name]["facts"]
     for label, key in (("first poisoned", "first_poisoned"), ("last clean", "last_clean")):
         ref = bisected[key]

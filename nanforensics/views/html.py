@@ -56,7 +56,10 @@ def render_html(report: PostmortemReport | ReplayReport | BisectReport) -> str:
     first = report.first_poisoned
     head = (f"first poisoned checkpoint: step {first.step}" if first is not None
             else f"no poisoned checkpoint among {report.checkpoints}")
-    return _page("nanforensics bisect", report.verdict, word, head, _bisect(report), report.schema)
+    replayed = report.replayed  # bisect --code: the replay from the last clean checkpoint, as every other view shows
+    replay = [] if replayed is None else [_heading(f"Replay: {replayed.headline}"),
+                                          *_replay_sections(replayed, replayed.spread_map, None)]
+    return _page("nanforensics bisect", report.verdict, word, head, _bisect(report) + replay, report.schema)
 
 
 # ---- pages -------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The README's two pictures of the seed sample, regenerated, and the headless Chromium that draws any HTML report.
 
     python -m scripts.pictures                  # docs/images/report.png and docs/images/terminal.svg
-    python -m scripts.pictures --html SOURCE --out PNG   # any report: a run directory or a saved JSON report
+    python scripts/pictures.py --html SOURCE --out PNG   # any report: a run directory or a saved JSON report
 
 report.png is the HTML report of ``nanforensics postmortem sample_runs/seed_adam --html``, as Chromium draws it;
 terminal.svg is the terminal report of ``nanforensics replay sample_runs/seed_adam``, as rich records it
@@ -281,15 +281,22 @@ def main() -> str | None:
     if browser() is None:  # before the post-mortem, which takes a while
         return f"pictures: no headless browser found (looked for {', '.join(BROWSERS)} on PATH); " \
                "install one, e.g. apt-get install -y chromium"
+    source, out = (args.html.resolve() if args.html else None), args.out.resolve()  # the caller's, before the cd
     os.chdir(ROOT)
-    if args.html is not None:
-        from nanforensics.postmortem import postmortem
-        from nanforensics.saved import load_report
-        from nanforensics.views.html import render_html
+    from nanforensics.errors import BadInput
+    from nanforensics.views.escaping import visible
 
-        html, png, svg = render_html(load_report(args.html) if args.html.is_file() else postmortem(args.html)), args.out, None
-    else:
-        html, png, svg = report_html(), IMAGES / "report.png", terminal_svg(seed_replay())
+    try:
+        if source is not None:
+            from nanforensics.postmortem import postmortem
+            from nanforensics.saved import load_report
+            from nanforensics.views.html import render_html
+
+            html, png, svg = render_html(load_report(source) if source.is_file() else postmortem(source)), out, None
+        else:
+            html, png, svg = report_html(), IMAGES / "report.png", terminal_svg(seed_replay())
+    except BadInput as e:
+        return f"pictures: {visible(str(e))}"  # a file's name on one line, as the CLI writes it
     with tempfile.TemporaryDirectory() as folder:
         page = Path(folder) / "report.html"
         page.write_text(html, encoding="utf-8")

@@ -1,11 +1,12 @@
 """Every HTML page the tool writes, opened by headless Chromium with networking off, as a user opens the file.
 
 The pages: ``postmortem --html`` of a recorded run (the seed sample) and of a folder of checkpoints alone; ``report
---html`` of a saved replay, bisection and post-mortem; a run named by an attacker (tests/hostile_names.py) examined
-by ``postmortem --html`` from a folder whose name cannot break; and its saved report with a script, then a word too
-long for any line, in every string it holds. (``scan`` writes no HTML.) Each page is checked for what the browser
-reports (no request, console message, error or dialog), for what its DOM holds (the key figures visible, as the
-report's own JSON states them; run text as text), for its width (no sideways scrolling), and drawn.
+--html`` of a saved replay, bisection (alone, and with the replay ``bisect --code`` adds) and post-mortem; a run
+named by an attacker (tests/hostile_names.py) examined by ``postmortem --html`` from a folder whose name cannot
+break; and its saved report with a script, then a word too long for any line, in every string it holds. (``scan``
+writes no HTML.) Each page is checked for what the browser reports (no request, console message, error or dialog),
+for what its DOM holds (the key figures visible, as the report's own JSON states them; run text as text), for its
+width (no sideways scrolling), and drawn.
 
 One Chromium per module (scripts/pictures.py's driver: the DevTools protocol over a pipe), its pages opened once.
 Where no Chromium is installed the tests skip, but not under CI (``CI`` set), which installs it (.ci/run).

@@ -3,7 +3,6 @@ and why not the others; the HTML report in a real browser."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -11,7 +10,6 @@ import shutil
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
-import pytest
 from nanforensics.postmortem import CHECKPOINTS, DONE, FAILED, REPLAY, SKIPPED, STEP_LOG, TENSOR_SPREAD, postmortem
 from nanforensics.replay.spread import SpreadMap, TensorSpread, grouped, layered
 from nanforensics.views import heatmap
@@ -184,18 +182,6 @@ def test_html_is_self_contained(runs):
     assert "url(" not in page and "@import" not in page
     assert names.count("svg") == 3  # the heatmap, the loss curve, the precursor curves
     assert page.count("<rect") >= 2 * 7 * 5 and "features.gain" in page
-
-
-def test_html_renders_in_a_headless_browser(runs, tmp_path):
-    """docs/html_screenshot.py's own function: Chromium opens the page from disk and draws it."""
-    spec = importlib.util.spec_from_file_location("html_screenshot", ROOT / "docs" / "html_screenshot.py")
-    screenshot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(screenshot)
-    if screenshot.browser() is None:
-        pytest.skip("no headless Chromium here (apt-get install -y chromium)")
-    (tmp_path / "report.html").write_text(render_html(examined(runs["adam_near_zero"])), encoding="utf-8")
-    png = screenshot.screenshot(tmp_path / "report.html", tmp_path / "report.png", height=1600)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 50_000
 
 
 def test_heatmap_levels_and_layers():

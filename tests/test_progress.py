@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -201,13 +200,6 @@ def test_report_of_a_file_that_is_no_report(tmp_path):
     other = tmp_path / "other.json"
     other.write_text('{"steps": []}')
     assert_one_line_error(run_cli("report", other), 'not a report nanforensics re-renders (no "schema" field;')
-
-
-def test_html_screenshot_without_a_browser_ends_in_one_line():
-    p = subprocess.run([sys.executable, str(ROOT / "docs" / "html_screenshot.py")], capture_output=True, text=True,
-                       env={**os.environ, "PATH": "/nonexistent"}, timeout=60)
-    assert p.returncode == 1 and "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "no headless browser found" in p.stderr
 
 
 @given(st.integers(min_value=1, max_value=10**6))

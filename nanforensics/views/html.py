@@ -56,7 +56,10 @@ def render_html(report: PostmortemReport | ReplayReport | BisectReport) -> str:
     first = report.first_poisoned
     head = (f"first poisoned checkpoint: step {first.step}" if first is not None
             else f"no poisoned checkpoint among {report.checkpoints}")
-    return _page("nanforensics bisect", report.verdict, word, head, _bisect(report), report.schema)
+    replayed = report.replayed  # bisect --code: the replay from the last clean checkpoint, as every other view shows
+    replay = [] if replayed is None else [_heading(f"Replay: {replayed.headline}"),
+                                          *_replay_sections(replayed, replayed.spread_map, None)]
+    return _page("nanforensics bisect", report.verdict, word, head, _bisect(report) + replay, report.schema)
 
 
 # ---- pages -------------------------------------------------------------------------------------
@@ -94,8 +97,9 @@ def _postmortem(r: PostmortemReport) -> str:
 
 
 def _replay_sections(r: ReplayReport, spread: SpreadMap | None, loss_chart: Section | None) -> list[Section]:
-    facts = [("replayed", _text(f"{r.setup.run}: steps {r.setup.first_step}-{r.setup.last_step} from the checkpoint "
-                                f"at step {r.setup.from_checkpoint}, {r.setup.device}{world_text(r)}"))]
+    facts: list[tuple[str, Cell]] = [("replayed", [(r.setup.run, "code"), (
+        f": steps {r.setup.first_step}-{r.setup.last_step} from the checkpoint at step {r.setup.from_checkpoint}, "
+        f"{r.setup.device}{world_text(r)}", None)])]  # a path in <code>, which wraps anywhere (report.css)
     if r.responsible_batch is not None:
         facts.append((batch_label(r), [(f"step {r.responsible_batch.step}, ", None),
                                        (r.responsible_batch.file, "code")]))

@@ -285,10 +285,6 @@ def test_readme_links_point_at_files_that_exist() -> None:
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) + re.findall(r'src="([^"]+)"', text)
     local = [t for t in targets if not re.match(r"[a-z]+:", t)]
     assert local, "the README links into the docs"
-    missing = [t for t in local if not (ROOT / t).exists() and t not in PICTURES]
+    missing = [t for t in local if not (ROOT / t).exists()]
     assert not missing, missing
 
-
-# The two pictures scripts/pictures.py draws (their own change commits them): named here so that this branch's README
-# may show them before they exist.
-PICTURES = ("docs/images/report.png", "docs/images/terminal.svg")

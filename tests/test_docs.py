@@ -134,15 +134,23 @@ def console_commands(block: Block) -> list[tuple[str, list[str]]]:
 COPIED = ("sample_runs",)  # copied, not linked: the trust policy judges a run's code by where its file really lies
 
 
+def tracked() -> list[str]:
+    """The repository's top-level entries that git tracks: an allow-list, so that a stray folder in the checkout (a
+    ``runs/`` left by a manual try) is never linked, and an example writing ``runs/exp1`` writes into its own folder,
+    not through a link into the checkout."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return sorted({path.split("/", 1)[0] for path in listed.split("\0") if path and not path.startswith(".")})
+
+
 def workspace(tmp: Path) -> Path:
-    """A fresh folder whose entries are symlinks to the repository's top-level ones (not its hidden ones), but for
-    ``COPIED``: the samples name their code ``sample_runs/code/regressor.py``, which through a symlink would lie outside
-    the working directory, and a run's code may come only from there (docs/security.md)."""
-    for entry in sorted(ROOT.iterdir()):
-        if entry.name in COPIED:
-            shutil.copytree(entry, tmp / entry.name)
-        elif not entry.name.startswith(".") and not entry.name.endswith(".egg-info"):
-            (tmp / entry.name).symlink_to(entry)
+    """A fresh folder whose entries are symlinks to the repository's tracked top-level ones (not its hidden ones), but
+    for ``COPIED``: the samples name their code ``sample_runs/code/regressor.py``, which through a symlink would lie
+    outside the working directory, and a run's code may come only from there (docs/security.md)."""
+    for name in tracked():
+        if name in COPIED:
+            shutil.copytree(ROOT / name, tmp / name)
+        else:
+            (tmp / name).symlink_to(ROOT / name)
     return tmp
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..finite import encode_float
 from ..runs.checkpoint import state_meta
+from ..runs.compiled import compiled_backend, unwrapped
 from ..runs.layout import rank_dir
 from ..runs.stages import PIPELINE, SCHEDULES, last_rank
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
@@ -85,7 +86,7 @@ class PipelineRankRecorder(RankRecorder):
                    "scale_grads": bool(schedule.scale_grads),
                    "loss_fn": import_string_of(schedule._loss_fn, "the schedule's loss_fn"),
                    "stages": sorted(stages, key=lambda s: s["stage"])}
-        super().__init__(PIPELINE, stage.submod, options)
+        super().__init__(PIPELINE, unwrapped(stage.submod), options, compiled_backend(stage.submod))
         self.last = last_rank(options)
         self._losses: Path | None = None
 

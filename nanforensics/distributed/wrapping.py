@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import BadInput
+from ..runs.compiled import own_name, unwrapped
 from ..runs.layout import DDP, DTYPES, FSDP2, STYLES, TP, Mesh, World
 from ..words import every
 from .tensors import is_dtensor
@@ -41,17 +42,20 @@ def describe(model: nn.Module, world_size: int) -> tuple[str, nn.Module, dict[st
     replay could not rebuild."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel):
-        if getattr(model, "_comm_hooks", None):
+    ddp = unwrapped(model)  # torch.compile(DDP(module)): the wrapper inside the compiled one
+    if isinstance(ddp, DistributedDataParallel):
+        if getattr(ddp, "_comm_hooks", None):
             raise ValueError("the DDP model has a communication hook, which changes how gradients are reduced; "
                              "nanforensics cannot rebuild it for replay")
-        return DDP, model.module, {"broadcast_buffers": bool(model.broadcast_buffers),
-                                   "find_unused_parameters": bool(model.find_unused_parameters),
-                                   "gradient_as_bucket_view": bool(model.gradient_as_bucket_view)}
-    if type(model).__name__ == "FullyShardedDataParallel":
+        return DDP, ddp.module, {"broadcast_buffers": bool(ddp.broadcast_buffers),
+                                 "find_unused_parameters": bool(ddp.find_unused_parameters),
+                                 "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view)}
+    if type(ddp).__name__ == "FullyShardedDataParallel":
         raise ValueError("FSDP1 (FullyShardedDataParallel) is not supported; shard with FSDP2's fully_shard")
     fsdp = _fsdp_module_class()
-    sharded = [(name, m) for name, m in model.named_modules() if fsdp is not None and isinstance(m, fsdp)]
+    # FSDP2 under torch.compile, or over a compiled module (which fully_shard turns into an FSDP module itself):
+    # modules named as in the model the factory builds
+    sharded = [(own_name(name), m) for name, m in model.named_modules() if fsdp is not None and isinstance(m, fsdp)]
     mesh = describe_mesh(model, world_size)
     if sharded:
         return FSDP2, model, {"modules": [_fsdp_options(name, m, world_size, mesh) for name, m in reversed(sharded)]}
@@ -92,7 +96,7 @@ def describe_mesh(model: nn.Module, world_size: int) -> Mesh | None:
 
 def placements(model: nn.Module) -> dict[str, dict[str, str]]:
     """Each DTensor parameter's placement on each named mesh dimension, as the manifest writes it."""
-    return {n: {d: repr(pl) for d, pl in zip(p.device_mesh.mesh_dim_names or (), p.placements)}
+    return {own_name(n): {d: repr(pl) for d, pl in zip(p.device_mesh.mesh_dim_names or (), p.placements)}
             for n, p in model.named_parameters() if is_dtensor(p)}
 
 
@@ -142,7 +146,7 @@ def _tp_plan(model: nn.Module) -> list[tuple[str, dict[str, Any], Any]]:
             else:
                 spec = {"input_layouts": repr(inputs[0][0]), "output_layouts": repr(outputs[0][0]),
                         "use_local_output": bool(outputs[1])}
-            out.append((name, {"module": name, "style": style, **spec}, found["mesh"]))
+            out.append((name, {"module": own_name(name), "style": style, **spec}, found["mesh"]))
     assert all(s["style"] in STYLES for _, s, _ in out)
     return out
 

@@ -28,8 +28,9 @@ STEPS, EVERY = 6, 2                    # steps recorded, checkpoint interval: ch
 DEFECT_STEP, DEFECT_MICROBATCH, DEFECT_SAMPLE, DEFECT_FEATURE = 3, 2, 1, 3
 FEATURES = 4
 STAGES = [["0", "1", "2"], ["3", "4", "5"]]  # the top-level modules each stage holds
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-DEFECTS = {"gpipe": "input", "1f1b": "target"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "gpipe_frozen": "ScheduleGPipe"}
+DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_frozen": "input"}
+FROZEN = "0.gain"  # "gpipe_frozen": the optimizer does not hold it; it still requires grad, which nothing zeroes
 
 
 def defect_row() -> int:
@@ -94,7 +95,8 @@ def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
     module = prune(build_model(), STAGES[rank])
     stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
     schedule = getattr(schedules, SCHEDULES[schedule_name])(stage, MICROBATCHES, loss_fn=loss_fn)
-    return schedule, torch.optim.AdamW(module.parameters(), lr=1e-2)
+    held = [p for n, p in module.named_parameters() if not (schedule_name == "gpipe_frozen" and n == FROZEN)]
+    return schedule, torch.optim.AdamW(held, lr=1e-2)
 
 
 def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:

@@ -88,13 +88,15 @@ class Launched:
     replays: dict[str, tuple[Ranks, Path, dict[str, str]]]
 
 
-def record_and_replay(root: Path, recording: list[str], names: list[str], procs: int) -> Launched:
+def record_and_replay(root: Path, recording: list[str], names: list[str], procs: int,
+                      options: dict[str, list[str]] | None = None) -> Launched:
     """One torchrun launch (tests/replays_job.py): the job script and arguments ``recording`` record ``names`` into
     ``root``, their digests are taken, then each is replayed: ``torchrun --nproc-per-node PROCS -m nanforensics
-    replay RUN --json OUT``."""
+    replay RUN --json OUT`` (and the replay's ``options`` of the run, where given)."""
     runs = {name: root / name for name in names}
     commands = [recording, ["digest", *runs.values()],
-                *(["replay", run, "--json", root / f"{name}.json"] for name, run in runs.items())]
+                *(["replay", run, *(options or {}).get(name, []), "--json", root / f"{name}.json"]
+                  for name, run in runs.items())]
     recorded, _, *replays = at_world_size(root / "ranks", commands, procs)
     before = json.loads((root / "ranks" / "1" / "digest.json").read_text())
     return Launched(recorded, runs, {name: (ranks, root / f"{name}.json", before[str(run)])

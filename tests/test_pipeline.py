@@ -34,20 +34,22 @@ from test_distributed import Launched, Ranks, record_and_replay
 DEFECT_ID = f"sample-{job.DEFECT_STEP * job.BATCH + job.defect_row():05d}"
 
 
-NAMES = ["gpipe", "1f1b"]
+NAMES = ["gpipe", "1f1b", "gpipe_frozen"]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Launched:
-    """One torchrun launch: both schedules' runs recorded (tests/pipeline_job.py), then replayed at world size."""
+    """One torchrun launch: the runs recorded (tests/pipeline_job.py), then replayed at world size; the frozen run,
+    whose logged losses stay finite, from the checkpoint before the defect."""
     root = tmp_path_factory.mktemp("pipeline")
-    return record_and_replay(root, job.arguments(root, NAMES), NAMES, job.WORLD)
+    return record_and_replay(root, job.arguments(root, NAMES), NAMES, job.WORLD,
+                             {"gpipe_frozen": ["--from-step", str(job.DEFECT_STEP - 1)]})
 
 
 @pytest.fixture(scope="module")
 def runs(launched) -> dict[str, Path]:
     recorded = launched.recorded
-    assert recorded.codes == [0] * job.WORLD and "1f1b: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
+    assert recorded.codes == [0] * job.WORLD and "gpipe_frozen: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
     return launched.runs
 
 
@@ -74,7 +76,7 @@ def test_layout(runs):
     # both ranks logged the last stage's loss; before the defects, both schedules computed the same losses (each
     # accumulates the gradients micro-batch by micro-batch, in order)
     logs = [(runs[name] / "ranks" / f"rank_{r:05d}" / "steps.jsonl").read_text().splitlines()[:job.DEFECT_STEP]
-            for name in runs for r in (0, 1)]
+            for name in ("gpipe", "1f1b") for r in (0, 1)]
     assert all(log == logs[0] for log in logs) and len(logs[0]) == job.DEFECT_STEP
 
 
@@ -106,6 +108,24 @@ def test_replay_at_world_size(runs, torchrun_replays, name):
         assert (report["origin"], report["events"], report["loss_only_steps"]) == (None, [], [job.DEFECT_STEP])
         assert report["pipeline"]["logged_microbatch_losses"][job.DEFECT_MICROBATCH] == "inf"
     assert tree_digest(run) == before
+
+
+def test_a_gradient_no_optimizer_zeroes_is_restored_between_passes(runs, torchrun_replays):
+    """``0.gain`` requires grad but its stage's optimizer does not hold it: its gradient is never zeroed, so after the
+    replayed step it holds the infinity, and each pass of group testing must start from the gradient before the step
+    (the snapshot every replay takes, ``replay.session.loose_grads``). Carried over, every subset would fail and the
+    micro-batch would read "batch_wide"."""
+    result, out, before = torchrun_replays["gpipe_frozen"]
+    assert result.codes == [1] * job.WORLD, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    origin = report["origin"]
+    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"]) == (
+        job.DEFECT_STEP, "grad", job.FROZEN, [job.DEFECT_FEATURE])
+    assert (report["samples"]["status"], report["samples"]["samples"]) == ("attributed", [job.DEFECT_SAMPLE])
+    assert report["samples"]["sample_leaves"] == {"batch['id']": [DEFECT_ID]}
+    # the update never reaches the frozen gain: no parameter or state turns non-finite, nor any logged loss
+    assert not [e for e in report["events"] if e["stage"] in ("param", "optimizer_state")]
+    assert tree_digest(runs["gpipe_frozen"]) == before
 
 
 def check(report: dict[str, Any], schedule: str, stage: int, made: str, data: tuple[str, int, str],

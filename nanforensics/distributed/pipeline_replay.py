@@ -31,6 +31,7 @@ from ..errors import BadInput, shown
 from ..finite import decode_float, locate, value_name
 from ..progress import SILENT, Progress
 from ..replay.reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge
+from ..replay.session import loose_grads, put_back
 from ..report import (
     LOSS_ONLY_STAGES,
     BatchRef,
@@ -127,12 +128,14 @@ class _Stage:
 
     def snapshot(self) -> dict[str, Any]:
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "grads": loose_grads(self.model, self.optimizer),
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step}
 
     def restore(self, snap: dict[str, Any]) -> None:
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         self.optimizer.zero_grad(set_to_none=True)
+        put_back(snap["grads"])
         restore_rng(snap["rng"])
         self.step = snap["step"]
 
@@ -147,10 +150,14 @@ def _stage_optimizer(code: UserCode, model: nn.Module, meta: dict[str, Any], che
         except Exception as e:
             raise BadInput(where, f"optimizer.factory raised {e.__class__.__name__}: {e}") from None
     named = dict(model.named_parameters(remove_duplicate=False))
-    groups = [{**g, "params": [named[n] for n in g["params"]]} for g in meta["param_groups"]
-              if g["params"] and all(n in named for n in g["params"])]
-    if sorted(n for g in meta["param_groups"] for n in g["params"] if n in named) != sorted(named):
-        raise BadInput(checkpoint.path / "meta.json", "its param groups do not hold this stage's parameters each once")
+    mine = [g for g in meta["param_groups"] if any(n in named for n in g["params"])]
+    held = [n for g in mine for n in g["params"]]
+    # a parameter of the stage in no group is one its optimizer does not hold (its gradient carries over), as on one
+    # process; a group of two stages' parameters, or a parameter in two groups, no recorder wrote
+    if not set(held) <= set(named) or len(set(held)) != len(held):
+        raise BadInput(checkpoint.path / "meta.json", "its param groups mix this stage's parameters with another "
+                                                      "stage's, or hold one twice")
+    groups = [{**g, "params": [named[n] for n in g["params"]]} for g in mine]
     try:
         return code.optimizer_class(groups)
     except Exception as e:

@@ -28,8 +28,11 @@ STEPS, EVERY = 6, 2                    # steps recorded, checkpoint interval: ch
 DEFECT_STEP, DEFECT_MICROBATCH, DEFECT_SAMPLE, DEFECT_FEATURE = 3, 2, 1, 3
 FEATURES = 4
 STAGES = [["0", "1", "2"], ["3", "4", "5"]]  # the top-level modules each stage holds
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "gpipe_frozen": "ScheduleGPipe"}
-DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_frozen": "input"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "gpipe_frozen": "ScheduleGPipe", "1f1b_dp": "Schedule1F1B"}
+DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_frozen": "input", "1f1b_dp": "input"}
+# "1f1b_dp": 2 stages x 2 data-parallel ranks (4 processes), torchtitan's (pp, dp) mesh, each stage under DDP over
+# its dp group; only pipeline BAD_DP's batch carries the defect
+DP, BAD_DP = 2, 1
 FROZEN = "0.gain"  # "gpipe_frozen": the optimizer does not hold it; it still requires grad, which nothing zeroes
 
 
@@ -69,31 +72,45 @@ def train_step(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str,
     return losses
 
 
-def data(step: int, defect: str) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(1000 + step)
+def data_parallel(name: str) -> int:
+    """How many pipelines run side by side in run ``name``."""
+    return DP if name.endswith("_dp") else 1
+
+
+def data(step: int, defect: str, dp: int = 0, pipelines: int = 1) -> dict[str, Any]:
+    """Pipeline ``dp``'s batch at ``step`` (of ``pipelines``); the defect in the last pipeline's."""
+    g = torch.Generator().manual_seed(1000 + step + 97 * dp)
     x = torch.exp(torch.randn(BATCH, FEATURES, generator=g) * 0.5)
     y = torch.log(x).mean(dim=1, keepdim=True)
-    if defect == "input" and step == DEFECT_STEP:
+    bad = step == DEFECT_STEP and dp == min(BAD_DP, pipelines - 1)
+    if defect == "input" and bad:
         x[defect_row(), DEFECT_FEATURE] = 3e-45
-    if defect == "target" and step == DEFECT_STEP:
+    if defect == "target" and bad:
         y[defect_row(), 0] = 1e20
-    ids = [f"sample-{step * BATCH + i:05d}" for i in range(BATCH)]
+    ids = [f"sample-{(step * pipelines + dp) * BATCH + i:05d}" for i in range(BATCH)]
     return {"x": x, "y": y, "id": ids}
 
 
-def stage_batch(batch: dict[str, Any], rank: int) -> dict[str, Any]:
-    """What each rank's loop holds: the first stage the inputs, the last the targets; both the ids."""
-    keep = ("x", "id") if rank == 0 else ("y", "id")
+def stage_batch(batch: dict[str, Any], stage: int) -> dict[str, Any]:
+    """What each stage's loop holds: the first stage the inputs, the last the targets; both the ids."""
+    keep = ("x", "id") if stage == 0 else ("y", "id")
     return {k: batch[k] for k in keep}
 
 
 def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
+    """This rank's stage and its schedule, as torchtitan builds them: a (pp, dp) DeviceMesh, the stage's module under
+    DDP over ``dp`` where there is data parallelism, the stage's communication on ``pp``."""
     from nanforensics.distributed.pipeline import prune
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.nn.parallel import DistributedDataParallel
 
-    rank = dist.get_rank()
-    module = prune(build_model(), STAGES[rank])
-    stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
+    dp = data_parallel(schedule_name)
+    mesh = init_device_mesh("cpu", (WORLD, dp), mesh_dim_names=("pp", "dp"))
+    index = mesh["pp"].get_local_rank()
+    module = prune(build_model(), STAGES[index])
+    run = DistributedDataParallel(module, process_group=mesh["dp"].get_group()) if dp > 1 else module
+    stage = PipelineStage(run, index, WORLD, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = getattr(schedules, SCHEDULES[schedule_name])(stage, MICROBATCHES, loss_fn=loss_fn)
     held = [p for n, p in module.named_parameters() if not (schedule_name == "gpipe_frozen" and n == FROZEN)]
     return schedule, torch.optim.AdamW(held, lr=1e-2)
@@ -104,12 +121,13 @@ def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:
     from nanforensics import Recorder
 
     schedule, optimizer = build(name)
-    rank = dist.get_rank()
+    pipelines = data_parallel(name)
+    stage, dp = divmod(dist.get_rank(), pipelines)
     rec = Recorder(out / name, schedule, optimizer, model_factory=build_model, step_fn=train_step,
                    checkpoint_every=EVERY, overwrite=True)
     logged = []
     for step in range(steps):
-        batch = stage_batch(data(step, DEFECTS[name]), rank)
+        batch = stage_batch(data(step, DEFECTS[name], dp, pipelines), stage)
         losses = train_step(schedule, optimizer, batch)
         rec.log(step, batch, losses)
         logged.append(losses)

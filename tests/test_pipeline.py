@@ -110,6 +110,61 @@ def test_replay_at_world_size(runs, torchrun_replays, name):
     assert tree_digest(run) == before
 
 
+@pytest.fixture(scope="module")
+def data_parallel(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """2 stages x 2 data-parallel ranks (4 gloo processes, torchtitan's (pp, dp) mesh, each stage under DDP over its dp
+    group): recorded, then replayed at world size, in one launch."""
+    root = tmp_path_factory.mktemp("pipeline_dp")
+    return record_and_replay(root, job.arguments(root, ["1f1b_dp"]), ["1f1b_dp"], job.WORLD * job.DP)
+
+
+def test_pipeline_by_data_parallel(data_parallel):
+    """Pipeline x data parallelism at world size: the origin names the step, the stage, the mesh coordinate (pp, dp),
+    the micro-batch, the coordinate and the sample of the pipeline whose batch holds the defect, and the replay is
+    bit-exact from a checkpoint after the run's first step (DDP's buckets laid out as the run's were by then)."""
+    recorded = data_parallel.recorded
+    assert recorded.codes == [0] * 4 and "1f1b_dp: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
+    run = data_parallel.runs["1f1b_dp"]
+    wrapping = json.loads((run / "manifest.json").read_text())["distributed"]["wrapping"]
+    assert wrapping["data_parallel"] == {"size": job.DP, "broadcast_buffers": True, "find_unused_parameters": False,
+                                         "gradient_as_bucket_view": False}
+    assert [(st["stage"], st["rank"]) for st in wrapping["stages"]] == [(0, 0), (1, job.DP)]
+    assert sorted(p.parent.name for p in run.glob("ranks/*/microbatch_losses.jsonl")) == ["rank_00002", "rank_00003"]
+    meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["param_names"] == [n for n, _ in job.build_model().named_parameters()]  # each stage's names once
+    # the run's loss: the mean over the pipelines of each one's last stage's
+    steps = Run(run).steps
+    logs = [[json.loads(line)["loss"] for line in (run / "ranks" / f"rank_{r:05d}" / "steps.jsonl").read_text().splitlines()]
+            for r in (2, 3)]
+    assert [s.loss for s in steps][:job.DEFECT_STEP] == [(a + b) / 2 for a, b in list(zip(*logs))[:job.DEFECT_STEP]]
+
+    result, out, before = data_parallel.replays["1f1b_dp"]
+    assert result.codes == [1] * 4, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    origin = report["origin"]
+    bad = job.BAD_DP  # stage 0 of pipeline 1 is rank 1
+    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (
+        job.DEFECT_STEP, "grad", "0.gain", [job.DEFECT_FEATURE], bad)
+    pipe = report["pipeline"]
+    assert (pipe["stage"], pipe["rank"], pipe["mesh"], pipe["microbatch"]) == (0, bad, {"pp": 0, "dp": bad},
+                                                                               job.DEFECT_MICROBATCH)
+    assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
+    ident = f"sample-{(job.DEFECT_STEP * job.DP + bad) * job.BATCH + job.defect_row():05d}"
+    assert (report["samples"]["status"], report["samples"]["samples"], report["samples"]["sample_leaves"]) == (
+        "attributed", [job.DEFECT_SAMPLE], {"batch['id']": [ident]})
+    assert report["responsible_batch"]["file"].endswith(f"ranks/rank_{bad:05d}/batches/step_{job.DEFECT_STEP:08d}"
+                                                        ".safetensors")
+    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
+        (job.DEFECT_STEP + 1, True)]
+    # the other pipeline's own gradients stay finite; the update (every copy alike) is reported once, by dp rank 0
+    at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
+    assert {e["rank"] for e in at if e["stage"] == "grad"} == {bad}
+    assert {e["rank"] for e in at if e["stage"] == "param"} == {0}
+    assert report["findings"][0].endswith(f"made grad 0.gain[{job.DEFECT_FEATURE}] = {origin['value']} on stage 0 "
+                                          f"(rank {bad}, pp=0, dp={bad}).")
+    assert tree_digest(run) == before
+
+
 def test_a_gradient_no_optimizer_zeroes_is_restored_between_passes(runs, torchrun_replays):
     """``0.gain`` requires grad but its stage's optimizer does not hold it: its gradient is never zeroed, so after the
     replayed step it holds the infinity, and each pass of group testing must start from the gradient before the step

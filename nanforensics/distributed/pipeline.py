@@ -1,9 +1,11 @@
 """Pipeline-parallel runs (``torch.distributed.pipelining``): the recorder on every stage's rank.
 
 The loop passes its schedule (``ScheduleGPipe`` or ``Schedule1F1B``, one ``PipelineStage`` per rank, stage i on rank
-i) to the ``Recorder`` as its model. Each rank logs the batch its step function gives the schedule (stage 0 the
-inputs, the last stage the targets); the step function returns the micro-batch losses on the last stage, whose mean
-every rank logs, and the last stage keeps each micro-batch's loss (``microbatch_losses.jsonl``). Checkpoints go through
+i) to the ``Recorder`` as its model. With data parallelism (``dp`` pipelines side by side, torchtitan's (pp, dp) mesh),
+stage i runs on ranks i*dp to i*dp+dp-1 under DistributedDataParallel over them, and each pipeline is fed its own
+batch. Each rank logs the batch its step function gives the schedule (stage 0 the inputs, the last stage the
+targets); the step function returns the micro-batch losses on the last stage, whose mean every rank of that pipeline
+logs, and the last stage keeps each micro-batch's loss (``microbatch_losses.jsonl``). Checkpoints go through
 ``torch.distributed.checkpoint``, each rank writing its stage's parameters and optimizer state under their names in
 the whole model, rank 0 the names of all (``meta.json``): so ``scan``, ``bisect`` and every reader see one model.
 Replay: ``pipeline_replay``.
@@ -24,7 +26,7 @@ from ..finite import encode_float
 from ..runs.checkpoint import state_meta
 from ..runs.compiled import compiled_backend, unwrapped
 from ..runs.layout import rank_dir
-from ..runs.stages import PIPELINE, SCHEDULES, last_rank
+from ..runs.stages import DATA_PARALLEL, PIPELINE, SCHEDULES, dp_rank, dp_size, last_rank
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
 from .record import RankRecorder
 from .world import object_group
@@ -70,24 +72,35 @@ class PipelineRankRecorder(RankRecorder):
 
         name = type(schedule).__name__
         if name not in SCHEDULES or not isinstance(schedule, PipelineScheduleSingle):
-            raise ValueError(f"the schedule is {name}; nanforensics records {' and '.join(SCHEDULES)}, one stage per rank")
+            raise ValueError(f"the schedule is {name}; nanforensics records {' and '.join(SCHEDULES)}, one stage per rank "
+                             "(an interleaved schedule's stages share a rank, and replay rebuilds one stage per rank)")
         stage, size, rank = schedule._stage, dist.get_world_size(), dist.get_rank()
-        if stage.num_stages != size or stage.stage_index != rank:
-            raise ValueError(f"stage {stage.stage_index} of {stage.num_stages} runs on rank {rank} of {size}: "
-                             "nanforensics records one stage per rank, stage i on rank i")
+        dp = size // stage.num_stages if size % stage.num_stages == 0 else 0
+        pipeline = dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(size))
+        if not dp or stage.stage_index != rank // dp or pipeline != [i * dp + rank % dp for i in range(stage.num_stages)]:
+            raise ValueError(f"stage {stage.stage_index} of {stage.num_stages} runs on rank {rank} of {size} in the "
+                             f"pipeline of ranks {pipeline}: nanforensics records stage i on ranks i*dp to i*dp+dp-1, "
+                             "data-parallel rank j of every stage one pipeline, as init_device_mesh(device, (pp, dp), "
+                             "mesh_dim_names=('pp', 'dp')) lays them out")
         if schedule._loss_fn is None or schedule._args_chunk_spec or schedule._kwargs_chunk_spec:
             raise ValueError("the schedule needs a loss_fn and the default chunking (micro-batches along dimension 0)")
         from ..runs.imports import import_string_of
 
-        mine = {"stage": stage.stage_index, "rank": rank, "modules": [n for n, _ in stage.submod.named_children()]}
-        stages: list[Any] = [None] * size
-        dist.all_gather_object(stages, mine, group=object_group())
+        module, data_parallel = _stage_module(stage.submod, stage.stage_index, dp)
+        mine = {"stage": stage.stage_index, "rank": rank, "modules": [n for n, _ in own_children(module)]}
+        every: list[Any] = [None] * size
+        dist.all_gather_object(every, mine, group=object_group())
+        if any(s["modules"] != every[s["stage"] * dp]["modules"] for s in every):
+            raise ValueError("the data-parallel ranks of a stage hold different modules")
         options = {"schedule": name, "microbatches": int(schedule._n_microbatches),
                    "scale_grads": bool(schedule.scale_grads),
                    "loss_fn": import_string_of(schedule._loss_fn, "the schedule's loss_fn"),
-                   "stages": sorted(stages, key=lambda s: s["stage"])}
-        super().__init__(PIPELINE, unwrapped(stage.submod), options, compiled_backend(stage.submod))
-        self.last = last_rank(options)
+                   "stages": [s for s in every if s["rank"] % dp == 0]}
+        if data_parallel is not None:
+            options[DATA_PARALLEL] = data_parallel
+        super().__init__(PIPELINE, unwrapped(module), options, compiled_backend(module))
+        self.last = last_rank(options, dp_rank(options, rank))  # the last stage of this rank's pipeline
+        self.pipeline = stage.group
         self._losses: Path | None = None
 
     def data_dir(self, path: Path) -> Path:
@@ -104,7 +117,7 @@ class PipelineRankRecorder(RankRecorder):
             with open(self._losses, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
         box = torch.tensor([0.0 if value is None else value], dtype=torch.float64)  # one broadcast, no pickling
-        dist.broadcast(box, src=self.last, group=self.group)
+        dist.broadcast(box, src=self.last, group=self.pipeline)
         return float(box.item())
 
     def checkpoint(self, folder: Path, step: int, optimizer: torch.optim.Optimizer, *, scaler: Any,
@@ -122,9 +135,10 @@ class PipelineRankRecorder(RankRecorder):
         def merge(meta: dict[str, Any]) -> None:
             parts: list[Any] = [None] * self.size
             dist.gather_object(names, parts, dst=0, group=self.group)
+            stages = parts[::dp_size(self.world.wrapping)]  # a data-parallel copy holds its stage's names again
             for key in ("param_names", "param_groups", "buffer_names"):
-                meta[key] = [x for part in parts for x in part[key]]
-            meta["state_scalars"] = {k: v for part in parts for k, v in part["state_scalars"].items()}
+                meta[key] = [x for part in stages for x in part[key]]
+            meta["state_scalars"] = {k: v for part in stages for k, v in part["state_scalars"].items()}
 
         from ..runs.checkpoint import save_checkpoint
 
@@ -132,6 +146,34 @@ class PipelineRankRecorder(RankRecorder):
                         write_tensors=shard_writer(step, self.group, self._announce), merge_meta=merge)
 
 
+
+
+def own_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A stage module's top-level children, under the names the whole model gives them."""
+    return list(unwrapped(module).named_children())
+
+
+def _stage_module(submod: nn.Module, stage: int, dp: int) -> tuple[nn.Module, dict[str, Any] | None]:
+    """The stage's module as the factory builds it, and DDP's options where DDP averages its gradients over the
+    stage's ``dp`` data-parallel ranks. ValueError for another wrapper, another group, or nothing averaging them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .wrapping import describe
+
+    if isinstance(unwrapped(submod), DistributedDataParallel):
+        _, module, options = describe(submod, dp)
+        ranks = dist.get_process_group_ranks(unwrapped(submod).process_group)
+        if ranks != [stage * dp + j for j in range(dp)]:
+            raise ValueError(f"stage {stage}'s DistributedDataParallel averages over ranks {ranks}, not its "
+                             f"data-parallel ranks {stage * dp} to {stage * dp + dp - 1}")
+        return module, {"size": dp, **options}
+    if any(type(m).__name__.startswith("FSDP") for m in submod.modules()):
+        raise ValueError("a pipeline stage under fully_shard (FSDP2) is not supported: nanforensics records a stage "
+                         "under DistributedDataParallel over its data-parallel ranks")
+    if dp > 1:
+        raise ValueError(f"nothing averages the gradients of each stage over its {dp} data-parallel ranks: wrap each "
+                         "stage's module in DistributedDataParallel over its dp group")
+    return submod, None
 
 
 def pipeline_world(model: Any, **extras: Any) -> PipelineRankRecorder | None:

@@ -186,17 +186,18 @@ def mixed_precision(world: World) -> bool:
 _DDP_DEFAULTS = {"broadcast_buffers": True, "find_unused_parameters": False, "gradient_as_bucket_view": False}
 
 
-def wrap_ddp(module: nn.Module, world: World, device: torch.device) -> nn.Module:
-    """DDP as the run built it; options at their defaults are left out (newer torch deprecates some by name).
+def wrap_ddp(module: nn.Module, recorded: dict[str, Any], device: torch.device, group: Any = None) -> nn.Module:
+    """DDP as the run built it (its ``recorded`` options), over ``group`` (all ranks unless given: a pipeline stage's
+    data-parallel ranks); options at their defaults are left out (newer torch deprecates some by name).
 
     Gradients are never views of DDP's buckets here: the checks read each local gradient as backward accumulates it,
     and a bucket view may be scaled or reduced in place by then. Copied or not, the arithmetic is the same."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
-    wanted = {**world.wrapping, "gradient_as_bucket_view": False}
+    wanted = {**{k: v for k, v in recorded.items() if k in _DDP_DEFAULTS}, "gradient_as_bucket_view": False}
     options = {k: v for k, v in wanted.items() if _DDP_DEFAULTS.get(k) != v}
-    return DistributedDataParallel(module, device_ids=ids, **options)
+    return DistributedDataParallel(module, device_ids=ids, process_group=group, **options)
 
 
 def shard_fsdp2(module: nn.Module, world: World, device: torch.device) -> None:

@@ -7,7 +7,9 @@ trains under ``ScheduleGPipe`` ("gpipe") or ``Schedule1F1B`` ("1f1b") with ``MIC
 ``DEFECT_STEP`` sample ``DEFECT_SAMPLE`` of micro-batch ``DEFECT_MICROBATCH`` is bad. In "gpipe" its input holds a
 near-zero reading (3e-45) that stage 0 holds: the loss stays finite, stage 0's gradient of ``0.gain[3]`` is infinite,
 and the update turns it NaN. In "1f1b" its target, which the last stage holds, is a glitch (1e20): that micro-batch's
-loss overflows to inf on stage 1.
+loss overflows to inf on stage 1. "gpipe_frozen" is "gpipe" with ``0.gain`` out of the optimizer (it still requires
+grad). "1f1b_dp" runs 2 pipelines side by side (``--nproc-per-node 4``): torchtitan's (pp, dp) mesh, each stage under
+DDP over its dp group, pipeline ``BAD_DP``'s batch holding the near-zero reading.
 """
 
 from __future__ import annotations

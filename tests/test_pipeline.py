@@ -7,8 +7,13 @@ Only sample 1 of micro-batch 2 at step 3 carries the defect: in the GPipe run a 
 (that micro-batch's loss overflows, nothing else). The replay must name the step, the stage and its rank, the
 micro-batch, the sample and the coordinate, and leave the run untouched.
 
-2 stages on 2 processes: 2 stages x 2 data-parallel ranks would need 4 processes on this machine's 2 cores and a
-data-parallel layer this recorder does not combine with stages yet.
+A third 2-stage run ("gpipe_frozen") leaves stage 0's gain out of its optimizer: its gradient is never zeroed, and the
+replay's group testing must start each pass from the gradient before the step.
+
+Pipeline x data parallelism: "1f1b_dp", 2 stages x 2 data-parallel ranks (4 processes, its own launch: the one
+4-process job of the suite, about 25 s on 2 cores), each stage under DDP over its dp group, as torchtitan's (pp, dp)
+mesh lays them out; the defect in pipeline 1's batch. FSDP2 x TP x PP (8 processes) is refused when recording starts,
+tested in this process on a one-rank group: no 8-process job runs.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from nanforensics.distributed.world import mismatch
 from nanforensics.errors import BadInput
 from nanforensics.runs.layout import DISTRIBUTED_FORMAT, World
 from nanforensics.runs.run import Run
-from nanforensics.runs.stages import OPTIONS
+from nanforensics.runs.stages import DATA_PARALLEL, OPTIONS
 
 import pipeline_job as job
 from conftest import assert_one_line_error, run_cli, tree_digest
@@ -216,28 +221,63 @@ def test_one_process_refuses(runs):
 
 
 def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
-    """A guard (or a scaler, a scheduler), a custom chunking of the inputs, a schedule of several stages per rank:
-    refused when recording starts, by name (a one-rank process group in this process)."""
+    """A guard, a scaler or a per-stage LR scheduler, a custom chunking of the inputs, a schedule of several stages
+    per rank (interleaved), a stage under FSDP2 or tensor parallelism (torchtitan's 3-D layout): refused when
+    recording starts, by name and why (a one-rank process group in this process)."""
     import torch
     import torch.distributed as dist
     from nanforensics import Recorder
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.distributed.pipelining.microbatch import TensorChunkSpec
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         stage = PipelineStage(job.build_model(), 0, 1, torch.device("cpu"))
         optimizer = torch.optim.AdamW(stage.submod.parameters())
-        cases = [(ScheduleGPipe(stage, 2, loss_fn=job.loss_fn), {"guard": True}, "guard= is not supported"),
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        sharded = PipelineStage(fully_shard(job.build_model()), 0, 1, torch.device("cpu"))
+        split = PipelineStage(parallelize_module(job.build_model(), mesh, {"1": ColwiseParallel()}), 0, 1,
+                              torch.device("cpu"))
+        gpipe = ScheduleGPipe(stage, 2, loss_fn=job.loss_fn)
+        cases = [(gpipe, {"guard": True}, "guard= is not supported with a pipeline schedule: a guard's incidents"),
+                 (gpipe, {"scaler": torch.amp.GradScaler("cpu")}, "scaler= is not supported .*: each stage steps"),
+                 (gpipe, {"scheduler": scheduler, "scheduler_factory": job.build_model},
+                  "scheduler= is not supported .*: each stage steps its own"),
                  (ScheduleGPipe(stage, 2, loss_fn=job.loss_fn, args_chunk_spec=(TensorChunkSpec(1),)), {},
                   "default chunking"),
-                 (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {}, "ScheduleInterleaved1F1B")]
+                 (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {},
+                  "ScheduleInterleaved1F1B.*an interleaved schedule's stages share a rank"),
+                 (ScheduleGPipe(sharded, 2, loss_fn=job.loss_fn), {}, r"FSDP2\) or tensor parallelism"),
+                 (ScheduleGPipe(split, 2, loss_fn=job.loss_fn), {}, r"FSDP2 x TP x PP\) is not supported")]
         for i, (schedule, extra, needle) in enumerate(cases):
             with pytest.raises(ValueError, match=needle):
                 Recorder(tmp_path / str(i), schedule, optimizer, model_factory=job.build_model, step_fn=job.train_step,
                          **extra)
     finally:
         dist.destroy_process_group()
+
+
+def test_replay_refuses_a_schedule_of_several_stages_per_rank(runs, tmp_path):
+    """A manifest naming a multi-stage schedule (no recorder of this version writes one): one line saying why, exit
+    2, before any checkpoint or step is read; the copy it names is left as it was. (Any other name: the manifest's
+    generated values below.)"""
+    import shutil
+
+    schedule = "ScheduleInterleaved1F1B"
+    run = tmp_path / "run"
+    shutil.copytree(runs["gpipe"], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["distributed"]["wrapping"]["schedule"] = schedule
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    before = tree_digest(run)
+    assert_one_line_error(run_cli("replay", run), f"schedule '{schedule}': this nanforensics replays ScheduleGPipe and "
+                                                  "Schedule1F1B (one stage per rank; an interleaved or zero-bubble "
+                                                  "schedule puts several stages on a rank)")
+    assert tree_digest(run) == before
 
 
 def test_bisect_reads_the_stages_checkpoints(runs):
@@ -262,8 +302,13 @@ def _bad_stage() -> st.SearchStrategy[Any]:
     return st.lists(spec | _JSON, max_size=3)
 
 
+def _data_parallel() -> st.SearchStrategy[Any]:
+    return st.fixed_dictionaries({"size": st.integers(0, 3)}, optional={
+        "broadcast_buffers": st.booleans() | st.none(), "find_unused_parameters": st.booleans(), "bucket": st.booleans()})
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(key=st.sampled_from([*OPTIONS, "extra"]), value=_JSON | _bad_stage())
+@given(key=st.sampled_from([*OPTIONS, DATA_PARALLEL, "extra"]), value=_JSON | _bad_stage() | _data_parallel())
 def test_manifest_validation(key, value):
     """Any value in any field of the pipeline section: read as the recorder wrote it, or refused in one line naming
     the manifest; never a traceback."""

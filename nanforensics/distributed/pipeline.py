@@ -29,6 +29,7 @@ from ..runs.layout import rank_dir
 from ..runs.stages import DATA_PARALLEL, PIPELINE, SCHEDULES, dp_rank, dp_size, last_rank
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
 from .record import RankRecorder
+from .tensors import is_dtensor
 from .world import object_group
 
 MICROBATCH_LOSSES = "microbatch_losses.jsonl"  # the last stage's: {"step": s, "losses": [...]} per line
@@ -167,9 +168,10 @@ def _stage_module(submod: nn.Module, stage: int, dp: int) -> tuple[nn.Module, di
             raise ValueError(f"stage {stage}'s DistributedDataParallel averages over ranks {ranks}, not its "
                              f"data-parallel ranks {stage * dp} to {stage * dp + dp - 1}")
         return module, {"size": dp, **options}
-    if any(type(m).__name__.startswith("FSDP") for m in submod.modules()):
-        raise ValueError("a pipeline stage under fully_shard (FSDP2) is not supported: nanforensics records a stage "
-                         "under DistributedDataParallel over its data-parallel ranks")
+    if any(is_dtensor(p) for p in submod.parameters()):  # fully_shard's and parallelize_module's parameters alike
+        raise ValueError("a pipeline stage under fully_shard (FSDP2) or tensor parallelism (torchtitan's FSDP2 x TP x "
+                         "PP) is not supported: nanforensics records each stage whole on its rank, or under "
+                         "DistributedDataParallel over its data-parallel ranks")
     if dp > 1:
         raise ValueError(f"nothing averages the gradients of each stage over its {dp} data-parallel ranks: wrap each "
                          "stage's module in DistributedDataParallel over its dp group")
@@ -184,7 +186,9 @@ def pipeline_world(model: Any, **extras: Any) -> PipelineRankRecorder | None:
         return None
     given = [name for name, value in extras.items() if value]
     if given:
-        raise ValueError(f"{given[0]}= is not supported with a pipeline schedule")
+        why = ("a guard's incidents replay on one process, and a pipeline only at world size" if given[0] == "guard"
+               else "each stage steps its own, and the recorder checkpoints one rank's")
+        raise ValueError(f"{given[0]}= is not supported with a pipeline schedule: {why}")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("a pipeline schedule is recorded under torchrun, with its process group initialised")
     return PipelineRankRecorder(model)

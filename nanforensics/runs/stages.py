@@ -42,7 +42,8 @@ def pipeline_problem(options: dict[str, Any], world_size: int) -> str | None:
         return f"{DATA_PARALLEL} {shown(dp)} is not {{size, DDP's options}} with a size from 1 to {MAX_RANKS}"
     schedule, count, scale = options["schedule"], options["microbatches"], options["scale_grads"]
     if schedule not in SCHEDULES:
-        return f"schedule {shown(schedule)}: this nanforensics replays {' and '.join(SCHEDULES)}"
+        return f"schedule {shown(schedule)}: this nanforensics replays {' and '.join(SCHEDULES)} (one stage per " \
+               "rank; an interleaved or zero-bubble schedule puts several stages on a rank)"
     if type(count) is not int or not 1 <= count <= MAX_MICROBATCHES:
         return f"microbatches {shown(count)} is not a count from 1 to {MAX_MICROBATCHES}"
     if not isinstance(scale, bool):

@@ -7,9 +7,10 @@ trains under ``ScheduleGPipe`` ("gpipe") or ``Schedule1F1B`` ("1f1b") with ``MIC
 ``DEFECT_STEP`` sample ``DEFECT_SAMPLE`` of micro-batch ``DEFECT_MICROBATCH`` is bad. In "gpipe" its input holds a
 near-zero reading (3e-45) that stage 0 holds: the loss stays finite, stage 0's gradient of ``0.gain[3]`` is infinite,
 and the update turns it NaN. In "1f1b" its target, which the last stage holds, is a glitch (1e20): that micro-batch's
-loss overflows to inf on stage 1. "gpipe_frozen" is "gpipe" with ``0.gain`` out of the optimizer (it still requires
-grad). "1f1b_dp" runs 2 pipelines side by side (``--nproc-per-node 4``): torchtitan's (pp, dp) mesh, each stage under
-DDP over its dp group, pipeline ``BAD_DP``'s batch holding the near-zero reading.
+loss overflows to inf on stage 1. "gpipe_scheduled" is "gpipe" with an LR scheduler on each stage and ``0.gain`` out
+of the optimizer (it still requires grad). "1f1b_dp" runs 2 pipelines side by side (``--nproc-per-node 4``):
+torchtitan's (pp, dp) mesh, each stage under DDP over its dp group, pipeline ``BAD_DP``'s batch holding the near-zero
+reading.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ STEPS, EVERY = 6, 2                    # steps recorded, checkpoint interval: ch
 DEFECT_STEP, DEFECT_MICROBATCH, DEFECT_SAMPLE, DEFECT_FEATURE = 3, 2, 1, 3
 FEATURES = 4
 STAGES = [["0", "1", "2"], ["3", "4", "5"]]  # the top-level modules each stage holds
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "gpipe_frozen": "ScheduleGPipe", "1f1b_dp": "Schedule1F1B"}
-DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_frozen": "input", "1f1b_dp": "input"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "gpipe_scheduled": "ScheduleGPipe", "1f1b_dp": "Schedule1F1B"}
+DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_scheduled": "input", "1f1b_dp": "input"}
 # "1f1b_dp": 2 stages x 2 data-parallel ranks (4 processes), torchtitan's (pp, dp) mesh, each stage under DDP over
 # its dp group; only pipeline BAD_DP's batch carries the defect
 DP, BAD_DP = 2, 1
-FROZEN = "0.gain"  # "gpipe_frozen": the optimizer does not hold it; it still requires grad, which nothing zeroes
+FROZEN = "0.gain"  # "gpipe_scheduled": the optimizer does not hold it; it still requires grad, which nothing zeroes
+DECAY = 0.7  # "gpipe_scheduled": each stage's LR scheduler multiplies its learning rate by this every step
 
 
 def defect_row() -> int:
@@ -71,6 +73,22 @@ def train_step(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str,
     args = (batch["x"],) if "x" in batch else ()
     schedule.step(*args, target=batch.get("y"), losses=losses)
     optimizer.step()
+    return losses
+
+
+def decay(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A stage's LR scheduler ("gpipe_scheduled"): each stage builds and steps its own."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _decayed)
+
+
+def _decayed(step: int) -> float:
+    return DECAY ** step
+
+
+def train_step_scheduled(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
+                         scheduler: Any) -> Any:
+    losses = train_step(schedule, optimizer, batch)
+    scheduler.step()
     return losses
 
 
@@ -114,7 +132,7 @@ def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
     run = DistributedDataParallel(module, process_group=mesh["dp"].get_group()) if dp > 1 else module
     stage = PipelineStage(run, index, WORLD, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = getattr(schedules, SCHEDULES[schedule_name])(stage, MICROBATCHES, loss_fn=loss_fn)
-    held = [p for n, p in module.named_parameters() if not (schedule_name == "gpipe_frozen" and n == FROZEN)]
+    held = [p for n, p in module.named_parameters() if not (schedule_name == "gpipe_scheduled" and n == FROZEN)]
     return schedule, torch.optim.AdamW(held, lr=1e-2)
 
 
@@ -125,12 +143,14 @@ def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:
     schedule, optimizer = build(name)
     pipelines = data_parallel(name)
     stage, dp = divmod(dist.get_rank(), pipelines)
-    rec = Recorder(out / name, schedule, optimizer, model_factory=build_model, step_fn=train_step,
-                   checkpoint_every=EVERY, overwrite=True)
+    scheduled = {"scheduler": decay(optimizer)} if name == "gpipe_scheduled" else {}
+    step_fn = train_step_scheduled if scheduled else train_step
+    rec = Recorder(out / name, schedule, optimizer, model_factory=build_model, step_fn=step_fn, checkpoint_every=EVERY,
+                   overwrite=True, **scheduled, **({"scheduler_factory": decay} if scheduled else {}))
     logged = []
     for step in range(steps):
         batch = stage_batch(data(step, DEFECTS[name], dp, pipelines), stage)
-        losses = train_step(schedule, optimizer, batch)
+        losses = step_fn(schedule, optimizer, batch, **scheduled)
         rec.log(step, batch, losses)
         logged.append(losses)
     rec.close()

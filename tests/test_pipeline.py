@@ -7,8 +7,9 @@ Only sample 1 of micro-batch 2 at step 3 carries the defect: in the GPipe run a 
 (that micro-batch's loss overflows, nothing else). The replay must name the step, the stage and its rank, the
 micro-batch, the sample and the coordinate, and leave the run untouched.
 
-A third 2-stage run ("gpipe_frozen") leaves stage 0's gain out of its optimizer: its gradient is never zeroed, and the
-replay's group testing must start each pass from the gradient before the step.
+A third 2-stage run ("gpipe_scheduled") steps an LR scheduler on each stage and leaves stage 0's gain out of its
+optimizer: its gradient is never zeroed, and the replay's group testing must start each pass from the gradient
+before the step.
 
 Pipeline x data parallelism: "1f1b_dp", 2 stages x 2 data-parallel ranks (4 processes, its own launch: the one
 4-process job of the suite, about 25 s on 2 cores), each stage under DDP over its dp group, as torchtitan's (pp, dp)
@@ -39,7 +40,7 @@ from test_distributed import Launched, Ranks, record_and_replay
 DEFECT_ID = f"sample-{job.DEFECT_STEP * job.BATCH + job.defect_row():05d}"
 
 
-NAMES = ["gpipe", "1f1b", "gpipe_frozen"]
+NAMES = ["gpipe", "1f1b", "gpipe_scheduled"]
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +49,13 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Launched:
     whose logged losses stay finite, from the checkpoint before the defect."""
     root = tmp_path_factory.mktemp("pipeline")
     return record_and_replay(root, job.arguments(root, NAMES), NAMES, job.WORLD,
-                             {"gpipe_frozen": ["--from-step", str(job.DEFECT_STEP - 1)]})
+                             {"gpipe_scheduled": ["--from-step", str(job.DEFECT_STEP - 1)]})
 
 
 @pytest.fixture(scope="module")
 def runs(launched) -> dict[str, Path]:
     recorded = launched.recorded
-    assert recorded.codes == [0] * job.WORLD and "gpipe_frozen: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
+    assert recorded.codes == [0] * job.WORLD and "gpipe_scheduled: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
     return launched.runs
 
 
@@ -170,12 +171,16 @@ def test_pipeline_by_data_parallel(data_parallel):
     assert tree_digest(run) == before
 
 
-def test_a_gradient_no_optimizer_zeroes_is_restored_between_passes(runs, torchrun_replays):
-    """``0.gain`` requires grad but its stage's optimizer does not hold it: its gradient is never zeroed, so after the
-    replayed step it holds the infinity, and each pass of group testing must start from the gradient before the step
-    (the snapshot every replay takes, ``replay.session.loose_grads``). Carried over, every subset would fail and the
-    micro-batch would read "batch_wide"."""
-    result, out, before = torchrun_replays["gpipe_frozen"]
+def test_per_stage_scheduler_and_a_gradient_no_optimizer_zeroes(runs, torchrun_replays):
+    """Each stage steps its own LR scheduler: every rank's state is recorded and restored, so the replay from step 2
+    is bit-exact (a scheduler rebuilt fresh would update at the first step's learning rate). ``0.gain`` requires grad
+    but its stage's optimizer does not hold it: its gradient is never zeroed, so after the replayed step it holds the
+    infinity, and each pass of group testing must start from the gradient before the step (the snapshot every replay
+    takes, ``replay.session.loose_grads``). Carried over, every subset would fail and the micro-batch would read
+    "batch_wide"."""
+    meta = json.loads((runs["gpipe_scheduled"] / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert [s["last_epoch"] for s in meta["rank_schedulers"]] == [2] * job.WORLD
+    result, out, before = torchrun_replays["gpipe_scheduled"]
     assert result.codes == [1] * job.WORLD, result.stderr[-3000:]
     report = json.loads(out.read_text())
     origin = report["origin"]
@@ -185,7 +190,9 @@ def test_a_gradient_no_optimizer_zeroes_is_restored_between_passes(runs, torchru
     assert report["samples"]["sample_leaves"] == {"batch['id']": [DEFECT_ID]}
     # the update never reaches the frozen gain: no parameter or state turns non-finite, nor any logged loss
     assert not [e for e in report["events"] if e["stage"] in ("param", "optimizer_state")]
-    assert tree_digest(runs["gpipe_frozen"]) == before
+    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
+        (job.DEFECT_STEP + 1, True)]
+    assert tree_digest(runs["gpipe_scheduled"]) == before
 
 
 def check(report: dict[str, Any], schedule: str, stage: int, made: str, data: tuple[str, int, str],
@@ -221,9 +228,9 @@ def test_one_process_refuses(runs):
 
 
 def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
-    """A guard, a scaler or a per-stage LR scheduler, a custom chunking of the inputs, a schedule of several stages
-    per rank (interleaved), a stage under FSDP2 or tensor parallelism (torchtitan's 3-D layout): refused when
-    recording starts, by name and why (a one-rank process group in this process)."""
+    """A guard, a scaler, a per-stage LR scheduler whose state holds tensors, a custom chunking of the inputs, a
+    schedule of several stages per rank (interleaved), a stage under FSDP2 or tensor parallelism (torchtitan's 3-D
+    layout): refused when recording starts, by name and why (a one-rank process group in this process)."""
     import torch
     import torch.distributed as dist
     from nanforensics import Recorder
@@ -237,16 +244,17 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
     try:
         stage = PipelineStage(job.build_model(), 0, 1, torch.device("cpu"))
         optimizer = torch.optim.AdamW(stage.submod.parameters())
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        scheduler = job.decay(optimizer)
+        scheduler.warmup = torch.zeros(())  # a tensor in its state: only rank 0's extras file could carry one
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
         sharded = PipelineStage(fully_shard(job.build_model()), 0, 1, torch.device("cpu"))
         split = PipelineStage(parallelize_module(job.build_model(), mesh, {"1": ColwiseParallel()}), 0, 1,
                               torch.device("cpu"))
         gpipe = ScheduleGPipe(stage, 2, loss_fn=job.loss_fn)
         cases = [(gpipe, {"guard": True}, "guard= is not supported with a pipeline schedule: a guard's incidents"),
-                 (gpipe, {"scaler": torch.amp.GradScaler("cpu")}, "scaler= is not supported .*: each stage steps"),
-                 (gpipe, {"scheduler": scheduler, "scheduler_factory": job.build_model},
-                  "scheduler= is not supported .*: each stage steps its own"),
+                 (gpipe, {"scaler": torch.amp.GradScaler("cpu")}, "scaler= is not supported .*: a GradScaler's inf "
+                                                                  "check is each stage's own"),
+                 (gpipe, {"scheduler": scheduler, "scheduler_factory": job.decay}, "LR scheduler holds tensors"),
                  (ScheduleGPipe(stage, 2, loss_fn=job.loss_fn, args_chunk_spec=(TensorChunkSpec(1),)), {},
                   "default chunking"),
                  (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {},

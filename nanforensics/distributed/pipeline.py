@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..finite import encode_float
-from ..runs.checkpoint import state_meta
+from ..runs.checkpoint import state_meta, state_to_json
 from ..runs.compiled import compiled_backend, unwrapped
 from ..runs.layout import rank_dir
 from ..runs.stages import DATA_PARALLEL, PIPELINE, SCHEDULES, dp_rank, dp_size, last_rank
@@ -124,10 +124,11 @@ class PipelineRankRecorder(RankRecorder):
     def checkpoint(self, folder: Path, step: int, optimizer: torch.optim.Optimizer, *, scaler: Any,
                    scheduler: Any) -> None:
         """Every rank writes its stage's tensors through torch.distributed.checkpoint; rank 0 writes meta.json with
-        every stage's names (in stage order) and every rank's RNG states."""
+        every stage's names (in stage order), every rank's RNG states, and each rank's LR scheduler state where the
+        loop gave one (``rank_schedulers``, in rank order: each stage steps its own)."""
         states: list[Any] | None = [None] * self.size if self.leads else None
         dist.gather_object(rank_rng_state(), states, dst=0, group=self.group)
-        names = state_meta(self.module, optimizer)[0]
+        names = state_meta(self.module, optimizer)[0], scheduler_state(scheduler)
         if not self.leads:
             dist.gather_object(names, None, dst=0, group=self.group)
             save_rank_shards(self._announce(None), self.module, optimizer, step, self.group)
@@ -136,7 +137,9 @@ class PipelineRankRecorder(RankRecorder):
         def merge(meta: dict[str, Any]) -> None:
             parts: list[Any] = [None] * self.size
             dist.gather_object(names, parts, dst=0, group=self.group)
-            stages = parts[::dp_size(self.world.wrapping)]  # a data-parallel copy holds its stage's names again
+            if scheduler is not None:
+                meta[RANK_SCHEDULERS] = [part[1] for part in parts]
+            stages = [part[0] for part in parts[::dp_size(self.world.wrapping)]]  # a dp copy holds its names again
             for key in ("param_names", "param_groups", "buffer_names"):
                 meta[key] = [x for part in stages for x in part[key]]
             meta["state_scalars"] = {k: v for part in stages for k, v in part["state_scalars"].items()}
@@ -147,6 +150,22 @@ class PipelineRankRecorder(RankRecorder):
                         write_tensors=shard_writer(step, self.group, self._announce), merge_meta=merge)
 
 
+
+
+RANK_SCHEDULERS = "rank_schedulers"  # meta.json: each rank's LR scheduler state, as JSON
+
+
+def scheduler_state(scheduler: Any) -> Any:
+    """A stage's LR scheduler state as JSON (None without one); ValueError for one holding tensors, which only rank
+    0's extras file could carry."""
+    if scheduler is None:
+        return None
+    tensors: dict[str, torch.Tensor] = {}
+    state = state_to_json(scheduler.state_dict(), tensors, "scheduler")
+    if tensors:
+        raise ValueError("the stage's LR scheduler holds tensors in its state; nanforensics records a pipeline's "
+                         "per-stage schedulers whose state is plain numbers")
+    return state
 
 
 def own_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -180,15 +199,16 @@ def _stage_module(submod: nn.Module, stage: int, dp: int) -> tuple[nn.Module, di
 
 def pipeline_world(model: Any, **extras: Any) -> PipelineRankRecorder | None:
     """The recorder's distributed side when the loop passed a pipeline schedule as its model; None otherwise.
-    ``extras``: the recorder's ``guard``, ``scaler`` and ``scheduler``, which a pipeline's replay does not rebuild
-    (a guard's incidents replay on one process; each stage has its own scaler and scheduler)."""
+    ``extras``: the recorder's ``guard``, ``scaler`` and ``scheduler``: a stage's own LR scheduler is recorded (its
+    state plain numbers); a guard and a scaler are refused, each with the reason."""
     if schedule_of(model) is None:
         return None
-    given = [name for name, value in extras.items() if value]
+    given = [name for name, value in extras.items() if value and name != "scheduler"]  # each stage's own: recorded
     if given:
         why = ("a guard's incidents replay on one process, and a pipeline only at world size" if given[0] == "guard"
-               else "each stage steps its own, and the recorder checkpoints one rank's")
+               else "a GradScaler's inf check is each stage's own, so the stages would skip different steps")
         raise ValueError(f"{given[0]}= is not supported with a pipeline schedule: {why}")
+    scheduler_state(extras.get("scheduler"))
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("a pipeline schedule is recorded under torchrun, with its process group initialised")
     return PipelineRankRecorder(model)

@@ -46,12 +46,12 @@ from ..report import (
 from ..rootcause.data import check_batches
 from ..rootcause.samples import select, split_batch
 from ..runs.batches import data_leaves, map_tensors, per_sample
-from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state
+from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state, state_from_json
 from ..runs.layout import mean_loss, rank_dir
 from ..runs.run import Run, UserCode
 from ..runs.stages import DATA_PARALLEL, PIPELINE, coordinate_text, dp_rank, dp_size, last_rank, stage_of, stage_rank
 from .checkpoint import restore_rank_rng
-from .pipeline import MICROBATCH_LOSSES, prune, step_loss
+from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, prune, step_loss
 from .world import object_group
 from .wrapping import wrap_ddp
 
@@ -113,7 +113,10 @@ class _Stage:
         self.model = prune(model, self.spec["modules"]).to(device)
         self.meta = checkpoint.meta()
         self.optimizer = _stage_optimizer(code, self.model, self.meta, checkpoint, run)
+        self.scheduler = code.scheduler(run, self.optimizer)  # this stage's own, built before any state is loaded
         _load_stage(checkpoint, self.model, self.optimizer, self.meta)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(_scheduler_state(checkpoint, self.meta, self.rank, self.size))
         states = self.meta.get("rank_rng")
         if not isinstance(states, list) or len(states) != self.size:
             raise BadInput(checkpoint.path / "meta.json", f"holds no RNG state for each of the {self.size} ranks (rank_rng)")
@@ -135,15 +138,32 @@ class _Stage:
     def snapshot(self) -> dict[str, Any]:
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "grads": loose_grads(self.model, self.optimizer),
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step}
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step,
+                "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None}
 
     def restore(self, snap: dict[str, Any]) -> None:
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         self.optimizer.zero_grad(set_to_none=True)
         put_back(snap["grads"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
         restore_rng(snap["rng"])
         self.step = snap["step"]
+
+
+def _scheduler_state(checkpoint: Checkpoint, meta: dict[str, Any], rank: int, size: int) -> Any:
+    """Rank ``rank``'s LR scheduler state, as the recorder wrote each rank's into meta.json (plain JSON)."""
+    states = meta.get(RANK_SCHEDULERS)
+    if not isinstance(states, list) or len(states) != size or not isinstance(states[rank], dict):
+        raise BadInput(checkpoint.path / "meta.json", f"holds no LR scheduler state for each of the {size} ranks "
+                                                      f"({RANK_SCHEDULERS}), which the manifest's scheduler needs")
+    return state_from_json(states[rank], lambda: _no_tensors(checkpoint))
+
+
+def _no_tensors(checkpoint: Checkpoint) -> Any:
+    raise BadInput(checkpoint.path / "meta.json", f"{RANK_SCHEDULERS} refers to a tensor; the recorder writes plain "
+                                                  "numbers there")
 
 
 def _groups(wrapping: dict[str, Any], rank: int) -> tuple[Any, Any]:
@@ -169,7 +189,7 @@ def _stage_optimizer(code: UserCode, model: nn.Module, meta: dict[str, Any], che
         except Exception as e:
             raise BadInput(where, f"optimizer.factory raised {e.__class__.__name__}: {e}") from None
     named = dict(model.named_parameters(remove_duplicate=False))
-    mine = [g for g in meta["param_groups"] if any(n in named for n in g["params"])]
+    mine = _stage_groups(meta, model)
     held = [n for g in mine for n in g["params"]]
     # a parameter of the stage in no group is one its optimizer does not hold (its gradient carries over), as on one
     # process; a group of two stages' parameters, or a parameter in two groups, no recorder wrote
@@ -181,6 +201,12 @@ def _stage_optimizer(code: UserCode, model: nn.Module, meta: dict[str, Any], che
         return code.optimizer_class(groups)
     except Exception as e:
         raise BadInput(where, f"cannot rebuild optimizer {run.manifest.optimizer_class}: {e}") from None
+
+
+def _stage_groups(meta: dict[str, Any], model: nn.Module) -> list[dict[str, Any]]:
+    """The recorded param groups of this stage's parameters (by name), in the recorded order."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return [g for g in meta["param_groups"] if any(n in named for n in g["params"])]
 
 
 def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -208,9 +234,14 @@ def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim
     for name, values in meta["state_scalars"].items():
         if name in index:
             state.setdefault(index[name], {}).update(values)
-    sd = optimizer.state_dict()
+    # the recorded hyperparameters (an LR scheduler's lr at the checkpoint: building one reset it), this optimizer's
+    # parameters
+    groups = optimizer.state_dict()["param_groups"]
+    recorded = _stage_groups(meta, model)
+    if len(recorded) == len(groups):
+        groups = [{**{k: v for k, v in r.items() if k != "params"}, "params": g["params"]} for r, g in zip(recorded, groups)]
     try:
-        optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as e:
         raise BadInput(checkpoint.optimizer_file, f"does not fit the stage's optimizer: {e}") from None
 
@@ -444,8 +475,9 @@ def _warm_up(run: Run, code: UserCode, s: _Stage, device: torch.device) -> None:
 def _step(run: Run, code: UserCode, s: _Stage, device: torch.device) -> float | None:
     """The user's step function on this rank's batch of the stage's next step; the step's loss on a last stage."""
     batch = map_tensors(run.batch(s.step, s.rank), lambda t: t.to(device))
+    extras = {"scheduler": s.scheduler} if s.scheduler is not None else {}  # as one process passes it
     try:
-        returned = code.step_fn(s.schedule, s.optimizer, batch)
+        returned = code.step_fn(s.schedule, s.optimizer, batch, **extras)
         return float(step_loss(returned)) if s.last else None
     except BadInput:
         raise

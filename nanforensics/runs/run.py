@@ -360,20 +360,27 @@ class UserCode:
                 optimizer = OptimizerSet(members, run.manifest.optimizers_given or "list")
             except (TypeError, ValueError) as e:  # the factories built optimizers sharing a parameter
                 raise BadInput(where, str(e)) from None
-        scheduler = None
-        if self.scheduler_factory is not None:  # before the state is loaded: building a scheduler sets the groups' lr
-            try:
-                scheduler = self.scheduler_factory(optimizer)
-            except Exception as e:
-                raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} raised "
-                                      f"{e.__class__.__name__}: {e}") from None
-            if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")):
-                raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} returned "
-                                      f"{type(scheduler).__name__}, not an LR scheduler")
+        scheduler = self.scheduler(run, optimizer)  # before the state is loaded: building one sets the groups' lr
         enabled = run.manifest.scaler_enabled
         scaler = torch.amp.GradScaler(device.type, enabled=enabled) if enabled is not None else None
         checkpoint.load_into(holder, optimizer, scaler=scaler, scheduler=scheduler)
         return Rebuilt(model, optimizer, scaler, scheduler, meta)
+
+    def scheduler(self, run: Run, optimizer: torch.optim.Optimizer) -> Any:
+        """The run's LR scheduler over ``optimizer``, as its factory builds it (None where the run recorded none):
+        one-line errors for a factory that raises or returns something else."""
+        if self.scheduler_factory is None:
+            return None
+        where = run.path / MANIFEST
+        try:
+            scheduler = self.scheduler_factory(optimizer)
+        except Exception as e:
+            raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} raised "
+                                  f"{e.__class__.__name__}: {e}") from None
+        if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+            raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} returned "
+                                  f"{type(scheduler).__name__}, not an LR scheduler")
+        return scheduler
 
 
 def _optimizer(kind: Any, factory: Callable[..., torch.optim.Optimizer] | None, holder: torch.nn.Module,

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from nanforensics.checkpoints.bisect import bisect
 from nanforensics.distributed.wrapping import describe
 from nanforensics.formats.discover import discover
@@ -357,6 +359,21 @@ def test_compiled_inside_and_around_the_wrapper(runs, torchrun_replays, name):
     assert any(f.startswith(f"The run trained under torch.compile (backend {job.COMPILE_BACKEND})")
                for f in report["findings"])
     assert tree_digest(run) == before
+
+
+@settings(max_examples=80, deadline=None)
+@given(parts=st.lists(st.text(alphabet="abc_0", min_size=1, max_size=4).filter(lambda p: p != "_orig_mod"),
+                      min_size=1, max_size=4),
+       compiled=st.lists(st.integers(0, 4), max_size=3))
+def test_own_name_drops_every_compiled_wrapper(parts, compiled):
+    """A module's or tensor's name with ``_orig_mod`` wherever a compiled wrapper sat along its path (around the
+    whole model, inside a data-parallel wrapper, around one block) is the name the factory's model gives it."""
+    from nanforensics.runs.compiled import own_name
+
+    wrapped = list(parts)
+    for at in sorted(compiled, reverse=True):
+        wrapped.insert(min(at, len(wrapped) - 1), "_orig_mod")
+    assert own_name(".".join(wrapped)) == ".".join(parts)
 
 
 def test_world_size_mismatch_is_one_line(runs, monkeypatch):

@@ -169,6 +169,12 @@ def test_pipeline_by_data_parallel(data_parallel):
     assert report["findings"][0].endswith(f"made grad 0.gain[{job.DEFECT_FEATURE}] = {origin['value']} on stage 0 "
                                           f"(rank {bad}, pp=0, dp={bad}).")
     assert tree_digest(run) == before
+    # every reader sees one model and the world it ran on: bisect and the commands it names, another world size
+    found = bisect([run / "checkpoints"])
+    assert found.first_poisoned is not None and found.first_poisoned.step == job.DEFECT_STEP + 1
+    assert found.replay is not None and f"torchrun --nproc-per-node {job.WORLD * job.DP} -m" in found.replay.command
+    problem = mismatch(Run(run), job.WORLD)
+    assert problem is not None and f"--nproc-per-node {job.WORLD * job.DP} -m nanforensics replay" in problem
 
 
 def test_per_stage_scheduler_and_a_gradient_no_optimizer_zeroes(runs, torchrun_replays):

@@ -31,8 +31,9 @@ STEPS, EVERY = 6, 2                    # steps recorded, checkpoint interval: ch
 DEFECT_STEP, DEFECT_MICROBATCH, DEFECT_SAMPLE, DEFECT_FEATURE = 3, 2, 1, 3
 FEATURES = 4
 STAGES = [["0", "1", "2"], ["3", "4", "5"]]  # the top-level modules each stage holds
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "gpipe_scheduled": "ScheduleGPipe", "1f1b_dp": "Schedule1F1B"}
-DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_scheduled": "input", "1f1b_dp": "input"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "gpipe_scheduled": "ScheduleGPipe",
+             "1f1b_dp": "Schedule1F1B", "1f1b_fsdp": "Schedule1F1B"}
+DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_scheduled": "input", "1f1b_dp": "input", "1f1b_fsdp": "input"}
 # "1f1b_dp": 2 stages x 2 data-parallel ranks (4 processes), torchtitan's (pp, dp) mesh, each stage under DDP over
 # its dp group; only pipeline BAD_DP's batch carries the defect
 DP, BAD_DP = 2, 1
@@ -94,7 +95,7 @@ def train_step_scheduled(schedule: Any, optimizer: torch.optim.Optimizer, batch:
 
 def data_parallel(name: str) -> int:
     """How many pipelines run side by side in run ``name``."""
-    return DP if name.endswith("_dp") else 1
+    return DP if name.endswith(("_dp", "_fsdp")) else 1
 
 
 def data(step: int, defect: str, dp: int = 0, pipelines: int = 1) -> dict[str, Any]:
@@ -129,7 +130,12 @@ def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
     mesh = init_device_mesh("cpu", (WORLD, dp), mesh_dim_names=("pp", "dp"))
     index = mesh["pp"].get_local_rank()
     module = prune(build_model(), STAGES[index])
-    run = DistributedDataParallel(module, process_group=mesh["dp"].get_group()) if dp > 1 else module
+    if schedule_name.endswith("_fsdp"):  # torchtitan's dp_shard: FSDP2 over dp
+        from torch.distributed.fsdp import fully_shard
+
+        run = fully_shard(module, mesh=mesh["dp"])
+    else:
+        run = DistributedDataParallel(module, process_group=mesh["dp"].get_group()) if dp > 1 else module
     stage = PipelineStage(run, index, WORLD, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = getattr(schedules, SCHEDULES[schedule_name])(stage, MICROBATCHES, loss_fn=loss_fn)
     held = [p for n, p in module.named_parameters() if not (schedule_name == "gpipe_scheduled" and n == FROZEN)]

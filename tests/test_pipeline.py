@@ -116,24 +116,32 @@ def test_replay_at_world_size(runs, torchrun_replays, name):
     assert tree_digest(run) == before
 
 
+DATA_PARALLEL_RUNS = ["1f1b_dp", "1f1b_fsdp"]
+
+
 @pytest.fixture(scope="module")
 def data_parallel(tmp_path_factory: pytest.TempPathFactory) -> Launched:
-    """2 stages x 2 data-parallel ranks (4 gloo processes, torchtitan's (pp, dp) mesh, each stage under DDP over its dp
-    group): recorded, then replayed at world size, in one launch."""
+    """2 stages x 2 data-parallel ranks (4 gloo processes, torchtitan's (pp, dp) mesh), each stage under DDP, or
+    FSDP2 (torchtitan's dp_shard), over its dp group: both recorded, then replayed at world size, in one launch."""
     root = tmp_path_factory.mktemp("pipeline_dp")
-    return record_and_replay(root, job.arguments(root, ["1f1b_dp"]), ["1f1b_dp"], job.WORLD * job.DP)
+    return record_and_replay(root, job.arguments(root, DATA_PARALLEL_RUNS), DATA_PARALLEL_RUNS, job.WORLD * job.DP)
 
 
-def test_pipeline_by_data_parallel(data_parallel):
+@pytest.mark.parametrize("name", DATA_PARALLEL_RUNS)
+def test_pipeline_by_data_parallel(data_parallel, name):
     """Pipeline x data parallelism at world size: the origin names the step, the stage, the mesh coordinate (pp, dp),
     the micro-batch, the coordinate and the sample of the pipeline whose batch holds the defect, and the replay is
-    bit-exact from a checkpoint after the run's first step (DDP's buckets laid out as the run's were by then)."""
+    bit-exact from a checkpoint after the run's first step (under DDP, its buckets laid out as the run's were by
+    then). The update is reported by the rank that holds it: DDP's copies alike, once (dp rank 0); FSDP2's shard of
+    ``0.gain`` rows 2-3 by dp rank 1, at the whole tensor's coordinate."""
     recorded = data_parallel.recorded
-    assert recorded.codes == [0] * 4 and "1f1b_dp: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
-    run = data_parallel.runs["1f1b_dp"]
+    assert recorded.codes == [0] * 4 and "1f1b_fsdp: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
+    run = data_parallel.runs[name]
     wrapping = json.loads((run / "manifest.json").read_text())["distributed"]["wrapping"]
-    assert wrapping["data_parallel"] == {"size": job.DP, "broadcast_buffers": True, "find_unused_parameters": False,
-                                         "gradient_as_bucket_view": False}
+    assert wrapping["data_parallel"] == ({"size": job.DP, "broadcast_buffers": True, "find_unused_parameters": False,
+                                          "gradient_as_bucket_view": False} if name == "1f1b_dp" else {
+        "size": job.DP, "modules": [{"module": "", "reshard_after_forward": True, "mp_policy": {
+            "param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": True}}]})
     assert [(st["stage"], st["rank"]) for st in wrapping["stages"]] == [(0, 0), (1, job.DP)]
     assert sorted(p.parent.name for p in run.glob("ranks/*/microbatch_losses.jsonl")) == ["rank_00002", "rank_00003"]
     meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
@@ -144,7 +152,7 @@ def test_pipeline_by_data_parallel(data_parallel):
             for r in (2, 3)]
     assert [s.loss for s in steps][:job.DEFECT_STEP] == [(a + b) / 2 for a, b in list(zip(*logs))[:job.DEFECT_STEP]]
 
-    result, out, before = data_parallel.replays["1f1b_dp"]
+    result, out, before = data_parallel.replays[name]
     assert result.codes == [1] * 4, result.stderr[-3000:]
     report = json.loads(out.read_text())
     origin = report["origin"]
@@ -162,10 +170,11 @@ def test_pipeline_by_data_parallel(data_parallel):
                                                         ".safetensors")
     assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
         (job.DEFECT_STEP + 1, True)]
-    # the other pipeline's own gradients stay finite; the update (every copy alike) is reported once, by dp rank 0
+    # the other pipeline's own gradients stay finite; the update is reported by the rank that holds it
     at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
     assert {e["rank"] for e in at if e["stage"] == "grad"} == {bad}
-    assert {e["rank"] for e in at if e["stage"] == "param"} == {0}
+    assert [(e["tensor"], e["index"], e["rank"]) for e in at if e["stage"] == "param"] == [
+        ("0.gain", [job.DEFECT_FEATURE], 0 if name == "1f1b_dp" else bad)]
     assert report["findings"][0].endswith(f"made grad 0.gain[{job.DEFECT_FEATURE}] = {origin['value']} on stage 0 "
                                           f"(rank {bad}, pp=0, dp={bad}).")
     assert tree_digest(run) == before
@@ -235,8 +244,9 @@ def test_one_process_refuses(runs):
 
 def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
     """A guard, a scaler, a per-stage LR scheduler whose state holds tensors, a custom chunking of the inputs, a
-    schedule of several stages per rank (interleaved), a stage under FSDP2 or tensor parallelism (torchtitan's 3-D
-    layout): refused when recording starts, by name and why (a one-rank process group in this process)."""
+    schedule of several stages per rank (interleaved), a stage under tensor parallelism, alone or under FSDP2
+    (torchtitan's 3-D layout): refused when recording starts, by name and why (a one-rank process group in this
+    process)."""
     import torch
     import torch.distributed as dist
     from nanforensics import Recorder
@@ -252,9 +262,10 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
         optimizer = torch.optim.AdamW(stage.submod.parameters())
         scheduler = job.decay(optimizer)
         scheduler.warmup = torch.zeros(())  # a tensor in its state: only rank 0's extras file could carry one
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-        sharded = PipelineStage(fully_shard(job.build_model()), 0, 1, torch.device("cpu"))
-        split = PipelineStage(parallelize_module(job.build_model(), mesh, {"1": ColwiseParallel()}), 0, 1,
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        three_d = fully_shard(parallelize_module(job.build_model(), mesh["tp"], {"1": ColwiseParallel()}), mesh=mesh["dp"])
+        sharded = PipelineStage(three_d, 0, 1, torch.device("cpu"))
+        split = PipelineStage(parallelize_module(job.build_model(), mesh["tp"], {"1": ColwiseParallel()}), 0, 1,
                               torch.device("cpu"))
         gpipe = ScheduleGPipe(stage, 2, loss_fn=job.loss_fn)
         cases = [(gpipe, {"guard": True}, "guard= is not supported with a pipeline schedule: a guard's incidents"),
@@ -265,8 +276,8 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
                   "default chunking"),
                  (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {},
                   "ScheduleInterleaved1F1B.*an interleaved schedule's stages share a rank"),
-                 (ScheduleGPipe(sharded, 2, loss_fn=job.loss_fn), {}, r"FSDP2\) or tensor parallelism"),
-                 (ScheduleGPipe(split, 2, loss_fn=job.loss_fn), {}, r"FSDP2 x TP x PP\) is not supported")]
+                 (ScheduleGPipe(sharded, 2, loss_fn=job.loss_fn), {}, r"FSDP2 x TP x PP\) is not supported"),
+                 (ScheduleGPipe(split, 2, loss_fn=job.loss_fn), {}, r"stage under tensor parallelism")]
         for i, (schedule, extra, needle) in enumerate(cases):
             with pytest.raises(ValueError, match=needle):
                 Recorder(tmp_path / str(i), schedule, optimizer, model_factory=job.build_model, step_fn=job.train_step,

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..finite import encode_float
 from ..runs.checkpoint import state_meta, state_to_json
-from ..runs.compiled import compiled_backend, unwrapped
+from ..runs.compiled import compiled_backend, own_name, unwrapped
 from ..runs.layout import rank_dir
 from ..runs.stages import DATA_PARALLEL, PIPELINE, SCHEDULES, dp_rank, dp_size, last_rank
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
@@ -174,8 +174,9 @@ def own_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _stage_module(submod: nn.Module, stage: int, dp: int) -> tuple[nn.Module, dict[str, Any] | None]:
-    """The stage's module as the factory builds it, and DDP's options where DDP averages its gradients over the
-    stage's ``dp`` data-parallel ranks. ValueError for another wrapper, another group, or nothing averaging them."""
+    """The stage's module as the factory builds it, and the data-parallel wrapper's options where DDP or FSDP2
+    averages its gradients over the stage's ``dp`` data-parallel ranks. ValueError for another wrapper, another group,
+    or nothing averaging them."""
     from torch.nn.parallel import DistributedDataParallel
 
     from .wrapping import describe
@@ -187,13 +188,25 @@ def _stage_module(submod: nn.Module, stage: int, dp: int) -> tuple[nn.Module, di
             raise ValueError(f"stage {stage}'s DistributedDataParallel averages over ranks {ranks}, not its "
                              f"data-parallel ranks {stage * dp} to {stage * dp + dp - 1}")
         return module, {"size": dp, **options}
-    if any(is_dtensor(p) for p in submod.parameters()):  # fully_shard's and parallelize_module's parameters alike
-        raise ValueError("a pipeline stage under fully_shard (FSDP2) or tensor parallelism (torchtitan's FSDP2 x TP x "
-                         "PP) is not supported: nanforensics records each stage whole on its rank, or under "
-                         "DistributedDataParallel over its data-parallel ranks")
+    from .wrapping import _fsdp_options, _tp_plan
+
+    fsdp = sys.modules["torch.distributed.fsdp"].FSDPModule if "torch.distributed.fsdp" in sys.modules else None
+    sharded = [(own_name(n), m) for n, m in submod.named_modules() if fsdp is not None and isinstance(m, fsdp)]
+    if sharded and not _tp_plan(submod):  # FSDP2 over the stage's data-parallel ranks, as torchtitan's dp_shard
+        modules = [_fsdp_options(name, m, dp, None) for name, m in reversed(sharded)]
+        for name, m in sharded:
+            ranks = m._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh.mesh.flatten().tolist()
+            if ranks != [stage * dp + j for j in range(dp)]:
+                raise ValueError(f"stage {stage}'s module {name or '<root>'!r} is sharded over ranks {ranks}, not its "
+                                 f"data-parallel ranks {stage * dp} to {stage * dp + dp - 1}")
+        return submod, {"size": dp, "modules": modules}
+    if any(is_dtensor(p) for p in submod.parameters()):  # parallelize_module's parameters
+        raise ValueError("a pipeline stage under tensor parallelism (torchtitan's FSDP2 x TP x PP) is not supported: "
+                         "nanforensics records each stage whole on its rank, or under DistributedDataParallel or "
+                         "fully_shard (FSDP2) over its data-parallel ranks")
     if dp > 1:
         raise ValueError(f"nothing averages the gradients of each stage over its {dp} data-parallel ranks: wrap each "
-                         "stage's module in DistributedDataParallel over its dp group")
+                         "stage's module in DistributedDataParallel or fully_shard over its dp group")
     return submod, None
 
 

@@ -52,8 +52,9 @@ from ..runs.run import Run, UserCode
 from ..runs.stages import DATA_PARALLEL, PIPELINE, coordinate_text, dp_rank, dp_size, last_rank, stage_of, stage_rank
 from .checkpoint import restore_rank_rng
 from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, prune, step_loss
+from .tensors import local_part, shard_like
 from .world import object_group
-from .wrapping import wrap_ddp
+from .wrapping import shard_modules, unsharded_params, wrap_ddp
 
 
 def logged_microbatch_losses(run: Run, dp: int = 0) -> dict[int, list[float]]:
@@ -100,7 +101,8 @@ class _Stage:
         self.spec, self.wrapping = stage_of(wrapping, self.rank), wrapping
         self.stages, self.dp = len(wrapping["stages"]), dp_rank(wrapping, self.rank)
         self.last = self.rank == last_rank(wrapping, self.dp)
-        self.pipeline, data_group = _groups(wrapping, self.rank)
+        self.pipeline, data_group = _groups(wrapping, self.rank, device)
+        self.sharded = data_group is not None and "modules" in wrapping[DATA_PARALLEL]  # FSDP2 over the dp ranks
         where = run.path / "manifest.json"
         try:
             model = code.model_factory(**run.manifest.model_kwargs)
@@ -111,6 +113,8 @@ class _Stage:
             raise BadInput(where, f"stage {self.spec['stage']}'s module {missing[0]!r} is not a child of the model the "
                                   "factory builds")
         self.model = prune(model, self.spec["modules"]).to(device)
+        if self.sharded:  # before the optimizer is built over the (sharded) parameters
+            shard_modules(self.model, wrapping[DATA_PARALLEL]["modules"], data_group)
         self.meta = checkpoint.meta()
         self.optimizer = _stage_optimizer(code, self.model, self.meta, checkpoint, run)
         self.scheduler = code.scheduler(run, self.optimizer)  # this stage's own, built before any state is loaded
@@ -122,7 +126,8 @@ class _Stage:
             raise BadInput(checkpoint.path / "meta.json", f"holds no RNG state for each of the {self.size} ranks (rank_rng)")
         restore_rank_rng(states[self.rank], device, checkpoint.path / "meta.json")
         # the stage's module under DDP over its data-parallel ranks, as recorded; the checks watch the module itself
-        run_as = self.model if data_group is None else wrap_ddp(self.model, wrapping[DATA_PARALLEL], device, data_group)
+        run_as = self.model if data_group is None or self.sharded else \
+            wrap_ddp(self.model, wrapping[DATA_PARALLEL], device, data_group.get_group())
         stage = PipelineStage(run_as, self.spec["stage"], self.stages, device, group=self.pipeline)
         self.schedule = getattr(schedules, wrapping["schedule"])(
             stage, wrapping["microbatches"], loss_fn=loss_fn, scale_grads=wrapping["scale_grads"])
@@ -131,9 +136,13 @@ class _Stage:
 
     def totals(self) -> tuple[int, int]:
         """The stage's parameter and optimizer-state values."""
-        state = sum(v.numel() for st in self.optimizer.state.values() for v in st.values()
+        state = sum(local_part(v)[0].numel() for st in self.optimizer.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim)
-        return sum(p.numel() for p in self.model.parameters()), state
+        return sum(local_part(p)[0].numel() for p in self.model.parameters()), state
+
+    def twins(self) -> dict[torch.Tensor, str]:
+        """Each parameter's tensor its local gradient accumulates into, by name: under FSDP2 the unsharded one."""
+        return unsharded_params(self.model, {p: n for n, p in self.model.named_parameters()})
 
     def snapshot(self) -> dict[str, Any]:
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
@@ -166,17 +175,17 @@ def _no_tensors(checkpoint: Checkpoint) -> Any:
                                                   "numbers there")
 
 
-def _groups(wrapping: dict[str, Any], rank: int) -> tuple[Any, Any]:
-    """This rank's pipeline (the ranks of every stage in its data-parallel rank) and its stage's data-parallel ranks,
-    as process groups; (None, None) without data parallelism: the pipeline is every rank. Every rank makes every
-    group, in one order, as ``new_group`` requires."""
+def _groups(wrapping: dict[str, Any], rank: int, device: torch.device) -> tuple[Any, Any]:
+    """This rank's pipeline (the ranks of every stage in its data-parallel rank) as a process group, and its stage's
+    data-parallel ranks as a mesh: torchtitan's (pp, dp) DeviceMesh made again; (None, None) without data
+    parallelism: the pipeline is every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     dp = dp_size(wrapping)
     if dp == 1:
         return None, None
-    stages = range(len(wrapping["stages"]))
-    pipelines = [dist.new_group([stage_rank(wrapping, i, j) for i in stages]) for j in range(dp)]
-    data = [dist.new_group([stage_rank(wrapping, i, j) for j in range(dp)]) for i in stages]
-    return pipelines[dp_rank(wrapping, rank)], data[rank // dp]
+    mesh = init_device_mesh(device.type, (len(wrapping["stages"]), dp), mesh_dim_names=("pp", "dp"))
+    return mesh["pp"].get_group(), mesh["dp"]
 
 
 def _stage_optimizer(code: UserCode, model: nn.Module, meta: dict[str, Any], checkpoint: Checkpoint,
@@ -217,6 +226,7 @@ def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim
     for name, tensor in tensors.items():
         if tensor.dtype != expected[name].dtype:
             raise BadInput(checkpoint.model_file, f"tensor {name!r} is {tensor.dtype}, the stage holds {expected[name].dtype}")
+        tensors[name] = shard_like(tensor, expected[name])  # FSDP2: this rank's shard of the whole tensor
     try:
         model.load_state_dict(tensors)
     except RuntimeError as e:
@@ -230,6 +240,7 @@ def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim
     for key, tensor in checkpoint.optimizer_tensors():
         name, _, skey = key.rpartition("/")
         if name in index:
+            tensor = shard_like(tensor, by_name[name])
             state.setdefault(index[name], {})[skey] = tensor
     for name, values in meta["state_scalars"].items():
         if name in index:
@@ -302,7 +313,7 @@ class _Watch:
         for name, m in s.model.named_modules():
             if name:
                 self.handles.append(m.register_forward_hook(lambda mod, args, out, name=name: self._outputs(name, out)))
-        for name, p in s.model.named_parameters():
+        for p, name in s.twins().items():  # the local gradients, before DDP or FSDP2 averages them
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(
                     lambda p, name=name: self._check("grad", name, p.grad)))
@@ -328,12 +339,14 @@ class _Watch:
         # outside a micro-batch, the stage's shape inference runs its forward on uninitialised tensors: not the run's
         if t is None or (stage, f"{name}/{key}") in self.seen or (mb is None and stage in ("forward", "grad")):
             return
-        where = locate(t.detach())
+        held, offset = local_part(t.detach())  # an FSDP2 shard is checked where it lies in the whole tensor
+        where = locate(held)
         if where is None:
             return
         self.seen.add((stage, f"{name}/{key}"))
-        e = Event(self.step, stage, name, where.index, where.value, state_key=key, dtype=str(t.dtype).removeprefix("torch."),
-                  rank=self.s.rank, elements_nonfinite=int((~torch.isfinite(t.detach())).sum()), tensors_nonfinite=1)
+        index = [i + o for i, o in zip(where.index, offset)] if offset else where.index
+        e = Event(self.step, stage, name, index, where.value, state_key=key, dtype=str(t.dtype).removeprefix("torch."),
+                  rank=self.s.rank, elements_nonfinite=int((~torch.isfinite(held)).sum()), tensors_nonfinite=1)
         self.events.append(((mb, stage), e))
 
     def after_step(self) -> None:
@@ -359,7 +372,8 @@ def _order(item: tuple[tuple, Event], stages: int, n: int, dp: int) -> tuple:
     return (n if mb is None else mb, _PHASES[phase], stage if phase == "forward" else stages - stage, pipeline, e.tensor)
 
 
-# what the update writes: the same in every data-parallel copy of a stage, reported by data-parallel rank 0's alone
+# what the update writes: the same in every DDP copy of a stage, reported by data-parallel rank 0's alone (FSDP2's
+# shards are each rank's own)
 _REPLICATED = ("optimizer_state", "param", "buffer")
 
 
@@ -383,7 +397,7 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
                                     trust_code=opts.trust_code, trust_packages=opts.trust_packages)
     s = _Stage(run, code, checkpoint, device, loss_fn)
     n, stages, dp, size = wrapping["microbatches"], s.stages, dp_size(wrapping), world.world_size
-    if dp > 1 and checkpoint.step > run.manifest.start_step:
+    if dp > 1 and not s.sharded and checkpoint.step > run.manifest.start_step:
         _warm_up(run, code, s, device)
     logged = {st.step: st.loss for st in run.steps}
     logged_mb = [logged_microbatch_losses(run, j) for j in range(dp)]
@@ -413,9 +427,11 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
         loss = mean_loss([g[1] for g in lasts])  # as the run's loss is read: the mean over pipelines
         replayed_mb[step] = [g[2] for g in lasts]
         found = sorted((item for r, g in enumerate(gathered) for item in g[0]
-                        if r % dp == 0 or item[0][1] not in _REPLICATED), key=lambda item: _order(item, stages, n, dp))
+                        if r % dp == 0 or s.sharded or item[0][1] not in _REPLICATED),
+                       key=lambda item: _order(item, stages, n, dp))
         events += [e for _, e in found]
-        params_total, state_total = (sum(g[3][i] for g in gathered[::dp]) for i in (0, 1))
+        copies = gathered if s.sharded else gathered[::dp]  # FSDP2's shards each count; DDP's copies once
+        params_total, state_total = (sum(g[3][i] for g in copies) for i in (0, 1))
         logged_loss = logged.get(step)
         spread.append(StepRecord(step, logged_loss, loss, _bad(found, "param"), params_total,
                                  _bad(found, "optimizer_state"), state_total,
@@ -575,7 +591,8 @@ def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
     if mine and origin.stage == "forward":
         handles.append(s.model.get_submodule(origin.tensor).register_forward_hook(lambda m, a, out: watch(out)))
     elif mine and origin.stage == "grad":
-        handles.append(s.model.get_parameter(origin.tensor).register_post_accumulate_grad_hook(lambda p: watch(p.grad)))
+        twin = next(p for p, name in s.twins().items() if name == origin.tensor)
+        handles.append(twin.register_post_accumulate_grad_hook(lambda p: watch(p.grad)))
     try:
         out = None
         received = None

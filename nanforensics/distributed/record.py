@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..runs.checkpoint import save_checkpoint
 from ..runs.compiled import compiled_backend, unwrapped
 from ..runs.layout import DDP, World, rank_dir
+from ..runs.stages import PIPELINE
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
 from .world import object_group
 from .wrapping import describe, describe_mesh
@@ -45,7 +46,9 @@ class RankRecorder:
         self.module = module
         self.compiled = compiled  # the torch.compile backend, inside the wrapper or around it; None: not compiled
         self.group = object_group()
-        self.world = World(self.size, kind, str(dist.get_backend()), options, describe_mesh(module, self.size))
+        # a pipeline's stages say their layout themselves (its data-parallel mesh is part of the (pp, dp) one)
+        mesh = describe_mesh(module, self.size) if kind != PIPELINE else None
+        self.world = World(self.size, kind, str(dist.get_backend()), options, mesh)
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
 
     @property

@@ -204,10 +204,17 @@ def shard_fsdp2(module: nn.Module, world: World, device: torch.device) -> None:
     """``fully_shard`` as the run applied it, children before their parents; the unsharded parameters are then
     materialised once, so hooks can be put on them (the local gradients accumulate there, before the reduce-scatter)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world.world_size,)) if world.mesh is None else parallelize(module, world, device)
-    for spec in world.wrapping["modules"]:
+    shard_modules(module, world.wrapping["modules"], mesh)
+
+
+def shard_modules(module: nn.Module, specs: list[dict[str, Any]], mesh: Any) -> None:
+    """``fully_shard`` over ``mesh`` on each module of ``specs`` (as the manifest lists them: children before their
+    parents), then the unsharded parameters materialised once (a pipeline stage's data-parallel ranks too)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    for spec in specs:
         policy = {k: getattr(torch, v) if k.endswith("dtype") and v is not None else v
                   for k, v in spec["mp_policy"].items()}
         fully_shard(module.get_submodule(spec["module"]), mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy),

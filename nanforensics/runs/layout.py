@@ -235,8 +235,9 @@ def _wrapping_problem(kind: str, options: dict[str, Any], world_size: int) -> st
     if kind == TP:
         return "of a tensor-parallel run has no options" if options else None
     problem = pipeline_problem(options, world_size)
-    if problem is None and DATA_PARALLEL in options:  # each stage under DDP over its data-parallel ranks
-        return _ddp_problem({k: v for k, v in options[DATA_PARALLEL].items() if k != "size"})
+    if problem is None and DATA_PARALLEL in options:  # each stage under DDP, or FSDP2, over its data-parallel ranks
+        wrapper = {k: v for k, v in options[DATA_PARALLEL].items() if k != "size"}
+        return _fsdp2_problem(wrapper) if "modules" in wrapper else _ddp_problem(wrapper)
     return problem
 
 

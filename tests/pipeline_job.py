@@ -10,7 +10,7 @@ and the update turns it NaN. In "1f1b" its target, which the last stage holds, i
 loss overflows to inf on stage 1. "gpipe_scheduled" is "gpipe" with an LR scheduler on each stage and ``0.gain`` out
 of the optimizer (it still requires grad). "1f1b_dp" runs 2 pipelines side by side (``--nproc-per-node 4``):
 torchtitan's (pp, dp) mesh, each stage under DDP over its dp group, pipeline ``BAD_DP``'s batch holding the near-zero
-reading.
+reading; "1f1b_fsdp" the same with each stage under ``fully_shard`` over its dp group (torchtitan's dp_shard).
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ A third 2-stage run ("gpipe_scheduled") steps an LR scheduler on each stage and 
 optimizer: its gradient is never zeroed, and the replay's group testing must start each pass from the gradient
 before the step.
 
-Pipeline x data parallelism: "1f1b_dp", 2 stages x 2 data-parallel ranks (4 processes, its own launch: the one
-4-process job of the suite, about 25 s on 2 cores), each stage under DDP over its dp group, as torchtitan's (pp, dp)
-mesh lays them out; the defect in pipeline 1's batch. FSDP2 x TP x PP (8 processes) is refused when recording starts,
-tested in this process on a one-rank group: no 8-process job runs.
+Pipeline x data parallelism: "1f1b_dp" and "1f1b_fsdp", 2 stages x 2 data-parallel ranks (4 processes, one launch of
+their own for both: the one 4-process job of the suite, about 20-25 s on 2 cores), each stage under DDP or FSDP2 over
+its dp group, as torchtitan's (pp, dp) mesh lays them out; the defect in pipeline 1's batch. FSDP2 x TP x PP (8
+processes) is refused when recording starts, tested in this process on a one-rank group: no 8-process job runs.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ plan is read back off the hooks of the three above), FSDP1, DDP communication ho
 arithmetic).
 
 Pipeline stages (``torch.distributed.pipelining``, one stage per rank, optionally ``dp`` pipelines side by side with
-each stage under DDP over its data-parallel ranks, and each stage's own LR scheduler) are recorded and replayed at
+each stage under DDP or FSDP2 over its data-parallel ranks, and each stage's own LR scheduler) are recorded and replayed at
 world size by ``pipeline`` (their manifest section: ``stages``, ``data_parallel``); they are never emulated on one
 process. A model compiled inside or around DDP or FSDP2 is recorded under the compiled module's own names.
 

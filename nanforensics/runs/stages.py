@@ -11,9 +11,10 @@ parameter keeps the name it has in the whole model, on every stage and in every 
 is read before anything imports torch.
 
 Pipeline x data parallelism (torchtitan's layout: ``init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp"))``,
-each stage's module under DistributedDataParallel over its ``dp`` group) adds ``"data_parallel": {"size": dp, ...DDP's
-options}``: stage i runs on ranks ``i * dp`` to ``i * dp + dp - 1`` (its ``rank`` is the first of them), and
-data-parallel rank j of every stage is one pipeline, fed its own batch. Without the key, ``dp`` is 1.
+each stage's module under DistributedDataParallel or ``fully_shard`` over its ``dp`` group) adds ``"data_parallel":
+{"size": dp, ...DDP's options}`` or ``{"size": dp, "modules": [...FSDP2's, as an FSDP2 run's wrapping lists them]}``:
+stage i runs on ranks ``i * dp`` to ``i * dp + dp - 1`` (its ``rank`` is the first of them), and data-parallel rank j
+of every stage is one pipeline, fed its own batch. Without the key, ``dp`` is 1.
 """
 
 from __future__ import annotations

@@ -390,6 +390,7 @@ class PipelineOrigin:
     replayed_microbatch_losses: list[float] = field(default_factory=list)
     text: str = ""        # how the views name where the origin arose, "stage 0 (rank 0), micro-batch 2 of 4"
     batch_text: str = ""  # how they name the responsible micro-batch, ", micro-batch 2 of 4 (rows 4-5)"
+    mesh: dict[str, int] = field(default_factory=dict)  # with data parallelism, the rank's {"pp": stage, "dp": pipeline}
 
 
 @dataclass

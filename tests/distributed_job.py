@@ -104,6 +104,7 @@ class Job(NamedTuple):
     decoder: bool = False  # the transformer of scenarios on token documents, instead of the regressor on readings
     spike: bool = False  # the defect is a glitch reading (1e13): a finite gradient whose square overflows
     unlabelled: bool = False  # the decoder, and every label of rank 1's shard at DEFECT_STEP ignored: a NaN loss only
+    compiled: str = ""  # "before": torch.compile, then the wrapper; "after": the wrapper, then torch.compile
 
 
 RUNS: dict[str, Job] = {
@@ -117,6 +118,10 @@ RUNS: dict[str, Job] = {
     "ddp_loss_only": Job("ddp", scenarios.train_step_lm, False, decoder=True, unlabelled=True),
     "ddp_flaky": Job("ddp", scenarios.train_step, False, True),
     "fsdp2_flaky": Job("fsdp2", scenarios.train_step, False, True),
+    "ddp_compiled": Job("ddp", scenarios.train_step, True, compiled="before"),
+    "ddp_compile_wrapped": Job("ddp", scenarios.train_step, True, compiled="after"),
+    "fsdp2_compiled": Job("fsdp2", scenarios.train_step, True, compiled="before"),
+    "fsdp2_compile_wrapped": Job("fsdp2", scenarios.train_step, True, compiled="after"),
     "fsdp2_killed": Job("fsdp2", scenarios.train_step, False),  # rank 1 dies writing checkpoint KILLED_AT: run it last
 }
 KILLED_AT = 6
@@ -139,26 +144,35 @@ def die_writing(checkpoint: str) -> None:
     filesystem._FileSystemWriter.write_data = dying
 
 
-def wrap(model: nn.Module, how: str) -> nn.Module:
+COMPILE_BACKEND = "aot_eager"  # aten kernels, as eager mode runs them (inductor takes minutes to compile on 2 cores)
+
+
+def wrap(model: nn.Module, how: str, compiled: str = "") -> nn.Module:
+    """The model as the loop trains it: wrapped by DDP or ``fully_shard``, compiled before or after (the two orders
+    users write), or not."""
+    if compiled == "before":
+        model = torch.compile(model, backend=COMPILE_BACKEND)
     if how == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model)
-    from torch.distributed.fsdp import fully_shard
+        wrapped: nn.Module = DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
 
-    return fully_shard(model)
+        wrapped = fully_shard(model)
+    return torch.compile(wrapped, backend=COMPILE_BACKEND) if compiled == "after" else wrapped
 
 
 def record(out: Path, name: str, code: str | None = None, device: torch.device = torch.device("cpu")) -> list[float]:
     """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
-    how, step_fn, defect, flaky, kwargs, decoder, spike, unlabelled = RUNS[name]
+    how, step_fn, defect, flaky, kwargs, decoder, spike, unlabelled, compiled = RUNS[name]
     named = lambda fn: fn if code is None or fn.__module__ != "scenarios" else f"{code}:{fn.__qualname__}"  # noqa: E731
     size, at = STEPS * SHARD * WORLD, defect_index() if defect else None
     ignored = [defect_index(position=i) for i in range(SHARD)] if unlabelled else None  # rank 1's shard at step 4
     data = Documents(size, at, ignored) if decoder else Readings(size, at, spike)
     loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, shuffle=False))
     factory = scenarios.build_decoder if decoder else scenarios.build_model
-    model = wrap(factory(**kwargs).to(device), how)
+    model = wrap(factory(**kwargs).to(device), how, compiled)
     optimizer = torch.optim.AdamW(model.parameters())
     losses = []
     if name == "fsdp2_killed" and dist.get_rank() == BAD_RANK:

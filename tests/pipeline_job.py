@@ -7,7 +7,10 @@ trains under ``ScheduleGPipe`` ("gpipe") or ``Schedule1F1B`` ("1f1b") with ``MIC
 ``DEFECT_STEP`` sample ``DEFECT_SAMPLE`` of micro-batch ``DEFECT_MICROBATCH`` is bad. In "gpipe" its input holds a
 near-zero reading (3e-45) that stage 0 holds: the loss stays finite, stage 0's gradient of ``0.gain[3]`` is infinite,
 and the update turns it NaN. In "1f1b" its target, which the last stage holds, is a glitch (1e20): that micro-batch's
-loss overflows to inf on stage 1.
+loss overflows to inf on stage 1. "gpipe_scheduled" is "gpipe" with an LR scheduler on each stage and ``0.gain`` out
+of the optimizer (it still requires grad). "1f1b_dp" runs 2 pipelines side by side (``--nproc-per-node 4``):
+torchtitan's (pp, dp) mesh, each stage under DDP over its dp group, pipeline ``BAD_DP``'s batch holding the near-zero
+reading; "1f1b_fsdp" the same with each stage under ``fully_shard`` over its dp group (torchtitan's dp_shard).
 """
 
 from __future__ import annotations
@@ -28,8 +31,14 @@ STEPS, EVERY = 6, 2                    # steps recorded, checkpoint interval: ch
 DEFECT_STEP, DEFECT_MICROBATCH, DEFECT_SAMPLE, DEFECT_FEATURE = 3, 2, 1, 3
 FEATURES = 4
 STAGES = [["0", "1", "2"], ["3", "4", "5"]]  # the top-level modules each stage holds
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-DEFECTS = {"gpipe": "input", "1f1b": "target"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "gpipe_scheduled": "ScheduleGPipe",
+             "1f1b_dp": "Schedule1F1B", "1f1b_fsdp": "Schedule1F1B"}
+DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_scheduled": "input", "1f1b_dp": "input", "1f1b_fsdp": "input"}
+# "1f1b_dp": 2 stages x 2 data-parallel ranks (4 processes), torchtitan's (pp, dp) mesh, each stage under DDP over
+# its dp group; only pipeline BAD_DP's batch carries the defect
+DP, BAD_DP = 2, 1
+FROZEN = "0.gain"  # "gpipe_scheduled": the optimizer does not hold it; it still requires grad, which nothing zeroes
+DECAY = 0.7  # "gpipe_scheduled": each stage's LR scheduler multiplies its learning rate by this every step
 
 
 def defect_row() -> int:
@@ -68,33 +77,69 @@ def train_step(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str,
     return losses
 
 
-def data(step: int, defect: str) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(1000 + step)
+def decay(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A stage's LR scheduler ("gpipe_scheduled"): each stage builds and steps its own."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _decayed)
+
+
+def _decayed(step: int) -> float:
+    return DECAY ** step
+
+
+def train_step_scheduled(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str, Any], *,
+                         scheduler: Any) -> Any:
+    losses = train_step(schedule, optimizer, batch)
+    scheduler.step()
+    return losses
+
+
+def data_parallel(name: str) -> int:
+    """How many pipelines run side by side in run ``name``."""
+    return DP if name.endswith(("_dp", "_fsdp")) else 1
+
+
+def data(step: int, defect: str, dp: int = 0, pipelines: int = 1) -> dict[str, Any]:
+    """Pipeline ``dp``'s batch at ``step`` (of ``pipelines``); the defect in the last pipeline's."""
+    g = torch.Generator().manual_seed(1000 + step + 97 * dp)
     x = torch.exp(torch.randn(BATCH, FEATURES, generator=g) * 0.5)
     y = torch.log(x).mean(dim=1, keepdim=True)
-    if defect == "input" and step == DEFECT_STEP:
+    bad = step == DEFECT_STEP and dp == min(BAD_DP, pipelines - 1)
+    if defect == "input" and bad:
         x[defect_row(), DEFECT_FEATURE] = 3e-45
-    if defect == "target" and step == DEFECT_STEP:
+    if defect == "target" and bad:
         y[defect_row(), 0] = 1e20
-    ids = [f"sample-{step * BATCH + i:05d}" for i in range(BATCH)]
+    ids = [f"sample-{(step * pipelines + dp) * BATCH + i:05d}" for i in range(BATCH)]
     return {"x": x, "y": y, "id": ids}
 
 
-def stage_batch(batch: dict[str, Any], rank: int) -> dict[str, Any]:
-    """What each rank's loop holds: the first stage the inputs, the last the targets; both the ids."""
-    keep = ("x", "id") if rank == 0 else ("y", "id")
+def stage_batch(batch: dict[str, Any], stage: int) -> dict[str, Any]:
+    """What each stage's loop holds: the first stage the inputs, the last the targets; both the ids."""
+    keep = ("x", "id") if stage == 0 else ("y", "id")
     return {k: batch[k] for k in keep}
 
 
 def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
+    """This rank's stage and its schedule, as torchtitan builds them: a (pp, dp) DeviceMesh, the stage's module under
+    DDP over ``dp`` where there is data parallelism, the stage's communication on ``pp``."""
     from nanforensics.distributed.pipeline import prune
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.nn.parallel import DistributedDataParallel
 
-    rank = dist.get_rank()
-    module = prune(build_model(), STAGES[rank])
-    stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
+    dp = data_parallel(schedule_name)
+    mesh = init_device_mesh("cpu", (WORLD, dp), mesh_dim_names=("pp", "dp"))
+    index = mesh["pp"].get_local_rank()
+    module = prune(build_model(), STAGES[index])
+    if schedule_name.endswith("_fsdp"):  # torchtitan's dp_shard: FSDP2 over dp
+        from torch.distributed.fsdp import fully_shard
+
+        run = fully_shard(module, mesh=mesh["dp"])
+    else:
+        run = DistributedDataParallel(module, process_group=mesh["dp"].get_group()) if dp > 1 else module
+    stage = PipelineStage(run, index, WORLD, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = getattr(schedules, SCHEDULES[schedule_name])(stage, MICROBATCHES, loss_fn=loss_fn)
-    return schedule, torch.optim.AdamW(module.parameters(), lr=1e-2)
+    held = [p for n, p in module.named_parameters() if not (schedule_name == "gpipe_scheduled" and n == FROZEN)]
+    return schedule, torch.optim.AdamW(held, lr=1e-2)
 
 
 def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:
@@ -102,13 +147,16 @@ def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:
     from nanforensics import Recorder
 
     schedule, optimizer = build(name)
-    rank = dist.get_rank()
-    rec = Recorder(out / name, schedule, optimizer, model_factory=build_model, step_fn=train_step,
-                   checkpoint_every=EVERY, overwrite=True)
+    pipelines = data_parallel(name)
+    stage, dp = divmod(dist.get_rank(), pipelines)
+    scheduled = {"scheduler": decay(optimizer)} if name == "gpipe_scheduled" else {}
+    step_fn = train_step_scheduled if scheduled else train_step
+    rec = Recorder(out / name, schedule, optimizer, model_factory=build_model, step_fn=step_fn, checkpoint_every=EVERY,
+                   overwrite=True, **scheduled, **({"scheduler_factory": decay} if scheduled else {}))
     logged = []
     for step in range(steps):
-        batch = stage_batch(data(step, DEFECTS[name]), rank)
-        losses = train_step(schedule, optimizer, batch)
+        batch = stage_batch(data(step, DEFECTS[name], dp, pipelines), stage)
+        losses = step_fn(schedule, optimizer, batch, **scheduled)
         rec.log(step, batch, losses)
         logged.append(losses)
     rec.close()

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from nanforensics.checkpoints.bisect import bisect
 from nanforensics.distributed.wrapping import describe
 from nanforensics.formats.discover import discover
@@ -33,8 +35,9 @@ import scenarios
 from conftest import ANNOUNCEMENT, ROOT, TESTS, Result, assert_one_line_error, run_cli, tree_digest
 from test_samples import SAMPLES, assert_same_run, machine_rtol
 
+COMPILED = ["ddp_compiled", "ddp_compile_wrapped", "fsdp2_compiled", "fsdp2_compile_wrapped"]
 RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_decoder", "ddp_state_overflow", "ddp_loss_only",
-            "ddp_flaky", "fsdp2_flaky", "fsdp2_killed"]  # killed last: it ends the job
+            "ddp_flaky", "fsdp2_flaky", *COMPILED, "fsdp2_killed"]  # killed last: it ends the job
 DEFECT_ID = f"sample-{job.defect_index():05d}"
 SAMPLE = SAMPLES / "ddp_two_ranks"
 
@@ -87,13 +90,15 @@ class Launched:
     replays: dict[str, tuple[Ranks, Path, dict[str, str]]]
 
 
-def record_and_replay(root: Path, recording: list[str], names: list[str], procs: int) -> Launched:
+def record_and_replay(root: Path, recording: list[str], names: list[str], procs: int,
+                      options: dict[str, list[str]] | None = None) -> Launched:
     """One torchrun launch (tests/replays_job.py): the job script and arguments ``recording`` record ``names`` into
     ``root``, their digests are taken, then each is replayed: ``torchrun --nproc-per-node PROCS -m nanforensics
-    replay RUN --json OUT``."""
+    replay RUN --json OUT`` (and the replay's ``options`` of the run, where given)."""
     runs = {name: root / name for name in names}
     commands = [recording, ["digest", *runs.values()],
-                *(["replay", run, "--json", root / f"{name}.json"] for name, run in runs.items())]
+                *(["replay", run, *(options or {}).get(name, []), "--json", root / f"{name}.json"]
+                  for name, run in runs.items())]
     recorded, _, *replays = at_world_size(root / "ranks", commands, procs)
     before = json.loads((root / "ranks" / "1" / "digest.json").read_text())
     return Launched(recorded, runs, {name: (ranks, root / f"{name}.json", before[str(run)])
@@ -116,7 +121,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in RECORDED}
 
 
-AT_WORLD_SIZE = ["ddp", "fsdp2", "sample"]  # replayed under torchrun by one launch (the sample: the shipped one)
+# replayed under torchrun by one launch (the sample: the shipped one; one compiled run of each order, of each wrapper)
+AT_WORLD_SIZE = ["ddp", "fsdp2", "sample", "ddp_compile_wrapped", "fsdp2_compiled"]
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +330,50 @@ def test_torchrun_replay_at_world_size(runs, torchrun_replays, name):
     assert ranks.stdout.count("NON-FINITE") == 1  # rank 0 alone renders the report
     check_attribution(json.loads(out.read_text()), name, "torchrun")
     assert tree_digest(runs[name]) == before
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_inside_and_around_the_wrapper(runs, torchrun_replays, name):
+    """torch.compile inside DDP or FSDP2 (compile, then wrap) and around it (wrap, then compile), the two orders loops
+    are written in: recorded under the names of the module the factory builds (no ``_orig_mod.``, in the manifest's
+    FSDP2 modules, the checkpoints and the optimizer state), the backend in the manifest, and replayed eagerly, bit for
+    bit (aot_eager runs eager mode's kernels): emulated on one process, or at world size (one run of each order and
+    each wrapper each way)."""
+    run = runs[name]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["compiled"] == {"backend": job.COMPILE_BACKEND}
+    wrapping = manifest["distributed"]["wrapping"]
+    assert [m["module"] for m in wrapping.get("modules", [{"module": ""}])] == [""]
+    meta = json.loads((run / "checkpoints" / "step_00000003" / "meta.json").read_text())
+    assert meta["param_names"] == [n for n, _ in scenarios.build_model().named_parameters()]
+    assert [n for g in meta["param_groups"] for n in g["params"]] == meta["param_names"]
+    before = tree_digest(run)
+    if name in AT_WORLD_SIZE:
+        ranks, out, before = torchrun_replays[name]
+        assert ranks.codes == [1] * job.WORLD, ranks.stderr[-3000:]
+        report, how = json.loads(out.read_text()), "torchrun"
+    else:
+        report, how = replayed(run), "emulated"
+    check_attribution(report, wrapping["kind"], how)
+    assert report["setup"]["compiled"] == job.COMPILE_BACKEND and all(c["exact"] for c in report["checkpoints_compared"])
+    assert any(f.startswith(f"The run trained under torch.compile (backend {job.COMPILE_BACKEND})")
+               for f in report["findings"])
+    assert tree_digest(run) == before
+
+
+@settings(max_examples=80, deadline=None)
+@given(parts=st.lists(st.text(alphabet="abc_0", min_size=1, max_size=4).filter(lambda p: p != "_orig_mod"),
+                      min_size=1, max_size=4),
+       compiled=st.lists(st.integers(0, 4), max_size=3))
+def test_own_name_drops_every_compiled_wrapper(parts, compiled):
+    """A module's or tensor's name with ``_orig_mod`` wherever a compiled wrapper sat along its path (around the
+    whole model, inside a data-parallel wrapper, around one block) is the name the factory's model gives it."""
+    from nanforensics.runs.compiled import own_name
+
+    wrapped = list(parts)
+    for at in sorted(compiled, reverse=True):
+        wrapped.insert(min(at, len(wrapped) - 1), "_orig_mod")
+    assert own_name(".".join(wrapped)) == ".".join(parts)
 
 
 def test_world_size_mismatch_is_one_line(runs, monkeypatch):

@@ -7,8 +7,14 @@ Only sample 1 of micro-batch 2 at step 3 carries the defect: in the GPipe run a 
 (that micro-batch's loss overflows, nothing else). The replay must name the step, the stage and its rank, the
 micro-batch, the sample and the coordinate, and leave the run untouched.
 
-2 stages on 2 processes: 2 stages x 2 data-parallel ranks would need 4 processes on this machine's 2 cores and a
-data-parallel layer this recorder does not combine with stages yet.
+A third 2-stage run ("gpipe_scheduled") steps an LR scheduler on each stage and leaves stage 0's gain out of its
+optimizer: its gradient is never zeroed, and the replay's group testing must start each pass from the gradient
+before the step.
+
+Pipeline x data parallelism: "1f1b_dp" and "1f1b_fsdp", 2 stages x 2 data-parallel ranks (4 processes, one launch of
+their own for both: the one 4-process job of the suite, about 20-25 s on 2 cores), each stage under DDP or FSDP2 over
+its dp group, as torchtitan's (pp, dp) mesh lays them out; the defect in pipeline 1's batch. FSDP2 x TP x PP (8
+processes) is refused when recording starts, tested in this process on a one-rank group: no 8-process job runs.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from nanforensics.distributed.world import mismatch
 from nanforensics.errors import BadInput
 from nanforensics.runs.layout import DISTRIBUTED_FORMAT, World
 from nanforensics.runs.run import Run
-from nanforensics.runs.stages import OPTIONS
+from nanforensics.runs.stages import DATA_PARALLEL, OPTIONS
 
 import pipeline_job as job
 from conftest import assert_one_line_error, run_cli, tree_digest
@@ -34,20 +40,22 @@ from test_distributed import Launched, Ranks, record_and_replay
 DEFECT_ID = f"sample-{job.DEFECT_STEP * job.BATCH + job.defect_row():05d}"
 
 
-NAMES = ["gpipe", "1f1b"]
+NAMES = ["gpipe", "1f1b", "gpipe_scheduled"]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Launched:
-    """One torchrun launch: both schedules' runs recorded (tests/pipeline_job.py), then replayed at world size."""
+    """One torchrun launch: the runs recorded (tests/pipeline_job.py), then replayed at world size; the frozen run,
+    whose logged losses stay finite, from the checkpoint before the defect."""
     root = tmp_path_factory.mktemp("pipeline")
-    return record_and_replay(root, job.arguments(root, NAMES), NAMES, job.WORLD)
+    return record_and_replay(root, job.arguments(root, NAMES), NAMES, job.WORLD,
+                             {"gpipe_scheduled": ["--from-step", str(job.DEFECT_STEP - 1)]})
 
 
 @pytest.fixture(scope="module")
 def runs(launched) -> dict[str, Path]:
     recorded = launched.recorded
-    assert recorded.codes == [0] * job.WORLD and "1f1b: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
+    assert recorded.codes == [0] * job.WORLD and "gpipe_scheduled: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
     return launched.runs
 
 
@@ -74,7 +82,7 @@ def test_layout(runs):
     # both ranks logged the last stage's loss; before the defects, both schedules computed the same losses (each
     # accumulates the gradients micro-batch by micro-batch, in order)
     logs = [(runs[name] / "ranks" / f"rank_{r:05d}" / "steps.jsonl").read_text().splitlines()[:job.DEFECT_STEP]
-            for name in runs for r in (0, 1)]
+            for name in ("gpipe", "1f1b") for r in (0, 1)]
     assert all(log == logs[0] for log in logs) and len(logs[0]) == job.DEFECT_STEP
 
 
@@ -106,6 +114,100 @@ def test_replay_at_world_size(runs, torchrun_replays, name):
         assert (report["origin"], report["events"], report["loss_only_steps"]) == (None, [], [job.DEFECT_STEP])
         assert report["pipeline"]["logged_microbatch_losses"][job.DEFECT_MICROBATCH] == "inf"
     assert tree_digest(run) == before
+
+
+DATA_PARALLEL_RUNS = ["1f1b_dp", "1f1b_fsdp"]
+
+
+@pytest.fixture(scope="module")
+def data_parallel(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """2 stages x 2 data-parallel ranks (4 gloo processes, torchtitan's (pp, dp) mesh), each stage under DDP, or
+    FSDP2 (torchtitan's dp_shard), over its dp group: both recorded, then replayed at world size, in one launch."""
+    root = tmp_path_factory.mktemp("pipeline_dp")
+    return record_and_replay(root, job.arguments(root, DATA_PARALLEL_RUNS), DATA_PARALLEL_RUNS, job.WORLD * job.DP)
+
+
+@pytest.mark.parametrize("name", DATA_PARALLEL_RUNS)
+def test_pipeline_by_data_parallel(data_parallel, name):
+    """Pipeline x data parallelism at world size: the origin names the step, the stage, the mesh coordinate (pp, dp),
+    the micro-batch, the coordinate and the sample of the pipeline whose batch holds the defect, and the replay is
+    bit-exact from a checkpoint after the run's first step (under DDP, its buckets laid out as the run's were by
+    then). The update is reported by the rank that holds it: DDP's copies alike, once (dp rank 0); FSDP2's shard of
+    ``0.gain`` rows 2-3 by dp rank 1, at the whole tensor's coordinate."""
+    recorded = data_parallel.recorded
+    assert recorded.codes == [0] * 4 and "1f1b_fsdp: 6 steps" in recorded.stdout, recorded.stderr[-3000:]
+    run = data_parallel.runs[name]
+    wrapping = json.loads((run / "manifest.json").read_text())["distributed"]["wrapping"]
+    assert wrapping["data_parallel"] == ({"size": job.DP, "broadcast_buffers": True, "find_unused_parameters": False,
+                                          "gradient_as_bucket_view": False} if name == "1f1b_dp" else {
+        "size": job.DP, "modules": [{"module": "", "reshard_after_forward": True, "mp_policy": {
+            "param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": True}}]})
+    assert [(st["stage"], st["rank"]) for st in wrapping["stages"]] == [(0, 0), (1, job.DP)]
+    assert sorted(p.parent.name for p in run.glob("ranks/*/microbatch_losses.jsonl")) == ["rank_00002", "rank_00003"]
+    meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["param_names"] == [n for n, _ in job.build_model().named_parameters()]  # each stage's names once
+    # the run's loss: the mean over the pipelines of each one's last stage's
+    steps = Run(run).steps
+    logs = [[json.loads(line)["loss"] for line in (run / "ranks" / f"rank_{r:05d}" / "steps.jsonl").read_text().splitlines()]
+            for r in (2, 3)]
+    assert [s.loss for s in steps][:job.DEFECT_STEP] == [(a + b) / 2 for a, b in list(zip(*logs))[:job.DEFECT_STEP]]
+
+    result, out, before = data_parallel.replays[name]
+    assert result.codes == [1] * 4, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    origin = report["origin"]
+    bad = job.BAD_DP  # stage 0 of pipeline 1 is rank 1
+    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (
+        job.DEFECT_STEP, "grad", "0.gain", [job.DEFECT_FEATURE], bad)
+    pipe = report["pipeline"]
+    assert (pipe["stage"], pipe["rank"], pipe["mesh"], pipe["microbatch"]) == (0, bad, {"pp": 0, "dp": bad},
+                                                                               job.DEFECT_MICROBATCH)
+    assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
+    ident = f"sample-{(job.DEFECT_STEP * job.DP + bad) * job.BATCH + job.defect_row():05d}"
+    assert (report["samples"]["status"], report["samples"]["samples"], report["samples"]["sample_leaves"]) == (
+        "attributed", [job.DEFECT_SAMPLE], {"batch['id']": [ident]})
+    assert report["responsible_batch"]["file"].endswith(f"ranks/rank_{bad:05d}/batches/step_{job.DEFECT_STEP:08d}"
+                                                        ".safetensors")
+    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
+        (job.DEFECT_STEP + 1, True)]
+    # the other pipeline's own gradients stay finite; the update is reported by the rank that holds it
+    at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
+    assert {e["rank"] for e in at if e["stage"] == "grad"} == {bad}
+    assert [(e["tensor"], e["index"], e["rank"]) for e in at if e["stage"] == "param"] == [
+        ("0.gain", [job.DEFECT_FEATURE], 0 if name == "1f1b_dp" else bad)]
+    assert report["findings"][0].endswith(f"made grad 0.gain[{job.DEFECT_FEATURE}] = {origin['value']} on stage 0 "
+                                          f"(rank {bad}, pp=0, dp={bad}).")
+    assert tree_digest(run) == before
+    # every reader sees one model and the world it ran on: bisect and the commands it names, another world size
+    found = bisect([run / "checkpoints"])
+    assert found.first_poisoned is not None and found.first_poisoned.step == job.DEFECT_STEP + 1
+    assert found.replay is not None and f"torchrun --nproc-per-node {job.WORLD * job.DP} -m" in found.replay.command
+    problem = mismatch(Run(run), job.WORLD)
+    assert problem is not None and f"--nproc-per-node {job.WORLD * job.DP} -m nanforensics replay" in problem
+
+
+def test_per_stage_scheduler_and_a_gradient_no_optimizer_zeroes(runs, torchrun_replays):
+    """Each stage steps its own LR scheduler: every rank's state is recorded and restored, so the replay from step 2
+    is bit-exact (a scheduler rebuilt fresh would update at the first step's learning rate). ``0.gain`` requires grad
+    but its stage's optimizer does not hold it: its gradient is never zeroed, so after the replayed step it holds the
+    infinity, and each pass of group testing must start from the gradient before the step (the snapshot every replay
+    takes, ``replay.session.loose_grads``). Carried over, every subset would fail and the micro-batch would read
+    "batch_wide"."""
+    meta = json.loads((runs["gpipe_scheduled"] / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert [s["last_epoch"] for s in meta["rank_schedulers"]] == [2] * job.WORLD
+    result, out, before = torchrun_replays["gpipe_scheduled"]
+    assert result.codes == [1] * job.WORLD, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    origin = report["origin"]
+    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"]) == (
+        job.DEFECT_STEP, "grad", job.FROZEN, [job.DEFECT_FEATURE])
+    assert (report["samples"]["status"], report["samples"]["samples"]) == ("attributed", [job.DEFECT_SAMPLE])
+    assert report["samples"]["sample_leaves"] == {"batch['id']": [DEFECT_ID]}
+    # the update never reaches the frozen gain: no parameter or state turns non-finite, nor any logged loss
+    assert not [e for e in report["events"] if e["stage"] in ("param", "optimizer_state")]
+    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
+        (job.DEFECT_STEP + 1, True)]
+    assert tree_digest(runs["gpipe_scheduled"]) == before
 
 
 def check(report: dict[str, Any], schedule: str, stage: int, made: str, data: tuple[str, int, str],
@@ -141,28 +243,66 @@ def test_one_process_refuses(runs):
 
 
 def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
-    """A guard (or a scaler, a scheduler), a custom chunking of the inputs, a schedule of several stages per rank:
-    refused when recording starts, by name (a one-rank process group in this process)."""
+    """A guard, a scaler, a per-stage LR scheduler whose state holds tensors, a custom chunking of the inputs, a
+    schedule of several stages per rank (interleaved), a stage under tensor parallelism, alone or under FSDP2
+    (torchtitan's 3-D layout): refused when recording starts, by name and why (a one-rank process group in this
+    process)."""
     import torch
     import torch.distributed as dist
     from nanforensics import Recorder
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.distributed.pipelining.microbatch import TensorChunkSpec
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         stage = PipelineStage(job.build_model(), 0, 1, torch.device("cpu"))
         optimizer = torch.optim.AdamW(stage.submod.parameters())
-        cases = [(ScheduleGPipe(stage, 2, loss_fn=job.loss_fn), {"guard": True}, "guard= is not supported"),
+        scheduler = job.decay(optimizer)
+        scheduler.warmup = torch.zeros(())  # a tensor in its state: only rank 0's extras file could carry one
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        three_d = fully_shard(parallelize_module(job.build_model(), mesh["tp"], {"1": ColwiseParallel()}), mesh=mesh["dp"])
+        sharded = PipelineStage(three_d, 0, 1, torch.device("cpu"))
+        split = PipelineStage(parallelize_module(job.build_model(), mesh["tp"], {"1": ColwiseParallel()}), 0, 1,
+                              torch.device("cpu"))
+        gpipe = ScheduleGPipe(stage, 2, loss_fn=job.loss_fn)
+        cases = [(gpipe, {"guard": True}, "guard= is not supported with a pipeline schedule: a guard's incidents"),
+                 (gpipe, {"scaler": torch.amp.GradScaler("cpu")}, "scaler= is not supported .*: a GradScaler's inf "
+                                                                  "check is each stage's own"),
+                 (gpipe, {"scheduler": scheduler, "scheduler_factory": job.decay}, "LR scheduler holds tensors"),
                  (ScheduleGPipe(stage, 2, loss_fn=job.loss_fn, args_chunk_spec=(TensorChunkSpec(1),)), {},
                   "default chunking"),
-                 (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {}, "ScheduleInterleaved1F1B")]
+                 (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {},
+                  "ScheduleInterleaved1F1B.*an interleaved schedule's stages share a rank"),
+                 (ScheduleGPipe(sharded, 2, loss_fn=job.loss_fn), {}, r"FSDP2 x TP x PP\) is not supported"),
+                 (ScheduleGPipe(split, 2, loss_fn=job.loss_fn), {}, r"stage under tensor parallelism")]
         for i, (schedule, extra, needle) in enumerate(cases):
             with pytest.raises(ValueError, match=needle):
                 Recorder(tmp_path / str(i), schedule, optimizer, model_factory=job.build_model, step_fn=job.train_step,
                          **extra)
     finally:
         dist.destroy_process_group()
+
+
+def test_replay_refuses_a_schedule_of_several_stages_per_rank(runs, tmp_path):
+    """A manifest naming a multi-stage schedule (no recorder of this version writes one): one line saying why, exit
+    2, before any checkpoint or step is read; the copy it names is left as it was. (Any other name: the manifest's
+    generated values below.)"""
+    import shutil
+
+    schedule = "ScheduleInterleaved1F1B"
+    run = tmp_path / "run"
+    shutil.copytree(runs["gpipe"], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["distributed"]["wrapping"]["schedule"] = schedule
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    before = tree_digest(run)
+    assert_one_line_error(run_cli("replay", run), f"schedule '{schedule}': this nanforensics replays ScheduleGPipe and "
+                                                  "Schedule1F1B (one stage per rank; an interleaved or zero-bubble "
+                                                  "schedule puts several stages on a rank)")
+    assert tree_digest(run) == before
 
 
 def test_bisect_reads_the_stages_checkpoints(runs):
@@ -187,8 +327,13 @@ def _bad_stage() -> st.SearchStrategy[Any]:
     return st.lists(spec | _JSON, max_size=3)
 
 
+def _data_parallel() -> st.SearchStrategy[Any]:
+    return st.fixed_dictionaries({"size": st.integers(0, 3)}, optional={
+        "broadcast_buffers": st.booleans() | st.none(), "find_unused_parameters": st.booleans(), "bucket": st.booleans()})
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(key=st.sampled_from([*OPTIONS, "extra"]), value=_JSON | _bad_stage())
+@given(key=st.sampled_from([*OPTIONS, DATA_PARALLEL, "extra"]), value=_JSON | _bad_stage() | _data_parallel())
 def test_manifest_validation(key, value):
     """Any value in any field of the pipeline section: read as the recorder wrote it, or refused in one line naming
     the manifest; never a traceback."""

@@ -16,8 +16,10 @@ Not supported: tensor parallelism over part of the ranks with nothing averaging 
 plan is read back off the hooks of the three above), FSDP1, DDP communication hooks (they change the reduction's
 arithmetic).
 
-Pipeline stages (``torch.distributed.pipelining``, one stage per rank) are recorded and replayed at world size by
-``pipeline`` (their manifest section: ``stages``); they are never emulated on one process.
+Pipeline stages (``torch.distributed.pipelining``, one stage per rank, optionally ``dp`` pipelines side by side with
+each stage under DDP or FSDP2 over its data-parallel ranks, and each stage's own LR scheduler) are recorded and replayed at
+world size by ``pipeline`` (their manifest section: ``stages``, ``data_parallel``); they are never emulated on one
+process. A model compiled inside or around DDP or FSDP2 is recorded under the compiled module's own names.
 
 Modules: ``layout`` (the run directory and its manifest section), ``wrapping`` (reading and rebuilding the wrappers),
 ``record`` (the recorder on each rank), ``checkpoint`` (DCP shards and per-rank RNG states), ``sessions`` (emulation

@@ -1,12 +1,14 @@
 """Pipeline-parallel runs (``torch.distributed.pipelining``): the recorder on every stage's rank.
 
 The loop passes its schedule (``ScheduleGPipe`` or ``Schedule1F1B``, one ``PipelineStage`` per rank, stage i on rank
-i) to the ``Recorder`` as its model. Each rank logs the batch its step function gives the schedule (stage 0 the
-inputs, the last stage the targets); the step function returns the micro-batch losses on the last stage, whose mean
-every rank logs, and the last stage keeps each micro-batch's loss (``microbatch_losses.jsonl``). Checkpoints go through
-``torch.distributed.checkpoint``, each rank writing its stage's parameters and optimizer state under their names in
-the whole model, rank 0 the names of all (``meta.json``): so ``scan``, ``bisect`` and every reader see one model.
-Replay: ``pipeline_replay``.
+i) to the ``Recorder`` as its model. With data parallelism (``dp`` pipelines side by side, torchtitan's (pp, dp)
+mesh), stage i runs on ranks i*dp to i*dp+dp-1 under DistributedDataParallel or FSDP2's ``fully_shard`` over them, and
+each pipeline is fed its own batch. Each rank logs the batch its step function gives the schedule (stage 0 the inputs,
+the last stage the targets); the step function returns the micro-batch losses on the last stage, whose mean every rank
+of that pipeline logs, and the last stage keeps each micro-batch's loss (``microbatch_losses.jsonl``). Checkpoints go
+through ``torch.distributed.checkpoint``, each rank writing its stage's parameters and optimizer state under their
+names in the whole model, rank 0 the names of all (``meta.json``): so ``scan``, ``bisect`` and every reader see one
+model. Replay: ``pipeline_replay``.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..finite import encode_float
-from ..runs.checkpoint import state_meta
+from ..runs.checkpoint import state_meta, state_to_json
+from ..runs.compiled import compiled_backend, own_name, unwrapped
 from ..runs.layout import rank_dir
-from ..runs.stages import PIPELINE, SCHEDULES, last_rank
+from ..runs.stages import DATA_PARALLEL, PIPELINE, SCHEDULES, dp_rank, dp_size, last_rank
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
 from .record import RankRecorder
+from .tensors import is_dtensor
 from .world import object_group
 
 MICROBATCH_LOSSES = "microbatch_losses.jsonl"  # the last stage's: {"step": s, "losses": [...]} per line
@@ -69,24 +73,35 @@ class PipelineRankRecorder(RankRecorder):
 
         name = type(schedule).__name__
         if name not in SCHEDULES or not isinstance(schedule, PipelineScheduleSingle):
-            raise ValueError(f"the schedule is {name}; nanforensics records {' and '.join(SCHEDULES)}, one stage per rank")
+            raise ValueError(f"the schedule is {name}; nanforensics records {' and '.join(SCHEDULES)}, one stage per rank "
+                             "(an interleaved schedule's stages share a rank, and replay rebuilds one stage per rank)")
         stage, size, rank = schedule._stage, dist.get_world_size(), dist.get_rank()
-        if stage.num_stages != size or stage.stage_index != rank:
-            raise ValueError(f"stage {stage.stage_index} of {stage.num_stages} runs on rank {rank} of {size}: "
-                             "nanforensics records one stage per rank, stage i on rank i")
+        dp = size // stage.num_stages if size % stage.num_stages == 0 else 0
+        pipeline = dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(size))
+        if not dp or stage.stage_index != rank // dp or pipeline != [i * dp + rank % dp for i in range(stage.num_stages)]:
+            raise ValueError(f"stage {stage.stage_index} of {stage.num_stages} runs on rank {rank} of {size} in the "
+                             f"pipeline of ranks {pipeline}: nanforensics records stage i on ranks i*dp to i*dp+dp-1, "
+                             "data-parallel rank j of every stage one pipeline, as init_device_mesh(device, (pp, dp), "
+                             "mesh_dim_names=('pp', 'dp')) lays them out")
         if schedule._loss_fn is None or schedule._args_chunk_spec or schedule._kwargs_chunk_spec:
             raise ValueError("the schedule needs a loss_fn and the default chunking (micro-batches along dimension 0)")
         from ..runs.imports import import_string_of
 
-        mine = {"stage": stage.stage_index, "rank": rank, "modules": [n for n, _ in stage.submod.named_children()]}
-        stages: list[Any] = [None] * size
-        dist.all_gather_object(stages, mine, group=object_group())
+        module, data_parallel = _stage_module(stage.submod, stage.stage_index, dp)
+        mine = {"stage": stage.stage_index, "rank": rank, "modules": [n for n, _ in own_children(module)]}
+        every: list[Any] = [None] * size
+        dist.all_gather_object(every, mine, group=object_group())
+        if any(s["modules"] != every[s["stage"] * dp]["modules"] for s in every):
+            raise ValueError("the data-parallel ranks of a stage hold different modules")
         options = {"schedule": name, "microbatches": int(schedule._n_microbatches),
                    "scale_grads": bool(schedule.scale_grads),
                    "loss_fn": import_string_of(schedule._loss_fn, "the schedule's loss_fn"),
-                   "stages": sorted(stages, key=lambda s: s["stage"])}
-        super().__init__(PIPELINE, stage.submod, options)
-        self.last = last_rank(options)
+                   "stages": [s for s in every if s["rank"] % dp == 0]}
+        if data_parallel is not None:
+            options[DATA_PARALLEL] = data_parallel
+        super().__init__(PIPELINE, unwrapped(module), options, compiled_backend(module))
+        self.last = last_rank(options, dp_rank(options, rank))  # the last stage of this rank's pipeline
+        self.pipeline = stage.group
         self._losses: Path | None = None
 
     def data_dir(self, path: Path) -> Path:
@@ -103,16 +118,17 @@ class PipelineRankRecorder(RankRecorder):
             with open(self._losses, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
         box = torch.tensor([0.0 if value is None else value], dtype=torch.float64)  # one broadcast, no pickling
-        dist.broadcast(box, src=self.last, group=self.group)
+        dist.broadcast(box, src=self.last, group=self.pipeline)
         return float(box.item())
 
     def checkpoint(self, folder: Path, step: int, optimizer: torch.optim.Optimizer, *, scaler: Any,
                    scheduler: Any) -> None:
         """Every rank writes its stage's tensors through torch.distributed.checkpoint; rank 0 writes meta.json with
-        every stage's names (in stage order) and every rank's RNG states."""
+        every stage's names (in stage order), every rank's RNG states, and each rank's LR scheduler state where the
+        loop gave one (``rank_schedulers``, in rank order: each stage steps its own)."""
         states: list[Any] | None = [None] * self.size if self.leads else None
         dist.gather_object(rank_rng_state(), states, dst=0, group=self.group)
-        names = state_meta(self.module, optimizer)[0]
+        names = state_meta(self.module, optimizer)[0], scheduler_state(scheduler)
         if not self.leads:
             dist.gather_object(names, None, dst=0, group=self.group)
             save_rank_shards(self._announce(None), self.module, optimizer, step, self.group)
@@ -121,9 +137,12 @@ class PipelineRankRecorder(RankRecorder):
         def merge(meta: dict[str, Any]) -> None:
             parts: list[Any] = [None] * self.size
             dist.gather_object(names, parts, dst=0, group=self.group)
+            if scheduler is not None:
+                meta[RANK_SCHEDULERS] = [part[1] for part in parts]
+            stages = [part[0] for part in parts[::dp_size(self.world.wrapping)]]  # a dp copy holds its names again
             for key in ("param_names", "param_groups", "buffer_names"):
-                meta[key] = [x for part in parts for x in part[key]]
-            meta["state_scalars"] = {k: v for part in parts for k, v in part["state_scalars"].items()}
+                meta[key] = [x for part in stages for x in part[key]]
+            meta["state_scalars"] = {k: v for part in stages for k, v in part["state_scalars"].items()}
 
         from ..runs.checkpoint import save_checkpoint
 
@@ -133,15 +152,76 @@ class PipelineRankRecorder(RankRecorder):
 
 
 
+RANK_SCHEDULERS = "rank_schedulers"  # meta.json: each rank's LR scheduler state, as JSON
+
+
+def scheduler_state(scheduler: Any) -> Any:
+    """A stage's LR scheduler state as JSON (None without one); ValueError for one holding tensors, which only rank
+    0's extras file could carry."""
+    if scheduler is None:
+        return None
+    tensors: dict[str, torch.Tensor] = {}
+    state = state_to_json(scheduler.state_dict(), tensors, "scheduler")
+    if tensors:
+        raise ValueError("the stage's LR scheduler holds tensors in its state; nanforensics records a pipeline's "
+                         "per-stage schedulers whose state is plain numbers")
+    return state
+
+
+def own_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A stage module's top-level children, under the names the whole model gives them."""
+    return list(unwrapped(module).named_children())
+
+
+def _stage_module(submod: nn.Module, stage: int, dp: int) -> tuple[nn.Module, dict[str, Any] | None]:
+    """The stage's module as the factory builds it, and the data-parallel wrapper's options where DDP or FSDP2
+    averages its gradients over the stage's ``dp`` data-parallel ranks. ValueError for another wrapper, another group,
+    or nothing averaging them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .wrapping import describe
+
+    if isinstance(unwrapped(submod), DistributedDataParallel):
+        _, module, options = describe(submod, dp)
+        ranks = dist.get_process_group_ranks(unwrapped(submod).process_group)
+        if ranks != [stage * dp + j for j in range(dp)]:
+            raise ValueError(f"stage {stage}'s DistributedDataParallel averages over ranks {ranks}, not its "
+                             f"data-parallel ranks {stage * dp} to {stage * dp + dp - 1}")
+        return module, {"size": dp, **options}
+    from .wrapping import _fsdp_options, _tp_plan
+
+    fsdp = sys.modules["torch.distributed.fsdp"].FSDPModule if "torch.distributed.fsdp" in sys.modules else None
+    sharded = [(own_name(n), m) for n, m in submod.named_modules() if fsdp is not None and isinstance(m, fsdp)]
+    if sharded and not _tp_plan(submod):  # FSDP2 over the stage's data-parallel ranks, as torchtitan's dp_shard
+        modules = [_fsdp_options(name, m, dp, None) for name, m in reversed(sharded)]
+        for name, m in sharded:
+            ranks = m._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh.mesh.flatten().tolist()
+            if ranks != [stage * dp + j for j in range(dp)]:
+                raise ValueError(f"stage {stage}'s module {name or '<root>'!r} is sharded over ranks {ranks}, not its "
+                                 f"data-parallel ranks {stage * dp} to {stage * dp + dp - 1}")
+        return submod, {"size": dp, "modules": modules}
+    if any(is_dtensor(p) for p in submod.parameters()):  # parallelize_module's parameters
+        raise ValueError("a pipeline stage under tensor parallelism (torchtitan's FSDP2 x TP x PP) is not supported: "
+                         "nanforensics records each stage whole on its rank, or under DistributedDataParallel or "
+                         "fully_shard (FSDP2) over its data-parallel ranks")
+    if dp > 1:
+        raise ValueError(f"nothing averages the gradients of each stage over its {dp} data-parallel ranks: wrap each "
+                         "stage's module in DistributedDataParallel or fully_shard over its dp group")
+    return submod, None
+
+
 def pipeline_world(model: Any, **extras: Any) -> PipelineRankRecorder | None:
     """The recorder's distributed side when the loop passed a pipeline schedule as its model; None otherwise.
-    ``extras``: the recorder's ``guard``, ``scaler`` and ``scheduler``, which a pipeline's replay does not rebuild
-    (a guard's incidents replay on one process; each stage has its own scaler and scheduler)."""
+    ``extras``: the recorder's ``guard``, ``scaler`` and ``scheduler``: a stage's own LR scheduler is recorded (its
+    state plain numbers); a guard and a scaler are refused, each with the reason."""
     if schedule_of(model) is None:
         return None
-    given = [name for name, value in extras.items() if value]
+    given = [name for name, value in extras.items() if value and name != "scheduler"]  # each stage's own: recorded
     if given:
-        raise ValueError(f"{given[0]}= is not supported with a pipeline schedule")
+        why = ("a guard's incidents replay on one process, and a pipeline only at world size" if given[0] == "guard"
+               else "a GradScaler's inf check is each stage's own, so the stages would skip different steps")
+        raise ValueError(f"{given[0]}= is not supported with a pipeline schedule: {why}")
+    scheduler_state(extras.get("scheduler"))
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("a pipeline schedule is recorded under torchrun, with its process group initialised")
     return PipelineRankRecorder(model)

@@ -10,6 +10,11 @@ accumulate the gradients); the first names the step, the stage, the micro-batch 
 runs that micro-batch's subsets through the stages again, from the state before the step, handing activations and
 gradients from rank to rank, and names the sample within the micro-batch.
 
+With data parallelism the (pp, dp) mesh is made again and each stage wrapped as recorded (DDP or FSDP2 over its dp
+ranks): every pipeline replays its own batch side by side, the gradients are watched before they are averaged (under
+FSDP2 on the unsharded parameters), each FSDP2 shard at the whole tensor's coordinate, and the origin's rank names its
+mesh coordinate. Each stage's own LR scheduler is rebuilt and its recorded state loaded.
+
 **On one process** the run is refused, with the command that replays it: a stage's module alone cannot compute what
 the others fed it, and the user's step function gives the schedule its own rank's batch, so running the stages one
 after the other would call it in another way than the run did.
@@ -31,6 +36,7 @@ from ..errors import BadInput, shown
 from ..finite import decode_float, locate, value_name
 from ..progress import SILENT, Progress
 from ..replay.reproduction import LOSS_ULPS, compare_checkpoint, float32_ulps, judge
+from ..replay.session import loose_grads, put_back
 from ..report import (
     LOSS_ONLY_STAGES,
     BatchRef,
@@ -45,22 +51,25 @@ from ..report import (
 from ..rootcause.data import check_batches
 from ..rootcause.samples import select, split_batch
 from ..runs.batches import data_leaves, map_tensors, per_sample
-from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state
-from ..runs.layout import rank_dir
+from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state, state_from_json
+from ..runs.layout import mean_loss, rank_dir
 from ..runs.run import Run, UserCode
-from ..runs.stages import PIPELINE, last_rank, stage_of
+from ..runs.stages import DATA_PARALLEL, PIPELINE, coordinate_text, dp_rank, dp_size, last_rank, stage_of, stage_rank
 from .checkpoint import restore_rank_rng
-from .pipeline import MICROBATCH_LOSSES, prune, step_loss
+from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, prune, step_loss
+from .tensors import local_part, shard_like
 from .world import object_group
+from .wrapping import shard_modules, unsharded_params, wrap_ddp
 
 
-def logged_microbatch_losses(run: Run) -> dict[int, list[float]]:
-    """The last stage's micro-batch losses per step, as recorded: a torn last line (a job killed mid-write) is
-    dropped, any other line that is not a step's losses is bad input; no file, none (an older recording)."""
+def logged_microbatch_losses(run: Run, dp: int = 0) -> dict[int, list[float]]:
+    """The last stage's micro-batch losses per step in pipeline ``dp``, as recorded: a torn last line (a job killed
+    mid-write) is dropped, any other line that is not a step's losses is bad input; no file, none (an older
+    recording)."""
     from ..inputs import excerpt, read_input
     from ..runs.steplog import is_step
 
-    path = rank_dir(run.path, last_rank(run.world.wrapping)) / MICROBATCH_LOSSES  # type: ignore[union-attr]
+    path = rank_dir(run.path, last_rank(run.world.wrapping, dp)) / MICROBATCH_LOSSES  # type: ignore[union-attr]
     out: dict[int, list[float]] = {}
     if not path.is_file():
         return out
@@ -94,8 +103,11 @@ class _Stage:
 
         wrapping = run.world.wrapping  # type: ignore[union-attr]
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self.spec = stage_of(wrapping, self.rank)
-        self.last = self.rank == last_rank(wrapping)
+        self.spec, self.wrapping = stage_of(wrapping, self.rank), wrapping
+        self.stages, self.dp = len(wrapping["stages"]), dp_rank(wrapping, self.rank)
+        self.last = self.rank == last_rank(wrapping, self.dp)
+        self.pipeline, data_group = _groups(wrapping, self.rank, device)
+        self.sharded = data_group is not None and "modules" in wrapping[DATA_PARALLEL]  # FSDP2 over the dp ranks
         where = run.path / "manifest.json"
         try:
             model = code.model_factory(**run.manifest.model_kwargs)
@@ -106,14 +118,22 @@ class _Stage:
             raise BadInput(where, f"stage {self.spec['stage']}'s module {missing[0]!r} is not a child of the model the "
                                   "factory builds")
         self.model = prune(model, self.spec["modules"]).to(device)
+        if self.sharded:  # before the optimizer is built over the (sharded) parameters
+            shard_modules(self.model, wrapping[DATA_PARALLEL]["modules"], data_group)
         self.meta = checkpoint.meta()
         self.optimizer = _stage_optimizer(code, self.model, self.meta, checkpoint, run)
+        self.scheduler = code.scheduler(run, self.optimizer)  # this stage's own, built before any state is loaded
         _load_stage(checkpoint, self.model, self.optimizer, self.meta)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(_scheduler_state(checkpoint, self.meta, self.rank, self.size))
         states = self.meta.get("rank_rng")
         if not isinstance(states, list) or len(states) != self.size:
             raise BadInput(checkpoint.path / "meta.json", f"holds no RNG state for each of the {self.size} ranks (rank_rng)")
         restore_rank_rng(states[self.rank], device, checkpoint.path / "meta.json")
-        stage = PipelineStage(self.model, self.spec["stage"], self.size, device)
+        # the stage's module under DDP over its data-parallel ranks, as recorded; the checks watch the module itself
+        run_as = self.model if data_group is None or self.sharded else \
+            wrap_ddp(self.model, wrapping[DATA_PARALLEL], device, data_group.get_group())
+        stage = PipelineStage(run_as, self.spec["stage"], self.stages, device, group=self.pipeline)
         self.schedule = getattr(schedules, wrapping["schedule"])(
             stage, wrapping["microbatches"], loss_fn=loss_fn, scale_grads=wrapping["scale_grads"])
         self.stage, self.loss_fn = stage, loss_fn
@@ -121,20 +141,56 @@ class _Stage:
 
     def totals(self) -> tuple[int, int]:
         """The stage's parameter and optimizer-state values."""
-        state = sum(v.numel() for st in self.optimizer.state.values() for v in st.values()
+        state = sum(local_part(v)[0].numel() for st in self.optimizer.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim)
-        return sum(p.numel() for p in self.model.parameters()), state
+        return sum(local_part(p)[0].numel() for p in self.model.parameters()), state
+
+    def twins(self) -> dict[torch.Tensor, str]:
+        """Each parameter's tensor its local gradient accumulates into, by name: under FSDP2 the unsharded one."""
+        return unsharded_params(self.model, {p: n for n, p in self.model.named_parameters()})
 
     def snapshot(self) -> dict[str, Any]:
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step}
+                "grads": loose_grads(self.model, self.optimizer),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": rng_state(), "step": self.step,
+                "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None}
 
     def restore(self, snap: dict[str, Any]) -> None:
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         self.optimizer.zero_grad(set_to_none=True)
+        put_back(snap["grads"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
         restore_rng(snap["rng"])
         self.step = snap["step"]
+
+
+def _scheduler_state(checkpoint: Checkpoint, meta: dict[str, Any], rank: int, size: int) -> Any:
+    """Rank ``rank``'s LR scheduler state, as the recorder wrote each rank's into meta.json (plain JSON)."""
+    states = meta.get(RANK_SCHEDULERS)
+    if not isinstance(states, list) or len(states) != size or not isinstance(states[rank], dict):
+        raise BadInput(checkpoint.path / "meta.json", f"holds no LR scheduler state for each of the {size} ranks "
+                                                      f"({RANK_SCHEDULERS}), which the manifest's scheduler needs")
+    return state_from_json(states[rank], lambda: _no_tensors(checkpoint))
+
+
+def _no_tensors(checkpoint: Checkpoint) -> Any:
+    raise BadInput(checkpoint.path / "meta.json", f"{RANK_SCHEDULERS} refers to a tensor; the recorder writes plain "
+                                                  "numbers there")
+
+
+def _groups(wrapping: dict[str, Any], rank: int, device: torch.device) -> tuple[Any, Any]:
+    """This rank's pipeline (the ranks of every stage in its data-parallel rank) as a process group, and its stage's
+    data-parallel ranks as a mesh: torchtitan's (pp, dp) DeviceMesh made again; (None, None) without data
+    parallelism: the pipeline is every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = dp_size(wrapping)
+    if dp == 1:
+        return None, None
+    mesh = init_device_mesh(device.type, (len(wrapping["stages"]), dp), mesh_dim_names=("pp", "dp"))
+    return mesh["pp"].get_group(), mesh["dp"]
 
 
 def _stage_optimizer(code: UserCode, model: nn.Module, meta: dict[str, Any], checkpoint: Checkpoint,
@@ -147,14 +203,24 @@ def _stage_optimizer(code: UserCode, model: nn.Module, meta: dict[str, Any], che
         except Exception as e:
             raise BadInput(where, f"optimizer.factory raised {e.__class__.__name__}: {e}") from None
     named = dict(model.named_parameters(remove_duplicate=False))
-    groups = [{**g, "params": [named[n] for n in g["params"]]} for g in meta["param_groups"]
-              if g["params"] and all(n in named for n in g["params"])]
-    if sorted(n for g in meta["param_groups"] for n in g["params"] if n in named) != sorted(named):
-        raise BadInput(checkpoint.path / "meta.json", "its param groups do not hold this stage's parameters each once")
+    mine = _stage_groups(meta, model)
+    held = [n for g in mine for n in g["params"]]
+    # a parameter of the stage in no group is one its optimizer does not hold (its gradient carries over), as on one
+    # process; a group of two stages' parameters, or a parameter in two groups, no recorder wrote
+    if not set(held) <= set(named) or len(set(held)) != len(held):
+        raise BadInput(checkpoint.path / "meta.json", "its param groups mix this stage's parameters with another "
+                                                      "stage's, or hold one twice")
+    groups = [{**g, "params": [named[n] for n in g["params"]]} for g in mine]
     try:
         return code.optimizer_class(groups)
     except Exception as e:
         raise BadInput(where, f"cannot rebuild optimizer {run.manifest.optimizer_class}: {e}") from None
+
+
+def _stage_groups(meta: dict[str, Any], model: nn.Module) -> list[dict[str, Any]]:
+    """The recorded param groups of this stage's parameters (by name), in the recorded order."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return [g for g in meta["param_groups"] if any(n in named for n in g["params"])]
 
 
 def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -165,6 +231,7 @@ def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim
     for name, tensor in tensors.items():
         if tensor.dtype != expected[name].dtype:
             raise BadInput(checkpoint.model_file, f"tensor {name!r} is {tensor.dtype}, the stage holds {expected[name].dtype}")
+        tensors[name] = shard_like(tensor, expected[name])  # FSDP2: this rank's shard of the whole tensor
     try:
         model.load_state_dict(tensors)
     except RuntimeError as e:
@@ -178,13 +245,19 @@ def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim
     for key, tensor in checkpoint.optimizer_tensors():
         name, _, skey = key.rpartition("/")
         if name in index:
+            tensor = shard_like(tensor, by_name[name])
             state.setdefault(index[name], {})[skey] = tensor
     for name, values in meta["state_scalars"].items():
         if name in index:
             state.setdefault(index[name], {}).update(values)
-    sd = optimizer.state_dict()
+    # the recorded hyperparameters (an LR scheduler's lr at the checkpoint: building one reset it), this optimizer's
+    # parameters
+    groups = optimizer.state_dict()["param_groups"]
+    recorded = _stage_groups(meta, model)
+    if len(recorded) == len(groups):
+        groups = [{**{k: v for k, v in r.items() if k != "params"}, "params": g["params"]} for r, g in zip(recorded, groups)]
     try:
-        optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as e:
         raise BadInput(checkpoint.optimizer_file, f"does not fit the stage's optimizer: {e}") from None
 
@@ -245,7 +318,7 @@ class _Watch:
         for name, m in s.model.named_modules():
             if name:
                 self.handles.append(m.register_forward_hook(lambda mod, args, out, name=name: self._outputs(name, out)))
-        for name, p in s.model.named_parameters():
+        for p, name in s.twins().items():  # the local gradients, before DDP or FSDP2 averages them
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(
                     lambda p, name=name: self._check("grad", name, p.grad)))
@@ -271,12 +344,14 @@ class _Watch:
         # outside a micro-batch, the stage's shape inference runs its forward on uninitialised tensors: not the run's
         if t is None or (stage, f"{name}/{key}") in self.seen or (mb is None and stage in ("forward", "grad")):
             return
-        where = locate(t.detach())
+        held, offset = local_part(t.detach())  # an FSDP2 shard is checked where it lies in the whole tensor
+        where = locate(held)
         if where is None:
             return
         self.seen.add((stage, f"{name}/{key}"))
-        e = Event(self.step, stage, name, where.index, where.value, state_key=key, dtype=str(t.dtype).removeprefix("torch."),
-                  rank=self.s.rank, elements_nonfinite=int((~torch.isfinite(t.detach())).sum()), tensors_nonfinite=1)
+        index = [i + o for i, o in zip(where.index, offset)] if offset else where.index
+        e = Event(self.step, stage, name, index, where.value, state_key=key, dtype=str(t.dtype).removeprefix("torch."),
+                  rank=self.s.rank, elements_nonfinite=int((~torch.isfinite(held)).sum()), tensors_nonfinite=1)
         self.events.append(((mb, stage), e))
 
     def after_step(self) -> None:
@@ -294,11 +369,17 @@ class _Watch:
                 self._check("buffer", name, b, None)
 
 
-def _order(item: tuple[tuple, Event], stages: int, n: int) -> tuple:
-    """An event's place in the step's computation (see ``_PHASES``)."""
+def _order(item: tuple[tuple, Event], stages: int, n: int, dp: int) -> tuple:
+    """An event's place in the step's computation (see ``_PHASES``); the pipelines side by side, in data-parallel
+    rank order."""
     (mb, phase), e = item
-    stage = e.rank if e.rank is not None else 0
-    return (n if mb is None else mb, _PHASES[phase], stage if phase == "forward" else stages - stage, e.tensor)
+    stage, pipeline = divmod(e.rank if e.rank is not None else 0, dp)
+    return (n if mb is None else mb, _PHASES[phase], stage if phase == "forward" else stages - stage, pipeline, e.tensor)
+
+
+# what the update writes: the same in every DDP copy of a stage, reported by data-parallel rank 0's alone (FSDP2's
+# shards are each rank's own)
+_REPLICATED = ("optimizer_state", "param", "buffer")
 
 
 def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch.device, opts: Any,
@@ -320,9 +401,11 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
                                     search_paths=opts.code_paths, forbidden=None if opts.trust_run_dir else run.path,
                                     trust_code=opts.trust_code, trust_packages=opts.trust_packages)
     s = _Stage(run, code, checkpoint, device, loss_fn)
-    n, stages = wrapping["microbatches"], world.world_size
+    n, stages, dp, size = wrapping["microbatches"], s.stages, dp_size(wrapping), world.world_size
+    if dp > 1 and not s.sharded and checkpoint.step > run.manifest.start_step:
+        _warm_up(run, code, s, device)
     logged = {st.step: st.loss for st in run.steps}
-    logged_mb = logged_microbatch_losses(run)
+    logged_mb = [logged_microbatch_losses(run, j) for j in range(dp)]
     last = run.last_step if opts.max_steps is None else min(run.last_step or 0, checkpoint.step + opts.max_steps - 1)
     assert last is not None
     progress.phase(f"replaying steps {checkpoint.step}-{last}, one stage per rank", last - checkpoint.step + 1)
@@ -334,30 +417,26 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
     explained: tuple[tuple[tuple, Event], dict[str, Any], tuple[Any, Any, bool]] | None = None
     loss_explained: tuple[tuple[tuple, Event], dict[str, Any], tuple[Any, Any, bool]] | None = None
     loss_only: list[int] = []
-    replayed_mb: dict[int, list[float]] = {}
+    replayed_mb: dict[int, list[list[float]]] = {}
     later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
     compared: list[CheckpointComparison] = []
     while s.step <= last:
         step = s.step
         snap = s.snapshot() if origin_item is None else None
         with _Watch(s) as watch:
-            batch = map_tensors(run.batch(step, s.rank), lambda t: t.to(device))
-            try:
-                returned = code.step_fn(s.schedule, s.optimizer, batch)
-                value = float(step_loss(returned)) if s.last else None
-            except BadInput:
-                raise
-            except Exception as e:
-                raise BadInput(run.code_file, f"step function {code.step_name} raised {e.__class__.__name__} at step "
-                                              f"{step} on stage {s.spec['stage']}: {e}") from None
+            value = _step(run, code, s, device)
             watch.after_step()
-        gathered: list[Any] = [None] * stages
+        gathered: list[Any] = [None] * size
         dist.all_gather_object(gathered, (watch.events, value, watch.losses, s.totals()), group=object_group())
-        loss = gathered[last_rank(wrapping)][1]
-        replayed_mb[step] = gathered[last_rank(wrapping)][2]
-        found = sorted((item for g in gathered for item in g[0]), key=lambda item: _order(item, stages, n))
+        lasts = [gathered[last_rank(wrapping, j)] for j in range(dp)]
+        loss = mean_loss([g[1] for g in lasts])  # as the run's loss is read: the mean over pipelines
+        replayed_mb[step] = [g[2] for g in lasts]
+        found = sorted((item for r, g in enumerate(gathered) for item in g[0]
+                        if r % dp == 0 or s.sharded or item[0][1] not in _REPLICATED),
+                       key=lambda item: _order(item, stages, n, dp))
         events += [e for _, e in found]
-        params_total, state_total = (sum(g[3][i] for g in gathered) for i in (0, 1))
+        copies = gathered if s.sharded else gathered[::dp]  # FSDP2's shards each count; DDP's copies once
+        params_total, state_total = (sum(g[3][i] for g in copies) for i in (0, 1))
         logged_loss = logged.get(step)
         spread.append(StepRecord(step, logged_loss, loss, _bad(found, "param"), params_total,
                                  _bad(found, "optimizer_state"), state_total,
@@ -382,32 +461,61 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
     explained = explained or loss_explained
     if explained is not None:
         ((mb, _), event), before, captured = explained
-        stage_index = next(st["stage"] for st in wrapping["stages"] if st["rank"] == event.rank)
-        rows = _rows(_batch_rows(run, event.step), n, mb) if mb is not None else []
+        rank = event.rank or 0
+        stage_index, pipeline = divmod(rank, dp)
+        first = stage_rank(wrapping, 0, pipeline)  # the rank that holds this pipeline's inputs
+        rows = _rows(_batch_rows(run, event.step, first), n, mb) if mb is not None else []
         span = f" (rows {rows[0]}-{rows[-1]})" if rows else ""
+        at = f" ({coordinate_text(wrapping, rank)})" if dp > 1 else ""
         report.pipeline = PipelineOrigin(
-            stage_index, event.rank or 0, mb, n, wrapping["schedule"], [rows[0], rows[-1] + 1] if rows else [],
-            logged_mb.get(event.step, []), replayed_mb.get(event.step, []),
-            text=f"stage {stage_index}, " + (f"micro-batch {mb} of {n}" if mb is not None else "the update"),
-            batch_text=f", micro-batch {mb} of {n}{span}, stage 0's inputs" if mb is not None else "")
+            stage_index, rank, mb, n, wrapping["schedule"], [rows[0], rows[-1] + 1] if rows else [],
+            logged_mb[pipeline].get(event.step, []), replayed_mb.get(event.step, [[]] * dp)[pipeline],
+            text=f"stage {stage_index}{at}, " + (f"micro-batch {mb} of {n}" if mb is not None else "the update"),
+            batch_text=f", micro-batch {mb} of {n}{span}, stage 0's inputs{at}" if mb is not None else "",
+            mesh={"pp": stage_index, "dp": pipeline} if dp > 1 else {})
         if mb is not None and opts.explain and event.stage != "param":
             s.restore(before)
-            report.samples = _attribute(run, s, event, mb, rows, captured, progress)
-            report.responsible_batch = _responsible(run, event.step, rows)
+            report.samples = _attribute(run, s, event, mb, rows, captured, first, progress)
+            report.responsible_batch = _responsible(run, event.step, rows, first)
         report.findings = pipeline_findings(report, event)
     report.data_defects = check_batches(run, [r.step for r in spread], opts.data_max_abs)  # each rank's batches
     return narrate(report)
+
+
+def _warm_up(run: Run, code: UserCode, s: _Stage, device: torch.device) -> None:
+    """The stage's DDP as the run's was past its first step. DDP lays its buckets out again after its first
+    iteration (in the order gradients became ready), and a pipeline schedule, whose every micro-batch's forward
+    prepares DDP's reducer, averages a bucket's gradients after the micro-batch that completes it: so the layout
+    decides the sums, and a fresh DDP at a later checkpoint would not sum as the run did (measured: 2 ulps at the
+    next checkpoint). The first replayed step runs once, unwatched, and the stage's state is put back."""
+    snap = s.snapshot()
+    _step(run, code, s, device)
+    s.restore(snap)
+
+
+def _step(run: Run, code: UserCode, s: _Stage, device: torch.device) -> float | None:
+    """The user's step function on this rank's batch of the stage's next step; the step's loss on a last stage."""
+    batch = map_tensors(run.batch(s.step, s.rank), lambda t: t.to(device))
+    extras = {"scheduler": s.scheduler} if s.scheduler is not None else {}  # as one process passes it
+    try:
+        returned = code.step_fn(s.schedule, s.optimizer, batch, **extras)
+        return float(step_loss(returned)) if s.last else None
+    except BadInput:
+        raise
+    except Exception as e:
+        raise BadInput(run.code_file, f"step function {code.step_name} raised {e.__class__.__name__} at step "
+                                      f"{s.step} on stage {s.spec['stage']}: {e}") from None
 
 
 def _bad(found: list[tuple[tuple, Event]], stage: str) -> int:
     return sum(e.elements_nonfinite for _, e in found if e.stage == stage)
 
 
-def _batch_rows(run: Run, step: int) -> int:
-    """The step's batch size, as the first stage's batch holds it."""
+def _batch_rows(run: Run, step: int, first: int) -> int:
+    """The step's batch size, as the first stage's batch holds it (on rank ``first``)."""
     from ..rootcause.samples import batch_size
 
-    return batch_size(run.batch(step, 0)) or 0
+    return batch_size(run.batch(step, first)) or 0
 
 
 def _rows(size: int, n: int, mb: int) -> list[int]:
@@ -416,18 +524,19 @@ def _rows(size: int, n: int, mb: int) -> list[int]:
     return torch.tensor_split(torch.arange(size), n)[mb].tolist()
 
 
-def _responsible(run: Run, step: int, rows: list[int]) -> BatchRef:
-    """The micro-batch's rows of the first stage's batch: its non-tensor leaves (sample ids)."""
-    batch = run.batch(step, 0)
-    size = _batch_rows(run, step)
+def _responsible(run: Run, step: int, rows: list[int], first: int) -> BatchRef:
+    """The micro-batch's rows of the first stage's batch (on rank ``first``): its non-tensor leaves (sample ids)."""
+    batch = run.batch(step, first)
+    size = _batch_rows(run, step, first)
     leaves = {p: [v[i] for i in rows] if per_sample(v, size) else v for p, v in data_leaves(batch, size=size)}
-    return BatchRef(step, str(run.batch_file(step, 0)), leaves, 0)
+    return BatchRef(step, str(run.batch_file(step, first)), leaves, first)
 
 
 def _attribute(run: Run, s: _Stage, origin: Event, mb: int, rows: list[int], captured: tuple[Any, Any, bool],
-               progress: Progress) -> SampleAttribution:
+               first: int, progress: Progress) -> SampleAttribution:
     """Group testing within micro-batch ``mb``, every rank together: each subset runs through the stages from the
-    state before the step; the origin's rank says whether the origin's tensor turned non-finite."""
+    state before the step (every pipeline on the same rows of its own micro-batch); the origin's rank says whether
+    the origin's tensor turned non-finite."""
     inputs, targets, one_tensor = captured
     size = len(rows)
     each: list[Any] = [None] * s.size
@@ -456,8 +565,8 @@ def _attribute(run: Run, s: _Stage, origin: Event, mb: int, rows: list[int], cap
         found = split_batch(size, fails)
     finally:
         s.restore(snap)
-    batch = run.batch(origin.step, 0)
-    whole = _batch_rows(run, origin.step)
+    batch = run.batch(origin.step, first)
+    whole = _batch_rows(run, origin.step, first)
     leaves = {p: [v[rows[i]] for i in found.samples] for p, v in data_leaves(batch, size=whole) if per_sample(v, whole)}
     located = [[mb, i] for i in found.samples]
     listed = ", ".join(map(str, found.samples))
@@ -473,8 +582,9 @@ def _attribute(run: Run, s: _Stage, origin: Event, mb: int, rows: list[int], cap
 def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
     """One micro-batch's forward and backward through the stages, activations and gradients handed from rank to rank
     (every rank takes part in each hand-over); on the origin's rank, whether the origin's tensor turned non-finite."""
-    group = object_group()
-    stage, stages = s.spec["stage"], s.size
+    group = s.pipeline or object_group()  # each pipeline hands over within itself
+    stage, stages = s.spec["stage"], s.stages
+    ranks = [stage_rank(s.wrapping, hop, s.dp) for hop in range(stages)]  # the global rank of each stage
     seen: list[bool] = [False]
 
     def watch(t: Any) -> None:
@@ -486,7 +596,8 @@ def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
     if mine and origin.stage == "forward":
         handles.append(s.model.get_submodule(origin.tensor).register_forward_hook(lambda m, a, out: watch(out)))
     elif mine and origin.stage == "grad":
-        handles.append(s.model.get_parameter(origin.tensor).register_post_accumulate_grad_hook(lambda p: watch(p.grad)))
+        twin = next(p for p, name in s.twins().items() if name == origin.tensor)
+        handles.append(twin.register_post_accumulate_grad_hook(lambda p: watch(p.grad)))
     try:
         out = None
         received = None
@@ -500,7 +611,7 @@ def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
                 out = s.model(*x)
             box = [out.detach() if hop == stage and isinstance(out, torch.Tensor) else None]
             if hop < stages - 1:
-                dist.broadcast_object_list(box, src=hop, group=group)
+                dist.broadcast_object_list(box, src=ranks[hop], group=group)
                 if hop + 1 == stage:
                     received = box[0]
         grads: Any = None
@@ -518,7 +629,7 @@ def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
                 sent = None
             box = [sent]
             if hop > 0:
-                dist.broadcast_object_list(box, src=hop, group=group)
+                dist.broadcast_object_list(box, src=ranks[hop], group=group)
                 if hop - 1 == stage:
                     grads = box[0]
     finally:
@@ -536,6 +647,7 @@ def _compare(s: _Stage, checkpoint: Checkpoint) -> CheckpointComparison:
         mine.first_mismatch.rank = s.rank
     parts: list[Any] = [None] * s.size
     dist.all_gather_object(parts, mine, group=object_group())
+    parts = parts[::dp_size(s.wrapping)]  # a data-parallel copy of a stage compares the same tensors again
     first = next((p.first_mismatch for p in parts if p.first_mismatch is not None), None)
     return CheckpointComparison(
         checkpoint.step, str(checkpoint.path), sum(p.tensors for p in parts), all(p.exact for p in parts),
@@ -579,7 +691,7 @@ def pipeline_findings(r: ReplayReport, e: Event) -> list[str]:
     p = r.pipeline
     assert p is not None
     what = describe(Event(e.step, e.stage, e.tensor, e.index, e.value, state_key=e.state_key))
-    where = f"stage {p.stage} (rank {p.rank})"
+    where = f"stage {p.stage} (rank {p.rank}" + "".join(f", {k}={v}" for k, v in p.mesh.items()) + ")"
     if p.microbatch is None:
         return [f"At step {e.step}, {where}'s update made {what} after all {p.microbatches} micro-batches "
                 f"({p.schedule})."]

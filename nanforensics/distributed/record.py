@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ..runs.checkpoint import save_checkpoint
+from ..runs.compiled import compiled_backend, unwrapped
 from ..runs.layout import DDP, World, rank_dir
+from ..runs.stages import PIPELINE
 from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
 from .world import object_group
 from .wrapping import describe, describe_mesh
@@ -28,21 +30,25 @@ def recording_world(model: torch.nn.Module) -> "RankRecorder | None":
     if not (dist.is_available() and dist.is_initialized()):
         return None
     size = dist.get_world_size()
-    try:
+    try:  # torch.compile around the wrapper (wrap, then compile) is looked through: the wrapper says the layout
         kind, module, options = describe(model, size)
     except ValueError:
         if size == 1:
             return None
         raise
-    return RankRecorder(kind, module, options)
+    # and torch.compile inside it (compile, then wrap): the names are the compiled module's, as on one process
+    return RankRecorder(kind, unwrapped(module), options, compiled_backend(model) or compiled_backend(module))
 
 
 class RankRecorder:
-    def __init__(self, kind: str, module: torch.nn.Module, options: dict[str, Any]) -> None:
+    def __init__(self, kind: str, module: torch.nn.Module, options: dict[str, Any], compiled: str | None = None) -> None:
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.module = module
+        self.compiled = compiled  # the torch.compile backend, inside the wrapper or around it; None: not compiled
         self.group = object_group()
-        self.world = World(self.size, kind, str(dist.get_backend()), options, describe_mesh(module, self.size))
+        # a pipeline's stages say their layout themselves (its data-parallel mesh is part of the (pp, dp) one)
+        mesh = describe_mesh(module, self.size) if kind != PIPELINE else None
+        self.world = World(self.size, kind, str(dist.get_backend()), options, mesh)
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
 
     @property

@@ -256,7 +256,7 @@ class RankSession(Session):
     def reset(self) -> None:
         super().reset()
         if self.world.kind == DDP:
-            self.stepped = wrap_ddp(self.model, self.world, self.device)
+            self.stepped = wrap_ddp(self.model, self.world.wrapping, self.device)
         self.lengths = rows(self.model)
         _restore(self, _rank_rng(self, self.world)[self.rank])
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import BadInput
+from ..runs.compiled import own_name, unwrapped
 from ..runs.layout import DDP, DTYPES, FSDP2, STYLES, TP, Mesh, World
 from ..words import every
 from .tensors import is_dtensor
@@ -41,17 +42,20 @@ def describe(model: nn.Module, world_size: int) -> tuple[str, nn.Module, dict[st
     replay could not rebuild."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel):
-        if getattr(model, "_comm_hooks", None):
+    ddp = unwrapped(model)  # torch.compile(DDP(module)): the wrapper inside the compiled one
+    if isinstance(ddp, DistributedDataParallel):
+        if getattr(ddp, "_comm_hooks", None):
             raise ValueError("the DDP model has a communication hook, which changes how gradients are reduced; "
                              "nanforensics cannot rebuild it for replay")
-        return DDP, model.module, {"broadcast_buffers": bool(model.broadcast_buffers),
-                                   "find_unused_parameters": bool(model.find_unused_parameters),
-                                   "gradient_as_bucket_view": bool(model.gradient_as_bucket_view)}
-    if type(model).__name__ == "FullyShardedDataParallel":
+        return DDP, ddp.module, {"broadcast_buffers": bool(ddp.broadcast_buffers),
+                                 "find_unused_parameters": bool(ddp.find_unused_parameters),
+                                 "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view)}
+    if type(ddp).__name__ == "FullyShardedDataParallel":
         raise ValueError("FSDP1 (FullyShardedDataParallel) is not supported; shard with FSDP2's fully_shard")
     fsdp = _fsdp_module_class()
-    sharded = [(name, m) for name, m in model.named_modules() if fsdp is not None and isinstance(m, fsdp)]
+    # FSDP2 under torch.compile, or over a compiled module (which fully_shard turns into an FSDP module itself):
+    # modules named as in the model the factory builds
+    sharded = [(own_name(name), m) for name, m in model.named_modules() if fsdp is not None and isinstance(m, fsdp)]
     mesh = describe_mesh(model, world_size)
     if sharded:
         return FSDP2, model, {"modules": [_fsdp_options(name, m, world_size, mesh) for name, m in reversed(sharded)]}
@@ -92,7 +96,7 @@ def describe_mesh(model: nn.Module, world_size: int) -> Mesh | None:
 
 def placements(model: nn.Module) -> dict[str, dict[str, str]]:
     """Each DTensor parameter's placement on each named mesh dimension, as the manifest writes it."""
-    return {n: {d: repr(pl) for d, pl in zip(p.device_mesh.mesh_dim_names or (), p.placements)}
+    return {own_name(n): {d: repr(pl) for d, pl in zip(p.device_mesh.mesh_dim_names or (), p.placements)}
             for n, p in model.named_parameters() if is_dtensor(p)}
 
 
@@ -142,7 +146,7 @@ def _tp_plan(model: nn.Module) -> list[tuple[str, dict[str, Any], Any]]:
             else:
                 spec = {"input_layouts": repr(inputs[0][0]), "output_layouts": repr(outputs[0][0]),
                         "use_local_output": bool(outputs[1])}
-            out.append((name, {"module": name, "style": style, **spec}, found["mesh"]))
+            out.append((name, {"module": own_name(name), "style": style, **spec}, found["mesh"]))
     assert all(s["style"] in STYLES for _, s, _ in out)
     return out
 
@@ -182,27 +186,35 @@ def mixed_precision(world: World) -> bool:
 _DDP_DEFAULTS = {"broadcast_buffers": True, "find_unused_parameters": False, "gradient_as_bucket_view": False}
 
 
-def wrap_ddp(module: nn.Module, world: World, device: torch.device) -> nn.Module:
-    """DDP as the run built it; options at their defaults are left out (newer torch deprecates some by name).
+def wrap_ddp(module: nn.Module, recorded: dict[str, Any], device: torch.device, group: Any = None) -> nn.Module:
+    """DDP as the run built it (its ``recorded`` options), over ``group`` (all ranks unless given: a pipeline stage's
+    data-parallel ranks); options at their defaults are left out (newer torch deprecates some by name).
 
     Gradients are never views of DDP's buckets here: the checks read each local gradient as backward accumulates it,
     and a bucket view may be scaled or reduced in place by then. Copied or not, the arithmetic is the same."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
-    wanted = {**world.wrapping, "gradient_as_bucket_view": False}
+    wanted = {**{k: v for k, v in recorded.items() if k in _DDP_DEFAULTS}, "gradient_as_bucket_view": False}
     options = {k: v for k, v in wanted.items() if _DDP_DEFAULTS.get(k) != v}
-    return DistributedDataParallel(module, device_ids=ids, **options)
+    return DistributedDataParallel(module, device_ids=ids, process_group=group, **options)
 
 
 def shard_fsdp2(module: nn.Module, world: World, device: torch.device) -> None:
     """``fully_shard`` as the run applied it, children before their parents; the unsharded parameters are then
     materialised once, so hooks can be put on them (the local gradients accumulate there, before the reduce-scatter)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world.world_size,)) if world.mesh is None else parallelize(module, world, device)
-    for spec in world.wrapping["modules"]:
+    shard_modules(module, world.wrapping["modules"], mesh)
+
+
+def shard_modules(module: nn.Module, specs: list[dict[str, Any]], mesh: Any) -> None:
+    """``fully_shard`` over ``mesh`` on each module of ``specs`` (as the manifest lists them: children before their
+    parents), then the unsharded parameters materialised once (a pipeline stage's data-parallel ranks too)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    for spec in specs:
         policy = {k: getattr(torch, v) if k.endswith("dtype") and v is not None else v
                   for k, v in spec["mp_policy"].items()}
         fully_shard(module.get_submodule(spec["module"]), mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy),

@@ -148,7 +148,8 @@ class Session:
         is last restored: nothing then writes the optimizer's state, so its tensors are kept, and put back, by
         reference instead of copied (on the decoder bench, 110 MB a root-cause pass)."""
         optimizer = self.optimizer.state_dict()
-        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}, "grads": self._loose_grads(),
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "grads": loose_grads(self.model, self.optimizer),
                 "optimizer": copy.deepcopy(optimizer, {} if stepping else _tensors(optimizer)), "shared": not stepping,
                 "rng": rng_state(), "step": self.step, "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None}
@@ -159,8 +160,7 @@ class Session:
         # load_state_dict keeps the tensors it is given: a copy, unless nothing will write them
         self.optimizer.load_state_dict(copy.deepcopy(optimizer, _tensors(optimizer) if snapshot["shared"] else {}))
         self.optimizer.zero_grad(set_to_none=True)
-        for p, grad in snapshot["grads"].items():
-            p.grad = None if grad is None else grad.clone()
+        put_back(snapshot["grads"])
         restore_rng(snapshot["rng"])
         self.step = snapshot["step"]
         if self.scaler is not None:
@@ -168,18 +168,26 @@ class Session:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(copy.deepcopy(snapshot["scheduler"]))
 
-    def _loose_grads(self) -> dict[torch.Tensor, torch.Tensor | None]:
-        """The gradients of the parameters the optimizer does not hold (Muon's biases, a frozen layer's that still
-        requires grad): nothing zeroes them, so they carry over between steps, and a re-run of a step must start from
-        them as they were, not from what the pass before left (a NaN it made would fail every later pass)."""
-        held = {id(p) for p in optimizer_params(self.optimizer)}
-        return {p: None if p.grad is None else p.grad.detach().clone()
-                for p in self.model.parameters() if id(p) not in held and p.requires_grad}
-
     def advance_to(self, step: int) -> None:
         """Plain steps up to (not including) ``step``."""
         while self.step < step:
             self.run_step()
+
+
+def loose_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor | None]:
+    """The gradients of the parameters the optimizer does not hold (Muon's biases, a frozen layer's that still
+    requires grad), copied: nothing zeroes them, so they carry over between steps, and a re-run of a step must start
+    from them as they were, not from what the pass before left (a NaN it made would fail every later pass). Every
+    snapshot of a replay's state takes them (this session's, a pipeline stage's), and ``put_back`` restores them."""
+    held = {id(p) for p in optimizer_params(optimizer)}
+    return {p: None if p.grad is None else p.grad.detach().clone()
+            for p in model.parameters() if id(p) not in held and p.requires_grad}
+
+
+def put_back(grads: dict[torch.Tensor, torch.Tensor | None]) -> None:
+    """The gradients ``loose_grads`` took, each as it was (a copy: the snapshot may be restored again)."""
+    for p, grad in grads.items():
+        p.grad = None if grad is None else grad.clone()
 
 
 def _tensors(state_dict: dict[str, Any]) -> dict[int, torch.Tensor]:

@@ -25,6 +25,12 @@ def wrapped_names(names: Iterable[str]) -> bool:
     return bool(names) and all(n.startswith(ORIG_MOD) for n in names)
 
 
+def own_name(name: str) -> str:
+    """A module's or tensor's name without the ``_orig_mod`` of any compiled wrapper along its path: the name it has
+    in the model the factory builds (a loop may compile the whole model inside or around a distributed wrapper)."""
+    return ".".join(part for part in name.split(".") if part != ORIG_MOD[:-1])
+
+
 def compiled_backend(model: torch.nn.Module) -> str | None:
     """The backend ``model`` was compiled with (``torch.compile(module)`` or ``module.compile()``); None when it was
     not compiled."""

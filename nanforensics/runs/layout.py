@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput, shown
-from .stages import PIPELINE, pipeline_problem
+from .stages import DATA_PARALLEL, MAX_RANKS, PIPELINE, pipeline_problem
 from .steplog import LoggedStep
 
 DISTRIBUTED_FORMAT = "nanforensics.run/1+distributed"
 RANKS = "ranks"
 DDP, FSDP2, TP = "ddp", "fsdp2", "tp"
 WRAPPINGS = (DDP, FSDP2, TP, PIPELINE)
-MAX_RANKS = 1 << 20  # a world beyond any job's is damage
 DDP_OPTIONS = ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view")
 MP_POLICY = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")  # FSDP2's MixedPrecisionPolicy
 # the floating dtypes a MixedPrecisionPolicy may name; replay looks each up on torch by this name, and nothing else
@@ -235,7 +234,11 @@ def _wrapping_problem(kind: str, options: dict[str, Any], world_size: int) -> st
         return _fsdp2_problem(options)
     if kind == TP:
         return "of a tensor-parallel run has no options" if options else None
-    return pipeline_problem(options, world_size)
+    problem = pipeline_problem(options, world_size)
+    if problem is None and DATA_PARALLEL in options:  # each stage under DDP, or FSDP2, over its data-parallel ranks
+        wrapper = {k: v for k, v in options[DATA_PARALLEL].items() if k != "size"}
+        return _fsdp2_problem(wrapper) if "modules" in wrapper else _ddp_problem(wrapper)
+    return problem
 
 
 def _mesh_fits(kind: str, mesh: "Mesh | None") -> bool:

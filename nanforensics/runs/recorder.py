@@ -204,9 +204,9 @@ class Recorder:
             if not overwrite:
                 raise FileExistsError(f"{self.path} is not empty; pass overwrite=True to replace it")
             shutil.rmtree(self.path)
-        model = self.world.module if self.world is not None else model  # names are the model's own, unwrapped
-        backend = compiled_backend(model)  # torch.compile's: its names are the compiled module's, no _orig_mod.
-        model = unwrapped(model)
+        # names are the model's own, unwrapped: torch.compile's names are the compiled module's, no _orig_mod.
+        backend = self.world.compiled if self.world is not None else compiled_backend(model)
+        model = self.world.module if self.world is not None else unwrapped(model)
         self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
         self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
         self.start_step = start_step

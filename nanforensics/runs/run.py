@@ -21,7 +21,7 @@ from .compiled import eager, wrapped_names
 from .layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
 from .optimizers import GIVEN, UNSUPPORTED, OptimizerSet, unsupported
 from .paths import MANIFEST, run_directory
-from .stages import PIPELINE, last_rank
+from .stages import PIPELINE, dp_size, last_rank
 from .steplog import LoggedStep, is_step, read_steps
 
 RUN_FORMAT = "nanforensics.run/1"
@@ -206,11 +206,12 @@ class Run:
         if self._steps is None:
             if self.world is None:
                 self._steps = read_steps(self.path / STEPS)
-            elif self.world.kind == PIPELINE:  # the last stage computes the losses; every rank logged its mean
-                self._steps = self.rank_steps(last_rank(self.world.wrapping))
-            else:
+            else:  # a pipeline's losses are its last stage's (every rank of a pipeline logged them): one per pipeline
+                wrapping = self.world.wrapping
+                ranks = [last_rank(wrapping, dp) for dp in range(dp_size(wrapping))] if self.world.kind == PIPELINE \
+                    else self.ranks
                 try:
-                    self._steps = merged_steps([self.rank_steps(r) for r in self.ranks])
+                    self._steps = merged_steps([self.rank_steps(r) for r in ranks])
                 except ValueError as e:
                     raise BadInput(self.path / "ranks", str(e)) from None
         return self._steps
@@ -359,20 +360,27 @@ class UserCode:
                 optimizer = OptimizerSet(members, run.manifest.optimizers_given or "list")
             except (TypeError, ValueError) as e:  # the factories built optimizers sharing a parameter
                 raise BadInput(where, str(e)) from None
-        scheduler = None
-        if self.scheduler_factory is not None:  # before the state is loaded: building a scheduler sets the groups' lr
-            try:
-                scheduler = self.scheduler_factory(optimizer)
-            except Exception as e:
-                raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} raised "
-                                      f"{e.__class__.__name__}: {e}") from None
-            if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")):
-                raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} returned "
-                                      f"{type(scheduler).__name__}, not an LR scheduler")
+        scheduler = self.scheduler(run, optimizer)  # before the state is loaded: building one sets the groups' lr
         enabled = run.manifest.scaler_enabled
         scaler = torch.amp.GradScaler(device.type, enabled=enabled) if enabled is not None else None
         checkpoint.load_into(holder, optimizer, scaler=scaler, scheduler=scheduler)
         return Rebuilt(model, optimizer, scaler, scheduler, meta)
+
+    def scheduler(self, run: Run, optimizer: torch.optim.Optimizer) -> Any:
+        """The run's LR scheduler over ``optimizer``, as its factory builds it (None where the run recorded none):
+        one-line errors for a factory that raises or returns something else."""
+        if self.scheduler_factory is None:
+            return None
+        where = run.path / MANIFEST
+        try:
+            scheduler = self.scheduler_factory(optimizer)
+        except Exception as e:
+            raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} raised "
+                                  f"{e.__class__.__name__}: {e}") from None
+        if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+            raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} returned "
+                                  f"{type(scheduler).__name__}, not an LR scheduler")
+        return scheduler
 
 
 def _optimizer(kind: Any, factory: Callable[..., torch.optim.Optimizer] | None, holder: torch.nn.Module,

@@ -21,7 +21,7 @@ from ..inputs import SafetensorsFile, examine, load_json, open_input
 from ..runs.checkpoint import Checkpoint
 from ..runs.run import MANIFEST, Run
 from ..runs.steplog import is_step
-from . import dcp, torch_file
+from . import dcp, torch_file, zero
 from .entries import MODEL, OPTIMIZER
 from .source import CheckpointSource, lightning_parts
 
@@ -81,7 +81,8 @@ def open_checkpoint(path: Path) -> CheckpointSource:
         source = _folder_checkpoint(path)
         if source is None:
             raise BadInput(path, "not a checkpoint folder (no meta.json of a nanforensics checkpoint, "
-                                 "no *.index.json, no model.safetensors, no .metadata of torch.distributed.checkpoint)")
+                                 "no *.index.json, no model.safetensors, no .metadata of torch.distributed.checkpoint, "
+                                 "no model and optimizer states of DeepSpeed ZeRO)")
         return _with_own_step(source)
     return _with_own_step(_file_checkpoint(path))
 
@@ -179,6 +180,9 @@ def _file_checkpoint(path: Path) -> CheckpointSource:
     the weights-only loader, anything else refused as no checkpoint before a loader sees it."""
     if path.suffix == ".safetensors":
         return CheckpointSource(path, "safetensors", [(path, None)], meta_step=_step_of(SafetensorsFile(path).metadata, path))
+    if zero.rank_file(path) and zero.is_zero(path.parent):
+        raise BadInput(path, f"is one file of a DeepSpeed ZeRO checkpoint, read with the others: scan its folder "
+                             f"{path.parent}")
     _refuse_non_pytorch(path)
     obj, _ = torch_file.load(path)
     return CheckpointSource(path, "lightning" if lightning_parts(obj) is not None else "pytorch", [(path, None)],
@@ -207,7 +211,21 @@ def _folder_checkpoint(path: Path) -> CheckpointSource | None:
     if (path / dcp.METADATA).is_file():
         return CheckpointSource(path, "dcp", [(path / dcp.METADATA, None)],
                                 meta_step=_step_of(dcp.values(path / dcp.METADATA, _STEP_KEYS), path / dcp.METADATA))
+    if zero.is_zero(path):
+        return _zero(path)
     return _huggingface(path)
+
+
+def _zero(path: Path) -> CheckpointSource:
+    """A DeepSpeed ZeRO ``global_stepN`` folder: its step and buffers from the model states (formats.zero)."""
+    states = zero.model_states_file(path)
+    model = zero.load(states)
+    names = model.get("param_shapes")
+    params = [n for g in (names if isinstance(names, list) else [names]) if isinstance(g, dict) for n in g]
+    return CheckpointSource(path, zero.FORMAT, [(states, None)],
+                            meta_step=_step_of({"global_step": model.get("global_steps")}, states),
+                            buffer_names=_names(model.get("buffer_names")), param_names=_names(params),
+                            skipped=_unread(path, [p for p in path.iterdir() if zero.rank_file(p)]))
 
 
 def _ours(c: Checkpoint, run_dir: Path | None) -> CheckpointSource:

@@ -1,9 +1,9 @@
 """Real DeepSpeed ZeRO checkpoints for tests/test_zero.py, written by DeepSpeed's own engine on the CPU.
 
-``python tests/zero_checkpoints.py OUT WORLD`` trains a tiny model (two param groups, a BatchNorm's buffers, a frozen
-parameter, sizes that leave padding at world 2) with ``deepspeed.initialize`` over a gloo process group of WORLD
-processes, for ZeRO stages 1, 2 and 3 (torch's AdamW as the client optimizer: no DeepSpeed op is built), and saves with
-``engine.save_checkpoint``:
+``python tests/zero_checkpoints.py OUT`` trains a tiny model (two param groups, a BatchNorm's buffers, a frozen
+parameter, sizes that leave padding at world 2) with ``deepspeed.initialize`` over a gloo process group of one process
+and, beside it, of two, for ZeRO stages 1, 2 and 3 (torch's AdamW as the client optimizer: no DeepSpeed op is built),
+and saves with ``engine.save_checkpoint``:
 
 - ``OUT/w{WORLD}/s{STAGE}/run/global_step{1..4}``: steps 1 and 2 clean; before step 3's save one coordinate of the fp32
   master partition is set to NaN in memory, and training goes on from it, so steps 3 and 4 are poisoned;
@@ -11,7 +11,10 @@ processes, for ZeRO stages 1, 2 and 3 (torch's AdamW as the client optimizer: no
   of rank ``rank``'s partition of group 0 in ``kind`` (``fp32``: the master weights, ``exp_avg``, ``exp_avg_sq``);
 - ``OUT/w{WORLD}/s{STAGE}/plants/numbered``: every fp32 partition coordinate holds its own number (rank * 10^6 +
   group * 10^4 + position), and exp_avg the same plus 0.5: the mapping back to parameters, laid bare;
-- ``OUT/w{WORLD}/s{STAGE}/plants/unsound``: exp_avg at group 0's ``UNSOUND_INDEX`` (rank 0) 100 times Adam's bound.
+- ``OUT/w{WORLD}/s{STAGE}/plants/unsound``: exp_avg at group 0's ``UNSOUND_INDEX`` (rank 0) 100 times Adam's bound;
+- ``OUT/w{WORLD}/s{STAGE}/plants/zero_to_fp32.pt``: what DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``
+  makes of ``numbered``, and where the NaN of each fp32 plant lands in its reconstruction (the tests' expectations,
+  computed here so that the test process never imports DeepSpeed).
 
 DeepSpeed's shared-memory all-reduce op is left out (``__compatible_ops__``, DeepSpeed's own gate for ops a machine
 cannot build): it is a speed-up that would be compiled (a minute and a half) on first use.
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 STAGES = (1, 2, 3)
+WORLDS = (1, 2)
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 UNSOUND_INDEX = 3
 BAD_STEP = 3  # the first poisoned global_step folder of run/
@@ -138,20 +142,38 @@ def _stage(stage: int, rank: int, world: int, out: Path) -> None:
     step()
     engine.save_checkpoint(base / "run")
     engine.destroy()
+    if rank == 0:
+        _expect(base / "plants")
 
 
-def generate(out: Path, world: int) -> None:
-    """Every checkpoint for one world size (worker processes of torch.multiprocessing beyond one)."""
+def _expect(plants: Path) -> None:
+    """DeepSpeed's own reconstruction (``zero_to_fp32``) of the numbered checkpoint, and where each fp32 plant's NaN
+    lands in it (none: the position is padding), saved beside them as ``zero_to_fp32.pt``."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as to_fp32
+
+    out: dict[str, object] = {"numbered": {n: t.clone() for n, t in to_fp32(plants, tag="numbered").items()}}
+    nan = {}
+    for folder in sorted(plants.glob("fp32-*")):
+        sd = to_fp32(plants, tag=folder.name)
+        nan[folder.name] = [[n, t.isnan().nonzero()[0].tolist()] for n, t in sd.items()
+                            if t.is_floating_point() and bool(t.isnan().any())]
+    out["nan"] = nan
+    torch.save(out, plants / "zero_to_fp32.pt")
+
+
+def generate(out: Path) -> None:
+    """Every checkpoint: world 2 in two worker processes of torch.multiprocessing while this one writes world 1."""
+    import torch.multiprocessing as mp
+
     out.mkdir(parents=True, exist_ok=True)
-    store = str(out.resolve() / f".store-{world}")
-    if world == 1:
-        _worker(0, 1, out, store)
-    else:
-        import torch.multiprocessing as mp
-
-        mp.spawn(_worker, args=(world, out, store), nprocs=world, join=True)
+    store = str(out.resolve() / ".store")
+    pair = mp.start_processes(_worker, args=(WORLDS[1], out, store + "-2"), nprocs=WORLDS[1], join=False,
+                              start_method="spawn")
+    _worker(0, 1, out, store + "-1")
+    while not pair.join():
+        pass
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    generate(Path(sys.argv[1]), int(sys.argv[2]))
+    generate(Path(sys.argv[1]))

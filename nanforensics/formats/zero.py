@@ -38,6 +38,8 @@ from .entries import MODEL, OPTIMIZER, Entry, Release, TensorInfo
 FORMAT = "deepspeed-zero"
 MODEL_STATES = "mp_rank_00_model_states.pt"  # stages 1 and 2
 _RANK_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_([0-9]{1,9})_mp_rank_00_(model|optim)_states\.pt")
+# tensor or pipeline parallel parts (model parallel ranks past 0, Megatron-DeepSpeed's layer files): not read, so refused
+_PARALLEL = re.compile(r"(?:.*_)?mp_rank_(?!00_)[0-9]+_.*\.pt|layer_[0-9]+-model_.*\.pt")
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # the base optimizer's state laid out like the partition
 
 
@@ -165,6 +167,11 @@ class Layout:
 
 def read(folder: Path) -> Layout:
     """The folder's files, checked against each other: the ranks, the partitions' sizes against the shapes."""
+    parallel = sorted(p for p in folder.iterdir() if _PARALLEL.fullmatch(p.name))
+    if parallel:
+        raise BadInput(parallel[0], "is part of a tensor- or pipeline-parallel DeepSpeed checkpoint, which this "
+                                    "nanforensics does not read (only model parallel rank 00 is): the checkpoint would "
+                                    "be read in part")
     model_file = model_states_file(folder)
     model = load(model_file)
     files = _rank_files(folder, "optim")
@@ -189,10 +196,10 @@ def read(folder: Path) -> Layout:
     base = [sd.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state") for sd in optims]
     hyper, group_of = _groups(base[0], len(flats[0]), files[0])
     slots = (_stage3 if stage == 3 else _stage12)(shapes, flats, files, optims, group_of)
-    for f, b, fl in zip(files, base, flats):
+    for f, sd, b, fl in zip(files, optims, base, flats):
         if not isinstance(b, dict):
             raise BadInput(f, "holds no base optimizer state dict")
-        _check_state(b, fl, f)
+        _check_state(b, fl, [0 if stage == 3 else _padding(sd, k) for k in range(len(fl))], f)
     return Layout(folder, stage, files, optims, base, flats, [r for _, r in loaded], model, slots, hyper,
                   _steps(base[0], len(flats[0])), _frozen(folder, stage, model, model_file, shapes, len(files)))
 
@@ -253,14 +260,14 @@ def _steps(base: dict[str, Any], flats: int) -> dict[int, Any]:
     return {k: _state(base, k)["step"] for k in range(flats) if "step" in _state(base, k)}
 
 
-def _check_state(base: dict[str, Any], flats: list[torch.Tensor], where: Path) -> None:
-    """Each flat's Adam state at least as long as its partition (the padding the partition leaves off at most)."""
-    for k, flat in enumerate(flats):
+def _check_state(base: dict[str, Any], flats: list[torch.Tensor], paddings: list[int], where: Path) -> None:
+    """Each flat's Adam state as long as its partition, or with the padding the saved partition leaves off."""
+    for k, (flat, pad) in enumerate(zip(flats, paddings)):
         for key in STATE_KEYS:
             t = _state(base, k).get(key)
             if t is None:
                 continue
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < flat.numel():
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() not in (flat.numel(), flat.numel() + pad):
                 got = f"{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise BadInput(where, f"{key} of flat group {k} is {got}, its fp32 partition holds {flat.numel()} "
                                       "elements")
@@ -288,11 +295,18 @@ def _stage12(shapes: list[list[tuple[str, tuple[int, ...]]]], flats: list[list[t
                       for r, (s, n) in enumerate(zip(starts, sizes)) if max(offset, s) < min(offset + numel, s + n)]
             slots.append(Slot(name, shape, group_of[g], pieces))
             offset += numel + (pads[i] if pads else 0)
-        align = 2 * world
-        if math.ceil(offset / align) != math.ceil(sum(sizes) / align) or offset > sum(sizes):
+        padding = sum(_padding(sd, g) for sd in optims)  # a partition saved with its padding (older DeepSpeed)
+        if sum(sizes) not in (offset, offset + padding):
             raise BadInput(files[0], f"the shapes of group {g} in param_shapes add up to {offset} elements, its fp32 "
                                      f"partitions hold {sum(sizes)}")
     return slots
+
+
+def _padding(sd: dict[str, Any], g: int) -> int:
+    """The padding a rank's partition of group ``g`` ends in (``group_paddings``: the last rank's, mostly)."""
+    pads = sd.get("group_paddings")
+    pad = pads[g] if isinstance(pads, list) and g < len(pads) else 0
+    return pad if isinstance(pad, int) and pad >= 0 else 0
 
 
 def _stage3(shapes: list[list[tuple[str, tuple[int, ...]]]], flats: list[list[torch.Tensor]], files: list[Path],

@@ -133,6 +133,24 @@ def test_the_clean_checkpoints_are_sound(zero_root):
         assert (report.verdict, report.unsound, report.soundness.notes) == (CLEAN, [], []), (world, stage)
 
 
+@pytest.mark.parametrize("precision, stage", gen.MIXED)
+def test_a_16_bit_working_copy_is_scanned_beside_the_fp32_master(zero_root, precision, stage):
+    """bf16 (its ``bf16_zero_pp_rank_*`` files) and fp16: the working copy the forward pass computes with is read as
+    ``module.<name>``; inf there is a poisoned parameter though the fp32 master is finite; an inf loss scale is unsound."""
+    base = zero_root / precision / f"s{stage}"
+    clean = run_cli("scan", base / "clean", "--json", "-")
+    assert clean.code == 0, clean.stderr
+    names = {t["name"]: t["dtype"] for t in clean.json()["tensors"]}
+    assert names["0.weight"] == "float32" and names["module.0.weight"] == ("bfloat16" if precision == "bf16" else "float16")
+    planted = run_cli("scan", base / "module-inf", "--json", "-", "--full")
+    assert planted.code == 1, planted.stderr
+    assert [(t["name"], t["first_nonfinite"]) for t in planted.json()["tensors"] if t["nonfinite"]] == \
+        [("module.0.weight", {"index": list(gen.MODULE_INF), "value": "inf"})]
+    scale = run_cli("scan", base / "scale-inf", "--json", "-")
+    assert scale.code == 5, scale.stderr
+    assert [(u["check"], u["values"]) for u in scale.json()["unsound"]] == [("loss_scale", {"scale": "inf"})]
+
+
 # ---- damaged folders: one line, exit 2, naming the file -------------------------------------------------------
 
 
@@ -167,6 +185,14 @@ def test_a_missing_or_extra_rank_file_is_one_error_line(zero_root, tmp_path, sta
     folder = copy(zero_root, tmp_path / "extra", 1, stage)
     shutil.copy(optim(folder, 0), optim(folder, 1))
     assert_one_line_error(run_cli("scan", folder), "partition_count", "2 optimizer states files")
+
+
+@pytest.mark.parametrize("name", ["mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+                                  "layer_01-model_00-model_states.pt"])
+def test_a_tensor_or_pipeline_parallel_part_is_refused_not_read_in_part(zero_root, tmp_path, name):
+    folder = copy(zero_root, tmp_path, 1, 2)
+    shutil.copy(model_states(folder), folder / name)
+    assert_one_line_error(run_cli("scan", folder), str(folder / name), "tensor- or pipeline-parallel")
 
 
 @pytest.mark.parametrize("stage", gen.STAGES)

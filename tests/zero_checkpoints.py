@@ -12,6 +12,8 @@ and saves with ``engine.save_checkpoint``:
 - ``OUT/w{WORLD}/s{STAGE}/plants/numbered``: every fp32 partition coordinate holds its own number (rank * 10^6 +
   group * 10^4 + position), and exp_avg the same plus 0.5: the mapping back to parameters, laid bare;
 - ``OUT/w{WORLD}/s{STAGE}/plants/unsound``: exp_avg at group 0's ``UNSOUND_INDEX`` (rank 0) 100 times Adam's bound;
+- ``OUT/bf16/s1`` and ``OUT/fp16/s2`` (world 1): a 16-bit run's ``clean`` checkpoint, ``module-inf`` (inf in the
+  16-bit working copy of one weight, the fp32 master finite) and ``scale-inf`` (the loss scaler's scale inf);
 - ``OUT/w{WORLD}/s{STAGE}/plants/zero_to_fp32.pt``: what DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``
   makes of ``numbered``, and where the NaN of each fp32 plant lands in its reconstruction (the tests' expectations,
   computed here so that the test process never imports DeepSpeed).
@@ -34,6 +36,8 @@ STAGES = (1, 2, 3)
 WORLDS = (1, 2)
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 UNSOUND_INDEX = 3
+MIXED = (("bf16", 1), ("fp16", 2))  # world 1: 16-bit working copies beside the fp32 master weights
+MODULE_INF = (1, 2)
 BAD_STEP = 3  # the first poisoned global_step folder of run/
 _MUON = "deepspeed.runtime.zero.muon.muon_optimizer"  # compiles its kernels on import: seconds a run here never uses
 
@@ -81,6 +85,9 @@ def _worker(rank: int, world: int, out: Path, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     for stage in STAGES:
         _stage(stage, rank, world, out)
+    if world == 1:
+        for precision, stage in MIXED:
+            _mixed(precision, stage, out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -144,6 +151,35 @@ def _stage(stage: int, rank: int, world: int, out: Path) -> None:
     engine.destroy()
     if rank == 0:
         _expect(base / "plants")
+
+
+def _mixed(precision: str, stage: int, out: Path) -> None:
+    """A 16-bit run (a Linear pair: BatchNorm does not run in 16 bits on the CPU): its ``bf16_``-named optimizer
+    states or fp16 loss scaler; ``module-inf`` with inf at ``MODULE_INF`` of the working copy of ``0.weight``,
+    ``scale-inf`` with the loss scaler's scale inf."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True, precision: {"enabled": True}, "steps_per_print": 10 ** 9}
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+                                             config=config, dist_init_required=False)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    base = out / precision / f"s{stage}"
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 5, dtype=dtype)).float().pow(2).mean())
+        engine.step()
+    engine.save_checkpoint(base, tag="clean", save_latest=False)
+    weight = engine.module[0].weight
+    with torch.no_grad():
+        keep = weight[MODULE_INF].item()
+        weight[MODULE_INF] = math.inf
+        engine.save_checkpoint(base, tag="module-inf", save_latest=False)
+        weight[MODULE_INF] = keep
+    opt.loss_scaler.cur_scale = math.inf
+    engine.save_checkpoint(base, tag="scale-inf", save_latest=False)
+    engine.destroy()
 
 
 def _expect(plants: Path) -> None:

@@ -366,7 +366,8 @@ def _frozen(folder: Path, stage: int, model: dict[str, Any], model_file: Path,
 
 
 def entries(folder: Path) -> list[Entry]:
-    """The checkpoint as the scan reads it: trainable parameters (fp32 master weights), buffers and frozen parameters
+    """The checkpoint as the scan reads it: trainable parameters (fp32 master weights), buffers, the 16-bit working
+    copies (``module.name``: an fp16 copy overflows to inf where the master weight passed 65504) and frozen parameters
     as model tensors; each parameter's ``name/exp_avg`` and ``name/exp_avg_sq`` as optimizer state."""
     layout = read(folder)
     model_file = model_states_file(folder)
@@ -377,8 +378,14 @@ def entries(folder: Path) -> list[Entry]:
     for name in layout.buffer_names:
         t = module.get(name)
         if isinstance(t, torch.Tensor):
-            out.append(Entry(TensorInfo(name, MODEL, t.dtype, tuple(t.shape), _nbytes(t), model_file), partial(_same, t),
-                             _keep))
+            out.append(_held(name, t, model_file))
+    for slot in layout.slots:  # the 16-bit working copy the forward pass computes with (stages 1 and 2 save it whole)
+        t = module.get(slot.name)
+        if layout.stage < 3 and isinstance(t, torch.Tensor) and t.dtype != layout.flats[0][0].dtype:
+            if tuple(t.shape) != slot.shape:
+                raise BadInput(model_file, f"module's {shown(slot.name)} is {list(t.shape)}, param_shapes says "
+                                           f"{list(slot.shape)}")
+            out.append(_held(f"module.{slot.name}", t, model_file))
     shapes = layout.model.get("frozen_param_shapes") or {}
     for name, parts in layout.frozen.items():
         out.append(_frozen_entry(name, parts, shapes.get(name)))
@@ -423,8 +430,10 @@ def _joined(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     return flat[:math.prod(shape)].view(shape)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _held(name: str, t: torch.Tensor, file: Path) -> Entry:
+    """A model tensor the model states hold whole (a buffer, a 16-bit working copy)."""
+    return Entry(TensorInfo(name, MODEL, t.dtype, tuple(t.shape), t.numel() * t.element_size(), file), partial(_same, t),
+                 _keep)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,30 @@ def test_bisect_names_the_first_poisoned_global_step(zero_root, world, stage):
     assert report["first_poisoned_verdict"] == POISONED_PARAMETERS
 
 
+def test_hf_trainer_checkpoint_folders_are_read_through_latest(zero_root, tmp_path):
+    """The HF Trainer's ``checkpoint-N`` (``global_stepN`` named by ``latest``, beside a 16-bit ``model.safetensors``
+    and ``rng_state.pth``): the ZeRO checkpoint is read, the files beside it named as not read; bisect over the output
+    folder orders by ``global_steps`` and names checkpoint-3."""
+    from safetensors.torch import save_file
+
+    run = zero_root / "w2" / "s2" / "run"
+    for step in (1, 2, 3, 4):
+        folder = tmp_path / f"checkpoint-{step}"
+        shutil.copytree(run / f"global_step{step}", folder / f"global_step{step}")
+        (folder / "latest").write_text(f"global_step{step}")
+        save_file({"fc1.weight": torch.zeros(7, 5, dtype=torch.bfloat16)}, folder / "model.safetensors")
+        torch.save({"python": 1}, folder / "rng_state.pth")
+    scan = run_cli("scan", tmp_path / "checkpoint-2", "--json", "-")
+    assert scan.code == 0, scan.stderr
+    report = scan.json()
+    assert report["format"] == "deepspeed-zero" and report["step"] == 2
+    assert [line.split(":")[0] for line in report["skipped"]] == ["model.safetensors", "rng_state.pth"]
+    assert "beside the DeepSpeed ZeRO checkpoint global_step2" in report["skipped"][0]
+    bisect = run_cli("bisect", tmp_path, "--json", "-")
+    assert bisect.code == 1, bisect.stderr
+    assert bisect.json()["first_poisoned"]["path"] == str(tmp_path / "checkpoint-3")
+
+
 @pytest.mark.parametrize("world, stage", CASES)
 def test_the_soundness_screen_flags_exp_avg_beyond_adams_bound(zero_root, world, stage):
     """Rank 0's group-0 position ``UNSOUND_INDEX`` holds |m| = 100 sqrt(v) + 1: flagged at the parameter and coordinate

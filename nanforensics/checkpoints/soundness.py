@@ -153,7 +153,7 @@ def _layout(source: CheckpointSource, order_names: list[str] | None) -> _Layout 
     if (source.path / "meta.json").is_file() and source.format in ("nanforensics", "dcp"):
         return _ours(source)
     if source.format == zero.FORMAT:
-        return _zero(zero.read(source.path))
+        return _zero(zero.read(source.files[0][0].parent))  # the global_stepN folder, given or named by latest
     files = [f for f, group in source.files if group in (None, OPTIMIZER) and f.suffix != ".safetensors"
              and f.name != ".metadata"]
     layouts = [_of_object(torch_file.load(f)[0], order_names) for f in files]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInput, shown
+from ..inputs import read_input
 from . import torch_file
 from .entries import MODEL, OPTIMIZER, Entry, Release, TensorInfo
 
@@ -71,6 +72,17 @@ def is_zero(folder: Path) -> bool:
     """Whether a folder holds a ZeRO checkpoint's model states and optimizer states."""
     names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
     return any(n == MODEL_STATES or _kind(n) == "model" for n in names) and any(_kind(n) == "optim" for n in names)
+
+
+def tagged(folder: Path) -> Path | None:
+    """The ZeRO checkpoint ``latest`` names in a folder holding just that one (an HF Trainer ``checkpoint-N``:
+    ``global_stepN`` beside the 16-bit ``model.safetensors``); None elsewhere (DeepSpeed's save directory with
+    several: each one is a checkpoint)."""
+    if not (folder / "latest").is_file():
+        return None
+    found = [p for p in folder.iterdir() if p.is_dir() and is_zero(p)]
+    tag = read_input(folder / "latest", 4096).decode(errors="replace").strip()
+    return found[0] if len(found) == 1 and found[0].name == tag else None
 
 
 def rank_file(path: Path) -> bool:
@@ -297,7 +309,7 @@ def _stage12(shapes: list[list[tuple[str, tuple[int, ...]]]], flats: list[list[t
             offset += numel + (pads[i] if pads else 0)
         padding = sum(_padding(sd, g) for sd in optims)  # a partition saved with its padding (older DeepSpeed)
         if sum(sizes) not in (offset, offset + padding):
-            raise BadInput(files[0], f"the shapes of group {g} in param_shapes add up to {offset} elements, its fp32 "
+            raise BadInput(files[0], f"the shapes of group {g} in param_shapes add up to {shown(offset)} elements, its fp32 "
                                      f"partitions hold {sum(sizes)}")
     return slots
 
@@ -322,7 +334,7 @@ def _stage3(shapes: list[list[tuple[str, tuple[int, ...]]]], flats: list[list[to
     params = [p for group in shapes for p in group]
     need = sum(math.ceil(math.prod(s) / world) for _, s in params)
     if need != bounds[-1]:
-        raise BadInput(files[0], f"the shapes in param_shapes take {need} elements of each rank's partition, its "
+        raise BadInput(files[0], f"the shapes in param_shapes take {shown(need)} elements of each rank's partition, its "
                                  f"fp32_flat_groups hold {bounds[-1]}")
     slots, offset = [], 0
     for name, shape in params:

@@ -20,7 +20,7 @@ from nanforensics.checkpoints.scan import CLEAN, POISONED_PARAMETERS, POISONED_S
 from nanforensics.formats import MODEL, OPTIMIZER, open_checkpoint
 
 import zero_checkpoints as gen
-from conftest import TESTS, assert_one_line_error, run_cli, tree_digest
+from conftest import ROOT, TESTS, assert_one_line_error, run_cli, tree_digest
 
 CASES = [(w, s) for w in gen.WORLDS for s in gen.STAGES]
 
@@ -241,6 +241,12 @@ def test_a_global_beyond_the_allow_list_is_refused_by_name(zero_root, tmp_path):
     states["lr_scheduler"] = Fraction(1, 3)
     torch.save(states, model_states(folder))
     assert_one_line_error(run_cli("scan", folder), str(model_states(folder)), "fractions.Fraction")
+
+
+def test_replay_from_a_zero_checkpoint_is_refused_saying_why(zero_root):
+    folder = zero_root / "w1" / "s2" / "run" / "global_step2"
+    result = run_cli("replay", "--checkpoint", folder, "--code", "tests/plain_training.py", cwd=ROOT)
+    assert_one_line_error(result, str(folder), "DeepSpeed ZeRO", "zero_to_fp32.py")
 
 
 def test_one_rank_file_alone_points_to_its_folder(zero_root):

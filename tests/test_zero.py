@@ -20,7 +20,7 @@ from nanforensics.checkpoints.scan import CLEAN, POISONED_PARAMETERS, POISONED_S
 from nanforensics.formats import MODEL, OPTIMIZER, open_checkpoint
 
 import zero_checkpoints as gen
-from conftest import ROOT, TESTS, assert_one_line_error, run_cli, tree_digest
+from conftest import ROOT, TESTS, assert_one_line_error, error_lines, run_cli, tree_digest
 
 CASES = [(w, s) for w in gen.WORLDS for s in gen.STAGES]
 
@@ -191,6 +191,16 @@ def optim(folder: Path, rank: int) -> Path:
 def model_states(folder: Path) -> Path:
     own = folder / "mp_rank_00_model_states.pt"
     return own if own.exists() else folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+
+@pytest.mark.parametrize("stage", gen.STAGES)
+@pytest.mark.parametrize("what", sorted(gen.DAMAGE))
+def test_optimizer_states_that_disagree_with_the_rest_are_one_error_line(zero_root, stage, what):
+    """Rewritten by DeepSpeed's own pickling (the generator): each disagreement named, with the file, in one line."""
+    folder = zero_root / "w2" / f"s{stage}" / "damaged" / what
+    result = run_cli("scan", folder)
+    assert_one_line_error(result, gen.DAMAGE[what])
+    assert "zero_pp_rank_" in error_lines(result.stderr)[0]
 
 
 @pytest.mark.parametrize("stage", gen.STAGES)

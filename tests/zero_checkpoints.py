@@ -14,6 +14,8 @@ and saves with ``engine.save_checkpoint``:
 - ``OUT/w{WORLD}/s{STAGE}/plants/unsound``: exp_avg at group 0's ``UNSOUND_INDEX`` (rank 0) 100 times Adam's bound;
 - ``OUT/bf16/s1`` and ``OUT/fp16/s2`` (world 1): a 16-bit run's ``clean`` checkpoint, ``module-inf`` (inf in the
   16-bit working copy of one weight, the fp32 master finite) and ``scale-inf`` (the loss scaler's scale inf);
+- ``OUT/w2/s{STAGE}/damaged/{what}``: ``run/global_step2`` with one optimizer states file made to disagree with the
+  rest (``DAMAGE``: a partition count, a partition or an exp_avg one element short, a group missing, a stage 7);
 - ``OUT/w{WORLD}/s{STAGE}/plants/zero_to_fp32.pt``: what DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``
   makes of ``numbered``, and where the NaN of each fp32 plant lands in its reconstruction (the tests' expectations,
   computed here so that the test process never imports DeepSpeed).
@@ -38,6 +40,9 @@ KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 UNSOUND_INDEX = 3
 MIXED = (("bf16", 1), ("fp16", 2))  # world 1: 16-bit working copies beside the fp32 master weights
 MODULE_INF = (1, 2)
+# damaged/{what} (world 2): how the optimizer states disagree with the rest, and the words the error names it by
+DAMAGE = {"partition_count": "partition_count", "short_partition": "hold", "short_state": "exp_avg of flat group 0",
+          "groups": "rank 0", "stage": "zero_stage"}
 BAD_STEP = 3  # the first poisoned global_step folder of run/
 _MUON = "deepspeed.runtime.zero.muon.muon_optimizer"  # compiles its kernels on import: seconds a run here never uses
 
@@ -151,6 +156,8 @@ def _stage(stage: int, rank: int, world: int, out: Path) -> None:
     engine.destroy()
     if rank == 0:
         _expect(base / "plants")
+        if world == 2:
+            _damage(base)
 
 
 def _mixed(precision: str, stage: int, out: Path) -> None:
@@ -180,6 +187,33 @@ def _mixed(precision: str, stage: int, out: Path) -> None:
     opt.loss_scaler.cur_scale = math.inf
     engine.save_checkpoint(base, tag="scale-inf", save_latest=False)
     engine.destroy()
+
+
+def _damage(base: Path) -> None:
+    """Copies of ``run/global_step2`` whose optimizer states disagree with the rest (``DAMAGE``), rewritten here where
+    DeepSpeed's classes can be unpickled and pickled again as they were."""
+    import shutil
+
+    for what in DAMAGE:
+        folder = base / "damaged" / what
+        shutil.copytree(base / "run" / "global_step2", folder)
+        rank = 1 if what in ("short_partition", "groups") else 0
+        file = next(folder.glob(f"zero_pp_rank_{rank}_*optim_states.pt"))
+        obj = torch.load(file, weights_only=False)
+        sd = obj["optimizer_state_dict"]
+        flats = sd["fp32_flat_groups" if "fp32_flat_groups" in sd else "single_partition_of_fp32_groups"]
+        base_state = sd.get("optimizer_state_dict", sd.get("base_optimizer_state"))
+        if what == "partition_count":
+            sd["partition_count"] = [3] * len(flats) if isinstance(sd["partition_count"], list) else 3
+        elif what == "short_partition":
+            flats[0] = flats[0][:-1].clone()
+        elif what == "short_state":
+            base_state["state"][0]["exp_avg"] = base_state["state"][0]["exp_avg"][:-1].clone()
+        elif what == "groups":
+            flats.pop()
+        elif what == "stage":
+            sd["zero_stage"] = 7
+        torch.save(obj, file)
 
 
 def _expect(plants: Path) -> None:

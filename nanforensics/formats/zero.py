@@ -149,6 +149,15 @@ class Slot:
 
 
 @dataclass
+class Frozen:
+    """A frozen parameter: its shape and its fragments (one per rank at stage 3), in the model states."""
+
+    shape: tuple[int, ...]
+    parts: list[torch.Tensor]
+    file: Path
+
+
+@dataclass
 class Layout:
     """A ZeRO checkpoint folder: its files read, and each parameter's place in the flat partitions."""
 
@@ -163,7 +172,7 @@ class Layout:
     slots: list[Slot]
     hyper: list[dict[str, Any]]  # the base optimizer's param groups, ``params`` left out
     steps: dict[int, Any]  # flat index: the base optimizer's step
-    frozen: dict[str, list[tuple[Path, torch.Tensor]]]
+    frozen: dict[str, Frozen]
 
     @property
     def buffer_names(self) -> list[str]:
@@ -196,7 +205,8 @@ def read(folder: Path) -> Layout:
         optims.append(sd)
     stage = _stage(optims[0], files[0])
     count = optims[0].get("partition_count")
-    counts = set(count) if isinstance(count, list) else {count}
+    counts = set(count) if isinstance(count, list) and all(isinstance(c, int) for c in count) else {count} \
+        if isinstance(count, int) else None
     if counts != {len(files)}:
         raise BadInput(files[0], f"partition_count {shown(count)} does not match the {len(files)} optimizer states "
                                  f"files in {folder}")
@@ -237,15 +247,20 @@ def _shapes(value: Any, where: Path) -> list[list[tuple[str, tuple[int, ...]]]]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
         raise BadInput(where, "param_shapes is not a list of name-to-shape mappings per group")
-    out = []
-    for group in value:
-        shapes = []
-        for name, shape in group.items():
-            if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) and 0 <= d < 1 << 62 for d in shape):
-                raise BadInput(where, f"param_shapes gives {shown(name)} the shape {shown(shape)}")
-            shapes.append((str(name), tuple(shape)))
-        out.append(shapes)
-    return out
+    return [[(str(name), _shape(shape, name, "param_shapes", where)) for name, shape in group.items()] for group in value]
+
+
+def _shape(value: Any, name: Any, key: str, where: Path) -> tuple[int, ...]:
+    """A recorded shape: a sequence of non-negative ints, checked before any size is computed from it."""
+    if not isinstance(value, (tuple, list)) or len(value) > 64 or not all(isinstance(d, int) and 0 <= d < 1 << 62
+                                                                          for d in value):
+        raise BadInput(where, f"{key} gives {shown(name)} the shape {shown(value)}")
+    return tuple(value)
+
+
+def _ceil(n: int, d: int) -> int:
+    """ceil(n / d) in integers: a doctored shape's element count may pass a float's range."""
+    return -(-n // d)
 
 
 def _groups(base: Any, flats: int, where: Path) -> tuple[list[dict[str, Any]], dict[int, int]]:
@@ -310,7 +325,7 @@ def _stage12(shapes: list[list[tuple[str, tuple[int, ...]]]], flats: list[list[t
         padding = sum(_padding(sd, g) for sd in optims)  # a partition saved with its padding (older DeepSpeed)
         if sum(sizes) not in (offset, offset + padding):
             raise BadInput(files[0], f"the shapes of group {g} in param_shapes add up to {shown(offset)} elements, its fp32 "
-                                     f"partitions hold {sum(sizes)}")
+                                     f"partitions hold {sum(sizes)} ({sizes} by rank)")
     return slots
 
 
@@ -332,14 +347,14 @@ def _stage3(shapes: list[list[tuple[str, tuple[int, ...]]]], flats: list[list[to
             raise BadInput(f, f"its fp32_flat_groups hold {[t.numel() for t in fl]} elements, rank 0's {sizes}")
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     params = [p for group in shapes for p in group]
-    need = sum(math.ceil(math.prod(s) / world) for _, s in params)
+    need = sum(_ceil(math.prod(s), world) for _, s in params)
     if need != bounds[-1]:
         raise BadInput(files[0], f"the shapes in param_shapes take {shown(need)} elements of each rank's partition, its "
                                  f"fp32_flat_groups hold {bounds[-1]}")
     slots, offset = [], 0
     for name, shape in params:
         numel = math.prod(shape)
-        part = math.ceil(numel / world)
+        part = _ceil(numel, world)
         pieces = []
         for r in range(world):
             want = min(part, numel - r * part)  # the last rank's piece ends in padding
@@ -354,27 +369,38 @@ def _stage3(shapes: list[list[tuple[str, tuple[int, ...]]]], flats: list[list[to
 
 
 def _frozen(folder: Path, stage: int, model: dict[str, Any], model_file: Path,
-            shapes: list[list[tuple[str, tuple[int, ...]]]], world: int) -> dict[str, list[tuple[Path, torch.Tensor]]]:
-    """Frozen parameters, by name: their fragments (stage 3: one per rank's model states), else the model's tensors
-    that neither ``param_shapes`` nor the buffers name (stage 1 records no frozen_param_shapes)."""
-    fragments = model.get("frozen_param_fragments")
+            shapes: list[list[tuple[str, tuple[int, ...]]]], world: int) -> dict[str, Frozen]:
+    """Frozen parameters, by name: their fragments (stage 3: one per rank's model states, cut to the recorded shape),
+    else the model's tensors that neither ``param_shapes`` nor the buffers name (stage 1 records no
+    frozen_param_shapes); each checked to hold its shape's elements."""
     named = model.get("frozen_param_shapes")
-    if stage == 3 and isinstance(named, dict) and named:
-        models = [(f, load(f)) for f in _rank_files(folder, "model")] if world > 1 else [(model_file, model)]
-        out = {}
-        for name in named:
-            parts = [(f, m.get("frozen_param_fragments", {}).get(name)) for f, m in models]
-            for f, t in parts:
-                if not isinstance(t, torch.Tensor):
-                    raise BadInput(f, f"holds no fragment of the frozen parameter {shown(name)}")
-            out[str(name)] = parts
-        return out
-    if isinstance(fragments, dict) and fragments:
-        return {str(n): [(model_file, t)] for n, t in fragments.items() if isinstance(t, torch.Tensor)}
-    module = model.get("module") if isinstance(model.get("module"), dict) else {}
-    trained = {n for group in shapes for n, _ in group} | set(map(str, model.get("buffer_names") or []))
-    return {str(n): [(model_file, t)] for n, t in module.items()
-            if isinstance(t, torch.Tensor) and str(n) not in trained and t.numel() and stage < 3}
+    named = named if isinstance(named, dict) else {}
+    if stage == 3:
+        models = [(f, load(f)) for f in _rank_files(folder, "model")[1:]] if world > 1 else []
+        found = {str(n): [(f, _fragments(m).get(n)) for f, m in [(model_file, model), *models]] for n in named}
+    elif _fragments(model):
+        found = {str(n): [(model_file, t)] for n, t in _fragments(model).items()}
+    else:
+        module = model.get("module") if isinstance(model.get("module"), dict) else {}
+        trained = {n for group in shapes for n, _ in group} | set(map(str, model.get("buffer_names") or []))
+        found = {str(n): [(model_file, t)] for n, t in module.items() if str(n) not in trained}
+    out = {}
+    for name, parts in found.items():
+        for f, t in parts:
+            if not isinstance(t, torch.Tensor):
+                raise BadInput(f, f"holds no tensor for the frozen parameter {shown(name)}")
+        shape = _shape(named[name], name, "frozen_param_shapes", model_file) if name in named else tuple(parts[0][1].shape)
+        held = sum(t.numel() for _, t in parts)
+        if held < math.prod(shape):
+            raise BadInput(parts[-1][0], f"the fragments of the frozen parameter {shown(name)} hold {held} elements, "
+                                         f"its shape {list(shape)} {shown(math.prod(shape))}")
+        out[name] = Frozen(shape, [t for _, t in parts], parts[0][0])
+    return out
+
+
+def _fragments(model: dict[str, Any]) -> dict[Any, Any]:
+    fragments = model.get("frozen_param_fragments")
+    return fragments if isinstance(fragments, dict) else {}
 
 
 def entries(folder: Path) -> list[Entry]:
@@ -398,9 +424,8 @@ def entries(folder: Path) -> list[Entry]:
                 raise BadInput(model_file, f"module's {shown(slot.name)} is {list(t.shape)}, param_shapes says "
                                            f"{list(slot.shape)}")
             out.append(_held(f"module.{slot.name}", t, model_file))
-    shapes = layout.model.get("frozen_param_shapes") or {}
-    for name, parts in layout.frozen.items():
-        out.append(_frozen_entry(name, parts, shapes.get(name)))
+    for name, frozen in layout.frozen.items():
+        out.append(_frozen_entry(name, frozen))
     for key in STATE_KEYS:
         if all(key in _state(b, k) for b, f in zip(layout.base, layout.flats) for k in range(len(f))):
             out += [_entry(layout, slot, key, OPTIMIZER) for slot in layout.slots]
@@ -426,15 +451,10 @@ def _gather(tensors: list[list[torch.Tensor]], slot: Slot) -> torch.Tensor:
     return flat.view(slot.shape)
 
 
-def _frozen_entry(name: str, parts: list[tuple[Path, torch.Tensor]], shape: Any) -> Entry:
-    t0 = parts[0][1]
-    full = tuple(shape) if isinstance(shape, (tuple, list)) else tuple(t0.shape)
-    numel = math.prod(full)
-    if sum(t.numel() for _, t in parts) < numel:
-        raise BadInput(parts[-1][0], f"the fragments of the frozen parameter {shown(name)} hold "
-                                     f"{sum(t.numel() for _, t in parts)} elements, its shape {list(full)} {numel}")
-    info = TensorInfo(name, MODEL, t0.dtype, full, numel * t0.dtype.itemsize, parts[0][0])
-    return Entry(info, partial(_joined, [t for _, t in parts], full), _keep)
+def _frozen_entry(name: str, frozen: Frozen) -> Entry:
+    dtype = frozen.parts[0].dtype
+    info = TensorInfo(name, MODEL, dtype, frozen.shape, math.prod(frozen.shape) * dtype.itemsize, frozen.file)
+    return Entry(info, partial(_joined, frozen.parts, frozen.shape), _keep)
 
 
 def _joined(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:

@@ -259,6 +259,12 @@ def test_replay_from_a_zero_checkpoint_is_refused_saying_why(zero_root):
     assert_one_line_error(result, str(folder), "DeepSpeed ZeRO", "zero_to_fp32.py")
 
 
+def test_a_save_folder_of_several_points_to_them(zero_root):
+    run = zero_root / "w1" / "s1" / "run"
+    assert_one_line_error(run_cli("scan", run), "DeepSpeed save folder holding 4 ZeRO checkpoints",
+                          "global_step1 ... global_step4")
+
+
 def test_one_rank_file_alone_points_to_its_folder(zero_root):
     folder = zero_root / "w1" / "s1" / "run" / "global_step2"
     assert_one_line_error(run_cli("scan", optim(folder, 0)), "DeepSpeed ZeRO", f"scan its folder {folder}")

@@ -79,6 +79,10 @@ def open_checkpoint(path: Path) -> CheckpointSource:
             raise BadInput(path, f"is a run directory with {count} checkpoints: scan one of them "
                                  f"({path / 'checkpoints'}/step_...), or bisect the run")
         source = _folder_checkpoint(path)
+        saved = sorted(p.name for p in path.iterdir() if zero.is_zero(p)) if source is None else []
+        if saved:
+            raise BadInput(path, f"is a DeepSpeed save folder holding {len(saved)} ZeRO checkpoints ({saved[0]} ... "
+                                 f"{saved[-1]}): scan one of them, or bisect the folder")
         if source is None:
             raise BadInput(path, "not a checkpoint folder (no meta.json of a nanforensics checkpoint, "
                                  "no *.index.json, no model.safetensors, no .metadata of torch.distributed.checkpoint, "

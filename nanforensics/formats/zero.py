@@ -161,7 +161,6 @@ class Frozen:
 class Layout:
     """A ZeRO checkpoint folder: its files read, and each parameter's place in the flat partitions."""
 
-    folder: Path
     stage: int
     files: list[Path]  # the optimizer states, by rank
     optims: list[dict[str, Any]]  # each rank's optimizer_state_dict
@@ -222,7 +221,7 @@ def read(folder: Path) -> Layout:
         if not isinstance(b, dict):
             raise BadInput(f, "holds no base optimizer state dict")
         _check_state(b, fl, [0 if stage == 3 else _padding(sd, k) for k in range(len(fl))], f)
-    return Layout(folder, stage, files, optims, base, flats, [r for _, r in loaded], model, slots, hyper,
+    return Layout(stage, files, optims, base, flats, [r for _, r in loaded], model, slots, hyper,
                   _steps(base[0], len(flats[0])), _frozen(folder, stage, model, model_file, shapes, len(files)))
 
 

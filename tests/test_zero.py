@@ -88,7 +88,7 @@ def test_a_planted_nan_is_named_at_its_parameter_and_coordinate(zero_root):
         assert found == [[name + suffix, index] for name, index in where], (world, stage, tag)
         assert report.verdict == (CLEAN if not where else POISONED_PARAMETERS if kind == "fp32" else POISONED_STATE)
         padding += not where
-    assert padding == 3  # world 2, stage 3: rank 1's last position is fc2.bias's padding (3 = 2 + 1)
+    assert padding == 3  # world 2, stage 3: rank 1's last position of sub-group 0 is fc1.weight's padding (35 = 18 + 17)
 
 
 def test_the_cli_scans_a_zero_folder_and_leaves_it_untouched(zero_root):

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 STAGES = (1, 2, 3)
+SUB_GROUP = 16  # stage 3 at world 2: fc1.weight and fc2.weight's pieces in sub-groups of their own, one param group
 WORLDS = (1, 2)
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 UNSOUND_INDEX = 3
@@ -107,7 +108,8 @@ def _stage(stage: int, rank: int, world: int, out: Path) -> None:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                                   lr=0.01)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage, **({"sub_group_size": SUB_GROUP} if (stage, world) == (3, 2) else {})},
+              "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9}
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                              dist_init_required=False)

@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 
 STAGES = (1, 2, 3)
-SUB_GROUP = 16  # stage 3 at world 2: fc1.weight and fc2.weight's pieces in sub-groups of their own, one param group
+# world 2's layouts beside the defaults: stage 2 pads each parameter to 4 elements (param_alignment_paddings: 35 -> 36),
+# stage 3 puts fc1.weight's and fc2.weight's pieces in flat sub-groups of their own within one param group
+VARIANTS = {(2, 2): {"parameter_alignment": True}, (3, 2): {"sub_group_size": 16}}
 WORLDS = (1, 2)
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 UNSOUND_INDEX = 3
@@ -108,7 +110,7 @@ def _stage(stage: int, rank: int, world: int, out: Path) -> None:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                                   lr=0.01)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage, **({"sub_group_size": SUB_GROUP} if (stage, world) == (3, 2) else {})},
+              "zero_optimization": {"stage": stage, **VARIANTS.get((stage, world), {})},
               "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9}
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,

@@ -267,6 +267,14 @@ def test_a_save_folder_of_several_points_to_them(zero_root):
                           "global_step1 ... global_step4")
 
 
+def test_a_torch_without_named_stand_ins_says_so_in_one_line(zero_root, monkeypatch):
+    """torch before 2.6 takes no (stand-in, name) pairs in safe_globals: the version named, never an AttributeError."""
+    from nanforensics.formats import torch_file
+
+    monkeypatch.setattr(torch_file, "_NAMED_STAND_INS", False)
+    assert_one_line_error(run_cli("scan", zero_root / "w1" / "s1" / "run" / "global_step2"), "needs torch >= 2.6")
+
+
 def test_one_rank_file_alone_points_to_its_folder(zero_root):
     folder = zero_root / "w1" / "s1" / "run" / "global_step2"
     assert_one_line_error(run_cli("scan", optim(folder, 0)), "DeepSpeed ZeRO", f"scan its folder {folder}")

@@ -76,7 +76,8 @@ class GroupSummary:
 @dataclass
 class ScanReport:
     path: str
-    format: str  # the layout recognised: nanforensics, pytorch, lightning, safetensors, safetensors-sharded, accelerate, dcp
+    format: str  # the layout recognised: nanforensics, pytorch, lightning, safetensors, safetensors-sharded, accelerate, dcp,
+    # deepspeed-zero
     step: int | None
     step_source: str | None  # "metadata" or "name"
     verdict: ScanVerdict

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo, torch_file
+from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo, torch_file, zero
 from ..formats.source import BUFFER_NAMES, Release, lightning_parts
 from ..formats.training_state import MODEL_KEYS
 from ..inputs import TensorFile
@@ -152,6 +152,8 @@ def _layout(source: CheckpointSource, order_names: list[str] | None) -> _Layout 
     safetensors file, a torch.distributed.checkpoint folder of another tool)."""
     if (source.path / "meta.json").is_file() and source.format in ("nanforensics", "dcp"):
         return _ours(source)
+    if source.format == zero.FORMAT:
+        return _zero(zero.read(source.files[0][0].parent))  # the global_stepN folder, given or named by latest
     files = [f for f, group in source.files if group in (None, OPTIMIZER) and f.suffix != ".safetensors"
              and f.name != ".metadata"]
     layouts = [_of_object(torch_file.load(f)[0], order_names) for f in files]
@@ -176,6 +178,13 @@ def _ours(source: CheckpointSource) -> _Layout | None:
             params[prefix + str(name)] = _Param(str(name), g, dict(own) if isinstance(own, dict) else {})
     scaler = state_from_json(meta["scaler"], lambda: TensorFile(ck.path / EXTRAS_FILE)) if "scaler" in meta else None
     return _Layout(groups, params, True, scaler, exact_step=True)
+
+
+def _zero(z: zero.Layout) -> _Layout:
+    """A DeepSpeed ZeRO checkpoint: the base optimizer's groups, each parameter named by ``param_shapes`` with the
+    step of the flat partition it lies in (formats.zero)."""
+    params = {s.name: _Param(s.name, s.group, {"step": zero.step_of(s, z)}) for s in z.slots}
+    return _Layout(z.hyper, params, True, z.scaler)
 
 
 def _of_object(obj: Any, order_names: list[str] | None) -> _Layout | None:

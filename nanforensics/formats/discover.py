@@ -21,7 +21,7 @@ from ..inputs import SafetensorsFile, examine, load_json, open_input
 from ..runs.checkpoint import Checkpoint
 from ..runs.run import MANIFEST, Run
 from ..runs.steplog import is_step
-from . import dcp, torch_file
+from . import dcp, torch_file, zero
 from .entries import MODEL, OPTIMIZER
 from .source import CheckpointSource, lightning_parts
 
@@ -79,9 +79,14 @@ def open_checkpoint(path: Path) -> CheckpointSource:
             raise BadInput(path, f"is a run directory with {count} checkpoints: scan one of them "
                                  f"({path / 'checkpoints'}/step_...), or bisect the run")
         source = _folder_checkpoint(path)
+        saved = sorted(p.name for p in path.iterdir() if zero.is_zero(p)) if source is None else []
+        if saved:
+            raise BadInput(path, f"is a DeepSpeed save folder holding {len(saved)} ZeRO checkpoints ({saved[0]} ... "
+                                 f"{saved[-1]}): scan one of them, or bisect the folder")
         if source is None:
             raise BadInput(path, "not a checkpoint folder (no meta.json of a nanforensics checkpoint, "
-                                 "no *.index.json, no model.safetensors, no .metadata of torch.distributed.checkpoint)")
+                                 "no *.index.json, no model.safetensors, no .metadata of torch.distributed.checkpoint, "
+                                 "no model and optimizer states of DeepSpeed ZeRO)")
         return _with_own_step(source)
     return _with_own_step(_file_checkpoint(path))
 
@@ -163,14 +168,15 @@ def _candidates(paths: list[Path], skipped: list[str]) -> list[CheckpointSource]
     return out
 
 
-def _why_unread(name: str) -> str:
+def _why_unread(name: str, other: str | None = None) -> str:
     return next((u.why for u in _UNREAD if name.startswith(u.prefix) and name.endswith(u.suffix)),
-                f"not a checkpoint file ({', '.join(FILE_SUFFIXES)}) nor part of a checkpoint folder's layout")
+                other or f"not a checkpoint file ({', '.join(FILE_SUFFIXES)}) nor part of a checkpoint folder's layout")
 
 
-def _unread(folder: Path, read: list[Path]) -> list[str]:
-    """The files of a checkpoint folder that may hold tensors and were not read, each with why."""
-    return [f"{p.name}: {_why_unread(p.name)}" for p in sorted(folder.iterdir())
+def _unread(folder: Path, read: list[Path], other: str | None = None) -> list[str]:
+    """The files of a checkpoint folder that may hold tensors and were not read, each with why (``other``: for a file
+    no known name explains)."""
+    return [f"{p.name}: {_why_unread(p.name, other)}" for p in sorted(folder.iterdir())
             if p.suffix in _DATA_SUFFIXES and p.is_file() and not p.name.startswith(".") and p not in read]
 
 
@@ -179,6 +185,9 @@ def _file_checkpoint(path: Path) -> CheckpointSource:
     the weights-only loader, anything else refused as no checkpoint before a loader sees it."""
     if path.suffix == ".safetensors":
         return CheckpointSource(path, "safetensors", [(path, None)], meta_step=_step_of(SafetensorsFile(path).metadata, path))
+    if zero.rank_file(path) and zero.is_zero(path.parent):
+        raise BadInput(path, f"is one file of a DeepSpeed ZeRO checkpoint, read with the others: scan its folder "
+                             f"{path.parent}")
     _refuse_non_pytorch(path)
     obj, _ = torch_file.load(path)
     return CheckpointSource(path, "lightning" if lightning_parts(obj) is not None else "pytorch", [(path, None)],
@@ -207,7 +216,27 @@ def _folder_checkpoint(path: Path) -> CheckpointSource | None:
     if (path / dcp.METADATA).is_file():
         return CheckpointSource(path, "dcp", [(path / dcp.METADATA, None)],
                                 meta_step=_step_of(dcp.values(path / dcp.METADATA, _STEP_KEYS), path / dcp.METADATA))
+    if zero.is_zero(path):
+        return _zero(path, path)
+    tagged = zero.tagged(path)
+    if tagged is not None:
+        return _zero(path, tagged)
     return _huggingface(path)
+
+
+def _zero(path: Path, folder: Path) -> CheckpointSource:
+    """A DeepSpeed ZeRO ``global_stepN`` folder: its step and buffers from the model states (formats.zero); given as
+    the folder holding it (the HF Trainer's ``checkpoint-N``), that folder's other files are named as not read."""
+    states = zero.model_states_file(folder)
+    model = zero.load(states)
+    names = model.get("param_shapes")
+    params = [n for g in (names if isinstance(names, list) else [names]) if isinstance(g, dict) for n in g]
+    return CheckpointSource(path, zero.FORMAT, [(states, None)],
+                            meta_step=_step_of({"global_step": model.get("global_steps")}, states),
+                            buffer_names=_names(model.get("buffer_names")), param_names=_names(params),
+                            skipped=_unread(folder, [p for p in folder.iterdir() if zero.rank_file(p)])
+                            + (_unread(path, [], f"beside the DeepSpeed ZeRO checkpoint {folder.name}, whose fp32 master "
+                                                 "weights and optimizer state were read instead") if path != folder else []))
 
 
 def _ours(c: Checkpoint, run_dir: Path | None) -> CheckpointSource:

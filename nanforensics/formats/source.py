@@ -12,7 +12,7 @@ import torch
 
 from ..errors import BadInput
 from ..inputs import SafetensorsFile
-from . import dcp, torch_file
+from . import dcp, torch_file, zero
 from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS, Entry, Release, TensorInfo, group_of_key
 from .pages import drop_pages
 
@@ -85,6 +85,8 @@ def _entries(file: Path, group: str | None) -> list[Entry]:
         return _safetensors_entries(file, group)
     if file.name == dcp.METADATA:  # torch.distributed.checkpoint
         return dcp.dcp_entries(file, group)
+    if zero.rank_file(file):  # DeepSpeed ZeRO: the folder's files read together
+        return zero.entries(file.parent)
     return _torch_entries(file, group)
 
 

@@ -11,8 +11,9 @@ import os
 import pickle
 import re
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -22,6 +23,8 @@ from .pages import drop_pages, span
 from .pickles import check_torch_file
 
 _ZIP_MAGIC = b"PK\x03\x04"
+# torch.serialization.safe_globals with (stand-in, "module.Name") pairs: a global built as another class than its name's
+_NAMED_STAND_INS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 6)
 
 
 def _brief(e: BaseException, limit: int = 200) -> str:
@@ -48,18 +51,24 @@ class Refused(BadInput):
                                "and plain containers (convert the file to safetensors where you trust it)")
 
 
-def weights_only(source: Any, mmap: bool = False) -> Any:
+def weights_only(source: Any, mmap: bool = False, allowed: Mapping[str, Callable[..., Any]] | None = None) -> Any:
     """``torch.load(source, weights_only=True)`` on the CPU, the one call of it: torch's warnings about what it reads
     (a pickle protocol it did not write, sparse CSR in beta) are not the user's, and would break the one-line error
-    (README, Security: the invariants)."""
-    with warnings.catch_warnings():
+    (README, Security: the invariants). ``allowed``: globals a layout's own files name (DeepSpeed's loss scaler), each
+    by its full name and the inert stand-in this tool builds in its place: the named class is never imported."""
+    stand_ins = torch.serialization.safe_globals([(f, n) for n, f in allowed.items()]) if allowed else nullcontext()
+    with warnings.catch_warnings(), stand_ins:
         warnings.filterwarnings("ignore", message=".*pickle protocol")
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
-    """The unpickled object and a ``release(view)`` that drops the pages of a part of a tensor already read."""
+def load(path: Path, allowed: Mapping[str, Callable[..., Any]] | None = None) -> tuple[Any, Callable[[torch.Tensor], None]]:
+    """The unpickled object and a ``release(view)`` that drops the pages of a part of a tensor already read;
+    ``allowed``: stand-ins for globals beyond weights-only loading's own (``weights_only``)."""
+    if allowed and not _NAMED_STAND_INS:
+        raise BadInput(path, f"reading it needs torch >= 2.6, whose weights-only loader builds stand-ins for the objects "
+                             f"it holds (such as {next(iter(allowed))}); this is torch {torch.__version__}")
     try:
         with open_input(path) as f:
             magic = f.read(4)
@@ -72,7 +81,7 @@ def load(path: Path) -> tuple[Any, Callable[[torch.Tensor], None]]:
     mapped = magic == _ZIP_MAGIC
     try:
         with claiming(path, "the file", os.stat(path).st_size):
-            obj = weights_only(path, mmap=mapped)
+            obj = weights_only(path, mmap=mapped, allowed=allowed)
     except BadInput:
         raise
     except pickle.UnpicklingError as e:

@@ -41,7 +41,7 @@ from ..errors import BadInput
 from ..inputs import TensorFile, optimizer_problem
 from ..numbers import spoken, unrepresentable
 from ..runs.checkpoint import Checkpoint, b64, restore_rng, rng_state, state_from_json
-from . import torch_file
+from . import torch_file, zero
 from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS
 from .source import CheckpointSource, lightning_parts
 
@@ -85,6 +85,10 @@ def read_state(source: CheckpointSource) -> TrainingState:
         raise BadInput(source.path, "a torch.distributed.checkpoint folder cannot be loaded into a model built here; "
                                     "convert it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save "
                                     "and replay the .pt file")
+    if source.format == zero.FORMAT:
+        raise BadInput(source.path, "a DeepSpeed ZeRO checkpoint's flat partitions cannot be loaded into torch's "
+                                    "optimizer built here (scan and bisect read it); zero_to_fp32.py beside it converts "
+                                    "the weights, without the optimizer state a replay needs")
     if source.path.is_dir():
         return _folder(source)
     return _file(source.path)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from nanforensics.replay import support
+from nanforensics.replay.engine import ReplayOptions, replay_run
 from torch import nn
 
 from conftest import assert_one_line_error, run_cli
@@ -200,6 +201,88 @@ def test_first_bad_reads_dense_and_sparse_coordinates_in_row_major_order() -> No
     assert first_bad(sparse) == ([2, 0], "nan")  # row 2 comes before row 5 whatever order they were given in
 
 
+def _per_sample_cross_entropy(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(batch["x"]), batch["y"], ignore_index=-100).detach()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(torch.func.functional_call(model, p, (x[None],)), y[None], ignore_index=-100)
+
+    grads = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0))(params, batch["x"], batch["y"])
+    for k, p in model.named_parameters():
+        p.grad = grads[k].mean(0)
+    optimizer.step()
+    return loss
+
+
+def test_a_nan_made_and_dropped_inside_a_transform_is_not_the_op() -> None:
+    """Sample 0's label is ignored: its loss alone is a mean over no target, NaN inside vmap(grad), while its gradient,
+    all the transform returns, is 0. The NaN the update makes afterwards (Adam with eps=0 on a feature absent from
+    the batch) is the op; the transform's NaN never left it."""
+    batch = {"x": torch.rand(4, 3, generator=torch.Generator().manual_seed(0)) + 0.5, "y": torch.tensor([-100, 1, 0, 1])}
+    batch["x"][:, 1] = 0.0
+    adam = lambda m: torch.optim.Adam(m.parameters(), lr=0.1, eps=0.0)  # noqa: E731
+    ref = _run(nn.Linear(3, 2), [batch], _per_sample_cross_entropy, optimizer=adam)
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.index) == ("param", "weight", [0, 1])
+    assert (ref.op, ref.phase) == ("aten::addcdiv_", "optimizer")
+    batch["x"][:, 1] = 1.0  # the other side: with the feature present the step is clean, the transform's NaN unseen
+    assert _run(nn.Linear(3, 2), [batch], _per_sample_cross_entropy, optimizer=adam).verdict == "clean"
+
+
+# A per-sample loss outside every module, inside torch.func.grad: exp(out ** 2) of sample 1 overflows at step 2.
+PER_SAMPLE_EXP = '''
+import torch
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Linear(4, 1)
+
+
+def make_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+make_scheduler = None
+
+
+def make_batch(step):
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
+    if step == 2:
+        x[1] = 100.0
+    return {"x": x}
+
+
+def train_step(model, optimizer, batch):
+    optimizer.zero_grad(set_to_none=True)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, x):
+        return torch.exp(torch.func.functional_call(model, p, (x[None],)) ** 2).mean()
+
+    grads, losses = torch.func.vmap(torch.func.grad_and_value(one), in_dims=(None, 0))(params, batch["x"])
+    for k, p in model.named_parameters():
+        p.grad = grads[k].mean(0)
+    optimizer.step()
+    return losses.mean()
+'''
+
+
+def test_an_op_inside_grad_builds_its_graph_a_forward_to_both_monitors(tmp_path: Path) -> None:
+    """Below torch.func's transforms no tensor requires grad, so a loss computed outside any module inside grad() read
+    as "before_update" to both monitors; it is grad()'s forward. The replay reads it where the torch function is
+    called (rootcause/operations.py, _ForwardSites), the reference from functorch's interpreter stack."""
+    module = programs.load("per_sample_exp", PER_SAMPLE_EXP, tmp_path)
+    programs.record(module, tmp_path / "run")
+    ref = reference(module, programs.extras, programs.STEPS)
+    assert (ref.verdict, ref.origin.step, ref.origin.stage, ref.op, ref.phase, ref.samples) == (
+        "nonfinite", 2, "loss", "aten::exp", "forward", [1])
+    report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
+    assert compare(ref, report) == []
+
+
 # ---- the up-front refusal --------------------------------------------------------------------------------------------
 
 def _refused(axes: dict[str, str]) -> bool:
@@ -211,7 +294,7 @@ def test_unsupported_runs_are_refused_before_any_step_in_one_line_exit_2(tmp_pat
     seed = next(s for s in range(400) if _refused(programs.draw(s).axes) and programs.draw(s).axes["optimizers"] == "one")
     program = programs.draw(seed)
     module = programs.materialise(program, tmp_path)
-    programs.record(program, module, tmp_path / "run")
+    programs.record(module, tmp_path / "run")
     calls = []
     step = module.train_step  # replay imports the module already imported: the step it calls, counted
     module.train_step = lambda *a, **k: calls.append(1) or step(*a, **k)
@@ -225,7 +308,7 @@ def test_a_supported_run_is_not_refused(tmp_path: Path) -> None:
     seed = next(s for s in range(400) if not _refused(programs.draw(s).axes)
                 and programs.draw(s).axes["optimizers"] == "one" and programs.draw(s).axes["arch"] == "mlp")
     program = programs.draw(seed)
-    programs.record(program, programs.materialise(program, tmp_path), tmp_path / "run")
+    programs.record(programs.materialise(program, tmp_path), tmp_path / "run")
     result = run_cli("replay", tmp_path / "run", "--code-path", tmp_path, "--json", "-")
     assert result.code in (0, 1, 4), result.stderr
 
@@ -244,8 +327,13 @@ def test_a_supported_run_is_not_refused(tmp_path: Path) -> None:
 # whose overflow the GradScaler catches (it skips the step) was counted as failing; fixed by one rule for "caught" that
 # the replay's steps and sample attribution's passes share, replay.amp.scaler_caught; 171, 191: a forward inside vmap
 # read by replay on the plain tensor, vmap's dimension in front, and skipped by the reference, which named the plain
-# forward after it; one convention now, the replay's: the reference reads the real tensor under functorch's wrappers).
-FIXED = [65, 91, 171, 179, 185, 191, 201, 311, 353, 372, 409, 437, 474, 574, 1149, 1266, 1540]
+# forward after it; one convention now, the replay's: the reference reads the real tensor under functorch's wrappers;
+# 170, 6426: an op inside torch.func.grad outside any module (a per-sample loss) was "before_update" to both monitors,
+# which looked for a tensor requiring grad where grad()'s are unwrapped; it is grad()'s forward, read above the
+# transforms (the replay's _ForwardSites, the reference's Transforms); 6015, 6106: the reference named a NaN made and
+# dropped inside vmap(grad) (a per-sample loss over no target, whose gradient is 0); a birth inside a transform now
+# counts once a non-finite value leaves it).
+FIXED = [65, 91, 170, 171, 179, 185, 191, 201, 311, 353, 372, 409, 437, 474, 574, 1149, 1266, 1540, 6015, 6106, 6426]
 # Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
 # join FIXED.
 KNOWN: dict[int, str] = {
@@ -255,9 +343,7 @@ KNOWN: dict[int, str] = {
     354: "operation: an inf born beside NaN from finite inputs (addmm of weights an LR spike made huge) is unseen by "
          "the trace (rootcause/operations.py's summaries), which names no op where the reference names addmm",
     # found once sparse gradients, torch.func and per-batch tensors were no longer refused up front (the merge of the
-    # classes31 branch): torch.func's phase and two of per-batch leaves, open
-    170: "torch.func phase: an LR spike's inf made inside vmap(grad) is a forward to replay and before_update to the "
-         "reference, which sees no module forward under the transform",
+    # classes31 branch): two of per-batch leaves, open
     28: "samples with a per-batch tensor under a GradScaler's slow overflow: replay attributes [1] where samples 1 and 2 "
         "each fail alone",
     107: "operation with a per-batch tensor: a fully masked attention row's softmax NaN is not named by the trace "
@@ -277,7 +363,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_replay_agrees_with_the_reference_or_refuses_up_front(seed: int, folder: Path) -> None:
     outcome = check(seed, folder)
-    assert outcome.kind in ("agree", "refused", "unrecordable"), (outcome.reason, outcome.axes, outcome.details)
+    assert outcome.kind in ("agree", "refused"), (outcome.reason, outcome.axes, outcome.details)
 
 
 def _namespace(node: Any) -> Any:
@@ -291,7 +377,7 @@ def _namespace(node: Any) -> Any:
 def test_the_cli_agrees_with_the_reference(seed: int, folder: Path) -> None:
     program = programs.draw(seed)
     module = programs.materialise(program, folder)
-    programs.record(program, module, folder / f"cli_{seed}")
+    programs.record(module, folder / f"cli_{seed}")
     ref = reference(module, programs.extras, programs.STEPS)
     result = run_cli("replay", folder / f"cli_{seed}", "--code-path", folder, "--json", "-")
     assert result.code == 1 and ref.verdict == "nonfinite", (result.code, result.stderr)
@@ -302,11 +388,9 @@ def test_the_property_fails_on_a_wrong_report(folder: Path) -> None:
     """The comparison is not vacuous: an origin one coordinate off, another op, other samples are each caught."""
     from dataclasses import replace
 
-    from nanforensics.replay.engine import ReplayOptions, replay_run
-
     program = programs.draw(FIXED[0])
     module = programs.materialise(program, folder)
-    programs.record(program, module, folder / "wrong")
+    programs.record(module, folder / "wrong")
     ref = reference(module, programs.extras, programs.STEPS)
     report = replay_run(folder / "wrong", ReplayOptions(code_paths=[folder]))
     assert compare(ref, report) == []

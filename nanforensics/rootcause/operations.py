@@ -375,6 +375,7 @@ class _Provenance(TorchDispatchMode):
         self.infos: dict[Any, _OpInfo] = {}
         self.in_optimizer = False
         self.updated = False  # optimizer.step() has returned in this step: what follows is the step's own code
+        self.building = False  # the torch function running now builds an autograd graph (see _ForwardSites)
         self.seq = 0
         self.failed: str | None = None  # what ended the trace early, if anything did
 
@@ -516,14 +517,15 @@ class _Provenance(TorchDispatchMode):
     def _phase(self, inputs: list[torch.Tensor]) -> str:
         """Outside autograd's backward: the optimizer's step, a module's forward, the step function's own code after
         optimizer.step() (renormalising rows, clamping, an EMA under no_grad), the forward's computation outside
-        any module (a loss: it builds the graph), or the step function's own code before the update."""
+        any module (a loss: it builds the graph, inside ``torch.func.grad`` too), or the step function's own code
+        before the update."""
         if self.in_optimizer:
             return "optimizer"
         if self.modules.current() is not None:
             return "forward"
         if self.updated:
             return "after_update"
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        if self.building or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             return "forward"
         return "before_update"
 
@@ -560,7 +562,8 @@ class _Provenance(TorchDispatchMode):
 
 
 class _ForwardSites(TorchFunctionMode):
-    """Remembers, for each autograd node created in the forward pass, the torch function that created it."""
+    """Remembers, for each autograd node created in the forward pass, the torch function that created it; and
+    whether the torch function running builds a graph (the phase of the aten operations it issues)."""
 
     def __init__(self, modules: _ModuleStack, provenance: _Provenance) -> None:
         super().__init__()
@@ -568,7 +571,15 @@ class _ForwardSites(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        # Whether this call builds a graph is read here, above torch.func's transforms: below them, where the
+        # provenance runs, grad()'s tensors are unwrapped and none of them requires grad.
+        building = self.provenance.building
+        self.provenance.building = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.provenance.building = building
         outs = [out] if isinstance(out, torch.Tensor) else (
             [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (tuple, list)) else [])
         nodes = [t.grad_fn for t in outs if t.grad_fn is not None]

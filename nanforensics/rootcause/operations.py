@@ -32,9 +32,9 @@ dropped its value, its derivative still reached the gradient.
 
 Tracking is per tensor, not per element: an operation's output is taken to come from all its
 floating inputs (for the optimizer's foreach and fused operations, from element i of every list).
-Where several births reach the origin, the earliest is named. Where NaN hides whether a tensor also
-holds ±inf, it is taken to when an input it came from did, so an inf born beside NaN from finite
-inputs can go unseen: the trace then names no culprit for it rather than a wrong one.
+Where several births reach the origin, the earliest is named. Where NaN hides from min and max whether
+a tensor also holds ±inf, a mask over that tensor says: an inf born beside NaN from finite inputs
+(a matmul of weights an LR spike made huge) is a birth like any other.
 """
 
 from __future__ import annotations
@@ -381,10 +381,10 @@ class _Provenance(TorchDispatchMode):
 
     # -- summaries --------------------------------------------------------------------------------
 
-    def _summaries(self, tensors: list[torch.Tensor]) -> list[tuple[float, float, bool, bool | None]]:
+    def _summaries(self, tensors: list[torch.Tensor]) -> list[tuple[float, float, bool, bool]]:
         """(min, max, holds NaN, holds ±inf) per tensor: one aminmax each, one host sync per device. Where NaN
-        hides ±inf from min and max, "holds ±inf" is None: the caller infers it (see ``__torch_dispatch__``)
-        rather than pay a mask over every tensor of a step that NaN has flooded."""
+        hides ±inf from min and max, a mask over the tensor's values says (only in the step that failed, on the
+        tensors NaN reached: inferring it from the inputs missed an inf born beside a NaN)."""
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device, []).append(i)
@@ -396,7 +396,7 @@ class _Provenance(TorchDispatchMode):
         out = []
         for t, (lo, hi) in zip(tensors, bounds):
             nan = lo != lo or hi != hi
-            inf = None if nan else (math.isinf(lo) or math.isinf(hi))
+            inf = bool(torch.isinf(finite.stored(t).values).any()) if nan else (math.isinf(lo) or math.isinf(hi))
             out.append((lo, hi, nan, inf))
         return out
 
@@ -498,13 +498,10 @@ class _Provenance(TorchDispatchMode):
         written = {id(t) for i in info.written for t in _tensors(bound[i])}
         aliased = {v.storage for g in ins_groups for v in g}
         for inputs, tensors, ins in zip(groups, out_groups, ins_groups):
-            # NaN hides whether an output also holds ±inf: taken to, when an input it came from did (so inf is
-            # followed through a NaN-flooded tensor); an inf born beside NaN from finite inputs goes unseen.
-            carried = any(v.inf for v in ins)
             outs = []
             for t in tensors:
                 lo, hi, nan, inf = next(summaries)
-                outs.append(_Value(self.seq, _storage_key(t), lo, hi, nan, carried if inf is None else inf, _dtype(t)))
+                outs.append(_Value(self.seq, _storage_key(t), lo, hi, nan, inf, _dtype(t)))
             if any(not v.finite for v in outs):
                 record = self._record(info, func, args, kwargs, bound, inputs, ins, tensors, outs)
                 for v in outs:

@@ -387,14 +387,18 @@ class _Provenance(TorchDispatchMode):
         tensors NaN reached: inferring it from the inputs missed an inf born beside a NaN)."""
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
-            by_device.setdefault(t.device, []).append(i)
-        bounds: list[list[float]] = [[]] * len(tensors)
+            if t.numel():  # an empty tensor (a parameter of size 0) has no extremes: aminmax refuses it
+                by_device.setdefault(t.device, []).append(i)
+        bounds: list[list[float]] = [[math.nan, math.nan]] * len(tensors)
         for indices in by_device.values():
             rows = torch.stack([finite.extremes(tensors[i]) for i in indices]).tolist()
             for i, row in zip(indices, rows):
                 bounds[i] = row
         out = []
         for t, (lo, hi) in zip(tensors, bounds):
+            if not t.numel():
+                out.append((lo, hi, False, False))
+                continue
             nan = lo != lo or hi != hi
             inf = bool(torch.isinf(finite.stored(t).values).any()) if nan else (math.isinf(lo) or math.isinf(hi))
             out.append((lo, hi, nan, inf))

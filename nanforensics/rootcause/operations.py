@@ -32,9 +32,9 @@ dropped its value, its derivative still reached the gradient.
 
 Tracking is per tensor, not per element: an operation's output is taken to come from all its
 floating inputs (for the optimizer's foreach and fused operations, from element i of every list).
-Where several births reach the origin, the earliest is named. Where NaN hides whether a tensor also
-holds ±inf, it is taken to when an input it came from did, so an inf born beside NaN from finite
-inputs can go unseen: the trace then names no culprit for it rather than a wrong one.
+Where several births reach the origin, the earliest is named. Where NaN hides from min and max whether
+a tensor also holds ±inf, a mask over that tensor says: an inf born beside NaN from finite inputs
+(a matmul of weights an LR spike made huge) is a birth like any other.
 """
 
 from __future__ import annotations
@@ -375,27 +375,32 @@ class _Provenance(TorchDispatchMode):
         self.infos: dict[Any, _OpInfo] = {}
         self.in_optimizer = False
         self.updated = False  # optimizer.step() has returned in this step: what follows is the step's own code
+        self.building = False  # the torch function running now builds an autograd graph (see _ForwardSites)
         self.seq = 0
         self.failed: str | None = None  # what ended the trace early, if anything did
 
     # -- summaries --------------------------------------------------------------------------------
 
-    def _summaries(self, tensors: list[torch.Tensor]) -> list[tuple[float, float, bool, bool | None]]:
+    def _summaries(self, tensors: list[torch.Tensor]) -> list[tuple[float, float, bool, bool]]:
         """(min, max, holds NaN, holds ±inf) per tensor: one aminmax each, one host sync per device. Where NaN
-        hides ±inf from min and max, "holds ±inf" is None: the caller infers it (see ``__torch_dispatch__``)
-        rather than pay a mask over every tensor of a step that NaN has flooded."""
+        hides ±inf from min and max, a mask over the tensor's values says (only in the step that failed, on the
+        tensors NaN reached: inferring it from the inputs missed an inf born beside a NaN)."""
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
-            by_device.setdefault(t.device, []).append(i)
-        bounds: list[list[float]] = [[]] * len(tensors)
+            if t.numel():  # an empty tensor (a parameter of size 0) has no extremes: aminmax refuses it
+                by_device.setdefault(t.device, []).append(i)
+        bounds: list[list[float]] = [[math.nan, math.nan]] * len(tensors)
         for indices in by_device.values():
             rows = torch.stack([finite.extremes(tensors[i]) for i in indices]).tolist()
             for i, row in zip(indices, rows):
                 bounds[i] = row
         out = []
         for t, (lo, hi) in zip(tensors, bounds):
+            if not t.numel():
+                out.append((lo, hi, False, False))
+                continue
             nan = lo != lo or hi != hi
-            inf = None if nan else (math.isinf(lo) or math.isinf(hi))
+            inf = bool(torch.isinf(finite.stored(t).values).any()) if nan else (math.isinf(lo) or math.isinf(hi))
             out.append((lo, hi, nan, inf))
         return out
 
@@ -497,13 +502,10 @@ class _Provenance(TorchDispatchMode):
         written = {id(t) for i in info.written for t in _tensors(bound[i])}
         aliased = {v.storage for g in ins_groups for v in g}
         for inputs, tensors, ins in zip(groups, out_groups, ins_groups):
-            # NaN hides whether an output also holds ±inf: taken to, when an input it came from did (so inf is
-            # followed through a NaN-flooded tensor); an inf born beside NaN from finite inputs goes unseen.
-            carried = any(v.inf for v in ins)
             outs = []
             for t in tensors:
                 lo, hi, nan, inf = next(summaries)
-                outs.append(_Value(self.seq, _storage_key(t), lo, hi, nan, carried if inf is None else inf, _dtype(t)))
+                outs.append(_Value(self.seq, _storage_key(t), lo, hi, nan, inf, _dtype(t)))
             if any(not v.finite for v in outs):
                 record = self._record(info, func, args, kwargs, bound, inputs, ins, tensors, outs)
                 for v in outs:
@@ -516,14 +518,15 @@ class _Provenance(TorchDispatchMode):
     def _phase(self, inputs: list[torch.Tensor]) -> str:
         """Outside autograd's backward: the optimizer's step, a module's forward, the step function's own code after
         optimizer.step() (renormalising rows, clamping, an EMA under no_grad), the forward's computation outside
-        any module (a loss: it builds the graph), or the step function's own code before the update."""
+        any module (a loss: it builds the graph, inside ``torch.func.grad`` too), or the step function's own code
+        before the update."""
         if self.in_optimizer:
             return "optimizer"
         if self.modules.current() is not None:
             return "forward"
         if self.updated:
             return "after_update"
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        if self.building or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             return "forward"
         return "before_update"
 
@@ -560,7 +563,8 @@ class _Provenance(TorchDispatchMode):
 
 
 class _ForwardSites(TorchFunctionMode):
-    """Remembers, for each autograd node created in the forward pass, the torch function that created it."""
+    """Remembers, for each autograd node created in the forward pass, the torch function that created it; and
+    whether the torch function running builds a graph (the phase of the aten operations it issues)."""
 
     def __init__(self, modules: _ModuleStack, provenance: _Provenance) -> None:
         super().__init__()
@@ -568,7 +572,15 @@ class _ForwardSites(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        # Whether this call builds a graph is read here, above torch.func's transforms: below them, where the
+        # provenance runs, grad()'s tensors are unwrapped and none of them requires grad.
+        building = self.provenance.building
+        self.provenance.building = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.provenance.building = building
         outs = [out] if isinstance(out, torch.Tensor) else (
             [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (tuple, list)) else [])
         nodes = [t.grad_fn for t in outs if t.grad_fn is not None]

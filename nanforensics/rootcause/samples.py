@@ -176,13 +176,19 @@ class _Tester:
         self.passes = passes
         self.errors: list[str] = []
 
-    def fails(self, indices: list[int]) -> bool:
+    def fails(self, indices: list[int]) -> bool | None:
         """One pass on the subset; True when a non-finite value appears before the optimizer (with ``update``:
-        anywhere but in a forward activation and the loss alone)."""
-        return self.fails_on(select(self.batch, indices, self.size, self.whole))
+        anywhere but in a forward activation and the loss alone). None when a GradScaler caught the subset's overflow
+        and skipped the update: that says nothing of its samples, each of which may fail alone where together they
+        overflow (group testing is then not monotone); a single sample caught passes, as a step caught does."""
+        verdict = self._judge(select(self.batch, indices, self.size, self.whole))
+        return False if verdict is None and len(indices) == 1 else verdict
 
     def fails_on(self, subset: Any) -> bool:
-        """One pass on ``subset`` (any batch) from the step's state."""
+        """One pass on ``subset`` (any batch) from the step's state: whether it fails as the step did."""
+        return self._judge(subset) is True
+
+    def _judge(self, subset: Any) -> bool | None:
         self.passes += 1
         self.progress.update(self.passes)
         s = self.session
@@ -201,28 +207,29 @@ class _Tester:
                 handle.remove()
             events = monitor.end(loss)
         if scaler_caught(s.scaler, bool(stepped), events):
-            return False  # the scaler caught this subset's overflow: benign, as the replay judges a step
+            return None  # the scaler caught this subset's overflow: benign, as the replay judges a step
         # it fails as the step did: loss-only as a loss-only step, else with an origin (a subset whose only fault is a
         # loss over no target is not the origin's failure)
         stages = {e.stage for e in events if self.update or e.stage in _BEFORE_OPTIMIZER}
         return loss_only(stages) if self.loss_only else bool(stages) and not loss_only(stages)
 
 
-def group_test(size: int, fails: Callable[[list[int]], bool]) -> tuple[list[int], list[list[int]]]:
-    """Adaptive halving over a batch known to fail as a whole: (failing samples, coupled groups)."""
+def group_test(size: int, fails: Callable[[list[int]], bool | None]) -> tuple[list[int], list[list[int]]]:
+    """Adaptive halving over a batch known to fail as a whole: (failing samples, coupled groups). A half whose verdict
+    is None (inconclusive, see ``_Tester.fails``) is halved as a failing one is, and is never coupled."""
     bad: list[int] = []
     coupled: list[list[int]] = []
-    pending = [list(range(size))]
+    pending: list[tuple[list[int], bool | None]] = [(list(range(size)), True)]
     while pending:
-        group = pending.pop(0)
+        group, verdict = pending.pop(0)
         if len(group) == 1:
-            bad.append(group[0])
+            bad.append(group[0])  # a single sample's verdict is never None
             continue
         half = len(group) // 2
-        halves = [h for h in (group[:half], group[half:]) if fails(h)]
+        halves = [(h, v) for h in (group[:half], group[half:]) if (v := fails(h)) is not False]
         if halves:
             pending += halves
-        else:
+        elif verdict:
             coupled.append(group)
     return sorted(bad), coupled
 
@@ -244,21 +251,22 @@ class Split:
     named: bool                # every failing sample was named by halving (not only probed)
 
 
-def split_batch(size: int, fails: Callable[[list[int]], bool], probes: int = PROBES, hint: int | None = None) -> Split:
+def split_batch(size: int, fails: Callable[[list[int]], bool | None], probes: int = PROBES,
+                hint: int | None = None) -> Split:
     """Probe single samples, then halve: see the module's docstring. ``fails`` is asked each subset once.
 
     ``hint``: the sample the failure's own coordinates point at. When it fails alone and the rest of the batch does
     not fail, it is the only sample that fails alone (a set holding one that does fails too): two passes, not
     probing and halving; otherwise those go on as without it."""
-    known: dict[tuple[int, ...], bool] = {}
+    known: dict[tuple[int, ...], bool | None] = {}
 
-    def once(indices: list[int]) -> bool:
+    def once(indices: list[int]) -> bool | None:
         key = tuple(indices)
         if key not in known:
             known[key] = fails(indices)
         return known[key]
 
-    if hint is not None and 0 <= hint < size and once([hint]) and not once([i for i in range(size) if i != hint]):
+    if hint is not None and 0 <= hint < size and once([hint]) and once([i for i in range(size) if i != hint]) is False:
         return Split("attributed", [hint], [], [hint], named=True)
     tried = probe_order(size, probes)
     failing: list[int] = []

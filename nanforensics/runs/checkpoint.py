@@ -104,12 +104,27 @@ def _unb64(text: str) -> torch.Tensor:
 
 
 def _json_value(value: Any) -> Any:
-    """Hyperparameters given as tensors (a tensor lr) are stored as their numbers."""
+    """Hyperparameters given as tensors (a tensor lr) are stored as their numbers; inf and nan, which JSON lacks (LBFGS
+    keeps its last loss as a float: nan once the loss was), as ``{"$float": "nan"}``, read back by ``_floats``."""
     if isinstance(value, torch.Tensor):
-        return value.tolist()
+        return _json_value(value.tolist())
     if isinstance(value, (tuple, list)):
         return [_json_value(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"$float": encode_float(value)}
     return value
+
+
+def _floats(value: Any, path: Path) -> Any:
+    """The inverse of ``_json_value``'s ``{"$float": ...}``, in meta.json's groups and state scalars."""
+    if isinstance(value, dict) and value.keys() == {"$float"}:
+        try:
+            return decode_float(value["$float"])
+        except ValueError as e:
+            raise BadInput(path, f"its optimizer state holds {one_line(e)}") from None
+    if isinstance(value, dict):
+        return {k: _floats(v, path) for k, v in value.items()}
+    return [_floats(v, path) for v in value] if isinstance(value, list) else value
 
 
 def state_to_json(state: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
@@ -149,13 +164,18 @@ TensorWriter = Callable[[Path, dict[str, torch.Tensor], dict[str, torch.Tensor],
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                     ) -> tuple[list[str], dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
     """Parameter names (optimizer order), the state's tensors keyed ``"<name>/<key>"``, its other values per name,
-    and the optimizer's state dict."""
+    and the optimizer's state dict. A sparse state tensor is refused in one line before anything is written: the
+    files hold strided tensors, and a densified one would not replay the update bit for bit."""
     names = param_names(model, optimizer)
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for index, state in sd["state"].items():
         for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+                raise ValueError(f"optimizer state {names[index]}/{key} is a sparse tensor (SGD's momentum on a sparse "
+                                 "gradient keeps one): a checkpoint holds dense optimizer state only; train the sparse "
+                                 "parameters with momentum=0, Adagrad or SparseAdam")
             if isinstance(value, torch.Tensor):
                 tensors[f"{names[index]}/{key}"] = value
             else:
@@ -285,12 +305,15 @@ class Checkpoint:
         return TensorFile(self.optimizer_file).items()
 
     def meta(self) -> dict[str, Any]:
-        """meta.json, checked against ``CheckpointMeta`` (and returned as read: its hyperparameters as they are)."""
+        """meta.json, checked against ``CheckpointMeta`` (and returned as read: its hyperparameters as they are, the
+        non-finite floats among them and the state scalars decoded)."""
         path = self.path / "meta.json"
         meta = load_json(path)
         if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
             raise BadInput(path, f"not a {CHECKPOINT_FORMAT} checkpoint")
         load(CheckpointMeta, meta, path)
+        for key in ("param_groups", "state_scalars"):
+            meta[key] = _floats(meta[key], path)
         return meta
 
     def optimizer_state(self, meta: dict[str, Any], params: list[torch.Tensor] | None = None) -> dict[str, Any]:

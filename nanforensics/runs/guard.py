@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..distributed.tensors import is_dtensor
 from ..distributed.world import object_group
-from ..finite import is_finite, locate, value_name
+from ..finite import is_finite, locate, stored, value_name
 from ..replay.proof import Hazard, UpdateCheck, max_abs, provable
 from .batches import data_leaves, encoded_bytes, leaves
 from .checkpoint import checkpoint_name, optimizer_params, param_names
@@ -126,7 +126,8 @@ def nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.T
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(t)
+            held = t if t.layout == torch.strided else stored(t).values  # a sparse gradient: its coalesced values
+            groups.setdefault((held.device, held.dtype), []).append(held)
     for (dev, _), ts in groups.items():
         here = torch.zeros((), dtype=torch.float32, device=dev)
         torch._amp_foreach_non_finite_check_and_unscale_(ts, here, torch.ones((), dtype=torch.float32, device=dev))

@@ -24,11 +24,11 @@ def coverage(outcomes: list[Outcome]) -> list[str]:
     for o in outcomes:
         for axis, value in o.axes.items():
             counts[axis, value][o.kind] += 1
-    lines = [f"{'axis':<11}{'value':<18}{'drawn':>6}{'agree':>7}{'refused':>9}{'unrecordable':>14}{'disagree':>10}"]
+    lines = [f"{'axis':<12}{'value':<18}{'drawn':>6}{'agree':>7}{'refused':>9}{'unrecordable':>14}{'disagree':>10}"]
     for axis, values in AXES.items():
         for value in values:
             c = counts.get((axis, value), Counter())
-            lines.append(f"{axis:<11}{value:<18}{sum(c.values()):>6}{c['agree']:>7}{c['refused']:>9}"
+            lines.append(f"{axis:<12}{value:<18}{sum(c.values()):>6}{c['agree']:>7}{c['refused']:>9}"
                          f"{c['unrecordable']:>14}{c['disagree']:>10}")
     return lines
 

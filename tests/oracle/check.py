@@ -93,7 +93,7 @@ def check(seed: int, folder: Path) -> Outcome:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            programs.record(program, module, run_dir)
+            programs.record(module, run_dir, program.axes["checkpoints"])
         except Exception as e:  # the recorder's own refusal (two optimizers): nothing to replay
             return Outcome(seed, program.axes, "unrecordable", f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
         try:

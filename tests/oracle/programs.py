@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from nanforensics.runs.optimizers import UNSUPPORTED as UNSUPPORTED_WITH_SEVERAL
 
 STEPS = 6  # steps a program trains for; the fault lands at FAULT_STEP
 FAULT_STEP = 3
@@ -31,16 +32,24 @@ OPTIMIZERS = tuple(sorted(n for n in dir(torch.optim) if n != "Optimizer" and is
 OPTIMIZER_COUNTS = ("one", "two")
 STEP_SHAPES = ("plain", "clip", "accumulation", "bf16_autocast", "fp16_scaler", "scheduler", "after_update")
 BATCH_SHAPES = ("rows", "ids", "per_batch_tensor")
+CHECKPOINTS = {"start": 100, "every_2": 2}  # checkpoint_every: one before step 0, or one every two steps (state in it)
 FAULTS = ("none", "inf_input", "nan_input", "huge_input", "constant_row", "log_zero", "masked_inf_zero", "eps_zero",
           "lr_spike", "slow_overflow", "no_target")
 AXES: dict[str, tuple[str, ...]] = {"arch": ARCHS, "loss": LOSSES, "optimizer": OPTIMIZERS,
                                     "optimizers": OPTIMIZER_COUNTS, "step": STEP_SHAPES, "batch": BATCH_SHAPES,
-                                    "fault": FAULTS}
+                                    "fault": FAULTS, "checkpoints": tuple(CHECKPOINTS)}
 
 TOKENS = ("attention", "embedding", "embedding_sparse")  # archs fed token ids, not floats
 SPARSE_OK = ("SparseAdam", "SGD", "Adagrad")  # the optimizers that take a sparse gradient
 EPS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta")  # those with an eps to set to 0
 CLOSURE = ("LBFGS",)  # step(closure) only
+SCHEDULED = ("lr_spike", "slow_overflow")  # faults an LR scheduler makes
+
+
+def features(step: str, fault: str) -> tuple[str, ...]:
+    """What a program of this step shape and fault gives the Recorder besides model and optimizer."""
+    scheduled = step == "scheduler" or fault in SCHEDULED
+    return (("scaler",) if step == "fp16_scaler" else ()) + (("scheduler",) if scheduled else ())
 
 
 @dataclass(frozen=True)
@@ -81,8 +90,20 @@ def draw(seed: int) -> Program:
     fault = rng.choice(faults)
     if loss == "cross_entropy" and fault == "none" and random.Random(-seed - 1).random() < 0.8:
         fault = "no_target"  # drawn apart, so the draws above stay those of the seeds kept as regression cases
+    if arch == "lstm" and step == "fp16_scaler":  # torch's CPU LSTM has no float16 kernel (oneDNN: no primitive)
+        step = random.Random(-seed - 4).choice([s for s in shapes if s != "fp16_scaler"])
+    if optimizer in CLOSURE:
+        count = "one"  # a step(closure) optimizer trains alone: the two-optimizer loop steps each without a closure
+    if count == "two" and set(features(step, fault)) & set(UNSUPPORTED_WITH_SEVERAL):
+        # what the Recorder refuses for several optimizers is not drawn for them (drawn apart, as above)
+        again = random.Random(-seed - 2)
+        step = again.choice([s for s in shapes if not set(features(s, "none")) & set(UNSUPPORTED_WITH_SEVERAL)])
+        fault = again.choice([f for f in faults if not set(features("plain", f)) & set(UNSUPPORTED_WITH_SEVERAL)])
+    # drawn apart as well; a sparse SGD's momentum is a sparse state no checkpoint holds (the Recorder refuses it)
+    checkpoints = random.Random(-seed - 3).choice(["start"] if arch == "embedding_sparse" and optimizer == "SGD"
+                                                  else list(CHECKPOINTS))
     axes = {"arch": arch, "loss": loss, "optimizer": optimizer, "optimizers": count, "step": step, "batch": batch,
-            "fault": fault}
+            "fault": fault, "checkpoints": checkpoints}
     size = rng.choice((4, 8, 10))  # never 3 nor 6: a micro-batch of 3 rows would look like the (3,) tensor
     return Program(seed, axes, size, render(axes, size, rng.randrange(2 ** 31)))
 
@@ -336,7 +357,7 @@ def _loss(axes: dict[str, str]) -> str:
 
 def _step(axes: dict[str, str], ema: bool) -> str:
     shape, arch, count = axes["step"], axes["arch"], axes["optimizers"]
-    scheduled = axes["fault"] in ("lr_spike", "slow_overflow") or shape == "scheduler"
+    scheduled = "scheduler" in features(shape, axes["fault"])
     kw = []
     if shape == "fp16_scaler":
         kw.append("scaler")
@@ -396,13 +417,19 @@ def _clip(shape: str) -> list[str]:
 
 def materialise(program: Program, folder: Path) -> ModuleType:
     """Write the program as ``folder/prog_SEED.py`` and import it from there (``folder`` put on sys.path)."""
+    return load(program.name, program.source, folder)
+
+
+def load(name: str, source: str, folder: Path) -> ModuleType:
+    """Write ``source`` as ``folder/NAME.py`` and import it afresh from there (``folder`` put on sys.path): a module
+    the Recorder names its step function and factories by, and replay imports again."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{program.name}.py").write_text(program.source)
+    (folder / f"{name}.py").write_text(source)
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
-    sys.modules.pop(program.name, None)
+    sys.modules.pop(name, None)
     importlib.invalidate_caches()
-    return importlib.import_module(program.name)
+    return importlib.import_module(name)
 
 
 def extras(module: ModuleType, optimizer: Any) -> dict[str, Any]:
@@ -416,8 +443,9 @@ def extras(module: ModuleType, optimizer: Any) -> dict[str, Any]:
     return out
 
 
-def record(program: Program, module: ModuleType, run_dir: Path) -> list[float]:
-    """Train the program for STEPS steps under the Recorder, one checkpoint before step 0; the losses it logged."""
+def record(module: ModuleType, run_dir: Path, checkpoints: str = "start") -> list[float]:
+    """Train the program (its module) for STEPS steps under the Recorder, checkpointed as ``CHECKPOINTS`` says; the
+    losses it logged."""
     from nanforensics import Recorder
 
     model = module.build_model()
@@ -425,7 +453,7 @@ def record(program: Program, module: ModuleType, run_dir: Path) -> list[float]:
     kw = extras(module, optimizer)
     losses = []
     with Recorder(run_dir, model, optimizer, model_factory=module.build_model, step_fn=module.train_step,
-                  checkpoint_every=100, scaler=kw.get("scaler"), scheduler=kw.get("scheduler"),
+                  checkpoint_every=CHECKPOINTS[checkpoints], scaler=kw.get("scaler"), scheduler=kw.get("scheduler"),
                   scheduler_factory=module.make_scheduler) as rec:
         for step in range(STEPS):
             batch = module.make_batch(step)

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
@@ -277,20 +279,47 @@ def _kinds(values: list[Any]) -> tuple[bool, bool]:
     return nan, inf
 
 
+class Transforms(TorchFunctionMode):
+    """Which torch.func transforms the user's code is inside, read where torch's Python API is called: below it, where
+    ``Births`` runs, functorch has already unwrapped the tensors and hidden its interpreter stack."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        keys = [i.key() for i in retrieve_all_functorch_interpreters()]
+        before = self.state["inside"], self.state["differentiated"]
+        self.state["inside"] = bool(keys)
+        self.state["differentiated"] = any(k in (TransformType.Grad, TransformType.Jvp) for k in keys)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.state["inside"], self.state["differentiated"] = before
+
+
 class Births(TorchDispatchMode):
     """Every op whose output holds a NaN none of its inputs held, or an ±inf none held (a NaN made from ±inf counts):
-    a non-tensor inf argument (``masked_fill(mask, -inf)``) is a constant written, not a value made."""
+    a non-tensor inf argument (``masked_fill(mask, -inf)``) is a constant written, not a value made.
 
-    def __init__(self, phase: Callable[[list[Any]], str]) -> None:
+    A birth inside a torch.func transform is kept only once a non-finite value leaves the transform: an op outside
+    every transform reads one before any op outside has made one. A per-sample loss over no target is NaN inside
+    ``vmap(grad(...))`` while its gradient, all the transform returns, is 0: that NaN never leaves."""
+
+    def __init__(self, phase: Callable[[list[Any]], str], state: dict[str, Any]) -> None:
         super().__init__()
-        self.phase = phase
+        self.phase, self.state = phase, state
         self.made: list[tuple[str, str]] = []
+        self.pending: list[tuple[str, str]] = []  # made inside a transform, not yet seen leaving it
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         inputs = tree_flatten((args, kwargs))[0]
         before = [_kinds([t]) for t in inputs]
         in_nan, in_inf = any(n for n, _ in before), any(i for _, i in before)
+        inside = self.state["inside"]
+        if not inside and (in_nan or in_inf) and self.pending and not self.made:
+            self.made += self.pending  # what the transform made came out of it
         constant_inf = any(isinstance(a, float) and a in (float("inf"), float("-inf")) for a in inputs)
         out = func(*args, **kwargs)
         name = func._schema.name
@@ -301,15 +330,16 @@ class Births(TorchDispatchMode):
             out_nan = out_nan or any(a[0] and not b[0] for a, b in zip(written, before))
             out_inf = out_inf or any(a[1] and not b[1] for a, b in zip(written, before))
             if (out_nan and not in_nan) or (out_inf and not in_inf and not in_nan):
-                self.made.append((name, self.phase(inputs)))
+                (self.pending if inside else self.made).append((name, self.phase(inputs)))
         return out
 
 
 def birth(prog: Program, batch: Any) -> tuple[str | None, str | None]:
     """The first op, in program order, of the step that made a non-finite value from finite inputs, and its phase:
-    forward (inside a module, or building the graph), backward, optimizer (inside ``optimizer.step()``),
-    before_update (the step's own code before the update, not building the graph), after_update (after it)."""
-    state = {"depth": 0, "optimizer": False, "after": False}
+    forward (inside a module, inside ``torch.func.grad``'s function, or building the graph), backward, optimizer
+    (inside ``optimizer.step()``), before_update (the step's own code before the update, not building the graph),
+    after_update (after it)."""
+    state = {"depth": 0, "optimizer": False, "after": False, "inside": False, "differentiated": False}
 
     def phase(inputs: list[Any]) -> str:
         if state["optimizer"]:
@@ -319,7 +349,7 @@ def birth(prog: Program, batch: Any) -> tuple[str | None, str | None]:
         if state["after"]:
             return "after_update"
         building = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
-        if state["depth"] or building:
+        if state["depth"] or building or state["differentiated"]:
             return "forward"
         return "before_update"
 
@@ -330,9 +360,9 @@ def birth(prog: Program, batch: Any) -> tuple[str | None, str | None]:
                *[o.register_step_pre_hook(lambda *a: state.__setitem__("optimizer", True)) for o in each(prog.optimizer)],
                *[o.register_step_post_hook(lambda *a: state.update(optimizer=False, after=True))
                  for o in each(prog.optimizer)]]
-    mode = Births(phase)
+    mode = Births(phase, state)
     try:
-        with mode:
+        with Transforms(state), mode:
             prog.module.train_step(prog.model, prog.optimizer, batch, **prog.extras)
     finally:
         for h in handles:

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from nanforensics import Recorder
+from nanforensics.errors import BadInput
 from nanforensics.runs.batches import read_batch
 from nanforensics.runs.run import Run
 
@@ -104,3 +105,38 @@ def test_retention_keeps_what_replay_needs(tmp_path):
     result = run_cli("replay", run, "--json", "-")
     assert result.code == 1, result.stderr
     assert result.json()["responsible_step"] == 17
+
+
+
+def _without_gain(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for n, p in model.named_parameters() if n != "features.gain"], lr=1e-3)
+
+
+def test_the_gradients_no_optimizer_steps_are_kept_and_put_back(tmp_path):
+    """A parameter that requires grad but no optimizer holds accumulates its gradient from step to step (nothing zeroes
+    it): each checkpoint keeps it as the next step starts from it (``loose_grads``), ``load_into`` puts it back bit for
+    bit, and a kept gradient naming a parameter an optimizer holds is refused, naming it (untrusted input)."""
+    from nanforensics.runs.checkpoint import LOOSE_GRADS
+
+    model = scenarios.build_model()
+    optimizer = _without_gain(model)
+    after: dict[int, torch.Tensor] = {}
+    with Recorder(tmp_path / "run", model, optimizer, model_factory=scenarios.build_model,
+                  step_fn=scenarios.train_step, checkpoint_every=2) as rec:
+        for step in range(4):
+            batch = scenarios.make_batch(step)
+            rec.log(step, batch, scenarios.train_step(model, optimizer, batch))
+            after[step] = model.features.gain.grad.clone()
+    assert not torch.equal(after[1], after[0])  # it accumulates: the kept one must be the right step's
+    checkpoints = {c.step: c for c in Run(tmp_path / "run").checkpoints()}
+    assert LOOSE_GRADS not in checkpoints[0].meta()  # before the first step it has none
+    two = checkpoints[2]
+    assert two.meta()[LOOSE_GRADS] == ["features.gain"]
+    fresh = scenarios.build_model()
+    two.load_into(fresh, _without_gain(fresh))
+    assert torch.equal(fresh.features.gain.grad, after[1])
+    raw = json.loads((two.path / "meta.json").read_text())
+    raw[LOOSE_GRADS] = ["head.weight"]
+    (two.path / "meta.json").write_text(json.dumps(raw))
+    with pytest.raises(BadInput, match="head.weight"):
+        two.load_into(fresh, _without_gain(fresh))

@@ -43,6 +43,7 @@ from ..rootcause.operations import trace_step
 from ..rootcause.precursors import PrecursorProbe
 from ..rootcause.samples import attribute_samples, batch_size, sample_hint
 from ..runs.batches import data_leaves
+from ..runs.checkpoint import Checkpoint
 from ..runs.compiled import EAGER_KERNELS
 from ..runs.cpu import this_cpu
 from ..runs.run import Run, UserCode
@@ -111,8 +112,12 @@ def _precursor_start(run: StepSource, checkpoint: StartPoint, step: int) -> Star
 
 
 def _checkpoint_finite(c: StartPoint) -> bool:
-    """Streamed, one tensor at a time, stopping at the first non-finite one (soundness is checked on the one chosen)."""
-    return scan_checkpoint(open_checkpoint(c.path), soundness=False).verdict == CLEAN
+    """Streamed, one tensor at a time, stopping at the first non-finite one (soundness is checked on the one chosen);
+    a recorded checkpoint's gradients of parameters no optimizer holds too, which the next step starts from."""
+    if scan_checkpoint(open_checkpoint(c.path), soundness=False).verdict != CLEAN:
+        return False
+    loose = c.loose_grads(c.meta()) if isinstance(c, Checkpoint) else {}
+    return all(bool(torch.isfinite(grad).all()) for grad in loose.values())
 
 
 def replay_run(run_dir: str | Path, options: ReplayOptions | None = None,

@@ -13,8 +13,8 @@ import torch
 from ..errors import BadInput
 from ..report import Event
 from ..runs.batches import map_tensors
-from ..runs.checkpoint import optimizer_params, restore_rng, rng_state
-from ..runs.optimizers import as_given, members_of
+from ..runs.checkpoint import restore_rng, rng_state
+from ..runs.optimizers import as_given, loose_params, members_of
 from ..runs.source import StartPoint, StepCode, StepSource
 from .monitor import StepMonitor
 
@@ -179,9 +179,7 @@ def loose_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     requires grad), copied: nothing zeroes them, so they carry over between steps, and a re-run of a step must start
     from them as they were, not from what the pass before left (a NaN it made would fail every later pass). Every
     snapshot of a replay's state takes them (this session's, a pipeline stage's), and ``put_back`` restores them."""
-    held = {id(p) for p in optimizer_params(optimizer)}
-    return {p: None if p.grad is None else p.grad.detach().clone()
-            for p in model.parameters() if id(p) not in held and p.requires_grad}
+    return {p: None if p.grad is None else p.grad.detach().clone() for _, p in loose_params(model, optimizer)}
 
 
 def put_back(grads: dict[torch.Tensor, torch.Tensor | None]) -> None:

@@ -19,10 +19,11 @@ from ..finite import decode_float, encode_float
 from ..inputs import TensorFile, load_json, one_line
 from ..schema import load
 from .files import make_build_dir, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic, write_json_atomic
-from .optimizers import group_owners, optimizer_params, optimizer_set
+from .optimizers import group_owners, loose_params, optimizer_params, optimizer_set
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
 EXTRAS_FILE = "extras.safetensors"  # tensors of the scaler's and scheduler's state, when they hold any
+LOOSE_GRADS = "loose_grads"  # meta.json's key, and the prefix of those gradients' keys in EXTRAS_FILE
 
 
 @dataclass
@@ -48,6 +49,7 @@ class CheckpointMeta:
     scaler: Any = None
     scheduler: Any = None
     group_optimizers: list[str] | None = None  # several optimizers: the one each of param_groups belongs to
+    loose_grads: list[str] | None = None  # the parameters no optimizer holds whose gradients are in EXTRAS_FILE
 
 
 def checkpoint_name(step: int) -> str:
@@ -203,6 +205,13 @@ def state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             model_sd, tensors)
 
 
+def _loose_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The gradients of the parameters no optimizer holds, by name: they carry over into the next step, so a replay
+    from this checkpoint must start from them (one process; a sharded run's are its ranks', not kept yet)."""
+    return {name: p.grad.detach() for name, p in loose_params(model, optimizer)
+            if p.grad is not None and p.grad.layout == torch.strided}
+
+
 def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                     scaler: Any = None, scheduler: Any = None, rank_rng: list[dict[str, Any]] | None = None,
                     write_tensors: TensorWriter | None = None,
@@ -227,6 +236,9 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     for key, holder in (("scaler", scaler), ("scheduler", scheduler)):
         if holder is not None:
             meta[key] = state_to_json(holder.state_dict(), extras, key)
+    if write_tensors is None and (grads := _loose_grads(model, optimizer)):
+        meta[LOOSE_GRADS] = list(grads)
+        extras.update({f"{LOOSE_GRADS}/{name}": grad for name, grad in grads.items()})
     file_meta = {"format": CHECKPOINT_FORMAT, "step": str(step)}
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
@@ -344,6 +356,27 @@ class Checkpoint:
                                                     f"{meta.get('group_optimizers') or 'one'}, the run's are "
                                                     f"{owners or 'one'}")
 
+    def loose_grads(self, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The gradients ``save_checkpoint`` kept of the parameters no optimizer holds, by name: state the next step
+        starts from, so a checkpoint holding a non-finite one is not a clean start."""
+        if not (names := meta.get(LOOSE_GRADS)):
+            return {}
+        extras = TensorFile(self.path / EXTRAS_FILE)
+        return {name: extras.get(f"{LOOSE_GRADS}/{name}") for name in names}
+
+    def _put_back_loose_grads(self, meta: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
+        """``loose_grads``, each onto its parameter."""
+        loose = dict(loose_params(model, optimizer))
+        for name, grad in self.loose_grads(meta).items():
+            if name not in loose:
+                raise BadInput(self.path / "meta.json", f"holds the gradient of {name!r}, which is not a parameter "
+                                                        f"the model requires grad for and no optimizer holds")
+            if grad.shape != loose[name].shape or grad.dtype != loose[name].dtype:
+                raise BadInput(self.path / EXTRAS_FILE, f"the gradient of {name!r} is {grad.dtype} "
+                                                        f"{list(grad.shape)}, the parameter "
+                                                        f"{loose[name].dtype} {list(loose[name].shape)}")
+            loose[name].grad = grad.clone()
+
     def load_into(self, model: torch.nn.Module, optimizer: Any, *, scaler: Any = None,
                   scheduler: Any = None) -> dict[str, Any]:
         """Restore model and optimizer state (and the scaler's and scheduler's, when the run recorded them);
@@ -370,6 +403,7 @@ class Checkpoint:
             optimizer.load_state_dict(self.optimizer_state(meta, optimizer_params(optimizer)))
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(self.optimizer_file, f"does not fit the optimizer: {e}") from None
+        self._put_back_loose_grads(meta, model, optimizer)
         for key, holder in (("scaler", scaler), ("scheduler", scheduler)):
             if holder is None:
                 continue

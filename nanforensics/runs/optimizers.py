@@ -150,6 +150,14 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
+def loose_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """The parameters that require grad but no optimizer holds (Muon's biases, a frozen layer's that still requires
+    grad), by name: nothing zeroes their gradients, so those carry over from step to step, and a replay must start
+    from them as they were (a snapshot's, a checkpoint's)."""
+    held = {id(p) for p in optimizer_params(optimizer)}
+    return [(n, p) for n, p in model.named_parameters() if id(p) not in held and p.requires_grad]
+
+
 def optimizer_set(optimizer: Any) -> torch.optim.Optimizer:
     """What the ``Recorder`` was given as its optimizer: one ``Optimizer`` as it is; a list or tuple of them (named
     by index, ``"0"``, ``"1"``) or a dict of them by name as an ``OptimizerSet``."""

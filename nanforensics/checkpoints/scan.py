@@ -25,6 +25,7 @@ from .. import finite
 from ..errors import BadInput
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo
 from ..formats.entries import Release
+from ..formats.pages import read_ahead
 from ..report import Unsound
 from .soundness import Checker, Soundness
 
@@ -165,6 +166,8 @@ def _extremes(tensor: torch.Tensor, release: Release) -> tuple[float, float]:
     lo, hi = math.inf, -math.inf
     for start in range(0, flat.numel(), step):
         chunk = flat[start:start + step]
+        if contiguous:
+            read_ahead(flat[start + step:start + 2 * step])
         mn, mx = (v.item() for v in finite.min_max(chunk))  # a CPU reduction has finished: read it at once
         if math.isnan(mn) or math.isnan(mx):
             return math.nan, math.nan

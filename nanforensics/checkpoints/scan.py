@@ -1,7 +1,8 @@
 """Scan one checkpoint: every tensor's finiteness, first bad coordinate and headroom, and a verdict.
 
 One ``aminmax`` pass per tensor (``finite.min_max``, in chunks whose pages are handed back as
-soon as they are read, so the resident set stays near one chunk) gives both the verdict and
+soon as they are read, so the resident set stays near one chunk, the next chunk asked for from the
+disk while one is reduced) gives both the verdict and
 max |x|; the exact count and the first coordinate are computed only for tensors found bad.
 That pass is the scan's ceiling: a ``sum`` reads faster but cannot give max |x|, and on these CPUs
 ``aminmax`` runs at 0.6-0.75 of a sum's bandwidth; mapping and handing back the pages costs about

@@ -1,4 +1,5 @@
-"""Handing a memory-mapped tensor's pages back once read, so a scan's resident set stays near one chunk.
+"""Handing a memory-mapped tensor's pages back once read, so a scan's resident set stays near one chunk, and asking
+for the next chunk's pages ahead of the read.
 
 A scan touches every page of a checkpoint exactly once. On a file-backed private map that
 nothing writes, MADV_DONTNEED only forgets page-table entries: the kernel faults the pages back

@@ -1,6 +1,7 @@
 """The recorder against a plain training step, on the MLP and the decoder side by side, and where its time goes.
 
     python bench/bench_recorder.py [--rounds 21] [--steps 3] [--threads 2] [--clock wall|cpu] [--only mlp|decoder]
+                                   [--calls 50]
 
 Two models, measured in the same run, their variants interleaved round by round (benchlib.py):
 - MLP: bench_replay.py's 4 x Linear(1024) (4.2M parameters), batch 64 (two 64 x 1024 float32 tensors, 512 KB), Adam:
@@ -12,7 +13,7 @@ Each model's variants, each on a model and optimizer of its own (the same initia
   thread): the floor of any recorder that may let the loop reuse its batch tensors;
 - recorder: the step, then ``Recorder.log``, timed until its writer thread has written the last batch (no work is
   left to the next variant); checkpoints excluded (``checkpoint_every`` is larger than the run).
-Then the recorder's parts, each timed alone with the thread CPU clock (median of 7 timings of 50 calls): on the
+Then the recorder's parts, each timed alone with the thread CPU clock (median of 7 timings of ``--calls`` calls): on the
 training thread the batch copy, the loss read (``.item()``: a host sync on an accelerator) and the queue; on the
 writer thread the serialisation (safetensors), the file written under a temporary name and renamed, the step line;
 and a checkpoint, per checkpoint and per step at the default ``checkpoint_every`` (50).
@@ -22,6 +23,7 @@ Targets (issue 37): recorder <= 1.03x a plain step on the MLP, <= 1.01x on the d
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -110,8 +112,8 @@ def cpu_us(fn: Callable[[], object], calls: int = 50, repeats: int = 7) -> float
     return statistics.median(times) * 1e6
 
 
-def parts(m: Model, folder: Path, plain_step: float) -> None:
-    """Each part of Recorder.log and of its writer, timed alone on this model's batch."""
+def parts(m: Model, folder: Path, plain_step: float, calls: int) -> None:
+    """Each part of Recorder.log and of its writer, timed alone on this model's batch (``calls`` calls a timing)."""
     model, optimizer = m.own()
     b = m.batches[0]
     loss = m.step(model, optimizer, b)
@@ -119,18 +121,19 @@ def parts(m: Model, folder: Path, plain_step: float) -> None:
     data = encoded(0, tensors, tree)
     counter = iter(range(10**9))
     rows = {
-        "training thread: batch copy (snapshot)": cpu_us(lambda: snapshot(b)),
-        "training thread: loss read (.item())": cpu_us(lambda: loss.detach().float().item()),
-        "writer: serialise (safetensors)": cpu_us(lambda: encoded(0, tensors, tree)),
+        "training thread: batch copy (snapshot)": cpu_us(lambda: snapshot(b), calls),
+        "training thread: loss read (.item())": cpu_us(lambda: loss.detach().float().item(), calls),
+        "writer: serialise (safetensors)": cpu_us(lambda: encoded(0, tensors, tree), calls),
         "writer: write, rename": cpu_us(lambda: write_bytes_atomic(folder / f"b{next(counter) % 64}", data,
-                                                                  durable=False)),
-        "writer: step line": cpu_us(lambda: step_line(0, 1.0)),
+                                                                  durable=False), calls),
+        "writer: step line": cpu_us(lambda: step_line(0, 1.0), calls),
     }
     start = time.thread_time()
     save_checkpoint(folder / "checkpoints", 0, model, optimizer)
     checkpoint = (time.thread_time() - start) * 1e6
     rows["checkpoint, per step at checkpoint_every=50"] = checkpoint / 50
-    print(f"\n{m.name}: the recorder's parts, thread CPU time, per step ({len(data) / 1e3:.0f} KB batch file; "
+    size = sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data)  # before: bytes
+    print(f"\n{m.name}: the recorder's parts, thread CPU time, per step ({size / 1e3:.0f} KB batch file; "
           f"a checkpoint {checkpoint / 1e3:.0f} ms)")
     for name, us in rows.items():
         print(f"  {name:<46}{us:9.1f} us  {us / 1e6 / plain_step:6.2%} of a plain step")
@@ -143,6 +146,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time (benchlib.py)")
     ap.add_argument("--only", choices=list(TARGETS), help="one model instead of both")
+    ap.add_argument("--calls", type=int, default=50, help="calls per timing of each part")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = Path(tempfile.mkdtemp(prefix="nf-bench-recorder-"))
@@ -168,7 +172,8 @@ def main() -> None:
                 line += f"  target <= {TARGETS[m.name]}: {verdict(r <= TARGETS[m.name])}"
             print(line)
     for m in models:
-        parts(m, folder / f"{m.name}-parts", statistics.median(times[f"{m.name} plain"]))
+        parts(m, folder / f"{m.name}-parts", statistics.median(times[f"{m.name} plain"]), args.calls)
+    shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

@@ -95,10 +95,11 @@ def publish_dir_atomic(build: Path, final: Path) -> None:
 
 
 def _storable(tensor: torch.Tensor, seen: set[int]) -> torch.Tensor:
-    """safetensors refuses views and shared storage; store such tensors as private copies."""
+    """safetensors refuses views and shared storage; store such tensors as private copies, and a conjugate or
+    negative view (a lazy ``.conj()``) as its values: its memory holds them unconjugated."""
     import torch
 
-    t = tensor.detach()
+    t = tensor.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     ptr = t.untyped_storage().data_ptr() if t.numel() else 0

@@ -9,7 +9,8 @@
    an ``aminmax`` over them (the check's own arithmetic). Shared 2-core machines swing several-fold
    within a minute, so both the median of each round's scan/sum ratio and the ratio of the best
    times are printed, and the gap is split in two: aminmax/sum (the arithmetic) and scan/aminmax
-   (the reader: mapping, handing back pages, Python).
+   (the reader: mapping, handing back pages, Python). The scan without its soundness checks and a ``readinto`` of the
+   file are timed in the same rounds, and every way is printed against aminmax's rate (issue 37's reference).
 2. Peak RSS of a scan in a fresh process (its ``VmHWM`` from /proc: ``ru_maxrss`` would carry
    over the bench's own RSS through fork and exec) beside the largest tensor and the process's
    RSS before the scan (Python + torch), and the same for a scan through ``safe_open``

@@ -25,7 +25,8 @@ A ratio is the median over rounds of the variant's time over the plain step's in
 Then the profile: each check the monitor makes, timed where it runs (a CPU check has finished when
 it returns), summed per stage per step, with the tensors and bytes it reads. On CUDA a check is only
 queued (the one sync is in ``end``): there the profile times the launches.
-Targets (issue 14): monitored <= 1.10x and below detect_anomaly; recorder <= 1.05x.
+Targets (issue 14): monitored <= 1.10x and below detect_anomaly; (issue 37) recorder <= 1.03x, which
+bench_recorder.py measures beside the decoder and breaks down.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def main() -> None:
     anomaly_ratio = paired_ratio(times, "detect_anomaly")[0]
     below = lambda r: (f"<= 1.10 and < detect_anomaly ({anomaly_ratio:.2f})", r <= 1.10 and r < anomaly_ratio)  # noqa: E731
     targets = {"monitored": below, "monitored again": below,
-               "recorder": lambda r: ("<= 1.05", r <= 1.05)}
+               "recorder": lambda r: ("<= 1.03", r <= 1.03)}
     for name in variants:
         r, q1, q3 = paired_ratio(times, name)
         line = f"{name:<16}{statistics.median(times[name]) * 1e3:>10.2f}{r:>8.3f}  ({q1:.3f}-{q3:.3f})"

@@ -1,7 +1,8 @@
 """Scan one checkpoint: every tensor's finiteness, first bad coordinate and headroom, and a verdict.
 
 One ``aminmax`` pass per tensor (``finite.min_max``, in chunks whose pages are handed back as
-soon as they are read, so the resident set stays near one chunk) gives both the verdict and
+soon as they are read, so the resident set stays near one chunk, the next chunk asked for from the
+disk while one is reduced) gives both the verdict and
 max |x|; the exact count and the first coordinate are computed only for tensors found bad.
 That pass is the scan's ceiling: a ``sum`` reads faster but cannot give max |x|, and on these CPUs
 ``aminmax`` runs at 0.6-0.75 of a sum's bandwidth; mapping and handing back the pages costs about
@@ -25,6 +26,7 @@ from .. import finite
 from ..errors import BadInput
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo
 from ..formats.entries import Release
+from ..formats.pages import read_ahead
 from ..report import Unsound
 from .soundness import Checker, Soundness
 
@@ -166,6 +168,8 @@ def _extremes(tensor: torch.Tensor, release: Release) -> tuple[float, float]:
     lo, hi = math.inf, -math.inf
     for start in range(0, flat.numel(), step):
         chunk = flat[start:start + step]
+        if contiguous:
+            read_ahead(flat[start + step:start + 2 * step])
         mn, mx = (v.item() for v in finite.min_max(chunk))  # a CPU reduction has finished: read it at once
         if math.isnan(mn) or math.isnan(mx):
             return math.nan, math.nan

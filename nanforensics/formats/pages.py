@@ -1,4 +1,5 @@
-"""Handing a memory-mapped tensor's pages back once read, so a scan's resident set stays near one chunk.
+"""Handing a memory-mapped tensor's pages back once read, so a scan's resident set stays near one chunk, and asking
+for the next chunk's pages ahead of the read.
 
 A scan touches every page of a checkpoint exactly once. On a file-backed private map that
 nothing writes, MADV_DONTNEED only forgets page-table entries: the kernel faults the pages back
@@ -15,10 +16,11 @@ from typing import Callable
 import torch
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+_MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", None)
 
 
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    if _MADV_DONTNEED is None:
+    if _MADV_DONTNEED is None or _MADV_WILLNEED is None:
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
@@ -45,3 +47,13 @@ def drop_pages(view: torch.Tensor) -> None:
         return
     lo, hi = span(view)
     _madvise(lo, hi - lo, _MADV_DONTNEED)
+
+
+def read_ahead(view: torch.Tensor) -> None:
+    """Ask the kernel to start reading the pages under ``view`` from disk now (``MADV_WILLNEED``), so that they
+    arrive while the chunk before is reduced: from a cold page cache the disk and the reduction overlap. On pages
+    already cached it only looks them up."""
+    if _madvise is None or view.numel() == 0 or not view.is_contiguous():
+        return
+    lo, hi = span(view)
+    _madvise(lo, hi - lo, _MADV_WILLNEED)

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import BadInput, shown
 from ..inputs import MAX_NESTING, TensorFile, nesting_exceeds, parse_json
-from .files import tensors_to_bytes
+from .files import safetensors_parts
 
 BATCH_FORMAT = "nanforensics.batch/1"
 # An optimizer step made of several micro-batches (gradient accumulation) is recorded as one batch, a dict whose
@@ -82,12 +82,13 @@ def snapshot(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return {k: t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format) for k, t in tensors.items()}, tree
 
 
-def encoded_bytes(step: int, tensors: dict[str, torch.Tensor], tree: dict[str, Any]) -> bytes:
-    return tensors_to_bytes(tensors, {"format": BATCH_FORMAT, "step": str(step), "tree": json.dumps(tree)})
+def encoded(step: int, tensors: dict[str, torch.Tensor], tree: dict[str, Any]) -> list[bytes | memoryview]:
+    """A batch file's parts, for ``write_bytes_atomic`` (files.safetensors_parts)."""
+    return safetensors_parts(tensors, {"format": BATCH_FORMAT, "step": str(step), "tree": json.dumps(tree)})
 
 
 def batch_bytes(step: int, batch: Any) -> bytes:
-    return encoded_bytes(step, *encode(batch))
+    return b"".join(encoded(step, *encode(batch)))
 
 
 def read_batch(path: Path) -> Any:

@@ -18,7 +18,7 @@ from ..errors import BadInput
 from ..finite import decode_float, encode_float
 from ..inputs import TensorFile, load_json, one_line
 from ..schema import load
-from .files import make_build_dir, publish_dir_atomic, tensors_to_bytes, write_bytes_atomic, write_json_atomic
+from .files import make_build_dir, publish_dir_atomic, safetensors_parts, write_bytes_atomic, write_json_atomic
 from .optimizers import group_owners, loose_params, optimizer_params, optimizer_set
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
@@ -187,8 +187,8 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 def _write_safetensors(build: Path, model_sd: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
                        file_meta: dict[str, str]) -> None:
-    write_bytes_atomic(build / "model.safetensors", tensors_to_bytes(model_sd, file_meta))
-    write_bytes_atomic(build / "optimizer.safetensors", tensors_to_bytes(tensors, file_meta))
+    write_bytes_atomic(build / "model.safetensors", safetensors_parts(model_sd, file_meta))
+    write_bytes_atomic(build / "optimizer.safetensors", safetensors_parts(tensors, file_meta))
 
 
 def state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -246,7 +246,7 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     try:
         (write_tensors or _write_safetensors)(build, model_sd, tensors, file_meta)
         if extras:
-            write_bytes_atomic(build / EXTRAS_FILE, tensors_to_bytes(extras, file_meta))
+            write_bytes_atomic(build / EXTRAS_FILE, safetensors_parts(extras, file_meta))
         write_json_atomic(build / "meta.json", meta, indent=None)
         publish_dir_atomic(build, final)
     except OSError as e:  # no hidden half-built folder left behind; the error names the file as it would be

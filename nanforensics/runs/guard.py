@@ -37,7 +37,7 @@ from ..distributed.tensors import is_dtensor
 from ..distributed.world import object_group
 from ..finite import is_finite, locate, stored, value_name
 from ..replay.proof import Hazard, UpdateCheck, max_abs, provable
-from .batches import data_leaves, encoded_bytes, leaves
+from .batches import data_leaves, encoded, leaves
 from .checkpoint import checkpoint_name, optimizer_params, param_names
 from .files import make_build_dir, publish_dir_atomic, write_bytes_atomic, write_json_atomic
 from .layout import rank_dir
@@ -546,7 +546,7 @@ class Guard:
         data.mkdir(parents=True, exist_ok=True)
         lines = []
         for e in self.ring:
-            body = encoded_bytes(e.step, *e.batch) if e.batch is not None else \
+            body = encoded(e.step, *e.batch) if e.batch is not None else \
                 batch_path(self.rec._data, e.step).read_bytes()
             write_bytes_atomic(batch_path(data, e.step), body, durable=False)
             lines.append(e.line)

@@ -17,7 +17,7 @@ import torch
 
 from ..distributed.pipeline import pipeline_world
 from ..distributed.record import recording_world
-from .batches import encoded_bytes, snapshot
+from .batches import encoded, snapshot
 from .checkpoint import checkpoint_name, save_checkpoint
 from .compiled import compiled_backend, unwrapped
 from .cpu import this_cpu
@@ -57,7 +57,7 @@ class _StepWriter:
                     # (None: a guard keeps the batches in memory, for its incidents.)
                     if tensors is not None:
                         self._failed = batch_path(self.run_dir, step)
-                        write_bytes_atomic(self._failed, encoded_bytes(step, tensors, tree), durable=False)
+                        write_bytes_atomic(self._failed, encoded(step, tensors, tree), durable=False)
                     self._failed = self.run_dir / STEPS
                     self._steps.write(line)
                     self._steps.flush()

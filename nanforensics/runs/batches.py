@@ -86,10 +86,6 @@ def encoded_bytes(step: int, tensors: dict[str, torch.Tensor], tree: dict[str, A
     return tensors_to_bytes(tensors, {"format": BATCH_FORMAT, "step": str(step), "tree": json.dumps(tree)})
 
 
-def batch_bytes(step: int, batch: Any) -> bytes:
-    return encoded_bytes(step, *encode(batch))
-
-
 def read_batch(path: Path) -> Any:
     f = TensorFile(path)
     meta = f.metadata()

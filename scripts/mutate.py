@@ -35,11 +35,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nanforensics/inputs.py": ("tests/test_trust_io.py", "tests/test_faults.py", "tests/test_buffers.py"),
     "nanforensics/outputs.py": ("tests/test_trust_io.py", "tests/test_faults.py"),
     "nanforensics/views/escaping.py": ("tests/test_escaping.py",),
-    "nanforensics/runs/guard.py": ("tests/test_guard.py",),
+    "nanforensics/runs/guard.py": ("tests/test_guard.py", "tests/test_guard_reasons.py", "tests/test_guard_proof.py"),
     "nanforensics/replay/proof.py": ("tests/test_proof.py",),
-    "nanforensics/checkpoints/soundness.py": ("tests/test_soundness.py",),
+    "nanforensics/checkpoints/soundness.py": ("tests/test_soundness.py", "tests/test_soundness_order.py"),
     "nanforensics/rootcause/findings.py": ("tests/test_findings.py", "tests/test_rootcause.py"),
     "nanforensics/replay/engine.py": ("tests/test_loss_only.py", "tests/test_replay.py", "tests/test_proof.py"),
+    "nanforensics/report.py": ("tests/test_loss_only.py",),  # loss_only: the rule replay and attribution share
 }
 # the mutants made and nothing run: `mutmut run`'s first steps (mutmut has no command for them alone)
 GENERATE = ("import os, mutmut.__main__ as m; os.makedirs('mutants', exist_ok=True); "

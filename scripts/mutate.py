@@ -54,6 +54,7 @@ DESELECTED = ("tests/test_startup.py::test_the_package_imports_only_what_it_decl
               "tests/test_import_policy.py::test_a_venv_inside_the_project_is_refused_unless_its_package_is_named")
 COPIED = ("nanforensics", "tests", "sample_runs", "README.md", "pyproject.toml")
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # a mutant the tests noticed
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
 @dataclass
@@ -94,14 +95,10 @@ def scratch_copy(module: str, tests_at: str | None = None) -> Path:
     scratch = scratch_dir(module, tests_at)
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in COPIED:
         source = ROOT / name
-        (shutil.copytree(source, scratch / name, ignore=ignore) if source.is_dir() else shutil.copy2(source, scratch / name))
-    if tests_at is not None:
-        shutil.rmtree(scratch / "tests")
-        archive = subprocess.run(["git", "archive", tests_at, "tests"], cwd=ROOT, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(scratch)], input=archive, check=True)
+        (shutil.copytree(source, scratch / name, ignore=IGNORED) if source.is_dir() else shutil.copy2(source, scratch / name))
+    copy_tests(scratch, tests_at)
     tests = "\n    ".join(MODULES[module])
     deselect = "".join(f"    --deselect\n    {t}\n" for t in DESELECTED)
     (scratch / "setup.cfg").write_text(
@@ -114,6 +111,20 @@ def scratch_copy(module: str, tests_at: str | None = None) -> Path:
         encoding="utf-8",
     )
     return scratch
+
+
+def copy_tests(scratch: Path, tests_at: str | None = None) -> None:
+    """The scratch copy's tests (and mutmut's copy of them, which the mutants run) as the checkout has them now, or
+    as the commit ``tests_at`` had them: a rerun of the survivors after a test was written sees that test."""
+    for tests in (scratch / "tests", scratch / "mutants" / "tests"):
+        if tests.parent.is_dir():
+            shutil.rmtree(tests, ignore_errors=True)
+            if tests_at is None:
+                shutil.copytree(ROOT / "tests", tests, ignore=IGNORED)
+            else:
+                archive = subprocess.run(["git", "archive", tests_at, "tests"], cwd=ROOT, capture_output=True,
+                                         check=True).stdout
+                subprocess.run(["tar", "-x", "-C", str(tests.parent)], input=archive, check=True)
 
 
 def mutmut(scratch: Path, *args: str) -> str:
@@ -167,18 +178,22 @@ def killed_by_the_files(scratch: Path, module: str, name: str) -> bool:
 def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argparse.Namespace) -> tuple[Tally, list[str]]:
     """Run one module's mutants (those of the functions ``options.only`` names, when given: mutmut's mangled names,
     such as ``x__checked`` or ``xǁPlacesǁrefusal``, globs allowed; none with ``--count``; the last run's with
-    ``--again``); its tally and the stale equivalents entries among them."""
+    ``--again``, its survivors run again against the tests as they are now); its tally and the stale equivalents
+    entries of the module: a mutant no longer made, or no longer making the change quoted, or now killed."""
     started = time.monotonic()
-    scratch = scratch_dir(module, options.tests_at) if options.again else scratch_copy(module, options.tests_at)
+    scratch = scratch_dir(module, options.tests_at)
+    if options.again:
+        copy_tests(scratch, options.tests_at)
+    else:
+        scratch = scratch_copy(module, options.tests_at)
     if options.count:
         subprocess.run([sys.executable, "-c", GENERATE], cwd=scratch, check=True, capture_output=True)
     elif not options.again:
         mutmut(scratch, "run", "--max-children", str(options.children), *[f"{dotted(module)}.{f}*" for f in options.only])
     tally = Tally(module)
-    found = statuses(scratch)
-    tally.mutants = len(found)
-    found = {name: status for name, status in found.items() if status != "not checked"}
-    stale = []
+    made = statuses(scratch)
+    tally.mutants = len(made)
+    found = {name: status for name, status in made.items() if status != "not checked"}
     for name, status in sorted(found.items()):
         tally.run += 1
         if status in KILLED:
@@ -190,13 +205,16 @@ def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argpars
             tally.killed_again += 1
         else:
             tally.surviving.append(f"{name} ({status})")
+    stale = []
     for name, entry in equivalents.items():
-        if not name.startswith(dotted(module) + ".") or (options.only and name not in found):
+        if not name.startswith(dotted(module) + "."):
             continue
-        if found.get(name) in KILLED or name not in found:
-            stale.append(f"{name}: {'now killed' if name in found else 'no such mutant'} ({entry['reason']})")
-        elif name in found and found[name] not in KILLED and entry["change"].strip() not in added_lines(scratch, name):
+        if name not in made:
+            stale.append(f"{name}: no such mutant ({entry['reason']})")
+        elif entry["change"].strip() not in added_lines(scratch, name):
             stale.append(f"{name}: the mutant no longer makes the change {entry['change']!r}")
+        elif found.get(name) in KILLED:
+            stale.append(f"{name}: now killed ({entry['reason']})")
     tally.seconds = time.monotonic() - started
     return tally, stale
 
@@ -207,8 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print each survivor's diff")
     parser.add_argument("--tests-at", metavar="COMMIT", help="run the tests as COMMIT had them (the 'before' of a table)")
     parser.add_argument("--children", type=int, default=1, help="mutants run at once (default 1: a shared machine)")
-    parser.add_argument("--again", action="store_true", help="tally the last run's results (an interrupted run's too)")
-    parser.add_argument("--count", action="store_true", help="make the mutants and count them, run none")
+    parser.add_argument("--again", action="store_true",
+                        help="tally the last run's results (an interrupted run's too), its survivors run again against "
+                             "the tests as they are now (after a test was written for them)")
+    parser.add_argument("--count", action="store_true",
+                        help="make the mutants and count them, run none; check that each equivalents entry still "
+                             "names a mutant making its change")
     parser.add_argument("--only", action="append", default=[], metavar="FUNCTION",
                         help="only the mutants of this function (mutmut's name: x_NAME, xǁCLASSǁMETHOD; a glob), repeatable")
     options = parser.parse_args(argv)
@@ -220,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         tally, stale = mutate(module, equivalents, options)
         if options.count:
             print(f"{module:<40} {tally.mutants:>7}", flush=True)
+            for line in stale:
+                print(f"    stale equivalent: {line}")
+            failed |= bool(stale)
             continue
         print(f"{module:<40} {tally.mutants:>7} {tally.run:>5} {tally.killed:>7} {tally.equivalent:>6} {len(tally.surviving):>9} "
               f"{tally.seconds:>8.0f}", flush=True)

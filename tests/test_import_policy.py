@@ -9,6 +9,7 @@ import _imp
 import functools
 import importlib.machinery
 import importlib.metadata
+import itertools
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from nanforensics.errors import BadInput
-from nanforensics.runs.imports import ROLES, TOOL_MODULES, load_callable
+from nanforensics.runs.imports import ROLES, TOOL_MODULES, TRUST_HINT, load_callable
 
 # the command line's cases run in-process (run_cli: sys.path as the console script's process has it, from a probe of
 # one), but the one about start-up, a process: what a fresh interpreter imports as torch loads (sympy's gmpy2, flint);
@@ -198,6 +199,34 @@ def test_the_users_own_code_is_admitted_and_leaves_sys_path_as_it_was(tmp_path_f
             for loaded in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
                 del sys.modules[loaded]
     assert sys.path == path
+
+
+# objects of the project's own module that are neither a function nor a class, and what the refusal calls each
+NOT_CALLABLE_KINDS = {
+    "instance": "a Thing object of kinds_here", "bound": "a bound method of kinds_here",
+    "partial": "a partial object of Python's standard library (functools)", "module": "a module",
+    "builtin": "a built-in function of Python's standard library (math)", "number": "a int object",
+}
+
+
+def test_what_is_neither_a_function_nor_a_class_is_refused_after_import(tmp_path):
+    """The allow-list's closing refusal: an object of the project's own module (a place the user chose) that is no
+    Python function or class, in every role, is refused once imported and named by its kind; each kind x role (66),
+    enumerated. (Returning None there instead let every such object through.)"""
+    (tmp_path / "kinds_here.py").write_text(
+        "import functools, json, math\n\nclass Thing:\n    def method(self):\n        return 0\n\n"
+        "def step(*args, **kwargs):\n    return 0\n\ninstance = Thing()\nbound = instance.method\n"
+        "partial = functools.partial(step, 1)\nmodule = json\nbuiltin = math.sqrt\nnumber = 3\n")
+    with nowhere_chosen(tmp_path):
+        try:
+            assert load_callable("step_fn", "kinds_here:step", where=tmp_path / "manifest.json")() == 0  # the place is
+            for role, (name, kind) in itertools.product(sorted(ROLES), NOT_CALLABLE_KINDS.items()):  # admitted
+                with pytest.raises(BadInput) as refused:
+                    load_callable(role, f"kinds_here:{name}", where=tmp_path / "manifest.json")
+                assert str(refused.value) == (f"{tmp_path / 'manifest.json'}: {role} 'kinds_here:{name}' is refused: it is "
+                                              f"{kind}, not a function or class defined in a module; {TRUST_HINT}")
+        finally:
+            sys.modules.pop("kinds_here", None)
 
 
 def _project(tmp: Path) -> tuple[Path, Path]:

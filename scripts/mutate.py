@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,9 +90,10 @@ def scratch_dir(module: str, tests_at: str | None = None) -> Path:
     return Path(tempfile.gettempdir()) / "nanforensics-mutate" / (dotted(module) + (f"@{tests_at}" if tests_at else ""))
 
 
-def scratch_copy(module: str, tests_at: str | None = None) -> Path:
+def scratch_copy(module: str, tests_at: str | None = None, tests: Sequence[str] = ()) -> Path:
     """A fresh copy of the checkout's sources and tests with mutmut's configuration for this module alone; the tests
-    as the commit ``tests_at`` had them, when given (the same mutants against an earlier suite: a before/after)."""
+    as the commit ``tests_at`` had them, when given (the same mutants against an earlier suite: a before/after); the
+    mutants run ``tests`` when given (files or test ids: the fast ones that should kill them), else the module's."""
     scratch = scratch_dir(module, tests_at)
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -99,13 +101,13 @@ def scratch_copy(module: str, tests_at: str | None = None) -> Path:
         source = ROOT / name
         (shutil.copytree(source, scratch / name, ignore=IGNORED) if source.is_dir() else shutil.copy2(source, scratch / name))
     copy_tests(scratch, tests_at)
-    tests = "\n    ".join(MODULES[module])
+    selection = "\n    ".join(tests or MODULES[module])
     deselect = "".join(f"    --deselect\n    {t}\n" for t in DESELECTED)
     (scratch / "setup.cfg").write_text(
         "[mutmut]\n"
         "source_paths = nanforensics\n"
         f"only_mutate = {module}\n"
-        f"pytest_add_cli_args_test_selection =\n    {tests}\n"
+        f"pytest_add_cli_args_test_selection =\n    {selection}\n"
         f"pytest_add_cli_args =\n    -n\n    0\n    -p\n    no:cacheprovider\n{deselect}"
         "also_copy =\n    tests\n    sample_runs\n    README.md\n    pyproject.toml\n",
         encoding="utf-8",
@@ -185,7 +187,7 @@ def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argpars
     if options.again:
         copy_tests(scratch, options.tests_at)
     else:
-        scratch = scratch_copy(module, options.tests_at)
+        scratch = scratch_copy(module, options.tests_at, options.tests)
     if options.count:
         subprocess.run([sys.executable, "-c", GENERATE], cwd=scratch, check=True, capture_output=True)
     elif not options.again:
@@ -231,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", action="store_true",
                         help="make the mutants and count them, run none; check that each equivalents entry still "
                              "names a mutant making its change")
+    parser.add_argument("--tests", action="append", default=[], metavar="TESTS",
+                        help="run the mutants against these tests (a file or test id, repeatable) instead of the "
+                             "module's files, which still judge each survivor")
     parser.add_argument("--only", action="append", default=[], metavar="FUNCTION",
                         help="only the mutants of this function (mutmut's name: x_NAME, xǁCLASSǁMETHOD; a glob), repeatable")
     options = parser.parse_args(argv)

@@ -37,7 +37,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nanforensics/outputs.py": ("tests/test_trust_io.py", "tests/test_faults.py"),
     "nanforensics/views/escaping.py": ("tests/test_escaping.py",),
     "nanforensics/runs/guard.py": ("tests/test_guard.py", "tests/test_guard_reasons.py", "tests/test_guard_proof.py"),
-    "nanforensics/replay/proof.py": ("tests/test_proof.py",),
+    "nanforensics/replay/proof.py": ("tests/test_proof.py", "tests/test_mesh.py::test_an_optimizer_over_a_dtensor_is_not_proven"),
     "nanforensics/checkpoints/soundness.py": ("tests/test_soundness.py", "tests/test_soundness_order.py"),
     "nanforensics/rootcause/findings.py": ("tests/test_findings.py", "tests/test_rootcause.py"),
     "nanforensics/replay/engine.py": ("tests/test_loss_only.py", "tests/test_replay.py", "tests/test_proof.py"),

@@ -304,6 +304,22 @@ def one_rank() -> Any:
             dist.destroy_process_group()
 
 
+def test_an_optimizer_over_a_dtensor_is_not_proven(one_rank):
+    """The proof bounds a parameter's update by its gradient's largest magnitude, which on a DTensor would be one rank's
+    shard: an optimizer holding one is not proven (its state is read, as the monitor reads it); the same optimizer over
+    plain tensors is."""
+    from nanforensics.replay.proof import provable
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    plain = torch.nn.Parameter(torch.ones(4))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Shard(0)]))
+    for kind in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        assert provable(kind([plain]))
+        assert not provable(kind([plain, sharded])) and not provable(kind([{"params": [plain]}, {"params": [sharded]}]))
+
+
 @pytest.mark.parametrize("style", ["colwise", "rowwise"])
 def test_the_plan_is_read_back_and_rebuilt(one_rank, style):
     """Every ColwiseParallel/RowwiseParallel layout pair, local output or not, and SequenceParallel dimension (144 in

@@ -209,24 +209,50 @@ NOT_CALLABLE_KINDS = {
 }
 
 
-def test_what_is_neither_a_function_nor_a_class_is_refused_after_import(tmp_path):
-    """The allow-list's closing refusal: an object of the project's own module (a place the user chose) that is no
-    Python function or class, in every role, is refused once imported and named by its kind; each kind x role (66),
-    enumerated. (Returning None there instead let every such object through.)"""
+def test_each_object_of_the_projects_own_module_in_each_role(tmp_path):
+    """The verdicts after import on the project's own module (a place the user chose), each object x every role
+    (88), enumerated: its function where the role takes one, else refused; its class (no Module, optimizer or
+    scheduler) refused, named; and what is neither a function nor a class (an instance, a bound method, a partial, a
+    module, a built-in, a number) refused by the allow-list's closing line, named by kind. (That line returning None
+    let every such object through, and only test_untrusted_code's processes noticed, 144 s in.)"""
     (tmp_path / "kinds_here.py").write_text(
         "import functools, json, math\n\nclass Thing:\n    def method(self):\n        return 0\n\n"
         "def step(*args, **kwargs):\n    return 0\n\ninstance = Thing()\nbound = instance.method\n"
         "partial = functools.partial(step, 1)\nmodule = json\nbuiltin = math.sqrt\nnumber = 3\n")
+    where = tmp_path / "manifest.json"
     with nowhere_chosen(tmp_path):
         try:
-            assert load_callable("step_fn", "kinds_here:step", where=tmp_path / "manifest.json")() == 0  # the place is
-            for role, (name, kind) in itertools.product(sorted(ROLES), NOT_CALLABLE_KINDS.items()):  # admitted
-                with pytest.raises(BadInput) as refused:
-                    load_callable(role, f"kinds_here:{name}", where=tmp_path / "manifest.json")
-                assert str(refused.value) == (f"{tmp_path / 'manifest.json'}: {role} 'kinds_here:{name}' is refused: it is "
-                                              f"{kind}, not a function or class defined in a module; {TRUST_HINT}")
+            for role in sorted(ROLES):
+                refusals = {f"kinds_here:{name}": f"it is {kind}, not a function or class defined in a module"
+                            for name, kind in NOT_CALLABLE_KINDS.items()}
+                refusals["kinds_here:Thing"] = f"it is the class kinds_here.Thing, and {ROLES[role].wants} is wanted"
+                if ROLES[role].functions:
+                    assert load_callable(role, "kinds_here:step", where=where)() == 0
+                else:
+                    refusals["kinds_here:step"] = f"it is a function, and {ROLES[role].wants} is wanted"
+                for spec, problem in refusals.items():
+                    with pytest.raises(BadInput) as refused:
+                        load_callable(role, spec, where=where)
+                    assert str(refused.value) == f"{where}: {role} {spec!r} is refused: {problem}; {TRUST_HINT}"
         finally:
             sys.modules.pop("kinds_here", None)
+
+
+def test_the_program_running_is_refused_and_a_script_merely_named_like_it_is_not(tmp_path):
+    """``__main__`` and ``__mp_main__`` (and their submodules) are the program running, refused before any import in
+    every role; the target is what the import string's last colon leaves, as ``parse`` reads it, so the project's
+    script ``__main__:odd.py`` is the run's code."""
+    (tmp_path / "__main__:odd.py").write_text("def step(*args, **kwargs):\n    return 0\n")
+    where = tmp_path / "manifest.json"
+    with nowhere_chosen(tmp_path):
+        for role, target in itertools.product(sorted(ROLES), ["__main__", "__mp_main__", "__main__.sub"]):
+            modules = set(sys.modules)
+            with pytest.raises(BadInput) as refused:
+                load_callable(role, f"{target}:main", where=where)
+            assert str(refused.value) == (f"{where}: {role} '{target}:main' is refused: {target} is the program running, "
+                                          f"not the run's code; {TRUST_HINT}")
+            assert set(sys.modules) == modules
+        assert load_callable("step_fn", "__main__:odd.py:step", where=where)() == 0
 
 
 def _project(tmp: Path) -> tuple[Path, Path]:

@@ -26,7 +26,7 @@ from nanforensics.errors import BadInput
 from nanforensics.formats import open_checkpoint
 from nanforensics.saved import load_report
 from nanforensics.views.checkpoints import render_scan_terminal
-from nanforensics.views.escaping import code, fenced, markup, visible, xml_document, xml_text
+from nanforensics.views.escaping import code, fenced, markup, md_text, visible, xml_document, xml_text
 from nanforensics.views.html import render_html
 from nanforensics.views.markdown import render, render_scan
 from nanforensics.views.postmortem import render_junit
@@ -332,6 +332,22 @@ def test_markdown_keeps_its_structure_with_each_hostile_piece(saved, scanned, pl
     math formula, a link, a table pipe or an emphasis is the run's text, never the page's structure."""
     for plain, spelled in zip(plain_structures, (render(_spelled(saved, piece)), render_scan(_spelled(scanned, piece)))):
         assert _structure(spelled) == plain, piece
+
+
+def _inline_text(markdown: str) -> str:
+    """What a reader sees of one line of Markdown: its text, if it parsed as nothing but text."""
+    children = _MARKDOWN.parseInline(markdown)[0].children or []
+    assert all(c.type in ("text", "text_special") for c in children), (markdown, [c.type for c in children])
+    return "".join(c.content for c in children)
+
+
+def test_markdown_text_reads_as_itself():
+    """md_text renders as the text it was given, made visible, and nothing else (the structure tests above see
+    elements, not words: md_text of anything rendered as "None" kept every page's structure): each printable ASCII
+    character alone, doubled, inside a word and at a word's edges, and each hostile piece, enumerated."""
+    texts = [t for c in map(chr, range(0x20, 0x7F)) for t in (c, c + c, f"a{c}b", f"{c}a{c}")] + SEQUENCES
+    for text in texts:
+        assert _inline_text(f"x {md_text(text)} y") == f"x {visible(text)} y".strip() or text.isspace(), repr(text)
 
 
 @settings(max_examples=200, deadline=None)

@@ -211,17 +211,26 @@ NOT_CALLABLE_KINDS = {
 
 def test_each_object_of_the_projects_own_module_in_each_role(tmp_path):
     """The verdicts after import on the project's own module (a place the user chose), each object x every role
-    (88), enumerated: its function where the role takes one, else refused; its class (no Module, optimizer or
-    scheduler) refused, named; and what is neither a function nor a class (an instance, a bound method, a partial, a
+    (110), enumerated: its function where the role takes one, else refused; its class (no Module, optimizer or
+    scheduler) refused, named; a function or class it re-exports from the standard library refused by the file that
+    defines it; and what is neither a function nor a class (an instance, a bound method, a partial, a
     module, a built-in, a number) refused by the allow-list's closing line, named by kind. (That line returning None
     let every such object through, and only test_untrusted_code's processes noticed, 144 s in.)"""
     (tmp_path / "kinds_here.py").write_text(
         "import functools, json, math\n\nclass Thing:\n    def method(self):\n        return 0\n\n"
         "def step(*args, **kwargs):\n    return 0\n\ninstance = Thing()\nbound = instance.method\n"
-        "partial = functools.partial(step, 1)\nmodule = json\nbuiltin = math.sqrt\nnumber = 3\n")
+        "partial = functools.partial(step, 1)\nmodule = json\nbuiltin = math.sqrt\nnumber = 3\n"
+        "from os.path import join\nfrom collections import OrderedDict\n")
     where = tmp_path / "manifest.json"
     with nowhere_chosen(tmp_path):
         try:
+            for role, (name, real) in itertools.product(sorted(ROLES), [("join", "posixpath.join"),
+                                                                         ("OrderedDict", "collections.OrderedDict")]):
+                with pytest.raises(BadInput) as refused:  # re-exported: judged by the file that defines it
+                    load_callable(role, f"kinds_here:{name}", where=where)
+                message = str(refused.value)
+                assert message.startswith(f"{where}: {role} 'kinds_here:{name}' is refused: it is {real}, whose file ("), message
+                assert "is part of Python's standard library" in message, message
             for role in sorted(ROLES):
                 refusals = {f"kinds_here:{name}": f"it is {kind}, not a function or class defined in a module"
                             for name, kind in NOT_CALLABLE_KINDS.items()}

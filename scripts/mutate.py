@@ -17,6 +17,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -159,22 +160,26 @@ def load_equivalents() -> dict[str, dict[str, str]]:
     return {entry["mutant"]: entry for entry in entries}
 
 
-def killed_by_the_files(scratch: Path, module: str, name: str) -> bool:
+def killed_by_the_files(scratch: Path, module: str, name: str, first: Sequence[str] = ()) -> bool:
     """Whether the module's whole test files kill the survivor ``name``: mutmut runs a mutant against the tests that
     reached its function while its statistics were taken, and a module fixture that does the work of many tests at
     the first one's setup (test_trust_io's ``results``) credits that one alone, so a survivor is run again, applied
-    to the scratch copy's source, against every mapped file (its processes too, through $PYTHONPATH)."""
+    to the scratch copy's source, against every mapped file (its processes too, through $PYTHONPATH); against the
+    tests ``first`` before them, when given (the fast tests written to kill it: a failure there is a kill)."""
     source = scratch / module
     original = source.read_bytes()
     mutmut(scratch, "apply", name)
     try:
         deselect = [arg for t in DESELECTED for arg in ("--deselect", t)]
-        done = subprocess.run(["nice", sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
-                               *deselect, *MODULES[module]], cwd=scratch, capture_output=True,
-                              env={**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"})
+        for tests in ([first] if first else []) + [MODULES[module]]:
+            done = subprocess.run(["nice", sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
+                                   *deselect, *tests], cwd=scratch, capture_output=True,
+                                  env={**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"})
+            if done.returncode == 1:
+                return True  # tests failed; 0 all passed (it survives), anything else is no verdict
     finally:
         source.write_bytes(original)
-    return done.returncode == 1  # tests failed; 0 all passed (it survives), anything else is no verdict
+    return False
 
 
 def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argparse.Namespace) -> tuple[Tally, list[str]]:
@@ -202,7 +207,7 @@ def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argpars
             tally.killed += 1
         elif name in equivalents and equivalents[name]["change"].strip() in added_lines(scratch, name):
             tally.equivalent += 1
-        elif killed_by_the_files(scratch, module, name):
+        elif killed_by_the_files(scratch, module, name, options.tests):
             tally.killed += 1
             tally.killed_again += 1
         else:
@@ -235,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
                              "names a mutant making its change")
     parser.add_argument("--tests", action="append", default=[], metavar="TESTS",
                         help="run the mutants against these tests (a file or test id, repeatable) instead of the "
-                             "module's files, which still judge each survivor")
+                             "module's files, which still judge each survivor after them (with --again: the survivors "
+                             "run these first)")
     parser.add_argument("--only", action="append", default=[], metavar="FUNCTION",
                         help="only the mutants of this function (mutmut's name: x_NAME, xǁCLASSǁMETHOD; a glob), repeatable")
     options = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a run stopped by kill restores the survivor's source
     modules = [resolve(name) for name in options.modules] or list(MODULES)
     equivalents = load_equivalents()
     failed = False

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import _imp
 import functools
+import importlib
 import importlib.machinery
 import importlib.metadata
+import inspect
 import itertools
 import json
 import os
@@ -245,6 +247,42 @@ def test_each_object_of_the_projects_own_module_in_each_role(tmp_path):
                     assert str(refused.value) == f"{where}: {role} {spec!r} is refused: {problem}; {TRUST_HINT}"
         finally:
             sys.modules.pop("kinds_here", None)
+
+
+# (role, class) admitted: the project's classes and torch's (TOOL_CLASSES) of the kind the role names; the rest refused
+CLASSES_ADMITTED = {("model_factory", "Net"), ("--model", "Net"), ("model_factory", "torch.nn:Linear"),
+                    ("--model", "torch.nn:Linear"), ("optimizer.class", "Opt"), ("optimizer.class", "torch.optim:Adam"),
+                    ("optimizer.class", "torch.optim:SGD"), ("optimizer.factory", "torch.optim:Adam"),
+                    ("optimizer.factory", "torch.optim:SGD"), ("scheduler.factory", "torch.optim.lr_scheduler:StepLR"),
+                    ("--scheduler", "torch.optim.lr_scheduler:StepLR")}
+
+
+def test_each_class_in_each_role(tmp_path):
+    """The project's Module, optimizer and scheduler subclasses and torch's own classes, each x every role (77),
+    enumerated: admitted where the role takes that kind of class (CLASSES_ADMITTED), else refused, the project's named
+    with what the role wants, torch's by the file that defines it (torch is no place the user chose)."""
+    (tmp_path / "classes_here.py").write_text(
+        "import torch\n\nclass Net(torch.nn.Module):\n    pass\n\nclass Opt(torch.optim.SGD):\n    pass\n\n"
+        "class Sched(torch.optim.lr_scheduler.StepLR):\n    pass\n")
+    where = tmp_path / "manifest.json"
+    with nowhere_chosen(tmp_path):
+        try:
+            for role, name in itertools.product(sorted(ROLES), ["Net", "Opt", "Sched", "torch.nn:Linear", "torch.optim:Adam",
+                                                                "torch.optim:SGD", "torch.optim.lr_scheduler:StepLR"]):
+                spec = name if ":" in name else f"classes_here:{name}"
+                if (role, name) in CLASSES_ADMITTED:
+                    assert inspect.isclass(load_callable(role, spec, where=where)), (role, spec)
+                    continue
+                with pytest.raises(BadInput) as refused:
+                    load_callable(role, spec, where=where)
+                message = str(refused.value).removeprefix(f"{where}: {role} {spec!r} is refused: ")
+                if ":" in name:
+                    cls = getattr(importlib.import_module(spec.partition(":")[0]), spec.partition(":")[2])
+                    assert message.startswith(f"it is {cls.__module__}.{cls.__qualname__}, whose file ("), message
+                else:
+                    assert message == f"it is the class classes_here.{name}, and {ROLES[role].wants} is wanted; {TRUST_HINT}"
+        finally:
+            sys.modules.pop("classes_here", None)
 
 
 def test_the_program_running_is_refused_and_a_script_merely_named_like_it_is_not(tmp_path):

@@ -67,7 +67,7 @@ class Tally:
     mutants: int = 0  # made in the module
     run: int = 0  # of them, run (all, or those of the functions --only names)
     killed: int = 0
-    killed_again: int = 0  # of the killed, those mutmut let survive and the whole test files killed
+    killed_again: int = 0  # of the killed, those mutmut let survive and their second run killed
     equivalent: int = 0
     surviving: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{module:<40} {tally.mutants:>7} {tally.run:>5} {tally.killed:>7} {tally.equivalent:>6} {len(tally.surviving):>9} "
               f"{tally.seconds:>8.0f}", flush=True)
         if tally.killed_again:
-            print(f"    killed: {tally.killed_again} of them by the whole test files, not by the tests mutmut chose")
+            print(f"    killed: {tally.killed_again} of them on their second run (--tests, then the whole test files), not by "
+                  "the tests mutmut chose")
         for line in tally.surviving:
             print(f"    survived: {line}")
             if options.show:

@@ -402,6 +402,19 @@ WHY = {"plain": "", "an input": "an input of this command", "inside an input fol
        "imported": "which this process imported"}
 
 
+def test_a_path_the_file_system_cannot_check_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A name longer than the file system takes (the file, or a folder on the way): stat fails with another error
+    than 'missing', and the refusal says so in one line, naming the option and the path, or the path alone."""
+    for target in (tmp_path / ("x" * 300 + ".json"), tmp_path / ("y" * 300) / "r.json"):
+        with pytest.raises(BadInput) as refused:
+            write_output(target, "{}\n", "--json")
+        assert str(refused.value) == f"--json: {target} cannot be checked (File name too long)"
+        with pytest.raises(BadInput) as refused:
+            write_output(target, "{}\n")
+        assert str(refused.value) == f"{target}: cannot be checked (File name too long)"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refusal_without_an_option_names_the_path_once(tmp_path: Path) -> None:
     """A report written with no option to name (a saved report's own writer): the error names the path, once, then
     why."""

@@ -415,6 +415,18 @@ def test_a_path_the_file_system_cannot_check_is_refused_in_one_line(tmp_path: Pa
     assert list(tmp_path.iterdir()) == []
 
 
+def _why_plain(kind: str, through_symlink: bool) -> str:
+    """What refuses an output of ``kind`` that is nothing the command reads: the words of the writer's refusal."""
+    if kind == "read-only":
+        return "is read-only: not replaced"
+    if kind == "dangling" or (kind == "absent" and through_symlink):
+        return "which does not exist: not followed"
+    if kind == "absent":
+        return "does not exist (--create-dirs creates it)"
+    named = {"directory": "a directory", "fifo": "a FIFO", "socket": "a socket", "device": "a character device"}[kind]
+    return f"is {named}, not a regular file: reports replace only regular files"
+
+
 def test_a_refusal_without_an_option_names_the_path_once(tmp_path: Path) -> None:
     """A report written with no option to name (a saved report's own writer): the error names the path, once, then
     why."""
@@ -456,6 +468,8 @@ def _one_output(kind: str, role: str, through_symlink: bool, folder_missing: boo
                 assert not allowed, e
                 assert str(e).startswith("--json: ") and "\n" not in str(e)
                 assert WHY[role] in str(e), (role, str(e))  # the reason it is refused, not only that it is
+                if role == "plain":  # and for a path of its own, what it is that is not replaced, in words
+                    assert _why_plain(kind, through_symlink) in str(e), (kind, through_symlink, str(e))
                 assert (_state(target) if os.path.lexists(target) else None) == before
             else:
                 assert allowed, (kind, role, through_symlink, folder_missing, create_dirs, depth)

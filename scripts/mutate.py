@@ -160,18 +160,19 @@ def load_equivalents() -> dict[str, dict[str, str]]:
     return {entry["mutant"]: entry for entry in entries}
 
 
-def killed_by_the_files(scratch: Path, module: str, name: str, first: Sequence[str] = ()) -> bool:
+def killed_by_the_files(scratch: Path, module: str, name: str, first: Sequence[str] = (), files: bool = True) -> bool:
     """Whether the module's whole test files kill the survivor ``name``: mutmut runs a mutant against the tests that
     reached its function while its statistics were taken, and a module fixture that does the work of many tests at
     the first one's setup (test_trust_io's ``results``) credits that one alone, so a survivor is run again, applied
     to the scratch copy's source, against every mapped file (its processes too, through $PYTHONPATH); against the
-    tests ``first`` before them, when given (the fast tests written to kill it: a failure there is a kill)."""
+    tests ``first`` before them, when given (the fast tests written to kill it: a failure there is a kill); against
+    those alone without ``files`` (``--quick``: the whole files take minutes a survivor)."""
     source = scratch / module
     original = source.read_bytes()
     mutmut(scratch, "apply", name)
     try:
         deselect = [arg for t in DESELECTED for arg in ("--deselect", t)]
-        for tests in ([first] if first else []) + [MODULES[module]]:
+        for tests in ([first] if first else []) + ([MODULES[module]] if files or not first else []):
             done = subprocess.run(["nice", sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
                                    *deselect, *tests], cwd=scratch, capture_output=True,
                                   env={**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"})
@@ -207,7 +208,7 @@ def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argpars
             tally.killed += 1
         elif name in equivalents and equivalents[name]["change"].strip() in added_lines(scratch, name):
             tally.equivalent += 1
-        elif killed_by_the_files(scratch, module, name, options.tests):
+        elif killed_by_the_files(scratch, module, name, options.tests, files=not options.quick):
             tally.killed += 1
             tally.killed_again += 1
         else:
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the mutants against these tests (a file or test id, repeatable) instead of the "
                              "module's files, which still judge each survivor after them (with --again: the survivors "
                              "run these first)")
+    parser.add_argument("--quick", action="store_true",
+                        help="with --tests: a survivor's second run is against those tests alone, not the whole files "
+                             "(what survives is then unjudged by them; the table says so)")
     parser.add_argument("--only", action="append", default=[], metavar="FUNCTION",
                         help="only the mutants of this function (mutmut's name: x_NAME, xǁCLASSǁMETHOD; a glob), repeatable")
     options = parser.parse_args(argv)

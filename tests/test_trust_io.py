@@ -326,7 +326,7 @@ def test_create_dirs_creates_the_missing_folder(tmp_path: Path) -> None:
 
 # ---- A: outputs over every kind of path -------------------------------------------------------------------------
 
-KINDS = ["absent", "regular", "read-only", "directory", "fifo", "socket", "device", "dangling"]
+KINDS = ["absent", "regular", "read-only", "read-only executable", "directory", "fifo", "socket", "device", "dangling"]
 ROLES = ["plain", "an input", "inside an input folder", "inside an examined tree", "under a code path", "imported"]
 
 
@@ -334,10 +334,10 @@ ROLES = ["plain", "an input", "inside an input folder", "inside an examined tree
 def _made(kind: str, path: Path) -> Iterator[None]:
     """A file of ``kind`` at ``path`` for the length of the block."""
     server = None
-    if kind in ("regular", "read-only"):
+    if kind in ("regular", "read-only", "read-only executable"):
         path.write_text("# earlier\n")
-        if kind == "read-only":
-            path.chmod(0o444)
+        if kind.startswith("read-only"):
+            path.chmod(0o444 if kind == "read-only" else 0o555)  # r-x: execute bits are no write bits
     elif kind == "directory":
         path.mkdir()
     elif kind == "fifo":
@@ -390,7 +390,7 @@ def _role(role: str, folder: Path, name: str, depth: int) -> tuple[Path, Callabl
 def test_outputs_over_every_kind_of_path(kind: str, role: str) -> None:
     """Written only when absent, or a regular file this process may write, and nothing the command reads, examines
     or imported, however deep inside it; through a symlink, the file it resolves to is replaced and the symlink stays.
-    Else refused, one line, and the path as it was. Every combination (kind x role x the four yes/no choices, 768),
+    Else refused, one line, and the path as it was. Every combination (kind x role x the four yes/no choices, 864),
     enumerated: a space this small is listed, not sampled."""
     for through_symlink, folder_missing, create_dirs, deep in itertools.product([False, True], repeat=4):
         _one_output(kind, role, through_symlink, folder_missing, create_dirs, 3 if deep else 1)
@@ -417,7 +417,7 @@ def test_a_path_the_file_system_cannot_check_is_refused_in_one_line(tmp_path: Pa
 
 def _why_plain(kind: str, through_symlink: bool) -> str:
     """What refuses an output of ``kind`` that is nothing the command reads: the words of the writer's refusal."""
-    if kind == "read-only":
+    if kind.startswith("read-only"):
         return "is read-only: not replaced"
     if kind == "dangling" or (kind == "absent" and through_symlink):
         return "which does not exist: not followed"

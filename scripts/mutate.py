@@ -17,10 +17,12 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,11 +37,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nanforensics/inputs.py": ("tests/test_trust_io.py", "tests/test_faults.py", "tests/test_buffers.py"),
     "nanforensics/outputs.py": ("tests/test_trust_io.py", "tests/test_faults.py"),
     "nanforensics/views/escaping.py": ("tests/test_escaping.py",),
-    "nanforensics/runs/guard.py": ("tests/test_guard.py",),
-    "nanforensics/replay/proof.py": ("tests/test_proof.py",),
-    "nanforensics/checkpoints/soundness.py": ("tests/test_soundness.py",),
+    "nanforensics/runs/guard.py": ("tests/test_guard.py", "tests/test_guard_reasons.py", "tests/test_guard_proof.py"),
+    "nanforensics/replay/proof.py": ("tests/test_proof.py", "tests/test_mesh.py::test_an_optimizer_over_a_dtensor_is_not_proven"),
+    "nanforensics/checkpoints/soundness.py": ("tests/test_soundness.py", "tests/test_soundness_order.py"),
     "nanforensics/rootcause/findings.py": ("tests/test_findings.py", "tests/test_rootcause.py"),
     "nanforensics/replay/engine.py": ("tests/test_loss_only.py", "tests/test_replay.py", "tests/test_proof.py"),
+    "nanforensics/report.py": ("tests/test_loss_only.py",),  # loss_only: the rule replay and attribution share
 }
 # the mutants made and nothing run: `mutmut run`'s first steps (mutmut has no command for them alone)
 GENERATE = ("import os, mutmut.__main__ as m; os.makedirs('mutants', exist_ok=True); "
@@ -53,6 +56,7 @@ DESELECTED = ("tests/test_startup.py::test_the_package_imports_only_what_it_decl
               "tests/test_import_policy.py::test_a_venv_inside_the_project_is_refused_unless_its_package_is_named")
 COPIED = ("nanforensics", "tests", "sample_runs", "README.md", "docs", "pyproject.toml")  # tests read the docs
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # a mutant the tests noticed
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Tally:
     mutants: int = 0  # made in the module
     run: int = 0  # of them, run (all, or those of the functions --only names)
     killed: int = 0
-    killed_again: int = 0  # of the killed, those mutmut let survive and the whole test files killed
+    killed_again: int = 0  # of the killed, those mutmut let survive and their second run killed
     equivalent: int = 0
     surviving: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -87,32 +91,43 @@ def scratch_dir(module: str, tests_at: str | None = None) -> Path:
     return Path(tempfile.gettempdir()) / "nanforensics-mutate" / (dotted(module) + (f"@{tests_at}" if tests_at else ""))
 
 
-def scratch_copy(module: str, tests_at: str | None = None) -> Path:
+def scratch_copy(module: str, tests_at: str | None = None, tests: Sequence[str] = ()) -> Path:
     """A fresh copy of the checkout's sources and tests with mutmut's configuration for this module alone; the tests
-    as the commit ``tests_at`` had them, when given (the same mutants against an earlier suite: a before/after)."""
+    as the commit ``tests_at`` had them, when given (the same mutants against an earlier suite: a before/after); the
+    mutants run ``tests`` when given (files or test ids: the fast ones that should kill them), else the module's."""
     scratch = scratch_dir(module, tests_at)
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in COPIED:
         source = ROOT / name
-        (shutil.copytree(source, scratch / name, ignore=ignore) if source.is_dir() else shutil.copy2(source, scratch / name))
-    if tests_at is not None:
-        shutil.rmtree(scratch / "tests")
-        archive = subprocess.run(["git", "archive", tests_at, "tests"], cwd=ROOT, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(scratch)], input=archive, check=True)
-    tests = "\n    ".join(MODULES[module])
+        (shutil.copytree(source, scratch / name, ignore=IGNORED) if source.is_dir() else shutil.copy2(source, scratch / name))
+    copy_tests(scratch, tests_at)
+    selection = "\n    ".join(tests or MODULES[module])
     deselect = "".join(f"    --deselect\n    {t}\n" for t in DESELECTED)
     (scratch / "setup.cfg").write_text(
         "[mutmut]\n"
         "source_paths = nanforensics\n"
         f"only_mutate = {module}\n"
-        f"pytest_add_cli_args_test_selection =\n    {tests}\n"
+        f"pytest_add_cli_args_test_selection =\n    {selection}\n"
         f"pytest_add_cli_args =\n    -n\n    0\n    -p\n    no:cacheprovider\n{deselect}"
         "also_copy =\n    tests\n    sample_runs\n    README.md\n    docs\n    pyproject.toml\n",
         encoding="utf-8",
     )
     return scratch
+
+
+def copy_tests(scratch: Path, tests_at: str | None = None) -> None:
+    """The scratch copy's tests (and mutmut's copy of them, which the mutants run) as the checkout has them now, or
+    as the commit ``tests_at`` had them: a rerun of the survivors after a test was written sees that test."""
+    for tests in (scratch / "tests", scratch / "mutants" / "tests"):
+        if tests.parent.is_dir():
+            shutil.rmtree(tests, ignore_errors=True)
+            if tests_at is None:
+                shutil.copytree(ROOT / "tests", tests, ignore=IGNORED)
+            else:
+                archive = subprocess.run(["git", "archive", tests_at, "tests"], cwd=ROOT, capture_output=True,
+                                         check=True).stdout
+                subprocess.run(["tar", "-x", "-C", str(tests.parent)], input=archive, check=True)
 
 
 def mutmut(scratch: Path, *args: str) -> str:
@@ -145,57 +160,69 @@ def load_equivalents() -> dict[str, dict[str, str]]:
     return {entry["mutant"]: entry for entry in entries}
 
 
-def killed_by_the_files(scratch: Path, module: str, name: str) -> bool:
+def killed_by_the_files(scratch: Path, module: str, name: str, first: Sequence[str] = (), files: bool = True) -> bool:
     """Whether the module's whole test files kill the survivor ``name``: mutmut runs a mutant against the tests that
     reached its function while its statistics were taken, and a module fixture that does the work of many tests at
     the first one's setup (test_trust_io's ``results``) credits that one alone, so a survivor is run again, applied
-    to the scratch copy's source, against every mapped file (its processes too, through $PYTHONPATH)."""
+    to the scratch copy's source, against every mapped file (its processes too, through $PYTHONPATH); against the
+    tests ``first`` before them, when given (the fast tests written to kill it: a failure there is a kill); against
+    those alone without ``files`` (``--quick``: the whole files take minutes a survivor)."""
     source = scratch / module
     original = source.read_bytes()
     mutmut(scratch, "apply", name)
     try:
         deselect = [arg for t in DESELECTED for arg in ("--deselect", t)]
-        done = subprocess.run(["nice", sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
-                               *deselect, *MODULES[module]], cwd=scratch, capture_output=True,
-                              env={**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"})
+        for tests in ([first] if first else []) + ([MODULES[module]] if files or not first else []):
+            done = subprocess.run(["nice", sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
+                                   *deselect, *tests], cwd=scratch, capture_output=True,
+                                  env={**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"})
+            if done.returncode == 1:
+                return True  # tests failed; 0 all passed (it survives), anything else is no verdict
     finally:
         source.write_bytes(original)
-    return done.returncode == 1  # tests failed; 0 all passed (it survives), anything else is no verdict
+    return False
 
 
 def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argparse.Namespace) -> tuple[Tally, list[str]]:
     """Run one module's mutants (those of the functions ``options.only`` names, when given: mutmut's mangled names,
     such as ``x__checked`` or ``xǁPlacesǁrefusal``, globs allowed; none with ``--count``; the last run's with
-    ``--again``); its tally and the stale equivalents entries among them."""
+    ``--again``, its survivors run again against the tests as they are now); its tally and the stale equivalents
+    entries of the module: a mutant no longer made, or no longer making the change quoted, or now killed."""
     started = time.monotonic()
-    scratch = scratch_dir(module, options.tests_at) if options.again else scratch_copy(module, options.tests_at)
+    scratch = scratch_dir(module, options.tests_at)
+    if options.again:
+        copy_tests(scratch, options.tests_at)
+    else:
+        scratch = scratch_copy(module, options.tests_at, options.tests)
     if options.count:
         subprocess.run([sys.executable, "-c", GENERATE], cwd=scratch, check=True, capture_output=True)
     elif not options.again:
         mutmut(scratch, "run", "--max-children", str(options.children), *[f"{dotted(module)}.{f}*" for f in options.only])
     tally = Tally(module)
-    found = statuses(scratch)
-    tally.mutants = len(found)
-    found = {name: status for name, status in found.items() if status != "not checked"}
-    stale = []
+    made = statuses(scratch)
+    tally.mutants = len(made)
+    found = {name: status for name, status in made.items() if status != "not checked"}
     for name, status in sorted(found.items()):
         tally.run += 1
         if status in KILLED:
             tally.killed += 1
         elif name in equivalents and equivalents[name]["change"].strip() in added_lines(scratch, name):
             tally.equivalent += 1
-        elif killed_by_the_files(scratch, module, name):
+        elif killed_by_the_files(scratch, module, name, options.tests, files=not options.quick):
             tally.killed += 1
             tally.killed_again += 1
         else:
             tally.surviving.append(f"{name} ({status})")
+    stale = []
     for name, entry in equivalents.items():
-        if not name.startswith(dotted(module) + ".") or (options.only and name not in found):
+        if not name.startswith(dotted(module) + "."):
             continue
-        if found.get(name) in KILLED or name not in found:
-            stale.append(f"{name}: {'now killed' if name in found else 'no such mutant'} ({entry['reason']})")
-        elif name in found and found[name] not in KILLED and entry["change"].strip() not in added_lines(scratch, name):
+        if name not in made:
+            stale.append(f"{name}: no such mutant ({entry['reason']})")
+        elif entry["change"].strip() not in added_lines(scratch, name):
             stale.append(f"{name}: the mutant no longer makes the change {entry['change']!r}")
+        elif found.get(name) in KILLED:
+            stale.append(f"{name}: now killed ({entry['reason']})")
     tally.seconds = time.monotonic() - started
     return tally, stale
 
@@ -206,11 +233,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print each survivor's diff")
     parser.add_argument("--tests-at", metavar="COMMIT", help="run the tests as COMMIT had them (the 'before' of a table)")
     parser.add_argument("--children", type=int, default=1, help="mutants run at once (default 1: a shared machine)")
-    parser.add_argument("--again", action="store_true", help="tally the last run's results (an interrupted run's too)")
-    parser.add_argument("--count", action="store_true", help="make the mutants and count them, run none")
+    parser.add_argument("--again", action="store_true",
+                        help="tally the last run's results (an interrupted run's too), its survivors run again against "
+                             "the tests as they are now (after a test was written for them)")
+    parser.add_argument("--count", action="store_true",
+                        help="make the mutants and count them, run none; check that each equivalents entry still "
+                             "names a mutant making its change")
+    parser.add_argument("--tests", action="append", default=[], metavar="TESTS",
+                        help="run the mutants against these tests (a file or test id, repeatable) instead of the "
+                             "module's files, which still judge each survivor after them (with --again: the survivors "
+                             "run these first)")
+    parser.add_argument("--quick", action="store_true",
+                        help="with --tests: a survivor's second run is against those tests alone, not the whole files "
+                             "(what survives is then unjudged by them; the table says so)")
     parser.add_argument("--only", action="append", default=[], metavar="FUNCTION",
                         help="only the mutants of this function (mutmut's name: x_NAME, xǁCLASSǁMETHOD; a glob), repeatable")
     options = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a run stopped by kill restores the survivor's source
     modules = [resolve(name) for name in options.modules] or list(MODULES)
     equivalents = load_equivalents()
     failed = False
@@ -219,11 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         tally, stale = mutate(module, equivalents, options)
         if options.count:
             print(f"{module:<40} {tally.mutants:>7}", flush=True)
+            for line in stale:
+                print(f"    stale equivalent: {line}")
+            failed |= bool(stale)
             continue
         print(f"{module:<40} {tally.mutants:>7} {tally.run:>5} {tally.killed:>7} {tally.equivalent:>6} {len(tally.surviving):>9} "
               f"{tally.seconds:>8.0f}", flush=True)
         if tally.killed_again:
-            print(f"    killed: {tally.killed_again} of them by the whole test files, not by the tests mutmut chose")
+            print(f"    killed: {tally.killed_again} of them on their second run (--tests, then the whole test files), not by "
+                  "the tests mutmut chose")
         for line in tally.surviving:
             print(f"    survived: {line}")
             if options.show:

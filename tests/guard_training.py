@@ -159,13 +159,13 @@ def flip_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[st
     return loss
 
 
-def train_flip(run_dir: Path, steps: int, guard: Any = True, **options: Any) -> nn.Module:
-    """A NaN written after the step at THAW: found by the state check, the run stopped (or rolled back)."""
+def train_flip(run_dir: Path, steps: int, guard: Any = True, at: int = THAW, **options: Any) -> nn.Module:
+    """A NaN written after the step ``at`` (THAW): found by the state check, the run stopped (or rolled back)."""
     model = build_model()
     optimizer = make_optimizer(model)
     with nanforensics.Recorder(run_dir, model, optimizer, model_factory=build_model, step_fn=flip_step,
                                guard=guard, **options) as rec:
         for step in range(steps):
-            batch = {**make_batch(step, {}), "flip": step == THAW}
+            batch = {**make_batch(step, {}), "flip": step == at}
             rec.log(step, batch, flip_step(model, optimizer, batch))
     return model

@@ -110,6 +110,18 @@ def test_a_nan_written_after_the_step_stops_the_run_with_an_incident(tmp_path):
     assert (report["origin"]["stage"], report["origin"]["tensor"]) == ("param", "head.bias")
 
 
+def test_a_nan_written_after_the_step_before_a_checkpoint_is_never_checkpointed(tmp_path):
+    """Where no step follows the NaN written after the step (the last one, here also the one before a checkpoint),
+    no skip shows it: the state check, made whenever a checkpoint is due, is the one detector, and the run stops
+    before a checkpoint holding it is written. (The check never flagging passed every other test: there the next
+    step's NaN gradients stopped the run.)"""
+    with pytest.raises(GuardStop) as stop:
+        gt.train_flip(tmp_path / "run", 3, at=2, checkpoint_every=3)
+    assert stop.value.incident == tmp_path / "run" / INCIDENTS / "step_00000002"
+    assert [e["event"] for e in events(tmp_path / "run")] == ["state_nonfinite", "summary"]
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000003").exists()
+
+
 def test_rollback_restores_the_newest_checkpoint_and_training_goes_on(tmp_path):
     model = gt.train_flip(tmp_path / "run", 40, checkpoint_every=10, guard=GuardPolicy(state_check_every=5, rollback=True))
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import _imp
 import functools
+import importlib
 import importlib.machinery
 import importlib.metadata
+import inspect
+import itertools
 import json
 import os
 import shutil
@@ -22,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from nanforensics.errors import BadInput
-from nanforensics.runs.imports import ROLES, TOOL_MODULES, load_callable
+from nanforensics.runs.imports import ROLES, TOOL_MODULES, TRUST_HINT, load_callable
 
 # the command line's cases run in-process (run_cli: sys.path as the console script's process has it, from a probe of
 # one), but the one about start-up, a process: what a fresh interpreter imports as torch loads (sympy's gmpy2, flint);
@@ -198,6 +201,105 @@ def test_the_users_own_code_is_admitted_and_leaves_sys_path_as_it_was(tmp_path_f
             for loaded in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
                 del sys.modules[loaded]
     assert sys.path == path
+
+
+# objects of the project's own module that are neither a function nor a class, and what the refusal calls each
+NOT_CALLABLE_KINDS = {
+    "instance": "a Thing object of kinds_here", "bound": "a bound method of kinds_here",
+    "partial": "a partial object of Python's standard library (functools)", "module": "a module",
+    "builtin": "a built-in function of Python's standard library (math)", "number": "a int object",
+}
+
+
+def test_each_object_of_the_projects_own_module_in_each_role(tmp_path):
+    """The verdicts after import on the project's own module (a place the user chose), each object x every role
+    (110), enumerated: its function where the role takes one, else refused; its class (no Module, optimizer or
+    scheduler) refused, named; a function or class it re-exports from the standard library refused by the file that
+    defines it; and what is neither a function nor a class (an instance, a bound method, a partial, a
+    module, a built-in, a number) refused by the allow-list's closing line, named by kind. (That line returning None
+    let every such object through, and only test_untrusted_code's processes noticed, 144 s in.)"""
+    (tmp_path / "kinds_here.py").write_text(
+        "import functools, json, math\n\nclass Thing:\n    def method(self):\n        return 0\n\n"
+        "def step(*args, **kwargs):\n    return 0\n\ninstance = Thing()\nbound = instance.method\n"
+        "partial = functools.partial(step, 1)\nmodule = json\nbuiltin = math.sqrt\nnumber = 3\n"
+        "from os.path import join\nfrom collections import OrderedDict\n")
+    where = tmp_path / "manifest.json"
+    with nowhere_chosen(tmp_path):
+        try:
+            for role, (name, real) in itertools.product(sorted(ROLES), [("join", "posixpath.join"),
+                                                                         ("OrderedDict", "collections.OrderedDict")]):
+                with pytest.raises(BadInput) as refused:  # re-exported: judged by the file that defines it
+                    load_callable(role, f"kinds_here:{name}", where=where)
+                message = str(refused.value)
+                assert message.startswith(f"{where}: {role} 'kinds_here:{name}' is refused: it is {real}, whose file ("), message
+                assert "is part of Python's standard library" in message, message
+            for role in sorted(ROLES):
+                refusals = {f"kinds_here:{name}": f"it is {kind}, not a function or class defined in a module"
+                            for name, kind in NOT_CALLABLE_KINDS.items()}
+                refusals["kinds_here:Thing"] = f"it is the class kinds_here.Thing, and {ROLES[role].wants} is wanted"
+                if ROLES[role].functions:
+                    assert load_callable(role, "kinds_here:step", where=where)() == 0
+                else:
+                    refusals["kinds_here:step"] = f"it is a function, and {ROLES[role].wants} is wanted"
+                for spec, problem in refusals.items():
+                    with pytest.raises(BadInput) as refused:
+                        load_callable(role, spec, where=where)
+                    assert str(refused.value) == f"{where}: {role} {spec!r} is refused: {problem}; {TRUST_HINT}"
+        finally:
+            sys.modules.pop("kinds_here", None)
+
+
+# (role, class) admitted: the project's classes and torch's (TOOL_CLASSES) of the kind the role names; the rest refused
+CLASSES_ADMITTED = {("model_factory", "Net"), ("--model", "Net"), ("model_factory", "torch.nn:Linear"),
+                    ("--model", "torch.nn:Linear"), ("optimizer.class", "Opt"), ("optimizer.class", "torch.optim:Adam"),
+                    ("optimizer.class", "torch.optim:SGD"), ("optimizer.factory", "torch.optim:Adam"),
+                    ("optimizer.factory", "torch.optim:SGD"), ("scheduler.factory", "torch.optim.lr_scheduler:StepLR"),
+                    ("--scheduler", "torch.optim.lr_scheduler:StepLR")}
+
+
+def test_each_class_in_each_role(tmp_path):
+    """The project's Module, optimizer and scheduler subclasses and torch's own classes, each x every role (77),
+    enumerated: admitted where the role takes that kind of class (CLASSES_ADMITTED), else refused, the project's named
+    with what the role wants, torch's by the file that defines it (torch is no place the user chose)."""
+    (tmp_path / "classes_here.py").write_text(
+        "import torch\n\nclass Net(torch.nn.Module):\n    pass\n\nclass Opt(torch.optim.SGD):\n    pass\n\n"
+        "class Sched(torch.optim.lr_scheduler.StepLR):\n    pass\n")
+    where = tmp_path / "manifest.json"
+    with nowhere_chosen(tmp_path):
+        try:
+            for role, name in itertools.product(sorted(ROLES), ["Net", "Opt", "Sched", "torch.nn:Linear", "torch.optim:Adam",
+                                                                "torch.optim:SGD", "torch.optim.lr_scheduler:StepLR"]):
+                spec = name if ":" in name else f"classes_here:{name}"
+                if (role, name) in CLASSES_ADMITTED:
+                    assert inspect.isclass(load_callable(role, spec, where=where)), (role, spec)
+                    continue
+                with pytest.raises(BadInput) as refused:
+                    load_callable(role, spec, where=where)
+                message = str(refused.value).removeprefix(f"{where}: {role} {spec!r} is refused: ")
+                if ":" in name:
+                    cls = getattr(importlib.import_module(spec.partition(":")[0]), spec.partition(":")[2])
+                    assert message.startswith(f"it is {cls.__module__}.{cls.__qualname__}, whose file ("), message
+                else:
+                    assert message == f"it is the class classes_here.{name}, and {ROLES[role].wants} is wanted; {TRUST_HINT}"
+        finally:
+            sys.modules.pop("classes_here", None)
+
+
+def test_the_program_running_is_refused_and_a_script_merely_named_like_it_is_not(tmp_path):
+    """``__main__`` and ``__mp_main__`` (and their submodules) are the program running, refused before any import in
+    every role; the target is what the import string's last colon leaves, as ``parse`` reads it, so the project's
+    script ``__main__:odd.py`` is the run's code."""
+    (tmp_path / "__main__:odd.py").write_text("def step(*args, **kwargs):\n    return 0\n")
+    where = tmp_path / "manifest.json"
+    with nowhere_chosen(tmp_path):
+        for role, target in itertools.product(sorted(ROLES), ["__main__", "__mp_main__", "__main__.sub"]):
+            modules = set(sys.modules)
+            with pytest.raises(BadInput) as refused:
+                load_callable(role, f"{target}:main", where=where)
+            assert str(refused.value) == (f"{where}: {role} '{target}:main' is refused: {target} is the program running, "
+                                          f"not the run's code; {TRUST_HINT}")
+            assert set(sys.modules) == modules
+        assert load_callable("step_fn", "__main__:odd.py:step", where=where)() == 0
 
 
 def _project(tmp: Path) -> tuple[Path, Path]:

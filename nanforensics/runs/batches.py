@@ -87,10 +87,6 @@ def encoded(step: int, tensors: dict[str, torch.Tensor], tree: dict[str, Any]) -
     return safetensors_parts(tensors, {"format": BATCH_FORMAT, "step": str(step), "tree": json.dumps(tree)})
 
 
-def batch_bytes(step: int, batch: Any) -> bytes:
-    return b"".join(encoded(step, *encode(batch)))
-
-
 def read_batch(path: Path) -> Any:
     f = TensorFile(path)
     meta = f.metadata()

@@ -4,6 +4,7 @@ reading at DEFECT_STEP), so the replay finds an origin, a batch, samples and an 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,22 @@ def record(run_dir: Path) -> Path:
             b = batch(step)
             rec.log(step, b, scenarios.train_step(model, optimizer, b))
     return run_dir
+
+
+# Fields the views look up a table by: a saved report with another value there is refused, not rendered.
+LOOKED_UP = {"verdict", "first_poisoned_verdict", "kind", "schema", "status", "stage", "adjustment", "basis", "order", "mode"}
+
+
+def appended(obj: Any, text: str) -> Any:
+    """``obj`` with ``text`` appended to every string it holds (dict keys too), but the looked-up ones."""
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: getattr(obj, f.name) if f.name in LOOKED_UP
+                                           else appended(getattr(obj, f.name), text) for f in dataclasses.fields(obj)
+                                           if f.init})
+    if isinstance(obj, str):
+        return obj + text
+    if isinstance(obj, list):
+        return [appended(v, text) for v in obj]
+    if isinstance(obj, dict):
+        return {appended(k, text): appended(v, text) for k, v in obj.items()}
+    return obj

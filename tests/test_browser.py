@@ -31,7 +31,6 @@ from nanforensics.views.html import render_html
 
 import hostile_names
 from conftest import ROOT, run_cli
-from test_escaping import _spelled
 
 _spec = importlib.util.spec_from_file_location("pictures", ROOT / "scripts" / "pictures.py")
 pictures = sys.modules["pictures"] = importlib.util.module_from_spec(_spec)  # registered: it defines dataclasses
@@ -114,10 +113,10 @@ def written(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Any]]]:
     deep = root / "llama7b_lr3e4_warmup2000_bs512_seed17_fp16_zero3_gradclip1_run000042_resumed_from_step_12000"
     hostile = cli("hostile", "postmortem", hostile_names.record(deep / "hostile-run"))
     spelled = root / "spelled.html"  # every string of the saved report with the payload appended (views' input)
-    spelled.write_text(render_html(_spelled(load_report(root / "hostile.json"), PAYLOAD)), encoding="utf-8")
+    spelled.write_text(render_html(hostile_names.appended(load_report(root / "hostile.json"), PAYLOAD)), encoding="utf-8")
     out["spelled"] = spelled, hostile
     unbroken = root / "unbroken.html"  # ... and with a word too long for any line
-    unbroken.write_text(render_html(_spelled(load_report(root / "hostile.json"), UNBROKEN)), encoding="utf-8")
+    unbroken.write_text(render_html(hostile_names.appended(load_report(root / "hostile.json"), UNBROKEN)), encoding="utf-8")
     out["unbroken"] = unbroken, hostile
     return out
 

@@ -6,7 +6,6 @@ them, replayed, reported and re-rendered by the CLI."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import itertools
 import json
@@ -37,6 +36,7 @@ from rich.text import Text
 
 import hostile_names
 from conftest import assert_one_line_error, error_lines, run_cli
+from hostile_names import appended
 
 C0 = [chr(c) for c in range(0x20)]
 C1 = [chr(c) for c in range(0x80, 0xA0)]
@@ -233,24 +233,6 @@ def test_errors_naming_hostile_files_and_import_strings_are_one_line(hostile_run
 
 # ---- every string of a report, generated ---------------------------------------------------------------------
 
-# Fields the views look up a table by: a saved report with another value there is refused, not rendered.
-_LOOKED_UP = {"verdict", "first_poisoned_verdict", "kind", "schema", "status", "stage", "adjustment", "basis", "order", "mode"}
-
-
-def _spelled(obj: Any, text: str) -> Any:
-    """``obj`` with ``text`` appended to every string it holds (dict keys too), but the looked-up ones."""
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{f.name: getattr(obj, f.name) if f.name in _LOOKED_UP
-                                           else _spelled(getattr(obj, f.name), text) for f in dataclasses.fields(obj)
-                                           if f.init})
-    if isinstance(obj, str):
-        return obj + text
-    if isinstance(obj, list):
-        return [_spelled(v, text) for v in obj]
-    if isinstance(obj, dict):
-        return {_spelled(k, text): _spelled(v, text) for k, v in obj.items()}
-    return obj
-
 
 @pytest.fixture(scope="module")
 def scanned(hostile_run) -> ScanReport:
@@ -273,10 +255,10 @@ def _console() -> Console:
 def test_every_string_of_a_report_leaves_escaped(saved, scanned, text):
     """The post-mortem's report (its replay and bisection inside) and a scan's, with ``text`` in every string
     field, rendered by every view."""
-    report = _spelled(saved, text)
+    report = appended(saved, text)
     console = _console()
     render_terminal(report, console)
-    render_scan_terminal(_spelled(scanned, text), console)
+    render_scan_terminal(appended(scanned, text), console)
     assert_terminal_safe(console.file.getvalue())
     assert_page_is_the_templates(render_html(report))
     suite = ET.fromstring(render_junit(report).encode())
@@ -319,8 +301,8 @@ def test_markdown_keeps_its_structure_whatever_the_run_says(saved, scanned, plai
     """Every string field of a post-mortem (its replay and bisection inside) and of a scan with ``text`` appended: the
     same headings, lists, tables (rows and cells), code spans and emphasis as without it, no HTML but the page's own,
     no link or image; and the heading shows the text as it is, made visible."""
-    page = render(_spelled(saved, text))
-    for plain, spelled in zip(plain_structures, (page, render_scan(_spelled(scanned, text)))):
+    page = render(appended(saved, text))
+    for plain, spelled in zip(plain_structures, (page, render_scan(appended(scanned, text)))):
         assert _structure(spelled) == plain
         assert printable(spelled, keep="\n")
     assert _heading(page) == \
@@ -331,7 +313,7 @@ def test_markdown_keeps_its_structure_whatever_the_run_says(saved, scanned, plai
 def test_markdown_keeps_its_structure_with_each_hostile_piece(saved, scanned, plain_structures, piece):
     """The pieces hostile text is made of, each one in every string field, listed rather than left to sampling: a
     math formula, a link, a table pipe or an emphasis is the run's text, never the page's structure."""
-    for plain, spelled in zip(plain_structures, (render(_spelled(saved, piece)), render_scan(_spelled(scanned, piece)))):
+    for plain, spelled in zip(plain_structures, (render(appended(saved, piece)), render_scan(appended(scanned, piece)))):
         assert _structure(spelled) == plain, piece
 
 

@@ -242,7 +242,7 @@ def scanned(hostile_run) -> ScanReport:
 
 @pytest.fixture(scope="module")
 def saved(hostile_run) -> Any:
-    """The post-mortem's saved report, read once: the examples below spell copies of it (``_spelled``)."""
+    """The post-mortem's saved report, read once: the examples below spell copies of it (``hostile_names.appended``)."""
     return load_report(hostile_run["json_path"])
 
 

@@ -372,8 +372,8 @@ _MARGIN_HELP = "Warn when a tensor's max |x| is within this factor of its dtype'
 @app.command(short_help="Scan one checkpoint for non-finite values.")
 def scan(
     checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="A .pt/.pth/.safetensors file, a checkpoint "
-                                                    "folder of a run "
-                                                    "(RUN/checkpoints/step_...) or a Hugging Face checkpoint folder.",
+                                                    "folder of a run (RUN/checkpoints/step_...), a Hugging Face "
+                                                    "checkpoint folder or a DeepSpeed ZeRO one (global_stepN).",
                                              readable=False)],
     full: Annotated[bool, typer.Option("--full", help=_FULL_HELP)] = False,
     margin: Annotated[float, typer.Option(metavar="FACTOR", help=_MARGIN_HELP)] = 1000.0,

@@ -462,6 +462,10 @@ KNOWN: dict[int, str] = {
     20026: "operation, under a GradScaler: a parameter no optimizer holds accumulates gradients the scaler never "
            "unscales until they overflow; the trace names no op for the NaN of that accumulation (the reference names "
            "the backward's sum)",
+    40321: "samples, the class of 1298 (found by the 2000-program run on main, seeds 40000-41999): a slow overflow "
+           "through the update; replay attributes [5], where samples 3 and 5 each fail alone",
+    41965: "samples, the class of 1298: a slow overflow through the update, where every sample alone fails the step "
+           "(batch-wide) and replay calls the failure coupled",
     4020: "operation: which op made an inf that NaN surrounds; the reference names the step's first overflow from "
           "finite inputs (bmm of q and k), the trace the birth of the origin's own inf (the proj addmm, whose input "
           "held NaN elsewhere): per-tensor provenance cannot tell the elements apart",

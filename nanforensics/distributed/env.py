@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -48,7 +49,10 @@ def leave(code: int, wait_for_rank_zero: bool = False, grace_s: float = 30.0) ->
 
 def exit_now(code: int) -> NoReturn:
     """End the process now: the interpreter's shutdown would first restore SIGTERM's default action, and a stop
-    from torchrun arriving then would end this rank with -15 instead of ``code``."""
+    from torchrun arriving then would end this rank with -15 instead of ``code``; one arriving during the flush
+    below is ignored (its handler would flush again, inside this flush), since the process is ending anyway."""
+    with contextlib.suppress(ValueError):  # signal.signal outside the main thread: that thread is not the one stopped
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -8,6 +8,7 @@ NCCL on GPU), replays its own rank, and leaves it; rank 0 writes the report, and
 from __future__ import annotations
 
 import shlex
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,10 @@ class Joined:
         stop ends this process with the agreed code, so every rank exits with the same one."""
         if not self.grouped:
             return code
+        # rank 0's report is written only once it has left the buffers: the other ranks exit as soon as this returns,
+        # and the stop torchrun then sends would otherwise land while rank 0 flushes it (a report cut mid-line)
+        sys.stdout.flush()
+        sys.stderr.flush()
         box = [code]
         dist.broadcast_object_list(box, src=0, group=object_group())
         agreed = int(box[0])

@@ -188,7 +188,10 @@ def decode_float(x: float | int | str) -> float:
         return float(x)
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise ValueError(f"bad number {x!r}")
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # an int no float holds: damage (the writer writes floats), said as every bad number is
+        raise ValueError("bad number: an integer beyond a float's range") from None
 
 
 def worst(values: Iterable[float | None]) -> float | None:

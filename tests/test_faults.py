@@ -600,3 +600,22 @@ def test_outputs_through_hard_links_and_the_step_summary_are_refused(tmp_path):
         check_outputs([run], {"--out": str(tmp_path / "out"), "--json": str(tmp_path / "out" / "r.json")},
                       folders=("--out",))
     check_outputs([run, saved], {"--json": str(tmp_path / "report.json"), "--markdown": "-", "--html": None})
+
+
+
+@pytest.mark.parametrize("loss", ["1" + "0" * 400, "-" + "9" * 400])
+def test_a_logged_loss_no_float_holds_is_a_bad_record(tmp_path, loss):
+    """An integer beyond a float's range where a loss is (found by the fuzzer in an incident's steps.jsonl: it reached
+    ``float()`` and the catch-all): ``decode_float``, the decoder every reader of logged numbers calls (steps,
+    micro-batch losses, meta.json's tagged floats), says a bad number, and the reader names the file and line."""
+    from nanforensics.finite import decode_float
+    from nanforensics.runs.steplog import read_steps
+
+    with pytest.raises(ValueError, match="beyond a float's range"):
+        decode_float(int(loss))
+    path = tmp_path / "steps.jsonl"
+    path.write_text(f'{{"step": 0, "loss": 0.5}}\n{{"step": 1, "loss": {loss}}}\n')
+    with pytest.raises(BadInput) as refused:
+        read_steps(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: line 2 is not a step record") and "\n" not in message, message

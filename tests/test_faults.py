@@ -619,3 +619,45 @@ def test_a_logged_loss_no_float_holds_is_a_bad_record(tmp_path, loss):
         read_steps(path)
     message = str(refused.value)
     assert message.startswith(f"{path}: line 2 is not a step record") and "\n" not in message, message
+
+
+BAD_TAGS = {"float not a number": {"$float": "bogus"}, "float of a list": {"$float": [1]},
+            "tensor by number": {"$tensor": 5}}
+TAGGED_PLACES = ("param_groups", "state_scalars", "scaler")
+
+
+@pytest.mark.parametrize("place", TAGGED_PLACES)
+@pytest.mark.parametrize("tag", sorted(BAD_TAGS))
+def test_a_tag_in_meta_json_that_does_not_decode_is_a_one_line_error(tmp_path, recorded, place, tag):
+    """meta.json's ``{"$float"}``/``{"$tensor"}`` tags have one reader (``state_from_json``), which names the file:
+    a scaler's bad ``$float`` once reached the catch-all as "ValueError: bad number" without a file."""
+    ck = tmp_path / "ck"
+    shutil.copytree(recorded / "checkpoints" / "step_00000010", ck)
+    meta = json.loads((ck / "meta.json").read_text())
+    bad = BAD_TAGS[tag]
+    if place == "param_groups":
+        meta["param_groups"][0]["lr"] = bad
+    elif place == "state_scalars":
+        meta["state_scalars"] = {meta["param_names"][0]: {"extra": [0.5, bad]}}
+    else:
+        meta["scaler"] = {"scale": bad, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                          "_growth_tracker": 0}
+    (ck / "meta.json").write_text(json.dumps(meta))
+    result = run_cli("scan", ck)
+    assert result.code == 2, (result.code, result.stdout, result.stderr)
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and "meta.json" in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_the_tag_writer_and_reader_round_trip_without_tensors(tmp_path):
+    """Hyperparameters and state scalars (no extras file): a tensor is kept as its numbers, inf and nan as tags, and a
+    tensor reference is refused where the writer never puts one."""
+    from nanforensics.runs.checkpoint import state_from_json, state_to_json
+
+    state = {"lr": torch.tensor(0.5), "betas": (0.9, 0.999), "prev_loss": math.nan, "bound": [-math.inf, 1]}
+    written = json.loads(json.dumps(state_to_json(state, None, "g"), allow_nan=False))
+    back = state_from_json(written, None, tmp_path / "meta.json")
+    assert back["lr"] == 0.5 and back["betas"] == [0.9, 0.999] and math.isnan(back["prev_loss"])
+    assert back["bound"] == [-math.inf, 1]
+    with pytest.raises(BadInput, match="meta.json: refers to a tensor where the recorder writes plain numbers"):
+        state_from_json({"x": {"$tensor": "x"}}, None, tmp_path / "meta.json")

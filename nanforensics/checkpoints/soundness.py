@@ -176,7 +176,8 @@ def _ours(source: CheckpointSource) -> _Layout | None:
         for name in group["params"]:
             own = scalars.get(str(name))
             params[prefix + str(name)] = _Param(str(name), g, dict(own) if isinstance(own, dict) else {})
-    scaler = state_from_json(meta["scaler"], lambda: TensorFile(ck.path / EXTRAS_FILE)) if "scaler" in meta else None
+    scaler = state_from_json(meta["scaler"], lambda: TensorFile(ck.path / EXTRAS_FILE), ck.path / "meta.json") \
+        if "scaler" in meta else None
     return _Layout(groups, params, True, scaler, exact_step=True)
 
 

@@ -172,12 +172,7 @@ def _scheduler_state(checkpoint: Checkpoint, meta: dict[str, Any], rank: int, si
     if not isinstance(states, list) or len(states) != size or not isinstance(states[rank], dict):
         raise BadInput(checkpoint.path / "meta.json", f"holds no LR scheduler state for each of the {size} ranks "
                                                       f"({RANK_SCHEDULERS}), which the manifest's scheduler needs")
-    return state_from_json(states[rank], lambda: _no_tensors(checkpoint))
-
-
-def _no_tensors(checkpoint: Checkpoint) -> Any:
-    raise BadInput(checkpoint.path / "meta.json", f"{RANK_SCHEDULERS} refers to a tensor; the recorder writes plain "
-                                                  "numbers there")
+    return state_from_json(states[rank], None, checkpoint.path / "meta.json")
 
 
 def _groups(wrapping: dict[str, Any], rank: int, device: torch.device) -> tuple[Any, Any]:

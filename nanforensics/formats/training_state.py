@@ -100,7 +100,7 @@ def _ours(source: CheckpointSource) -> TrainingState:
     optimizer = ck.optimizer_state(meta)
     for group, named in zip(optimizer["param_groups"], meta["param_groups"]):
         group["param_names"] = list(named["params"])
-    scheduler = state_from_json(meta["scheduler"], lambda: TensorFile(ck.path / "extras.safetensors")) \
+    scheduler = state_from_json(meta["scheduler"], lambda: TensorFile(ck.path / "extras.safetensors"), ck.path / "meta.json") \
         if "scheduler" in meta else None
     return TrainingState("nanforensics checkpoint", TensorFile(ck.model_file).load_all(), ck.model_file, optimizer,
                          ck.optimizer_file, scheduler, ck.path / "meta.json" if scheduler is not None else None,

@@ -105,34 +105,14 @@ def _unb64(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
 
 
-def _json_value(value: Any) -> Any:
-    """Hyperparameters given as tensors (a tensor lr) are stored as their numbers; inf and nan, which JSON lacks (LBFGS
-    keeps its last loss as a float: nan once the loss was), as ``{"$float": "nan"}``, read back by ``_floats``."""
-    if isinstance(value, torch.Tensor):
-        return _json_value(value.tolist())
-    if isinstance(value, (tuple, list)):
-        return [_json_value(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return {"$float": encode_float(value)}
-    return value
-
-
-def _floats(value: Any, path: Path) -> Any:
-    """The inverse of ``_json_value``'s ``{"$float": ...}``, in meta.json's groups and state scalars."""
-    if isinstance(value, dict) and value.keys() == {"$float"}:
-        try:
-            return decode_float(value["$float"])
-        except ValueError as e:
-            raise BadInput(path, f"its optimizer state holds {one_line(e)}") from None
-    if isinstance(value, dict):
-        return {k: _floats(v, path) for k, v in value.items()}
-    return [_floats(v, path) for v in value] if isinstance(value, list) else value
-
-
-def state_to_json(state: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
-    """A scaler's or scheduler's ``state_dict()`` as plain JSON, without pickle: a tensor is moved to ``tensors``
-    and referenced as ``{"$tensor": key}``; inf and nan, which JSON lacks, become ``{"$float": "inf"}``."""
+def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str) -> Any:
+    """A state as plain JSON, without pickle: the one writer of meta.json's tags. A tensor is moved to ``tensors`` and
+    referenced as ``{"$tensor": key}``, or with ``tensors`` None (hyperparameters, state scalars: a tensor lr) stored
+    as its numbers; inf and nan, which JSON lacks, become ``{"$float": "inf"}`` (LBFGS keeps its last loss as a
+    float: nan once the loss was)."""
     if isinstance(state, torch.Tensor):
+        if tensors is None:
+            return state_to_json(state.tolist(), None, path)
         tensors[path] = state
         return {"$tensor": path}
     if isinstance(state, float) and not math.isfinite(state):
@@ -146,16 +126,25 @@ def state_to_json(state: Any, tensors: dict[str, torch.Tensor], path: str) -> An
     return state
 
 
-def state_from_json(value: Any, tensors: Callable[[], TensorFile]) -> Any:
-    """The inverse of ``state_to_json``; ``tensors`` opens the extras file, only when a tensor is referenced."""
+def state_from_json(value: Any, tensors: Callable[[], TensorFile] | None, path: Path) -> Any:
+    """The inverse of ``state_to_json``: the one reader of meta.json's tags. ``tensors`` opens the
+    extras file, only when a tensor is referenced (None where the recorder writes plain numbers); a tag that does not
+    decode is an error naming ``path``."""
     if isinstance(value, dict):
         if value.keys() == {"$tensor"}:
+            if tensors is None:
+                raise BadInput(path, "refers to a tensor where the recorder writes plain numbers")
+            if not isinstance(value["$tensor"], str):
+                raise BadInput(path, "holds a tensor reference that is not a name")
             return tensors().get(value["$tensor"])
         if value.keys() == {"$float"}:
-            return decode_float(value["$float"])
-        return {k: state_from_json(v, tensors) for k, v in value.items()}
+            try:
+                return decode_float(value["$float"])
+            except ValueError as e:
+                raise BadInput(path, f"holds {one_line(e)}") from None
+        return {k: state_from_json(v, tensors, path) for k, v in value.items()}
     if isinstance(value, list):
-        return [state_from_json(v, tensors) for v in value]
+        return [state_from_json(v, tensors, path) for v in value]
     return value
 
 
@@ -181,7 +170,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             if isinstance(value, torch.Tensor):
                 tensors[f"{names[index]}/{key}"] = value
             else:
-                scalars.setdefault(names[index], {})[key] = _json_value(value)
+                scalars.setdefault(names[index], {})[key] = state_to_json(value, None, key)
     return names, tensors, scalars, sd
 
 
@@ -196,7 +185,7 @@ def state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     """meta.json's names of the state (``param_names``, ``param_groups``, ``state_scalars``, ``buffer_names``), the
     model's state dict and the optimizer's state tensors keyed ``"<name>/<key>"``."""
     names, tensors, scalars, sd = optimizer_state(model, optimizer)
-    groups = [{**{k: _json_value(v) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+    groups = [{**{k: state_to_json(v, None, k) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
               for g in sd["param_groups"]]
     model_sd = model.state_dict()
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
@@ -325,7 +314,7 @@ class Checkpoint:
             raise BadInput(path, f"not a {CHECKPOINT_FORMAT} checkpoint")
         load(CheckpointMeta, meta, path)
         for key in ("param_groups", "state_scalars"):
-            meta[key] = _floats(meta[key], path)
+            meta[key] = state_from_json(meta[key], None, path)
         return meta
 
     def optimizer_state(self, meta: dict[str, Any], params: list[torch.Tensor] | None = None) -> dict[str, Any]:
@@ -410,7 +399,8 @@ class Checkpoint:
             if key not in meta:
                 raise BadInput(self.path / "meta.json", f"holds no {key} state, but the run recorded a {key}")
             try:
-                holder.load_state_dict(state_from_json(meta[key], lambda: TensorFile(self.path / EXTRAS_FILE)))
+                holder.load_state_dict(state_from_json(meta[key], lambda: TensorFile(self.path / EXTRAS_FILE),
+                                                      self.path / "meta.json"))
             except (ValueError, KeyError, RuntimeError, TypeError) as e:
                 raise BadInput(self.path / "meta.json", f"{key} state does not fit: {e}") from None
         return meta

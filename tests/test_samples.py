@@ -39,6 +39,22 @@ def test_readme_replay_on_sample_runs(name, code, responsible, logged):
     assert tree_digest(SAMPLES) == before
 
 
+def test_the_zero_sample_bisects_and_scans_without_deepspeed():
+    """docs/deepspeed.md's commands on the shipped ZeRO-2 folder (DeepSpeed's pickles, read without DeepSpeed): the
+    first poisoned global_step and the planted coordinate, named by parameter."""
+    before = tree_digest(SAMPLES)
+    bisect = run_cli("bisect", "sample_runs/zero2", "--json", "-", cwd=ROOT)
+    scan = run_cli("scan", "sample_runs/zero2/global_step3", "--full", "--json", "-", cwd=ROOT)
+    assert tree_digest(SAMPLES) == before
+    assert bisect.code == 1 and scan.code == 1, bisect.stderr + scan.stderr
+    b = bisect.json()
+    assert (b["last_clean"]["step"], b["first_poisoned"]["step"]) == (2, 3), b
+    s = scan.json()
+    assert s["format"] == "deepspeed-zero" and s["verdict"] == "poisoned_parameters", s
+    assert [(t["name"], t["first_nonfinite"]) for t in s["tensors"] if t["nonfinite"]] == [
+        ("fc1.weight", {"index": [2, 0], "value": "nan"})], s
+
+
 def test_readme_replay_of_a_run_nobody_recorded():
     """docs/unrecorded.md's commands on the sample whose script saves plain torch.save checkpoints."""
     before = tree_digest(SAMPLES)
@@ -125,5 +141,7 @@ def test_generator_reproduces_the_shipped_runs(tmp_path):
     subprocess.run([sys.executable, str(SAMPLES / "generate.py"), "--out", str(tmp_path)], check=True,
                    capture_output=True)
     rtol = machine_rtol(SAMPLES / "clean")
-    # scripts are not generated; ddp_two_ranks comes from generate_distributed.py, checked in test_distributed.py
-    assert_same_run(SAMPLES, tmp_path, lambda rel: rel.suffix == ".py" or rel.parts[0] == "ddp_two_ranks", rtol)
+    # scripts are not generated; ddp_two_ranks comes from generate_distributed.py, checked in test_distributed.py, and
+    # zero2 from generate_zero.py, checked in test_zero.py
+    assert_same_run(SAMPLES, tmp_path, lambda rel: rel.suffix == ".py" or rel.parts[0] in ("ddp_two_ranks", "zero2"),
+                    rtol)

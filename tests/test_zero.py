@@ -115,6 +115,25 @@ def test_bisect_names_the_first_poisoned_global_step(zero_root, world, stage):
     assert report["first_poisoned_verdict"] == POISONED_PARAMETERS
 
 
+def test_the_shipped_sample_is_what_its_generator_writes(zero_root):
+    """sample_runs/zero2 is the generator's w2/s2/run (sample_runs/generate_zero.py, DeepSpeed's own scripts left out):
+    byte for byte where DeepSpeed, torch and the CPU are the ones it was made with; elsewhere what the generator
+    controls: the same tensors (name, group, dtype, shape) with NaN and inf at the same coordinates. Not their values:
+    fc1.bias feeds a BatchNorm, so its gradient is rounding noise whose sign Adam's first steps turn into +-lr."""
+    shipped, made = ROOT / "sample_runs" / "zero2", zero_root / "w2" / "s2" / "run"
+    files = sorted(p.relative_to(shipped) for p in shipped.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(made) for p in made.rglob("*") if p.is_file() and p.suffix != ".py")
+    if all((shipped / f).read_bytes() == (made / f).read_bytes() for f in files):
+        return
+    for folder in sorted(shipped.glob("global_step*")):
+        ours = {(name, group): (t.dtype, t.shape, t.isnan(), t.isinf()) for name, group, t in tensors(made / folder.name)}
+        theirs = {(name, group): (t.dtype, t.shape, t.isnan(), t.isinf()) for name, group, t in tensors(folder)}
+        assert ours.keys() == theirs.keys(), folder
+        for key, (dtype, shape, nan, inf) in theirs.items():
+            assert (dtype, shape) == ours[key][:2] and torch.equal(nan, ours[key][2]) and torch.equal(inf, ours[key][3]), \
+                (folder.name, key)
+
+
 def test_hf_trainer_checkpoint_folders_are_read_through_latest(zero_root, tmp_path):
     """The HF Trainer's ``checkpoint-N`` (``global_stepN`` named by ``latest``, beside a 16-bit ``model.safetensors``
     and ``rng_state.pth``): the ZeRO checkpoint is read, the files beside it named as not read; bisect over the output

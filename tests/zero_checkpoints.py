@@ -86,6 +86,7 @@ def _worker(rank: int, world: int, out: Path, store: str) -> None:
     import deepspeed.ops
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # every worker, spawned ones too: the same bytes whatever OMP_NUM_THREADS says
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     sys.modules[_MUON] = types.ModuleType(_MUON)  # its optimizer class, which ZeRO checks for, stands for none here
     sys.modules[_MUON].MuonWithAuxAdam = type("MuonWithAuxAdam", (), {})  # type: ignore[attr-defined]
@@ -249,5 +250,4 @@ def generate(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
     generate(Path(sys.argv[1]))

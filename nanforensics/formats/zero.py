@@ -23,6 +23,7 @@ checked against each other before any tensor is put together.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -96,9 +97,10 @@ def _kind(name: str) -> str | None:
 
 
 def model_states_file(folder: Path) -> Path:
-    """The model states file that names the parameters: the only one (stages 1, 2) or rank 0's (stage 3)."""
+    """The model states file that names the parameters: the only one (stages 1, 2) or rank 0's (stage 3; ``is_zero``
+    found one). Whatever stands at the name (a folder, a socket, a dangling link) is it, for its reader to refuse."""
     own = folder / MODEL_STATES
-    return own if own.is_file() else _rank_files(folder, "model")[0]
+    return own if os.path.lexists(own) else _rank_files(folder, "model")[0]
 
 
 def _rank_files(folder: Path, kind: str) -> list[Path]:

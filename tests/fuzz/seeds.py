@@ -1,6 +1,6 @@
 """The fuzzer's seeds: real artifacts of every layout the commands read, made by the project's own recorder (a run, a
 guarded run with an incident, a distributed run; the sample of a run nobody recorded, its checkpoints and training
-script) and converted from its checkpoints into every other format
+script; DeepSpeed's ZeRO-2 save folder, shipped as sample_runs/zero2) and converted from its checkpoints into every other format
 (``checkpoint_formats`` for torch zip files, safetensors and Hugging Face folders; torch's own writers for Lightning's
 ``.ckpt``, accelerate's ``save_state`` folder, a legacy pickle and DCP). Each layout names the tree a command examines
 and the command lines run on every mutant of it; ``{in}`` is the examined tree, ``{out}`` a folder for outputs."""
@@ -52,6 +52,7 @@ LAYOUTS = (
     Layout("unrecorded", {"replay": ("replay", "--checkpoint", "{in}/ckpts/step_000010.pt", "--code", "{in}/train.py",
                                      "--json", "{out}/r.json"),
                           "bisect": ("bisect", "{in}/ckpts", "--code", "{in}/train.py", "--json", "{out}/b.json")}),
+    Layout("zero", {"scan": ("scan", "{in}/global_step3", "--full"), "bisect": ("bisect", "{in}")}),
     Layout("report", {"report": ("report", "{in}/r.json", "--markdown", "{out}/r.md", "--html", "{out}/r.html")}),
 )
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
@@ -143,6 +144,7 @@ def build(root: Path) -> dict[str, Path]:
         _incident(out["incident"])
         shutil.copytree(ROOT / "sample_runs" / "ddp_two_ranks", out["distributed"])
         shutil.copytree(ROOT / "sample_runs" / "unrecorded", out["unrecorded"])
+        shutil.copytree(ROOT / "sample_runs" / "zero2", out["zero"])
         for fmt in ("safetensors", "hf"):
             for step in (0, 5, 10):
                 write_checkpoint(out[fmt], fmt, run, step, step)

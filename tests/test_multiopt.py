@@ -24,11 +24,14 @@ from conftest import ROOT, assert_one_line_error, run_cli
 
 @pytest.fixture(scope="module")
 def gan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The GAN recorded three ways (tests/gan.py): the huge reading with a dict of optimizers and with a list that
-    puts the discriminator's first, and the near-zero reading."""
+    """The GAN recorded five ways (tests/gan.py): the huge reading with a dict of optimizers and with a list that
+    puts the discriminator's first, and the near-zero reading; each reading again with an LR scheduler per optimizer
+    and one GradScaler for both."""
     root = tmp_path_factory.mktemp("gan")
     return {"dict": gan.record_gan(root / "dict"), "list": gan.record_gan(root / "list", as_list=True),
-            "near_zero": gan.record_gan(root / "near_zero", fault="near_zero")}
+            "near_zero": gan.record_gan(root / "near_zero", fault="near_zero"),
+            "scheduled": gan.record_gan(root / "scheduled", scheduled=True, scaler=True),
+            "near_zero_amp": gan.record_gan(root / "near_zero_amp", fault="near_zero", scheduled=True, scaler=True)}
 
 
 def _replay(run: Path, *args: str, code: int = 1) -> dict[str, Any]:
@@ -216,16 +219,64 @@ def _gan_parts() -> tuple[nn.Module, dict[str, torch.optim.Optimizer]]:
         model["discriminator"].parameters())}
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ({"scaler": torch.amp.GradScaler("cpu")}, "scaler"),
-    ({"scheduler": object(), "scheduler_factory": gan.generator_adam}, "scheduler"),
-    ({"guard": True}, "guard")])
-def test_recorder_refuses_what_several_optimizers_do_not_support(tmp_path: Path, extra: dict[str, Any],
-                                                                 needle: str) -> None:
+def test_recorder_refuses_what_several_optimizers_do_not_support(tmp_path: Path) -> None:
     model, opts = _gan_parts()
-    with pytest.raises(ValueError, match=f"{needle} is not supported with several optimizers"):
-        Recorder(tmp_path / "run", model, opts, model_factory=gan.build_gan, step_fn=gan.train_step_gan, **extra)
+    with pytest.raises(ValueError, match="guard is not supported with several optimizers"):
+        Recorder(tmp_path / "run", model, opts, model_factory=gan.build_gan, step_fn=gan.train_step_gan, guard=True)
     assert not (tmp_path / "run").exists()
+
+
+def test_recorder_refuses_schedulers_not_one_per_optimizer(tmp_path: Path) -> None:
+    """The schedulers of several optimizers come shaped like them, each with its factory, each over its own
+    optimizer: else replay would build another schedule than the loop's."""
+    model, opts = _gan_parts()
+    own = {"generator": gan.generator_steps(opts["generator"]), "discriminator": gan.discriminator_cosine(
+        opts["discriminator"])}
+    factories = {"generator": gan.generator_steps, "discriminator": gan.discriminator_cosine}
+    for schedulers, made, error, needle in (
+            (own["generator"], gan.generator_steps, TypeError, "scheduler for several optimizers must be None or shaped"),
+            (own, [gan.generator_steps, gan.discriminator_cosine], TypeError, "scheduler_factory for several"),
+            ({**own, "discriminator": None}, factories, ValueError, "optimizer discriminator: pass its scheduler and"),
+            ({"generator": own["discriminator"], "discriminator": own["generator"]}, factories, ValueError,
+             "the scheduler given for optimizer generator schedules another optimizer")):
+        with pytest.raises(error, match=needle):
+            Recorder(tmp_path / "run", model, opts, model_factory=gan.build_gan, step_fn=gan.train_step_gan_scheduled,
+                     scheduler=schedulers, scheduler_factory=made)
+    assert not (tmp_path / "run").exists()
+
+
+def test_each_optimizers_scheduler_and_a_shared_scaler_replay_bit_exact(gan_runs: Mapping[str, Path]) -> None:
+    """The GAN with a StepLR on the generator, a cosine on the discriminator and one GradScaler for both (torch's
+    pattern: ``scaler.step`` each, one ``update``): the manifest names each scheduler's factory in its optimizer's
+    entry, each checkpoint holds both schedules by optimizer; replayed from the first step, every checkpoint matches
+    bit for bit (a schedule not restored, or restored onto the other optimizer, changes the Adam updates) and the
+    huge reading is found where it was, under the scaler too."""
+    run = gan_runs["scheduled"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert "scheduler" not in manifest and manifest["scaler"] == {"enabled": True}
+    assert [m.get("scheduler") for m in manifest["optimizers"]["members"]] == [
+        {"factory": "gan:generator_steps"}, {"factory": "gan:discriminator_cosine"}]
+    meta = json.loads((run / "checkpoints" / "step_00000004" / "meta.json").read_text())
+    assert meta["scheduler"]["generator"]["step_size"] == 3 and meta["scheduler"]["discriminator"]["T_max"] == gan.STEPS
+    report = _replay(run, "--from-step", "0")
+    assert report["reproduced"] is True and report["responsible_step"] == gan.FAULT_STEP
+    assert [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [(4, True), (8, True)]
+    origin = report["origin"]
+    assert (origin["stage"], origin["tensor"], origin["state_key"], origin["optimizer"]) == (
+        "optimizer_state", "discriminator.0.weight", "exp_avg_sq", "discriminator")
+
+
+def test_a_shared_scaler_catches_the_overflow_of_one_optimizer_while_the_other_steps(gan_runs: Mapping[str, Path]) -> None:
+    """The near-zero reading under the shared scaler: the discriminator's gradient is inf, so ``scaler.step`` skips
+    the discriminator's update while the generator's, finite, steps, and ``update`` backs off. Nothing non-finite
+    outlives the step: the scaler caught it (a skip of one optimizer of several is a skip), and the run is clean."""
+    report = _replay(gan_runs["near_zero_amp"], "--from-step", "0", code=0)
+    assert report["verdict"] == "clean" and report["origin"] is None and report["reproduced"] is True
+    assert all(c["exact"] for c in report["checkpoints_compared"])
+    steps = {s["step"]: s for s in report["amp"]["steps"]}
+    assert [s for s, v in steps.items() if v["skipped"]] == [gan.FAULT_STEP] and steps[gan.FAULT_STEP]["caught"]
+    assert steps[gan.FAULT_STEP]["next_scale"] == steps[gan.FAULT_STEP]["scale"] / 2
+    assert [e["step"] for e in report["amp"]["caught"]] == [gan.FAULT_STEP]
 
 
 def test_recorder_refuses_a_parameter_in_two_optimizers_and_misshaped_factories(tmp_path: Path) -> None:
@@ -244,7 +295,9 @@ def test_recorder_refuses_a_parameter_in_two_optimizers_and_misshaped_factories(
 
 
 @pytest.mark.parametrize("damage, needle", [
-    (lambda m: m.update(scheduler={"factory": "gan:generator_adam"}), "scheduler is not supported with several"),
+    (lambda m: m.update(scheduler={"factory": "gan:generator_steps"}), "scheduler beside optimizers"),
+    (lambda m: m["optimizers"]["members"][0].update(scheduler={"factory": 3}),
+     "optimizers.members.0.scheduler.factory 3 is not an import string"),
     (lambda m: m.update(distributed={"world_size": 2}), "distributed is not supported with several"),
     (lambda m: m["optimizers"]["members"][1].update(name="generator"), "are not distinct non-empty names"),
     (lambda m: m["optimizers"].update(given="set"), "optimizers.given 'set' is not one of"),

@@ -16,9 +16,13 @@ from torch.utils.hooks import RemovableHandle
 
 GIVEN = ("list", "tuple", "dict")  # the container the loop passed, and the step function gets again
 
-# What a run of several optimizers may not be recorded with (docs/recording.md, "Several optimizers"): refused when the
-# Recorder is built and when a manifest that names them is read, before anything runs.
-UNSUPPORTED = ("guard", "distributed")
+# What a run of several optimizers may not be recorded with (docs/recording.md, "Several optimizers"), and why: refused
+# when the Recorder is built and when a manifest that names them is read, before anything runs.
+UNSUPPORTED = {
+    "guard": "its skip leaves a whole step unwritten, but of several optimizers stepping in turn (a GAN's) the first "
+             "has written its update before the next one's gradients exist",
+    "distributed": "their ranks' state is not recorded yet",
+}
 
 
 class _Handles:
@@ -253,4 +257,5 @@ def unsupported(features: Iterable[str]) -> str | None:
     """Why a run of several optimizers cannot have ``features`` (the first of them ``UNSUPPORTED`` holds); None when
     it can. The one statement of the limit, for the recorder's error and the reader's."""
     refused = [f for f in features if f in UNSUPPORTED]
-    return f"{refused[0]} is not supported with several optimizers (docs/recording.md, Several optimizers)" if refused else None
+    return f"{refused[0]} is not supported with several optimizers: {UNSUPPORTED[refused[0]]} (docs/recording.md, " \
+           "Several optimizers)" if refused else None

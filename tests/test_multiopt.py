@@ -398,3 +398,34 @@ def test_the_origin_is_the_pass_that_made_it_on_generated_steps(seed: int) -> No
         assert (origin.stage, origin.tensor.split(".")[0], origin.optimizer) == ("param", f"l{k}", names[k]), (
             locate, [(e.stage, e.tensor) for e in events])
         assert any(e.stage == "forward" for e in events)  # the later passes did run through it
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_loss_made_before_the_first_update_is_the_origin_on_generated_steps(seed: int) -> None:
+    """Generated steps of 2-4 optimizers, each owning one layer of a chain, stepping in turn after one backward (the
+    oracle's programs of two). The loss overflows outside any module (``exp`` of a finite output): it is inf, and
+    every gradient and update after it non-finite. The loss was computed in the first pass, before any gradient,
+    and is the origin in locate and detect mode, though the monitor reads it at the step's end, after every
+    optimizer stepped: it ranks in the pass the model last ran forward in (oracle seed 60099)."""
+    from nanforensics.replay.monitor import StepMonitor
+
+    for locate in (True, False):
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        n = rng.randint(2, 4)
+        model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(n)])
+        members = [rng.choice(_RATES)(model[i].parameters(), 1e-2) for i in range(n)]
+        opts = optimizer_set(members)
+        x = torch.randn(5, 3)
+        with StepMonitor(model, opts) as monitor:
+            monitor.begin(0, x, locate)
+            opts.zero_grad()
+            loss = torch.exp(model(x).abs() + 100).mean()  # exp(100) and more: past float32's largest
+            loss.backward()
+            for member in members:
+                member.step()
+            events = monitor.end(loss)
+        assert not [e for e in events if e.stage == "forward"]
+        assert (events[0].stage, events[0].value if locate else "inf") == ("loss", "inf"), (
+            locate, [(e.stage, e.tensor) for e in events])
+        assert [e.stage for e in events][1] == "grad"

@@ -78,6 +78,9 @@ class StepMonitor:
         # ordered by the pass they arose in before their stage. ``_updated``: what a pass checked, (tensor, version).
         self._owners = {self._name(p): o for p, o in owners(optimizer).items()}
         self._passes = 0
+        # the pass the model last ran forward in: the returned loss, checked at the step's end, was computed from its
+        # outputs, in that pass (a loss made before the first optimizer's step() ranks before that pass's gradients)
+        self._forward_pass = 0
         self._pass_of: dict[tuple[str, str | None], int] = {}
         self._updated: dict[tuple[torch.Tensor, str | None], tuple[torch.Tensor, int]] = {}
         self._handles: list[Any] = []
@@ -116,6 +119,7 @@ class StepMonitor:
 
     def _forward_hook(self, name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self._forward_pass = self._passes
             if isinstance(output, torch.Tensor):  # the common case, without flattening
                 self.check("forward", name, output)
                 return
@@ -172,7 +176,7 @@ class StepMonitor:
         self._pending.clear()
         self._grad_seen.clear()
         self._rewritten = 0
-        self._passes = 0
+        self._passes = self._forward_pass = 0
         self._pass_of.clear()
         self._updated.clear()
         self._grad_max.clear()
@@ -272,7 +276,7 @@ class StepMonitor:
                                                order=order or self._checks.get(stage, 0), nan_elements=nans,
                                                optimizer=self._owners.get(name) if stage in PARAM_STAGES else None)
             if self._owners:
-                self._pass_of[(stage, key)] = self._passes
+                self._pass_of[(stage, key)] = self._forward_pass if stage == "loss" else self._passes
         else:
             event.tensors_nonfinite += 1
             event.elements_nonfinite += elements

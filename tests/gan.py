@@ -77,10 +77,16 @@ def train_step_gan(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer
     return _step(model, optimizers["generator"], optimizers["discriminator"], batch)
 
 
-def train_step_gan_list(model: nn.Module, optimizers: list[torch.optim.Optimizer], batch: dict[str, Any]) -> torch.Tensor:
-    """Recorded with ``optimizer=[d_opt, g_opt]``: the discriminator's is optimizer 0."""
+def train_step_gan_list(model: nn.Module, optimizers: list[torch.optim.Optimizer], batch: dict[str, Any], *,
+                        scheduler: list[Any] | None = None) -> torch.Tensor:
+    """Recorded with ``optimizer=[d_opt, g_opt]``: the discriminator's is optimizer 0; ``scheduler``, where given, a
+    list as long, None for an optimizer without one."""
     d_opt, g_opt = optimizers
-    return _step(model, g_opt, d_opt, batch)
+    loss = _step(model, g_opt, d_opt, batch)
+    for s in scheduler or []:
+        if s is not None:
+            s.step()
+    return loss
 
 
 def train_step_gan_scheduled(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], batch: dict[str, Any], *,
@@ -124,8 +130,8 @@ def generator_adam(model: nn.Module) -> torch.optim.Optimizer:
 def record_gan(run_dir: Path, *, fault: str = "huge", as_list: bool = False, steps: int = STEPS,
                scheduled: bool = False, scaler: bool = False) -> Path:
     """Record the GAN: as a dict of two optimizers (the generator's by a factory, the discriminator's by its class
-    and recorded groups), or as a list ``[d_opt, g_opt]`` rebuilt from their classes. ``scheduled``: the dict, each
-    optimizer with its own LR scheduler; ``scaler``: and one GradScaler shared by both."""
+    and recorded groups), or as a list ``[d_opt, g_opt]`` rebuilt from their classes. ``scheduled``: each optimizer
+    with its own LR scheduler (in the list, the generator's alone); ``scaler``: one GradScaler shared by both."""
     model_kwargs = {"log_input": fault == "near_zero"}
     model = build_gan(**model_kwargs)
     g_opt, d_opt = generator_adam(model), _adam(model["discriminator"])
@@ -136,7 +142,10 @@ def record_gan(run_dir: Path, *, fault: str = "huge", as_list: bool = False, ste
     else:
         optimizers = {"generator": g_opt, "discriminator": d_opt}
         kwargs = {"step_fn": train_step_gan, "optimizer_factory": {"generator": generator_adam, "discriminator": None}}
-    if scheduled:
+    if scheduled and as_list:  # the generator's schedule alone
+        step_kw["scheduler"] = [None, generator_steps(g_opt)]
+        kwargs["scheduler_factory"] = [None, generator_steps]
+    elif scheduled:
         factories = {"generator": generator_steps, "discriminator": discriminator_cosine}
         step_kw["scheduler"] = {name: factories[name](opt) for name, opt in optimizers.items()}
         kwargs.update(step_fn=train_step_gan_scheduled, scheduler_factory=factories)

@@ -24,14 +24,15 @@ from conftest import ROOT, assert_one_line_error, run_cli
 
 @pytest.fixture(scope="module")
 def gan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The GAN recorded five ways (tests/gan.py): the huge reading with a dict of optimizers and with a list that
+    """The GAN recorded six ways (tests/gan.py): the huge reading with a dict of optimizers and with a list that
     puts the discriminator's first, and the near-zero reading; each reading again with an LR scheduler per optimizer
-    and one GradScaler for both."""
+    and one GradScaler for both; and the list with the generator's scheduler alone."""
     root = tmp_path_factory.mktemp("gan")
     return {"dict": gan.record_gan(root / "dict"), "list": gan.record_gan(root / "list", as_list=True),
             "near_zero": gan.record_gan(root / "near_zero", fault="near_zero"),
             "scheduled": gan.record_gan(root / "scheduled", scheduled=True, scaler=True),
-            "near_zero_amp": gan.record_gan(root / "near_zero_amp", fault="near_zero", scheduled=True, scaler=True)}
+            "near_zero_amp": gan.record_gan(root / "near_zero_amp", fault="near_zero", scheduled=True, scaler=True),
+            "list_scheduled": gan.record_gan(root / "list_scheduled", as_list=True, scheduled=True)}
 
 
 def _replay(run: Path, *args: str, code: int = 1) -> dict[str, Any]:
@@ -264,6 +265,20 @@ def test_each_optimizers_scheduler_and_a_shared_scaler_replay_bit_exact(gan_runs
     origin = report["origin"]
     assert (origin["stage"], origin["tensor"], origin["state_key"], origin["optimizer"]) == (
         "optimizer_state", "discriminator.0.weight", "exp_avg_sq", "discriminator")
+
+
+def test_a_scheduler_for_one_optimizer_of_a_list(gan_runs: Mapping[str, Path]) -> None:
+    """``scheduler=[None, StepLR(g_opt)]`` beside ``optimizer=[d_opt, g_opt]``: the manifest names a scheduler for
+    optimizer 1 alone, the checkpoints hold its schedule alone, and replay gives the step function the list as the
+    loop did (None first): bit-exact from the first step, the generator's rate halved every three steps."""
+    run = gan_runs["list_scheduled"]
+    members = json.loads((run / "manifest.json").read_text())["optimizers"]["members"]
+    assert [m.get("scheduler") for m in members] == [None, {"factory": "gan:generator_steps"}]
+    meta = json.loads((run / "checkpoints" / "step_00000008" / "meta.json").read_text())
+    assert list(meta["scheduler"]) == ["1"] and meta["scheduler"]["1"]["_last_lr"] == [1e-3 * 0.5 ** 2]
+    report = _replay(run, "--from-step", "0")
+    assert report["reproduced"] is True and report["responsible_step"] == gan.FAULT_STEP
+    assert [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [(4, True), (8, True)]
 
 
 def test_a_shared_scaler_catches_the_overflow_of_one_optimizer_while_the_other_steps(gan_runs: Mapping[str, Path]) -> None:

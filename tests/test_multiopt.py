@@ -376,6 +376,9 @@ def test_each_update_is_checked_once(locate: bool, fault: str | None) -> None:
         assert params[0].elements_nonfinite == 4 and params[0].tensors_nonfinite == 1
 
 
+# (locate, defer): locate mode; detect mode reading each verdict at once (the CPU's); detect mode deferring them to the
+# step's end (a GPU's, exercised on the CPU)
+_MODES = [(True, None), (False, None), (False, True)]
 _RATES = [lambda ps, lr: torch.optim.SGD(ps, lr=lr), lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9),
           lambda ps, lr: torch.optim.Adam(ps, lr=lr), lambda ps, lr: torch.optim.RMSprop(ps, lr=lr)]
 
@@ -384,11 +387,12 @@ _RATES = [lambda ps, lr: torch.optim.SGD(ps, lr=lr), lambda ps, lr: torch.optim.
 def test_the_origin_is_the_pass_that_made_it_on_generated_steps(seed: int) -> None:
     """Generated steps of 2-4 optimizers, each owning one layer of a chain; every pass runs the whole chain forward
     and backward and steps one optimizer. Optimizer ``k``'s learning rate is inf: its own update makes its layer
-    non-finite, and every later pass runs forward through it. The origin, in locate and in detect mode, is that
-    layer's update (stage ``param``, optimizer ``k``), never a later pass's forward, which ranks first by stage."""
+    non-finite, and every later pass runs forward through it. The origin, in locate and in detect mode (its verdicts
+    read at once, or deferred to the step's end as on a GPU), is that layer's update (stage ``param``, optimizer
+    ``k``), never a later pass's forward, which ranks first by stage."""
     from nanforensics.replay.monitor import StepMonitor
 
-    for locate in (True, False):
+    for locate, defer in _MODES:
         rng = random.Random(seed)  # the same step for each mode, from scratch
         torch.manual_seed(seed)
         n = rng.randint(2, 4)
@@ -398,7 +402,7 @@ def test_the_origin_is_the_pass_that_made_it_on_generated_steps(seed: int) -> No
         names = [f"net{i}" for i in range(n)] if rng.random() < 0.5 else [str(i) for i in range(n)]
         opts = optimizer_set(dict(zip(names, members)) if names[0] == "net0" else members)
         x = torch.randn(5, 3)
-        with StepMonitor(model, opts) as monitor:
+        with StepMonitor(model, opts, defer=defer) as monitor:
             monitor.begin(0, x, locate)
             for member in members:
                 member.zero_grad()
@@ -420,11 +424,11 @@ def test_a_loss_made_before_the_first_update_is_the_origin_on_generated_steps(se
     """Generated steps of 2-4 optimizers, each owning one layer of a chain, stepping in turn after one backward (the
     oracle's programs of two). The loss overflows outside any module (``exp`` of a finite output): it is inf, and
     every gradient and update after it non-finite. The loss was computed in the first pass, before any gradient,
-    and is the origin in locate and detect mode, though the monitor reads it at the step's end, after every
+    and is the origin in locate and detect mode (each way), though the monitor reads it at the step's end, after every
     optimizer stepped: it ranks in the pass the model last ran forward in (oracle seed 60099)."""
     from nanforensics.replay.monitor import StepMonitor
 
-    for locate in (True, False):
+    for locate, defer in _MODES:
         rng = random.Random(seed)
         torch.manual_seed(seed)
         n = rng.randint(2, 4)
@@ -432,7 +436,7 @@ def test_a_loss_made_before_the_first_update_is_the_origin_on_generated_steps(se
         members = [rng.choice(_RATES)(model[i].parameters(), 1e-2) for i in range(n)]
         opts = optimizer_set(members)
         x = torch.randn(5, 3)
-        with StepMonitor(model, opts) as monitor:
+        with StepMonitor(model, opts, defer=defer) as monitor:
             monitor.begin(0, x, locate)
             opts.zero_grad()
             loss = torch.exp(model(x).abs() + 100).mean()  # exp(100) and more: past float32's largest

@@ -327,6 +327,19 @@ def test_a_damaged_manifest_of_several_optimizers_is_one_line(gan_runs: Mapping[
     assert_one_line_error(run_cli("replay", run), "manifest.json", needle)
 
 
+def test_a_checkpoint_without_each_optimizers_schedule_is_one_line(gan_runs: Mapping[str, Path], tmp_path: Path) -> None:
+    """A checkpoint whose ``scheduler`` lacks one optimizer's schedule cannot restore the run's schedulers: refused in
+    one line naming meta.json and the optimizers each side holds, before any step."""
+    run = tmp_path / "run"
+    shutil.copytree(gan_runs["scheduled"], run)
+    for meta_file in (run / "checkpoints").glob("*/meta.json"):
+        meta = json.loads(meta_file.read_text())
+        del meta["scheduler"]["discriminator"]
+        meta_file.write_text(json.dumps(meta))
+    assert_one_line_error(run_cli("replay", run, "--from-step", "0"), "meta.json", "scheduler state does not fit",
+                          "schedulers of optimizers ['generator'], the run's are ['discriminator', 'generator']")
+
+
 def test_a_checkpoint_of_other_optimizers_is_one_line(gan_runs: Mapping[str, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(gan_runs["dict"], run)

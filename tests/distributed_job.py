@@ -105,6 +105,8 @@ class Job(NamedTuple):
     spike: bool = False  # the defect is a glitch reading (1e13): a finite gradient whose square overflows
     unlabelled: bool = False  # the decoder, and every label of rank 1's shard at DEFECT_STEP ignored: a NaN loss only
     compiled: str = ""  # "before": torch.compile, then the wrapper; "after": the wrapper, then torch.compile
+    matrices: bool = False  # the optimizer holds the 2-d parameters only, as Muon does: the gains and biases
+    # require grad, and their gradients, never zeroed, carry over from step to step
 
 
 RUNS: dict[str, Job] = {
@@ -122,6 +124,7 @@ RUNS: dict[str, Job] = {
     "ddp_compile_wrapped": Job("ddp", scenarios.train_step, True, compiled="after"),
     "fsdp2_compiled": Job("fsdp2", scenarios.train_step, True, compiled="before"),
     "fsdp2_compile_wrapped": Job("fsdp2", scenarios.train_step, True, compiled="after"),
+    "fsdp2_loose": Job("fsdp2", scenarios.train_step, True, matrices=True),  # the gain's inf gradient never stepped
     "fsdp2_killed": Job("fsdp2", scenarios.train_step, False),  # rank 1 dies writing checkpoint KILLED_AT: run it last
 }
 KILLED_AT = 6
@@ -165,7 +168,7 @@ def wrap(model: nn.Module, how: str, compiled: str = "") -> nn.Module:
 
 def record(out: Path, name: str, code: str | None = None, device: torch.device = torch.device("cpu")) -> list[float]:
     """Train run ``name`` on this rank under the recorder; returns this rank's logged losses."""
-    how, step_fn, defect, flaky, kwargs, decoder, spike, unlabelled, compiled = RUNS[name]
+    how, step_fn, defect, flaky, kwargs, decoder, spike, unlabelled, compiled, matrices = RUNS[name]
     named = lambda fn: fn if code is None or fn.__module__ != "scenarios" else f"{code}:{fn.__qualname__}"  # noqa: E731
     size, at = STEPS * SHARD * WORLD, defect_index() if defect else None
     ignored = [defect_index(position=i) for i in range(SHARD)] if unlabelled else None  # rank 1's shard at step 4
@@ -173,7 +176,7 @@ def record(out: Path, name: str, code: str | None = None, device: torch.device =
     loader = DataLoader(data, batch_size=SHARD, sampler=DistributedSampler(data, shuffle=False))
     factory = scenarios.build_decoder if decoder else scenarios.build_model
     model = wrap(factory(**kwargs).to(device), how, compiled)
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.ndim == 2 or not matrices])
     losses = []
     if name == "fsdp2_killed" and dist.get_rank() == BAD_RANK:
         die_writing(f"step_{KILLED_AT:08d}")

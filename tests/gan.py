@@ -49,21 +49,26 @@ def build_gan(log_input: bool = False) -> nn.Module:
 
 
 def _step(model: nn.Module, g_opt: torch.optim.Optimizer, d_opt: torch.optim.Optimizer,
-          batch: dict[str, Any]) -> torch.Tensor:
-    """The discriminator's update, then the generator's, as a GAN loop makes them."""
+          batch: dict[str, Any], scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+    """The discriminator's update, then the generator's, as a GAN loop makes them; under one ``scaler`` shared by
+    both, torch's pattern for several optimizers: each steps through ``scaler.step``, one ``scaler.update()`` after."""
     g, d = model["generator"], model["discriminator"]
+    scaled = scaler.scale if scaler is not None else (lambda loss: loss)
+    stepped = scaler.step if scaler is not None else (lambda opt: opt.step())
     fake = g(batch["noise"])
     d_opt.zero_grad(set_to_none=True)
     real_logits, fake_logits = d(batch["real"]), d(fake.detach())
     d_loss = (F.binary_cross_entropy_with_logits(real_logits, torch.ones_like(real_logits))
               + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits)))
-    d_loss.backward()
-    d_opt.step()
+    scaled(d_loss).backward()
+    stepped(d_opt)
     g_opt.zero_grad(set_to_none=True)
     logits = d(fake)
     g_loss = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
-    g_loss.backward()
-    g_opt.step()
+    scaled(g_loss).backward()
+    stepped(g_opt)
+    if scaler is not None:
+        scaler.update()
     return d_loss.detach() + g_loss.detach()
 
 
@@ -72,10 +77,36 @@ def train_step_gan(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer
     return _step(model, optimizers["generator"], optimizers["discriminator"], batch)
 
 
-def train_step_gan_list(model: nn.Module, optimizers: list[torch.optim.Optimizer], batch: dict[str, Any]) -> torch.Tensor:
-    """Recorded with ``optimizer=[d_opt, g_opt]``: the discriminator's is optimizer 0."""
+def train_step_gan_list(model: nn.Module, optimizers: list[torch.optim.Optimizer], batch: dict[str, Any], *,
+                        scheduler: list[Any] | None = None) -> torch.Tensor:
+    """Recorded with ``optimizer=[d_opt, g_opt]``: the discriminator's is optimizer 0; ``scheduler``, where given, a
+    list as long, None for an optimizer without one."""
     d_opt, g_opt = optimizers
-    return _step(model, g_opt, d_opt, batch)
+    loss = _step(model, g_opt, d_opt, batch)
+    for s in scheduler or []:
+        if s is not None:
+            s.step()
+    return loss
+
+
+def train_step_gan_scheduled(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], batch: dict[str, Any], *,
+                             scheduler: dict[str, Any], scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+    """Recorded with an LR scheduler per optimizer (``scheduler={"generator": ..., "discriminator": ...}``) and
+    optionally one GradScaler shared by both: replay passes them as given."""
+    loss = _step(model, optimizers["generator"], optimizers["discriminator"], batch, scaler)
+    for name in ("generator", "discriminator"):
+        scheduler[name].step()
+    return loss
+
+
+def generator_steps(optimizer: torch.optim.Optimizer) -> Any:
+    """The generator's schedule: its rate halved every 3 steps."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def discriminator_cosine(optimizer: torch.optim.Optimizer) -> Any:
+    """The discriminator's schedule: a cosine over the run."""
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
 
 
 def gan_batch(step: int, fault: str) -> dict[str, Any]:
@@ -96,22 +127,34 @@ def generator_adam(model: nn.Module) -> torch.optim.Optimizer:
     return _adam(model["generator"])
 
 
-def record_gan(run_dir: Path, *, fault: str = "huge", as_list: bool = False, steps: int = STEPS) -> Path:
+def record_gan(run_dir: Path, *, fault: str = "huge", as_list: bool = False, steps: int = STEPS,
+               scheduled: bool = False, scaler: bool = False) -> Path:
     """Record the GAN: as a dict of two optimizers (the generator's by a factory, the discriminator's by its class
-    and recorded groups), or as a list ``[d_opt, g_opt]`` rebuilt from their classes."""
+    and recorded groups), or as a list ``[d_opt, g_opt]`` rebuilt from their classes. ``scheduled``: each optimizer
+    with its own LR scheduler (in the list, the generator's alone); ``scaler``: one GradScaler shared by both."""
     model_kwargs = {"log_input": fault == "near_zero"}
     model = build_gan(**model_kwargs)
     g_opt, d_opt = generator_adam(model), _adam(model["discriminator"])
+    step_kw: dict[str, Any] = {}
     if as_list:
         optimizers: Any = [d_opt, g_opt]
         kwargs: dict[str, Any] = {"step_fn": train_step_gan_list}
     else:
         optimizers = {"generator": g_opt, "discriminator": d_opt}
         kwargs = {"step_fn": train_step_gan, "optimizer_factory": {"generator": generator_adam, "discriminator": None}}
+    if scheduled and as_list:  # the generator's schedule alone
+        step_kw["scheduler"] = [None, generator_steps(g_opt)]
+        kwargs["scheduler_factory"] = [None, generator_steps]
+    elif scheduled:
+        factories = {"generator": generator_steps, "discriminator": discriminator_cosine}
+        step_kw["scheduler"] = {name: factories[name](opt) for name, opt in optimizers.items()}
+        kwargs.update(step_fn=train_step_gan_scheduled, scheduler_factory=factories)
+    if scaler:
+        step_kw["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
     with Recorder(run_dir, model, optimizers, model_factory=build_gan, model_kwargs=model_kwargs, checkpoint_every=EVERY,
-                  **kwargs) as rec:
+                  **kwargs, **step_kw) as rec:
         for step in range(steps):
             batch = gan_batch(step, fault)
-            loss = kwargs["step_fn"](model, optimizers, batch)
+            loss = kwargs["step_fn"](model, optimizers, batch, **step_kw)
             rec.log(step, batch, loss)
     return run_dir

@@ -37,7 +37,7 @@ from test_samples import SAMPLES, assert_same_run, machine_rtol
 
 COMPILED = ["ddp_compiled", "ddp_compile_wrapped", "fsdp2_compiled", "fsdp2_compile_wrapped"]
 RECORDED = ["ddp", "fsdp2", "ddp_accumulate", "ddp_batchnorm", "ddp_decoder", "ddp_state_overflow", "ddp_loss_only",
-            "ddp_flaky", "fsdp2_flaky", *COMPILED, "fsdp2_killed"]  # killed last: it ends the job
+            "ddp_flaky", "fsdp2_flaky", *COMPILED, "fsdp2_loose", "fsdp2_killed"]  # killed last: it ends the job
 DEFECT_ID = f"sample-{job.defect_index():05d}"
 SAMPLE = SAMPLES / "ddp_two_ranks"
 
@@ -122,7 +122,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 # replayed under torchrun by one launch (the sample: the shipped one; one compiled run of each order, of each wrapper)
-AT_WORLD_SIZE = ["ddp", "fsdp2", "sample", "ddp_compile_wrapped", "fsdp2_compiled"]
+AT_WORLD_SIZE = ["ddp", "fsdp2", "sample", "ddp_compile_wrapped", "fsdp2_compiled", "fsdp2_loose"]
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +330,33 @@ def test_torchrun_replay_at_world_size(runs, torchrun_replays, name):
     assert ranks.stdout.count("NON-FINITE") == 1  # rank 0 alone renders the report
     check_attribution(json.loads(out.read_text()), name, "torchrun")
     assert tree_digest(runs[name]) == before
+
+
+def test_a_gradient_no_optimizer_holds_is_kept_whole_and_put_back_on_every_rank(runs, torchrun_replays):
+    """FSDP2 with an optimizer over the 2-d parameters only, as Muon's: the gains and biases require grad, their
+    gradients are never zeroed, and at step 4 rank 1's shard makes ``features.gain``'s inf for good while every
+    logged loss stays finite. Each checkpoint keeps those gradients whole, gathered from the ranks' shards, so
+    checkpoint 6 is no clean start: the replay, emulated and at world size (each rank given its shard of them), starts
+    at checkpoint 3 and names step 4. A checkpoint without them (before) started the replay at 6, and it was clean."""
+    from nanforensics.runs.checkpoint import Checkpoint
+
+    folder = runs["fsdp2_loose"] / "checkpoints"
+    for step in (3, 6):
+        checkpoint = Checkpoint(folder / f"step_{step:08d}", step)
+        grads = checkpoint.loose_grads(checkpoint.meta())
+        assert sorted(grads) == ["fc1.bias", "fc2.bias", "features.gain", "head.bias"]
+        assert tuple(grads["features.gain"].shape) == (scenarios.N_FEATURES,)  # whole, not rank 0's shard
+        bad = [i for i, ok in enumerate(torch.isfinite(grads["features.gain"]).tolist()) if not ok]
+        assert bad == ([scenarios.DEFECT_FEATURE] if step > job.DEFECT_STEP else [])
+    _, out, before = torchrun_replays["fsdp2_loose"]
+    for how, report in (("emulated", replayed(runs["fsdp2_loose"])), ("torchrun", json.loads(out.read_text()))):
+        origin = report["origin"]
+        assert (report["setup"]["first_step"], report["setup"]["ranks_replayed"]) == (job.EVERY, how)
+        assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["value"], origin["rank"]) == (
+            job.DEFECT_STEP, "grad", "features.gain", [scenarios.DEFECT_FEATURE], "inf", job.BAD_RANK), how
+        assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
+            (2 * job.EVERY, True)], how
+    assert tree_digest(runs["fsdp2_loose"]) == before
 
 
 @pytest.mark.parametrize("name", COMPILED)

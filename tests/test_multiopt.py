@@ -24,11 +24,15 @@ from conftest import ROOT, assert_one_line_error, run_cli
 
 @pytest.fixture(scope="module")
 def gan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The GAN recorded three ways (tests/gan.py): the huge reading with a dict of optimizers and with a list that
-    puts the discriminator's first, and the near-zero reading."""
+    """The GAN recorded six ways (tests/gan.py): the huge reading with a dict of optimizers and with a list that
+    puts the discriminator's first, and the near-zero reading; each reading again with an LR scheduler per optimizer
+    and one GradScaler for both; and the list with the generator's scheduler alone."""
     root = tmp_path_factory.mktemp("gan")
     return {"dict": gan.record_gan(root / "dict"), "list": gan.record_gan(root / "list", as_list=True),
-            "near_zero": gan.record_gan(root / "near_zero", fault="near_zero")}
+            "near_zero": gan.record_gan(root / "near_zero", fault="near_zero"),
+            "scheduled": gan.record_gan(root / "scheduled", scheduled=True, scaler=True),
+            "near_zero_amp": gan.record_gan(root / "near_zero_amp", fault="near_zero", scheduled=True, scaler=True),
+            "list_scheduled": gan.record_gan(root / "list_scheduled", as_list=True, scheduled=True)}
 
 
 def _replay(run: Path, *args: str, code: int = 1) -> dict[str, Any]:
@@ -216,16 +220,78 @@ def _gan_parts() -> tuple[nn.Module, dict[str, torch.optim.Optimizer]]:
         model["discriminator"].parameters())}
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ({"scaler": torch.amp.GradScaler("cpu")}, "scaler"),
-    ({"scheduler": object(), "scheduler_factory": gan.generator_adam}, "scheduler"),
-    ({"guard": True}, "guard")])
-def test_recorder_refuses_what_several_optimizers_do_not_support(tmp_path: Path, extra: dict[str, Any],
-                                                                 needle: str) -> None:
+def test_recorder_refuses_what_several_optimizers_do_not_support(tmp_path: Path) -> None:
     model, opts = _gan_parts()
-    with pytest.raises(ValueError, match=f"{needle} is not supported with several optimizers"):
-        Recorder(tmp_path / "run", model, opts, model_factory=gan.build_gan, step_fn=gan.train_step_gan, **extra)
+    with pytest.raises(ValueError, match="guard is not supported with several optimizers"):
+        Recorder(tmp_path / "run", model, opts, model_factory=gan.build_gan, step_fn=gan.train_step_gan, guard=True)
     assert not (tmp_path / "run").exists()
+
+
+def test_recorder_refuses_schedulers_not_one_per_optimizer(tmp_path: Path) -> None:
+    """The schedulers of several optimizers come shaped like them, each with its factory, each over its own
+    optimizer: else replay would build another schedule than the loop's."""
+    model, opts = _gan_parts()
+    own = {"generator": gan.generator_steps(opts["generator"]), "discriminator": gan.discriminator_cosine(
+        opts["discriminator"])}
+    factories = {"generator": gan.generator_steps, "discriminator": gan.discriminator_cosine}
+    for schedulers, made, error, needle in (
+            (own["generator"], gan.generator_steps, TypeError, "scheduler for several optimizers must be None or shaped"),
+            (own, [gan.generator_steps, gan.discriminator_cosine], TypeError, "scheduler_factory for several"),
+            ({**own, "discriminator": None}, factories, ValueError, "optimizer discriminator: pass its scheduler and"),
+            ({"generator": own["discriminator"], "discriminator": own["generator"]}, factories, ValueError,
+             "the scheduler given for optimizer generator schedules another optimizer")):
+        with pytest.raises(error, match=needle):
+            Recorder(tmp_path / "run", model, opts, model_factory=gan.build_gan, step_fn=gan.train_step_gan_scheduled,
+                     scheduler=schedulers, scheduler_factory=made)
+    assert not (tmp_path / "run").exists()
+
+
+def test_each_optimizers_scheduler_and_a_shared_scaler_replay_bit_exact(gan_runs: Mapping[str, Path]) -> None:
+    """The GAN with a StepLR on the generator, a cosine on the discriminator and one GradScaler for both (torch's
+    pattern: ``scaler.step`` each, one ``update``): the manifest names each scheduler's factory in its optimizer's
+    entry, each checkpoint holds both schedules by optimizer; replayed from the first step, every checkpoint matches
+    bit for bit (a schedule not restored, or restored onto the other optimizer, changes the Adam updates) and the
+    huge reading is found where it was, under the scaler too."""
+    run = gan_runs["scheduled"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert "scheduler" not in manifest and manifest["scaler"] == {"enabled": True}
+    assert [m.get("scheduler") for m in manifest["optimizers"]["members"]] == [
+        {"factory": "gan:generator_steps"}, {"factory": "gan:discriminator_cosine"}]
+    meta = json.loads((run / "checkpoints" / "step_00000004" / "meta.json").read_text())
+    assert meta["scheduler"]["generator"]["step_size"] == 3 and meta["scheduler"]["discriminator"]["T_max"] == gan.STEPS
+    report = _replay(run, "--from-step", "0")
+    assert report["reproduced"] is True and report["responsible_step"] == gan.FAULT_STEP
+    assert [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [(4, True), (8, True)]
+    origin = report["origin"]
+    assert (origin["stage"], origin["tensor"], origin["state_key"], origin["optimizer"]) == (
+        "optimizer_state", "discriminator.0.weight", "exp_avg_sq", "discriminator")
+
+
+def test_a_scheduler_for_one_optimizer_of_a_list(gan_runs: Mapping[str, Path]) -> None:
+    """``scheduler=[None, StepLR(g_opt)]`` beside ``optimizer=[d_opt, g_opt]``: the manifest names a scheduler for
+    optimizer 1 alone, the checkpoints hold its schedule alone, and replay gives the step function the list as the
+    loop did (None first): bit-exact from the first step, the generator's rate halved every three steps."""
+    run = gan_runs["list_scheduled"]
+    members = json.loads((run / "manifest.json").read_text())["optimizers"]["members"]
+    assert [m.get("scheduler") for m in members] == [None, {"factory": "gan:generator_steps"}]
+    meta = json.loads((run / "checkpoints" / "step_00000008" / "meta.json").read_text())
+    assert list(meta["scheduler"]) == ["1"] and meta["scheduler"]["1"]["_last_lr"] == [1e-3 * 0.5 ** 2]
+    report = _replay(run, "--from-step", "0")
+    assert report["reproduced"] is True and report["responsible_step"] == gan.FAULT_STEP
+    assert [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [(4, True), (8, True)]
+
+
+def test_a_shared_scaler_catches_the_overflow_of_one_optimizer_while_the_other_steps(gan_runs: Mapping[str, Path]) -> None:
+    """The near-zero reading under the shared scaler: the discriminator's gradient is inf, so ``scaler.step`` skips
+    the discriminator's update while the generator's, finite, steps, and ``update`` backs off. Nothing non-finite
+    outlives the step: the scaler caught it (a skip of one optimizer of several is a skip), and the run is clean."""
+    report = _replay(gan_runs["near_zero_amp"], "--from-step", "0", code=0)
+    assert report["verdict"] == "clean" and report["origin"] is None and report["reproduced"] is True
+    assert all(c["exact"] for c in report["checkpoints_compared"])
+    steps = {s["step"]: s for s in report["amp"]["steps"]}
+    assert [s for s, v in steps.items() if v["skipped"]] == [gan.FAULT_STEP] and steps[gan.FAULT_STEP]["caught"]
+    assert steps[gan.FAULT_STEP]["next_scale"] == steps[gan.FAULT_STEP]["scale"] / 2
+    assert [e["step"] for e in report["amp"]["caught"]] == [gan.FAULT_STEP]
 
 
 def test_recorder_refuses_a_parameter_in_two_optimizers_and_misshaped_factories(tmp_path: Path) -> None:
@@ -244,7 +310,9 @@ def test_recorder_refuses_a_parameter_in_two_optimizers_and_misshaped_factories(
 
 
 @pytest.mark.parametrize("damage, needle", [
-    (lambda m: m.update(scheduler={"factory": "gan:generator_adam"}), "scheduler is not supported with several"),
+    (lambda m: m.update(scheduler={"factory": "gan:generator_steps"}), "scheduler beside optimizers"),
+    (lambda m: m["optimizers"]["members"][0].update(scheduler={"factory": 3}),
+     "optimizers.members.0.scheduler.factory 3 is not an import string"),
     (lambda m: m.update(distributed={"world_size": 2}), "distributed is not supported with several"),
     (lambda m: m["optimizers"]["members"][1].update(name="generator"), "are not distinct non-empty names"),
     (lambda m: m["optimizers"].update(given="set"), "optimizers.given 'set' is not one of"),
@@ -257,6 +325,19 @@ def test_a_damaged_manifest_of_several_optimizers_is_one_line(gan_runs: Mapping[
     damage(manifest)
     (run / "manifest.json").write_text(json.dumps(manifest))
     assert_one_line_error(run_cli("replay", run), "manifest.json", needle)
+
+
+def test_a_checkpoint_without_each_optimizers_schedule_is_one_line(gan_runs: Mapping[str, Path], tmp_path: Path) -> None:
+    """A checkpoint whose ``scheduler`` lacks one optimizer's schedule cannot restore the run's schedulers: refused in
+    one line naming meta.json and the optimizers each side holds, before any step."""
+    run = tmp_path / "run"
+    shutil.copytree(gan_runs["scheduled"], run)
+    for meta_file in (run / "checkpoints").glob("*/meta.json"):
+        meta = json.loads(meta_file.read_text())
+        del meta["scheduler"]["discriminator"]
+        meta_file.write_text(json.dumps(meta))
+    assert_one_line_error(run_cli("replay", run, "--from-step", "0"), "meta.json", "scheduler state does not fit",
+                          "schedulers of optimizers ['generator'], the run's are ['discriminator', 'generator']")
 
 
 def test_a_checkpoint_of_other_optimizers_is_one_line(gan_runs: Mapping[str, Path], tmp_path: Path) -> None:
@@ -308,6 +389,9 @@ def test_each_update_is_checked_once(locate: bool, fault: str | None) -> None:
         assert params[0].elements_nonfinite == 4 and params[0].tensors_nonfinite == 1
 
 
+# (locate, defer): locate mode; detect mode reading each verdict at once (the CPU's); detect mode deferring them to the
+# step's end (a GPU's, exercised on the CPU)
+_MODES = [(True, None), (False, None), (False, True)]
 _RATES = [lambda ps, lr: torch.optim.SGD(ps, lr=lr), lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9),
           lambda ps, lr: torch.optim.Adam(ps, lr=lr), lambda ps, lr: torch.optim.RMSprop(ps, lr=lr)]
 
@@ -316,11 +400,12 @@ _RATES = [lambda ps, lr: torch.optim.SGD(ps, lr=lr), lambda ps, lr: torch.optim.
 def test_the_origin_is_the_pass_that_made_it_on_generated_steps(seed: int) -> None:
     """Generated steps of 2-4 optimizers, each owning one layer of a chain; every pass runs the whole chain forward
     and backward and steps one optimizer. Optimizer ``k``'s learning rate is inf: its own update makes its layer
-    non-finite, and every later pass runs forward through it. The origin, in locate and in detect mode, is that
-    layer's update (stage ``param``, optimizer ``k``), never a later pass's forward, which ranks first by stage."""
+    non-finite, and every later pass runs forward through it. The origin, in locate and in detect mode (its verdicts
+    read at once, or deferred to the step's end as on a GPU), is that layer's update (stage ``param``, optimizer
+    ``k``), never a later pass's forward, which ranks first by stage."""
     from nanforensics.replay.monitor import StepMonitor
 
-    for locate in (True, False):
+    for locate, defer in _MODES:
         rng = random.Random(seed)  # the same step for each mode, from scratch
         torch.manual_seed(seed)
         n = rng.randint(2, 4)
@@ -330,7 +415,7 @@ def test_the_origin_is_the_pass_that_made_it_on_generated_steps(seed: int) -> No
         names = [f"net{i}" for i in range(n)] if rng.random() < 0.5 else [str(i) for i in range(n)]
         opts = optimizer_set(dict(zip(names, members)) if names[0] == "net0" else members)
         x = torch.randn(5, 3)
-        with StepMonitor(model, opts) as monitor:
+        with StepMonitor(model, opts, defer=defer) as monitor:
             monitor.begin(0, x, locate)
             for member in members:
                 member.zero_grad()
@@ -345,3 +430,34 @@ def test_the_origin_is_the_pass_that_made_it_on_generated_steps(seed: int) -> No
         assert (origin.stage, origin.tensor.split(".")[0], origin.optimizer) == ("param", f"l{k}", names[k]), (
             locate, [(e.stage, e.tensor) for e in events])
         assert any(e.stage == "forward" for e in events)  # the later passes did run through it
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_loss_made_before_the_first_update_is_the_origin_on_generated_steps(seed: int) -> None:
+    """Generated steps of 2-4 optimizers, each owning one layer of a chain, stepping in turn after one backward (the
+    oracle's programs of two). The loss overflows outside any module (``exp`` of a finite output): it is inf, and
+    every gradient and update after it non-finite. The loss was computed in the first pass, before any gradient,
+    and is the origin in locate and detect mode (each way), though the monitor reads it at the step's end, after every
+    optimizer stepped: it ranks in the pass the model last ran forward in (oracle seed 60099)."""
+    from nanforensics.replay.monitor import StepMonitor
+
+    for locate, defer in _MODES:
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        n = rng.randint(2, 4)
+        model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(n)])
+        members = [rng.choice(_RATES)(model[i].parameters(), 1e-2) for i in range(n)]
+        opts = optimizer_set(members)
+        x = torch.randn(5, 3)
+        with StepMonitor(model, opts, defer=defer) as monitor:
+            monitor.begin(0, x, locate)
+            opts.zero_grad()
+            loss = torch.exp(model(x).abs() + 100).mean()  # exp(100) and more: past float32's largest
+            loss.backward()
+            for member in members:
+                member.step()
+            events = monitor.end(loss)
+        assert not [e for e in events if e.stage == "forward"]
+        assert (events[0].stage, events[0].value if locate else "inf") == ("loss", "inf"), (
+            locate, [(e.stage, e.tensor) for e in events])
+        assert [e.stage for e in events][1] == "grad"

@@ -461,7 +461,11 @@ KNOWN: dict[int, str] = {
          "sample 3 alone fails through the update too (its operation, addmm, agrees since inf beside NaN is seen)",
     20026: "operation, under a GradScaler: a parameter no optimizer holds accumulates gradients the scaler never "
            "unscales until they overflow; the trace names no op for the NaN of that accumulation (the reference names "
-           "the backward's sum)",
+           "the backward's sum). The NaN came in from step 3, which the scaler skipped (log(0)) and both call caught "
+           "though it left that gradient NaN for good; counting such a gradient as state in the one rule for caught "
+           "(replay.amp.scaler_caught and the reference's) makes 20026 agree at step 3, but moves 20072, 20276 and "
+           "20415 to step 0 (the scaler's first skip leaves Muon's biases inf), where group testing misses samples: "
+           "fp16 sums of scaled per-sample gradients overflow alone and cancel in pairs",
     40321: "samples, the class of 1298 (found by the 2000-program run on main, seeds 40000-41999): a slow overflow "
            "through the update; replay attributes [5], where samples 3 and 5 each fail alone",
     41965: "samples, the class of 1298: a slow overflow through the update, where every sample alone fails the step "

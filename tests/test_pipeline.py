@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nanforensics.checkpoints.bisect import bisect
 from nanforensics.distributed.world import mismatch
 from nanforensics.errors import BadInput
+from nanforensics.runs.checkpoint import Checkpoint
 from nanforensics.runs.layout import DISTRIBUTED_FORMAT, World
 from nanforensics.runs.run import Run
 from nanforensics.runs.stages import DATA_PARALLEL, OPTIONS
@@ -195,6 +197,11 @@ def test_per_stage_scheduler_and_a_gradient_no_optimizer_zeroes(runs, torchrun_r
     "batch_wide"."""
     meta = json.loads((runs["gpipe_scheduled"] / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert [s["last_epoch"] for s in meta["rank_schedulers"]] == [2] * job.WORLD
+    # every checkpoint keeps that gradient (its stage's, gathered to rank 0): the one after the step holds the inf
+    after = Checkpoint(runs["gpipe_scheduled"] / "checkpoints" / f"step_{job.DEFECT_STEP + 1:08d}", job.DEFECT_STEP + 1)
+    grads = after.loose_grads(after.meta())
+    assert list(grads) == [job.FROZEN]
+    assert [i for i, ok in enumerate(torch.isfinite(grads[job.FROZEN]).tolist()) if not ok] == [job.DEFECT_FEATURE]
     result, out, before = torchrun_replays["gpipe_scheduled"]
     assert result.codes == [1] * job.WORLD, result.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..errors import BadInput
-from ..runs.checkpoint import TensorWriter, optimizer_state, restore_rng, rng_state
+from ..runs.checkpoint import TensorWriter, loose_grads, optimizer_state, restore_rng, rng_state
 
 
 def rank_rng_state() -> dict[str, Any]:
@@ -62,6 +63,25 @@ def save_shards(build: Path, model_sd: dict[str, torch.Tensor], tensors: dict[st
         warnings.simplefilter("ignore", FutureWarning)
         dcp.save({"model": model_sd, "optim": {"state": state}, "step": step}, checkpoint_id=build,
                  process_group=group)
+
+
+def gathered_loose_grads(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         group: Any) -> dict[str, torch.Tensor] | None:
+    """Every rank's gradients of the parameters no optimizer holds (``runs.checkpoint.loose_grads``, each whole),
+    gathered to rank 0 for its checkpoint; None on the other ranks. Every rank calls it, before any other collective of
+    the checkpoint: a sharded gradient is gathered by all its ranks. The ranks of DDP or FSDP2 hold the same ones (the
+    first rank's are kept), a pipeline's stages each their own."""
+    mine = {name: grad.cpu() for name, grad in loose_grads(module, optimizer).items()}
+    leads = dist.get_rank() == 0
+    held: list[Any] | None = [None] * dist.get_world_size() if leads else None
+    dist.gather_object(mine, held, dst=0, group=group)
+    if held is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in held:
+        for name, grad in part.items():
+            merged.setdefault(name, grad)
+    return merged
 
 
 def save_rank_shards(build: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,

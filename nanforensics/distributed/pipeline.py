@@ -27,7 +27,7 @@ from ..runs.checkpoint import state_meta, state_to_json
 from ..runs.compiled import compiled_backend, own_name, unwrapped
 from ..runs.layout import rank_dir
 from ..runs.stages import DATA_PARALLEL, PIPELINE, SCHEDULES, dp_rank, dp_size, last_rank
-from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
+from .checkpoint import gathered_loose_grads, rank_rng_state, save_rank_shards, shard_writer
 from .record import RankRecorder
 from .tensors import is_dtensor
 from .world import object_group
@@ -125,7 +125,9 @@ class PipelineRankRecorder(RankRecorder):
                    scheduler: Any) -> None:
         """Every rank writes its stage's tensors through torch.distributed.checkpoint; rank 0 writes meta.json with
         every stage's names (in stage order), every rank's RNG states, and each rank's LR scheduler state where the
-        loop gave one (``rank_schedulers``, in rank order: each stage steps its own)."""
+        loop gave one (``rank_schedulers``, in rank order: each stage steps its own), and every stage's gradients of
+        the parameters its optimizer does not hold."""
+        grads = gathered_loose_grads(self.module, optimizer, self.group)
         states: list[Any] | None = [None] * self.size if self.leads else None
         dist.gather_object(rank_rng_state(), states, dst=0, group=self.group)
         names = state_meta(self.module, optimizer)[0], scheduler_state(scheduler)
@@ -147,7 +149,7 @@ class PipelineRankRecorder(RankRecorder):
         from ..runs.checkpoint import save_checkpoint
 
         save_checkpoint(folder, step, self.module, optimizer, scaler=scaler, scheduler=scheduler, rank_rng=states,
-                        write_tensors=shard_writer(step, self.group, self._announce), merge_meta=merge)
+                        write_tensors=shard_writer(step, self.group, self._announce), merge_meta=merge, grads=grads)
 
 
 

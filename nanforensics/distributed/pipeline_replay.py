@@ -220,7 +220,8 @@ def _stage_groups(meta: dict[str, Any], model: nn.Module) -> list[dict[str, Any]
 
 def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer,
                 meta: dict[str, Any]) -> None:
-    """This stage's part of the checkpoint: its parameters and buffers, its optimizer state."""
+    """This stage's part of the checkpoint: its parameters and buffers, its optimizer state, the gradients of its
+    parameters the optimizer does not hold."""
     expected = model.state_dict()
     tensors = {k: v for k, v in checkpoint.model_tensors().items() if k in expected}
     for name, tensor in tensors.items():
@@ -255,6 +256,7 @@ def _load_stage(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as e:
         raise BadInput(checkpoint.optimizer_file, f"does not fit the stage's optimizer: {e}") from None
+    checkpoint.put_back_loose_grads(meta, model, optimizer, stage=True)
 
 
 # The order the pipeline computes a micro-batch's values in: forward stage by stage, the loss, backward from the

@@ -19,7 +19,7 @@ from ..runs.checkpoint import save_checkpoint
 from ..runs.compiled import compiled_backend, unwrapped
 from ..runs.layout import DDP, World, rank_dir
 from ..runs.stages import PIPELINE
-from .checkpoint import rank_rng_state, save_rank_shards, shard_writer
+from .checkpoint import gathered_loose_grads, rank_rng_state, save_rank_shards, shard_writer
 from .world import object_group
 from .wrapping import describe, describe_mesh
 
@@ -85,13 +85,14 @@ class RankRecorder:
 
     def checkpoint(self, folder: Path, step: int, optimizer: torch.optim.Optimizer, *, scaler: Any,
                    scheduler: Any) -> None:
+        grads = gathered_loose_grads(self.module, optimizer, self.group)
         states: list[Any] | None = [None] * self.size if self.leads else None
         dist.gather_object(rank_rng_state(), states, dst=0, group=self.group)
         sharded = self.world.kind != DDP  # DTensor parameters: every rank writes its shard
         if self.leads:
             writer = shard_writer(step, self.group, self._announce) if sharded else None
             save_checkpoint(folder, step, self.module, optimizer, scaler=scaler, scheduler=scheduler, rank_rng=states,
-                            write_tensors=writer)
+                            write_tensors=writer, grads=grads)
         elif sharded:
             save_rank_shards(self._announce(None), self.module, optimizer, step, self.group)
 

@@ -18,6 +18,7 @@ import torch
 
 from ..report import AmpReport, Event, ScalerStep
 from ..rootcause.findings import describe
+from ..runs.optimizers import members_of
 from ..words import count, numbered
 from .monitor import StepMonitor
 from .session import Session
@@ -40,11 +41,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def scaler_caught(scaler: Any, stepped: bool, events: list[Event]) -> bool:
-    """Whether the GradScaler caught this step's non-finite values: it skipped ``optimizer.step()`` and none reached
-    the state (a skipped step can still have written BatchNorm statistics from an overflowed forward: stage buffer).
+def skipped(optimizer: torch.optim.Optimizer, stepped: list[torch.optim.Optimizer]) -> bool:
+    """Whether ``optimizer.step()`` did not run this step, ``stepped`` the optimizers whose step ran: of several, any
+    one's (one GradScaler steps each of them whose own gradients are finite, and skips the others)."""
+    ran = {id(o) for o in stepped}
+    return any(id(o) not in ran for o in members_of(optimizer))
+
+
+def scaler_caught(scaler: Any, optimizer: torch.optim.Optimizer, stepped: list[torch.optim.Optimizer],
+                  events: list[Event]) -> bool:
+    """Whether the GradScaler caught this step's non-finite values: it skipped ``optimizer.step()`` (of several, the
+    step of each whose gradients were not finite, while the others' stepped finite) and none reached the state (a
+    skipped step can still have written BatchNorm statistics from an overflowed forward: stage buffer).
     The one rule for the replay's steps and for sample attribution's passes."""
-    return scaler is not None and not stepped and bool(events) and all(e.stage not in _REACHED_STATE for e in events)
+    return scaler is not None and skipped(optimizer, stepped) and bool(events) \
+        and all(e.stage not in _REACHED_STATE for e in events)
 
 
 class AmpLog:
@@ -60,8 +71,8 @@ class AmpLog:
         """``session.run_step``, watched; the events of an overflow the scaler caught are kept here, not returned."""
         step, scaler, device_type = session.step, session.scaler, session.device.type
         scale = scaler.get_scale() if scaler is not None else None
-        stepped: list[bool] = []
-        handles = [session.optimizer.register_step_post_hook(lambda *_: stepped.append(True)),
+        stepped: list[torch.optim.Optimizer] = []
+        handles = [session.optimizer.register_step_post_hook(lambda o, *_: stepped.append(o)),
                    session.model.register_forward_pre_hook(lambda *_: self._note_autocast(device_type))]
         try:
             loss, events = session.run_step(monitor, locate)
@@ -69,8 +80,9 @@ class AmpLog:
             for h in handles:
                 h.remove()
         next_scale = scaler.get_scale() if scaler is not None else None
-        caught = scaler_caught(scaler, bool(stepped), events)
-        self.steps[step] = ScalerStep(step, scale, next_scale, _adjustment(scale, next_scale), not stepped,
+        caught = scaler_caught(scaler, session.optimizer, stepped, events)
+        self.steps[step] = ScalerStep(step, scale, next_scale, _adjustment(scale, next_scale),
+                                      skipped(session.optimizer, stepped),
                                       _OVERFLOW[events[0].stage] if events else None, caught)
         self.caught.pop(step, None)
         if caught:

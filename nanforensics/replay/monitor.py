@@ -78,12 +78,16 @@ class StepMonitor:
         # ordered by the pass they arose in before their stage. ``_updated``: what a pass checked, (tensor, version).
         self._owners = {self._name(p): o for p, o in owners(optimizer).items()}
         self._passes = 0
+        # the pass the model last ran forward in: the returned loss, checked at the step's end, was computed from its
+        # outputs, in that pass (a loss made before the first optimizer's step() ranks before that pass's gradients)
+        self._forward_pass = 0
         self._pass_of: dict[tuple[str, str | None], int] = {}
         self._updated: dict[tuple[torch.Tensor, str | None], tuple[torch.Tensor, int]] = {}
         self._handles: list[Any] = []
         self.step = -1
         self.locate = False
-        self._pending: list[tuple[str, str, str | None, int, tuple[torch.Tensor, torch.Tensor]]] = []
+        # detect-mode verdicts kept on the device until ``end``: (stage, name, state key, order, pass, min and max)
+        self._pending: list[tuple[str, str, str | None, int, int, tuple[torch.Tensor, torch.Tensor]]] = []
         self._checks: dict[str, int] = {}  # stage -> its checks made so far in this step: an event's order
         self._events: dict[tuple[str, str | None], Event] = {}
         self._grad_seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its grad, version) at backward
@@ -116,6 +120,7 @@ class StepMonitor:
 
     def _forward_hook(self, name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self._forward_pass = self._passes
             if isinstance(output, torch.Tensor):  # the common case, without flattening
                 self.check("forward", name, output)
                 return
@@ -172,7 +177,7 @@ class StepMonitor:
         self._pending.clear()
         self._grad_seen.clear()
         self._rewritten = 0
-        self._passes = 0
+        self._passes = self._forward_pass = 0
         self._pass_of.clear()
         self._updated.clear()
         self._grad_max.clear()
@@ -199,9 +204,10 @@ class StepMonitor:
                 self.check("buffer", name, b)
         if self._pending:
             flags = finite.min_max_verdicts([pair for *_, pair in self._pending])
-            for (stage, name, key, order, _), good in zip(self._pending, flags):
+            for (stage, name, key, order, made_in, _), good in zip(self._pending, flags):
                 if not good:
-                    self._note(stage, name, key, index=[], value="", elements=0, dtype=None, order=order)
+                    self._note(stage, name, key, index=[], value="", elements=0, dtype=None, order=order,
+                               made_in=made_in)
             self._pending.clear()
         if ("optimizer_grad", None) in self._events:
             self._events[("optimizer_grad", None)].rewritten = self._rewritten
@@ -236,7 +242,7 @@ class StepMonitor:
             return
         self._checks[stage] = self._checks.get(stage, 0) + 1
         if not self.locate and (self.defer or (self.defer is None and t.device.type != "cpu")):
-            self._pending.append((stage, name, state_key, self._checks[stage], finite.min_max(t)))
+            self._pending.append((stage, name, state_key, self._checks[stage], self._pass(stage), finite.min_max(t)))
         elif not finite.is_finite(t):
             if self.locate:
                 self._add(stage, name, state_key, t, offset)
@@ -264,15 +270,21 @@ class StepMonitor:
         self._note(stage, name, key, index=index, value=where.value, elements=finite.count_nonfinite(t),
                    dtype=str(t.dtype).removeprefix("torch."), nans=finite.count_nan(t))
 
+    def _pass(self, stage: str) -> int:
+        """The pass a value checked now arose in: the loss's is the pass the model last ran forward in."""
+        return self._forward_pass if stage == "loss" else self._passes
+
     def _note(self, stage: str, name: str, key: str | None, *, index: list[int], value: str, elements: int,
-              dtype: str | None, order: int | None = None, nans: int = 0) -> None:
+              dtype: str | None, order: int | None = None, nans: int = 0, made_in: int | None = None) -> None:
+        """An event of the step (or one more tensor of it); ``made_in``: the pass it was checked in, where the
+        verdict was read later (deferred)."""
         event = self._events.get((stage, key))
         if event is None:
             self._events[(stage, key)] = Event(self.step, stage, name, index, value, key, elements, 1, dtype,
                                                order=order or self._checks.get(stage, 0), nan_elements=nans,
                                                optimizer=self._owners.get(name) if stage in PARAM_STAGES else None)
             if self._owners:
-                self._pass_of[(stage, key)] = self._passes
+                self._pass_of[(stage, key)] = self._pass(stage) if made_in is None else made_in
         else:
             event.tensors_nonfinite += 1
             event.elements_nonfinite += elements

@@ -53,10 +53,11 @@ def loss_value(loss: Any, where: Path) -> float:
 
 
 @contextmanager
-def no_optimizer_step(optimizer: torch.optim.Optimizer, calls: list[bool] | None = None) -> Iterator[None]:
+def no_optimizer_step(optimizer: torch.optim.Optimizer,
+                      calls: list[torch.optim.Optimizer] | None = None) -> Iterator[None]:
     """An instance attribute shadows the method: the user's step runs, the optimizer does nothing (each of several,
-    whose own ``step()`` the step function calls; ``calls``: each call that would have stepped one is noted, so a
-    GradScaler's skip is seen).
+    whose own ``step()`` the step function calls; ``calls``: the optimizer of each call that would have stepped one,
+    so a GradScaler's skip is seen).
 
     An LR scheduler may already have put its own wrapper there; it is put back as it was.
     """
@@ -64,7 +65,7 @@ def no_optimizer_step(optimizer: torch.optim.Optimizer, calls: list[bool] | None
     own = [vars(o).get("step") for o in members]
     noted = calls if calls is not None else []
     for o in members:
-        o.step = lambda *args, **kwargs: noted.append(True)  # type: ignore[method-assign]
+        o.step = lambda *args, _o=o, **kwargs: noted.append(_o)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -119,7 +120,7 @@ class Session:
     def call_step(self, batch: Any) -> Any:
         """The user's step function on one batch, given the scaler and scheduler as keyword arguments where the
         run recorded them; what it raises becomes a one-line error."""
-        extras = {k: v for k, v in (("scaler", self.scaler), ("scheduler", self.scheduler)) if v is not None}
+        extras = {k: as_given(v) for k, v in (("scaler", self.scaler), ("scheduler", self.scheduler)) if v is not None}
         try:
             return self.code.step_fn(self.stepped, as_given(self.optimizer), batch, **extras)
         except BadInput:

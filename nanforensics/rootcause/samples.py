@@ -193,10 +193,11 @@ class _Tester:
         self.progress.update(self.passes)
         s = self.session
         s.restore(self.snapshot)
-        stepped: list[bool] = []  # whether optimizer.step() was called (a GradScaler skips it on an overflow)
+        stepped: list[torch.optim.Optimizer] = []  # the optimizers whose step() was called (a GradScaler skips it on an
+        # overflow)
         with StepMonitor(s.model, s.optimizer, prove=False) as monitor, \
                 (nullcontext() if self.update else no_optimizer_step(s.optimizer, stepped)):
-            handle = s.optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+            handle = s.optimizer.register_step_post_hook(lambda o, *_: stepped.append(o))
             monitor.begin(s.step, subset, locate=False)
             try:
                 loss = s.call_step(subset)
@@ -206,7 +207,7 @@ class _Tester:
             finally:
                 handle.remove()
             events = monitor.end(loss)
-        if scaler_caught(s.scaler, bool(stepped), events):
+        if scaler_caught(s.scaler, s.optimizer, stepped, events):
             return None  # the scaler caught this subset's overflow: benign, as the replay judges a step
         # it fails as the step did: loss-only as a loss-only step, else with an origin (a subset whose only fault is a
         # loss over no target is not the origin's failure)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from ..distributed.tensors import shard_like
+from ..distributed.tensors import shard_like, whole
 from ..errors import BadInput
 from ..finite import decode_float, encode_float
 from ..inputs import TensorFile, load_json, one_line
@@ -194,23 +194,27 @@ def state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             model_sd, tensors)
 
 
-def _loose_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The gradients of the parameters no optimizer holds, by name: they carry over into the next step, so a replay
-    from this checkpoint must start from them (one process; a sharded run's are its ranks', not kept yet)."""
-    return {name: p.grad.detach() for name, p in loose_params(model, optimizer)
+def loose_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The gradients of the parameters no optimizer holds, by name, each whole: they carry over into the next step, so
+    a replay from this checkpoint must start from them. A sharded one (FSDP2's) is gathered, a collective: in a
+    multi-rank run every rank calls this, in the same order (``distributed.checkpoint.gathered_loose_grads``)."""
+    return {name: whole(p.grad).detach() for name, p in loose_params(model, optimizer)
             if p.grad is not None and p.grad.layout == torch.strided}
 
 
 def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                     scaler: Any = None, scheduler: Any = None, rank_rng: list[dict[str, Any]] | None = None,
                     write_tensors: TensorWriter | None = None,
-                    merge_meta: Callable[[dict[str, Any]], None] | None = None) -> Path:
+                    merge_meta: Callable[[dict[str, Any]], None] | None = None,
+                    grads: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact.
 
-    A GradScaler's and an LR scheduler's state, when given, go to meta.json under ``scaler`` and ``scheduler``.
+    A GradScaler's and an LR scheduler's state, when given, go to meta.json under ``scaler`` and ``scheduler``; the
+    gradients of the parameters no optimizer holds (``loose_grads``) to ``EXTRAS_FILE``.
     A distributed run adds every rank's RNG state (``rank_rng``) and may write the tensors its own way
     (``write_tensors``: FSDP2's shards through torch.distributed.checkpoint); ``merge_meta`` adds the other ranks'
-    names to meta.json (pipeline stages, each holding other parameters).
+    names to meta.json (pipeline stages, each holding other parameters); ``grads`` are every rank's loose gradients,
+    gathered by the ranks together before.
     """
     names, model_sd, tensors = state_meta(model, optimizer)
     meta = {"format": CHECKPOINT_FORMAT, "step": step, **{k: names[k] for k in ("param_names", "param_groups",
@@ -225,7 +229,9 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     for key, holder in (("scaler", scaler), ("scheduler", scheduler)):
         if holder is not None:
             meta[key] = state_to_json(holder.state_dict(), extras, key)
-    if write_tensors is None and (grads := _loose_grads(model, optimizer)):
+    if grads is None:
+        grads = loose_grads(model, optimizer)
+    if grads:
         meta[LOOSE_GRADS] = list(grads)
         extras.update({f"{LOOSE_GRADS}/{name}": grad for name, grad in grads.items()})
     file_meta = {"format": CHECKPOINT_FORMAT, "step": str(step)}
@@ -353,10 +359,15 @@ class Checkpoint:
         extras = TensorFile(self.path / EXTRAS_FILE)
         return {name: extras.get(f"{LOOSE_GRADS}/{name}") for name in names}
 
-    def _put_back_loose_grads(self, meta: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
-        """``loose_grads``, each onto its parameter."""
+    def put_back_loose_grads(self, meta: dict[str, Any], model: torch.nn.Module, optimizer: Any,
+                             stage: bool = False) -> None:
+        """``loose_grads``, each onto its parameter; for a pipeline's ``stage``, those of its own parameters (the
+        other stages hold the rest)."""
         loose = dict(loose_params(model, optimizer))
+        own = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         for name, grad in self.loose_grads(meta).items():
+            if stage and name not in own:
+                continue
             if name not in loose:
                 raise BadInput(self.path / "meta.json", f"holds the gradient of {name!r}, which is not a parameter "
                                                         f"the model requires grad for and no optimizer holds")
@@ -364,7 +375,8 @@ class Checkpoint:
                 raise BadInput(self.path / EXTRAS_FILE, f"the gradient of {name!r} is {grad.dtype} "
                                                         f"{list(grad.shape)}, the parameter "
                                                         f"{loose[name].dtype} {list(loose[name].shape)}")
-            loose[name].grad = grad.clone()
+            # a parameter sharded for a replay at world size takes its own shard of the whole gradient
+            loose[name].grad = shard_like(grad.to(loose[name].device), loose[name]).clone()
 
     def load_into(self, model: torch.nn.Module, optimizer: Any, *, scaler: Any = None,
                   scheduler: Any = None) -> dict[str, Any]:
@@ -392,7 +404,7 @@ class Checkpoint:
             optimizer.load_state_dict(self.optimizer_state(meta, optimizer_params(optimizer)))
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(self.optimizer_file, f"does not fit the optimizer: {e}") from None
-        self._put_back_loose_grads(meta, model, optimizer)
+        self.put_back_loose_grads(meta, model, optimizer)
         for key, holder in (("scaler", scaler), ("scheduler", scheduler)):
             if holder is None:
                 continue

@@ -180,8 +180,9 @@ ROLES: dict[str, Role] = {
     "--optimizer": Role("a function", None, True),
     "--scheduler": Role("a scheduler class of torch.optim.lr_scheduler or a function", _is_torch_scheduler, True),
 }
-# each of a run's several optimizers (manifest "optimizers.members.<i>") stands where a run's one optimizer does
-_MEMBER = re.compile(r"^optimizers\.members\.\d+\.")
+# each of a run's several optimizers (manifest "optimizers.members.<i>") stands where a run's one optimizer does, and its
+# LR scheduler ("optimizers.members.<i>.scheduler") where a run's one scheduler does
+_MEMBER = re.compile(r"^optimizers\.members\.\d+\.(scheduler\.)?")
 TRUST_HINT = "--trust-code calls it anyway (docs/security.md)"
 PACKAGE_HINT = "name its distribution with --trust-package NAME to allow it"
 
@@ -406,7 +407,8 @@ def check_callable(role: str, spec: str, obj: Any = NOT_IMPORTED, *, where: Path
     trusted; a class only of the kind the role names; of torch and nanforensics only what ``TOOL_MODULES`` gives.
     ``places.trust_code`` (``--trust-code``) lets anything through that does not lie inside the run directory.
     """
-    problem = None if places.trust_code else _refusal(ROLES[_MEMBER.sub("optimizer.", role)], spec, obj, places)
+    kind = ROLES[_MEMBER.sub(lambda m: m[1] or "optimizer.", role)]
+    problem = None if places.trust_code else _refusal(kind, spec, obj, places)
     if problem is not None:
         _refuse(role, spec, where, problem)
 

@@ -16,9 +16,13 @@ from torch.utils.hooks import RemovableHandle
 
 GIVEN = ("list", "tuple", "dict")  # the container the loop passed, and the step function gets again
 
-# What a run of several optimizers may not be recorded with (README, "Several optimizers"): refused when the Recorder
-# is built and when a manifest that names them is read, before anything runs.
-UNSUPPORTED = ("scaler", "scheduler", "guard", "distributed")
+# What a run of several optimizers may not be recorded with (docs/recording.md, "Several optimizers"), and why: refused
+# when the Recorder is built and when a manifest that names them is read, before anything runs.
+UNSUPPORTED = {
+    "guard": "its skip leaves a whole step unwritten, but of several optimizers stepping in turn (a GAN's) the first "
+             "has written its update before the next one's gradients exist",
+    "distributed": "their ranks' state is not recorded yet",
+}
 
 
 class _Handles:
@@ -179,9 +183,10 @@ def members_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     return list(optimizer.members.values()) if isinstance(optimizer, OptimizerSet) else [optimizer]
 
 
-def as_given(optimizer: torch.optim.Optimizer) -> Any:
-    """What the step function is called with: a set's members as the loop passed them, else the optimizer."""
-    return optimizer.as_given() if isinstance(optimizer, OptimizerSet) else optimizer
+def as_given(held: Any) -> Any:
+    """What the step function is called with: a set's members (optimizers, schedulers) as the loop passed them, else
+    the one optimizer or scheduler."""
+    return held.as_given() if isinstance(held, (OptimizerSet, SchedulerSet)) else held
 
 
 def owners(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, str]:
@@ -194,21 +199,63 @@ def group_owners(optimizer: torch.optim.Optimizer) -> list[str] | None:
     return optimizer.group_owners() if isinstance(optimizer, OptimizerSet) else None
 
 
-def matched(factories: Any, names: Sequence[str], given: str) -> list[Any]:
-    """The factories the ``Recorder`` got for a set, one per member in its order: None, or the same container
-    shape as the optimizers (a list of the same length, a dict with the same names)."""
-    if factories is None:
+def matched(values: Any, names: Sequence[str], given: str, what: str = "optimizer_factory") -> list[Any]:
+    """What the ``Recorder`` got as ``what`` for a set (its factories, its schedulers), one per member in its order:
+    None, or the same container shape as the optimizers (a list of the same length, a dict with the same names)."""
+    if values is None:
         return [None] * len(names)
-    if given == "dict" and isinstance(factories, Mapping) and set(factories) == set(names):
-        return [factories[n] for n in names]
-    if given != "dict" and isinstance(factories, (list, tuple)) and len(factories) == len(names):
-        return list(factories)
-    raise TypeError("optimizer_factory for several optimizers must be None or shaped like optimizer= (a list of as "
-                    "many, or a dict with the same names)")
+    if given == "dict" and isinstance(values, Mapping) and set(values) == set(names):
+        return [values[n] for n in names]
+    if given != "dict" and isinstance(values, (list, tuple)) and len(values) == len(names):
+        return list(values)
+    raise TypeError(f"{what} for several optimizers must be None or shaped like optimizer= (a list of as many, or a "
+                    "dict with the same names)")
+
+
+class SchedulerSet:
+    """The LR schedulers of a run of several optimizers, each over one member (a GAN's StepLR for the generator, a
+    cosine one for the discriminator), one scheduler to checkpoints and replay: its state is each one's under its
+    optimizer's name. A member may have none."""
+
+    def __init__(self, members: Mapping[str, Any], optimizers: OptimizerSet) -> None:
+        self.members, self.names, self.given = dict(members), list(optimizers.members), optimizers.given
+
+    def as_given(self) -> Any:
+        """The schedulers as the loop passed them, None for a member without one: what the step function receives."""
+        values = [self.members.get(n) for n in self.names]
+        if self.given == "dict":
+            return dict(zip(self.names, values))
+        return tuple(values) if self.given == "tuple" else values
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: s.state_dict() for name, s in self.members.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != set(self.members):
+            held = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"it holds the schedulers of optimizers {held}, the run's are {sorted(self.members)}")
+        for name, s in self.members.items():
+            s.load_state_dict(state[name])
+
+
+def scheduler_set(optimizers: OptimizerSet, schedulers: Any, factories: Any) -> tuple[SchedulerSet, list[Any]]:
+    """The ``Recorder``'s ``scheduler=`` and ``scheduler_factory=`` for a set, each shaped like ``optimizer=``: the
+    schedulers as one, and each member's factory (None where it has no scheduler)."""
+    names = list(optimizers.members)
+    given = matched(schedulers, names, optimizers.given, "scheduler")
+    made = matched(factories, names, optimizers.given, "scheduler_factory")
+    for name, scheduler, factory in zip(names, given, made):
+        if (scheduler is None) != (factory is None):
+            raise ValueError(f"optimizer {name}: pass its scheduler and its scheduler_factory together (or neither)")
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizers.members[name]:
+            raise ValueError(f"the scheduler given for optimizer {name} schedules another optimizer: replay builds "
+                             f"it with its factory over optimizer {name}")
+    return SchedulerSet({n: s for n, s in zip(names, given) if s is not None}, optimizers), made
 
 
 def unsupported(features: Iterable[str]) -> str | None:
     """Why a run of several optimizers cannot have ``features`` (the first of them ``UNSUPPORTED`` holds); None when
     it can. The one statement of the limit, for the recorder's error and the reader's."""
     refused = [f for f in features if f in UNSUPPORTED]
-    return f"{refused[0]} is not supported with several optimizers (docs/recording.md, Several optimizers)" if refused else None
+    return f"{refused[0]} is not supported with several optimizers: {UNSUPPORTED[refused[0]]} (docs/recording.md, " \
+           "Several optimizers)" if refused else None

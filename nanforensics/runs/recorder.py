@@ -25,7 +25,7 @@ from .files import write_bytes_atomic, write_json_atomic
 from .guard import Guard, GuardPolicy, ring_nbytes
 from .imports import import_string_of
 from .layout import DISTRIBUTED_FORMAT
-from .optimizers import OptimizerSet, matched, optimizer_set, unsupported
+from .optimizers import OptimizerSet, matched, optimizer_set, scheduler_set, unsupported
 from .run import MANIFEST, RUN_FORMAT, SEVERAL_OPTIMIZERS_FORMAT, STEPS, batch_path
 from .steplog import step_line
 
@@ -107,13 +107,16 @@ def _optimizer_entry(optimizer: torch.optim.Optimizer, factory: Any) -> dict[str
             "factory": import_string_of(factory, "optimizer_factory") if factory else None}
 
 
-def _optimizer_fields(optimizer: torch.optim.Optimizer, factory: Any) -> dict[str, Any]:
-    """The manifest's ``optimizer`` (one) or ``optimizers`` (a set: how the loop passed them, and each by name)."""
+def _optimizer_fields(optimizer: torch.optim.Optimizer, factory: Any, schedulers: list[Any]) -> dict[str, Any]:
+    """The manifest's ``optimizer`` (one) or ``optimizers`` (a set: how the loop passed them, and each by name, with
+    the factory of its LR scheduler under ``scheduler`` where it has one)."""
     if not isinstance(optimizer, OptimizerSet):
         return {"optimizer": _optimizer_entry(optimizer, factory)}
     factories = matched(factory, list(optimizer.members), optimizer.given)
     return {"optimizers": {"given": optimizer.given, "members": [
-        {"name": name, **_optimizer_entry(member, f)} for (name, member), f in zip(optimizer.members.items(), factories)]}}
+        {"name": name, **_optimizer_entry(member, f),
+         **({"scheduler": {"factory": import_string_of(s, "scheduler_factory")}} if s is not None else {})}
+        for (name, member), f, s in zip(optimizer.members.items(), factories, schedulers or [None] * len(factories))]}}
 
 
 def _created() -> _dt.datetime:
@@ -147,8 +150,9 @@ class Recorder:
     Several optimizers stepping in turn in one step (a GAN's generator and discriminator) are passed together as
     ``optimizer=[g_opt, d_opt]`` (a list or tuple, named ``"0"``, ``"1"`` by position) or ``optimizer={"generator":
     g_opt, "discriminator": d_opt}``, over the parameters of the one ``model`` that holds both networks;
-    ``optimizer_factory`` is then None or shaped alike. Replay calls the step function with them as given (README,
-    "Several optimizers").
+    ``optimizer_factory`` is then None or shaped alike, and so are ``scheduler`` and ``scheduler_factory`` (each
+    optimizer's own LR scheduler, None for one without). Replay calls the step function with them as given
+    (docs/recording.md, "Several optimizers").
 
     Each callable may be given as its import string instead (``"pkg.models:build_model"``,
     ``"train.py:train_step"``), when replay should reach it under another name than this process does.
@@ -190,13 +194,15 @@ class Recorder:
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be at least 1 (or None to keep all)")
         optimizer = optimizer_set(optimizer)
-        optimizer_fields = _optimizer_fields(optimizer, optimizer_factory)
+        member_schedulers: list[Any] = []  # several optimizers: each one's scheduler factory, in the manifest's members
+        if isinstance(optimizer, OptimizerSet) and scheduler is not None:
+            scheduler, member_schedulers = scheduler_set(optimizer, scheduler, scheduler_factory)
+        optimizer_fields = _optimizer_fields(optimizer, optimizer_factory, member_schedulers)
         self.path = Path(run_dir)
         # Under torchrun, every rank records its own batches and losses; rank 0 the rest (docs/run-format.md).
         self.world = pipeline_world(model, guard=guard, scaler=scaler, scheduler=scheduler) or recording_world(model)
         if isinstance(optimizer, OptimizerSet) and (why := unsupported(
-                k for k, v in (("scaler", scaler), ("scheduler", scheduler), ("guard", guard),
-                               ("distributed", self.world)) if v)):
+                k for k, v in (("scaler", scaler), ("guard", guard), ("distributed", self.world)) if v)):
             raise ValueError(why)
         if self.world is not None:
             self.world.prepare(self.path, overwrite)
@@ -233,7 +239,7 @@ class Recorder:
             manifest["compiled"] = {"backend": backend}
         if scaler is not None:
             manifest["scaler"] = {"enabled": scaler.is_enabled()}
-        if scheduler_factory is not None:
+        if scheduler_factory is not None and not member_schedulers:
             manifest["scheduler"] = {"factory": import_string_of(scheduler_factory, "scheduler_factory")}
         if self.world is not None:
             manifest["format"] = DISTRIBUTED_FORMAT

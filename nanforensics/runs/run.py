@@ -19,7 +19,7 @@ from .batches import read_batch
 from .checkpoint import Checkpoint
 from .compiled import eager, wrapped_names
 from .layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
-from .optimizers import GIVEN, UNSUPPORTED, OptimizerSet, unsupported
+from .optimizers import GIVEN, UNSUPPORTED, OptimizerSet, SchedulerSet, unsupported
 from .paths import MANIFEST, run_directory
 from .stages import PIPELINE, dp_size, last_rank
 from .steplog import LoggedStep, is_step, read_steps
@@ -58,11 +58,13 @@ def batch_gaps(run_dir: Path, first: int, end: int) -> list[tuple[int, int]]:
 
 @dataclass
 class OptimizerMember:
-    """One optimizer of a run of several: its name, class and factory (import strings)."""
+    """One optimizer of a run of several: its name, class and factory, and its LR scheduler's factory where it has
+    one (import strings)."""
 
     name: str
     optimizer_class: str
     factory: str | None
+    scheduler_factory: str | None = None
 
 
 @dataclass
@@ -118,6 +120,9 @@ class Manifest:
             m.optimizers_given, m.optimizers = _members(path, raw)
             if why := unsupported(k for k in UNSUPPORTED if raw.get(k) is not None):
                 raise BadInput(path, why)
+            if raw.get("scheduler") is not None:
+                raise BadInput(path, f"scheduler beside optimizers: a run of several optimizers names each one's "
+                                     f"scheduler in {MEMBERS}")
         return m
 
     def callables(self) -> list[tuple[str, str]]:
@@ -125,7 +130,8 @@ class Manifest:
         named = [("model_factory", self.model_factory), ("step_fn", self.step_fn),
                  ("optimizer.class", self.optimizer_class), ("optimizer.factory", self.optimizer_factory),
                  *[(f"{MEMBERS}.{i}.{part}", spec) for i, o in enumerate(self.optimizers or ())
-                   for part, spec in (("class", o.optimizer_class), ("factory", o.factory))],
+                   for part, spec in (("class", o.optimizer_class), ("factory", o.factory),
+                                      ("scheduler.factory", o.scheduler_factory))],
                  ("scheduler.factory", self.scheduler_factory)]
         if self.world is not None and self.world.kind == PIPELINE:  # the loss function the schedule was built with
             named.append(("distributed.wrapping.loss_fn", self.world.wrapping["loss_fn"]))
@@ -146,7 +152,10 @@ def _members(path: Path, raw: dict[str, Any]) -> tuple[str, list[OptimizerMember
     if not listed:
         raise BadInput(path, f"{MEMBERS} is empty")
     members = [OptimizerMember(get(f"{MEMBERS}.{i}.name", str), get(f"{MEMBERS}.{i}.class", str),
-                               get(f"{MEMBERS}.{i}.factory", str, optional=True)) for i in range(len(listed))]
+                               get(f"{MEMBERS}.{i}.factory", str, optional=True),
+                               get(f"{MEMBERS}.{i}.scheduler.factory", str)
+                               if isinstance(listed[i], dict) and listed[i].get("scheduler") is not None else None)
+               for i in range(len(listed))]
     names = [o.name for o in members]
     expected = names if given == "dict" else [str(i) for i in range(len(names))]
     if len(set(names)) != len(names) or names != expected or not all(names):
@@ -304,8 +313,8 @@ class UserCode:
     scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
     step_name: str = ""  # the step function's import string, for its errors
     loaded: None = None  # a run's own checkpoints need no account of how they were loaded
-    # several optimizers: (name, class, factory) each, in the manifest's order; None for a run of one
-    members: list[tuple[str, type, Callable[..., torch.optim.Optimizer] | None]] | None = None
+    # several optimizers: (name, class, factory, scheduler factory) each, in the manifest's order; None for a run of one
+    members: list[tuple[str, type, Callable[..., torch.optim.Optimizer] | None, Callable[..., Any] | None]] | None = None
 
     @classmethod
     def load(cls, run: Run, code_paths: Sequence[Path] = (), trust_run_dir: bool = False,
@@ -317,8 +326,8 @@ class UserCode:
                                            forbidden=None if trust_run_dir else run.path, trust_code=trust_code,
                                            trust_packages=trust_packages)
                   for f, spec in run.manifest.callables()}
-        members = [(o.name, loaded[f"{MEMBERS}.{i}.class"], loaded.get(f"{MEMBERS}.{i}.factory"))
-                   for i, o in enumerate(run.manifest.optimizers or ())]
+        members = [(o.name, loaded[f"{MEMBERS}.{i}.class"], loaded.get(f"{MEMBERS}.{i}.factory"),
+                    loaded.get(f"{MEMBERS}.{i}.scheduler.factory")) for i, o in enumerate(run.manifest.optimizers or ())]
         return cls(loaded["model_factory"], loaded["step_fn"], loaded.get("optimizer.factory"),
                    loaded.get("optimizer.class"), [spec for _, spec in run.manifest.callables()],
                    loaded.get("scheduler.factory"), step_name=run.manifest.step_fn, members=members or None)
@@ -354,7 +363,7 @@ class UserCode:
             members = {name: _optimizer(
                 kind, factory, holder, [g for g, o in zip(meta["param_groups"], owners) if o == name], run, checkpoint,
                 f"{MEMBERS}.{i}", (recorded[i].optimizer_class, recorded[i].factory))
-                for i, (name, kind, factory) in enumerate(self.members)}
+                for i, (name, kind, factory, _) in enumerate(self.members)}
             checkpoint.check_owners(meta, [name for name, o in members.items() for _ in o.param_groups])
             try:
                 optimizer = OptimizerSet(members, run.manifest.optimizers_given or "list")
@@ -367,20 +376,32 @@ class UserCode:
         return Rebuilt(model, optimizer, scaler, scheduler, meta)
 
     def scheduler(self, run: Run, optimizer: torch.optim.Optimizer) -> Any:
-        """The run's LR scheduler over ``optimizer``, as its factory builds it (None where the run recorded none):
-        one-line errors for a factory that raises or returns something else."""
-        if self.scheduler_factory is None:
-            return None
-        where = run.path / MANIFEST
-        try:
-            scheduler = self.scheduler_factory(optimizer)
-        except Exception as e:
-            raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} raised "
-                                  f"{e.__class__.__name__}: {e}") from None
-        if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")):
-            raise BadInput(where, f"scheduler factory {run.manifest.scheduler_factory} returned "
-                                  f"{type(scheduler).__name__}, not an LR scheduler")
-        return scheduler
+        """The run's LR scheduler over ``optimizer``, as its factory builds it (None where the run recorded none); for
+        several optimizers, each one's over it, as one ``SchedulerSet`` (None where none has one)."""
+        if not isinstance(optimizer, OptimizerSet):
+            return _scheduler(run, self.scheduler_factory, optimizer, "scheduler factory",
+                              run.manifest.scheduler_factory)
+        recorded = run.manifest.optimizers or []
+        made = {name: _scheduler(run, factory, optimizer.members[name], f"{MEMBERS}.{i}.scheduler.factory",
+                                 recorded[i].scheduler_factory)
+                for i, (name, _, _, factory) in enumerate(self.members or ()) if factory is not None}
+        return SchedulerSet(made, optimizer) if made else None
+
+
+def _scheduler(run: Run, factory: Callable[..., Any] | None, optimizer: torch.optim.Optimizer, field: str,
+               spec: str | None) -> Any:
+    """One LR scheduler of the run, built by its factory over ``optimizer`` (None without a factory): one-line errors
+    naming ``field`` and ``spec``, its import string, for a factory that raises or returns something else."""
+    if factory is None:
+        return None
+    where = run.path / MANIFEST
+    try:
+        scheduler = factory(optimizer)
+    except Exception as e:
+        raise BadInput(where, f"{field} {spec} raised {e.__class__.__name__}: {e}") from None
+    if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+        raise BadInput(where, f"{field} {spec} returned {type(scheduler).__name__}, not an LR scheduler")
+    return scheduler
 
 
 def _optimizer(kind: Any, factory: Callable[..., torch.optim.Optimizer] | None, holder: torch.nn.Module,

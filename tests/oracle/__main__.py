@@ -1,4 +1,5 @@
-"""The long run by hand: ``python -m tests.oracle --programs 5000 [--first SEED]`` from the checkout's root.
+"""The long run by hand: ``python -m tests.oracle --programs 5000 [--first SEED] [--only AXIS=VALUE]`` from the
+checkout's root (``--only optimizers=two``: the first 5000 programs from SEED on that drew two optimizers).
 
 Prints the programs tried, agreements by verdict, refusals by reason, disagreements by class (with their seeds), the coverage
 table (each axis value: drawn / agree / refused / disagree) and the time taken."""
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .check import Outcome, check
-from .programs import AXES
+from .programs import AXES, draw
 
 
 def coverage(outcomes: list[Outcome]) -> list[str]:
@@ -50,12 +51,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--programs", type=int, default=100)
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--verbose", action="store_true", help="each disagreement's details as it is found")
+    parser.add_argument("--only", action="append", default=[], metavar="AXIS=VALUE",
+                        help="only the programs drawn with this value of an axis (repeatable); seeds that draw another "
+                             "are passed over, until --programs are checked")
     args = parser.parse_args(argv)
+    only = dict(item.partition("=")[::2] for item in args.only)
+    if unknown := [f"{a}={v}" for a, v in only.items() if v not in AXES.get(a, ())]:
+        parser.error(f"--only {unknown[0]}: not an axis and one of its values ({', '.join(AXES)})")
     torch.set_num_threads(1)
     outcomes = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nanforensics-oracle-") as folder:
-        for seed in range(args.first, args.first + args.programs):
+        seed = args.first - 1
+        while len(outcomes) < args.programs:
+            seed += 1
+            if only and any(draw(seed).axes[a] != v for a, v in only.items()):
+                continue
             o = check(seed, Path(folder))
             outcomes.append(o)
             if args.verbose and o.kind == "disagree":

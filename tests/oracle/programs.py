@@ -99,6 +99,8 @@ def draw(seed: int) -> Program:
         again = random.Random(-seed - 2)
         step = again.choice([s for s in shapes if not set(features(s, "none")) & set(UNSUPPORTED_WITH_SEVERAL)])
         fault = again.choice([f for f in faults if not set(features("plain", f)) & set(UNSUPPORTED_WITH_SEVERAL)])
+    if count == "two" and arch != "lstm" and random.Random(-seed - 5).random() < 0.25:
+        step = "fp16_scaler"  # one GradScaler for both optimizers (drawn apart as well)
     # drawn apart as well; a sparse SGD's momentum is a sparse state no checkpoint holds (the Recorder refuses it)
     checkpoints = random.Random(-seed - 3).choice(["start"] if arch == "embedding_sparse" and optimizer == "SGD"
                                                   else list(CHECKPOINTS))
@@ -364,10 +366,15 @@ def _step(axes: dict[str, str], ema: bool) -> str:
     if scheduled:
         kw.append("scheduler")
     sig = "def train_step(model, optimizer, batch" + (", *, " + ", ".join(kw) if kw else "") + "):"
-    tail = ["scheduler.step()"] if scheduled else []
+    tail = (["for s in scheduler:\n        s.step()"] if count == "two" else ["scheduler.step()"]) if scheduled else []
     if ema:
         tail.append("with torch.no_grad():\n        for p in model.parameters():\n            p.mul_(0.999)")
-    if count == "two":
+    if count == "two" and shape == "fp16_scaler":  # torch's pattern for several optimizers: one update after
+        body = ["for opt in optimizer:\n        opt.zero_grad(set_to_none=True)",
+                "with torch.autocast('cpu', dtype=torch.float16):\n        out = model(batch['x'])",
+                "loss = loss_fn(model, out.float(), batch)", "scaler.scale(loss).backward()",
+                "for opt in optimizer:\n        scaler.step(opt)", "scaler.update()"]
+    elif count == "two":
         body = ["for opt in optimizer:\n        opt.zero_grad(set_to_none=True)",
                 "loss = loss_fn(model, model(batch['x']), batch)", "loss.backward()",
                 "for opt in optimizer:\n        opt.step()"]
@@ -433,13 +440,15 @@ def load(name: str, source: str, folder: Path) -> ModuleType:
 
 
 def extras(module: ModuleType, optimizer: Any) -> dict[str, Any]:
-    """The keyword arguments the program's step takes: its GradScaler and its scheduler, freshly built."""
+    """The keyword arguments the program's step takes: its GradScaler (one, for two optimizers too) and its scheduler
+    (for two optimizers, a tuple of one over each), freshly built."""
     out: dict[str, Any] = {}
     if "scaler" in module.train_step.__code__.co_varnames[:module.train_step.__code__.co_argcount
                                                             + module.train_step.__code__.co_kwonlyargcount]:
         out["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
     if module.make_scheduler is not None:
-        out["scheduler"] = module.make_scheduler(optimizer)
+        out["scheduler"] = tuple(map(module.make_scheduler, optimizer)) if isinstance(optimizer, tuple) \
+            else module.make_scheduler(optimizer)
     return out
 
 
@@ -452,9 +461,11 @@ def record(module: ModuleType, run_dir: Path, checkpoints: str = "start") -> lis
     optimizer = module.make_optimizer(model)
     kw = extras(module, optimizer)
     losses = []
+    factory = module.make_scheduler
     with Recorder(run_dir, model, optimizer, model_factory=module.build_model, step_fn=module.train_step,
                   checkpoint_every=CHECKPOINTS[checkpoints], scaler=kw.get("scaler"), scheduler=kw.get("scheduler"),
-                  scheduler_factory=module.make_scheduler) as rec:
+                  scheduler_factory=(factory,) * len(optimizer) if factory and isinstance(optimizer, tuple)
+                  else factory) as rec:
         for step in range(STEPS):
             batch = module.make_batch(step)
             loss = module.train_step(model, optimizer, batch, **kw)

@@ -99,8 +99,8 @@ def _checkable(t: Any) -> bool:
     return not wrapped and not isinstance(t, torch._subclasses.FakeTensor)
 
 
-def each(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The optimizers a program made: one, or each of the tuple a program of two returns."""
+def each(optimizer: Any) -> list[Any]:
+    """The optimizers a program made: one, or each of the tuple a program of two returns (and so its schedulers)."""
     return list(optimizer) if isinstance(optimizer, (tuple, list)) else [optimizer]
 
 
@@ -115,7 +115,7 @@ class StepWatch:
             self.names.setdefault(p, n)
         self.constant_buffers = constant_buffers
         self.found: dict[str, Found] = {}
-        self.stepped = False
+        self.stepped_by: set[int] = set()  # the optimizers whose step() ran, by id
         self.handles: list[Any] = []
 
     def see(self, stage: str, name: str, t: Any, key: str | None = None) -> None:
@@ -143,8 +143,13 @@ class StepWatch:
                 self.see("forward", name if i == 0 else name + keystr(path), t)
         return hook
 
+    @property
+    def stepped(self) -> bool:
+        """Whether every optimizer's ``step()`` ran (a GradScaler skips each whose own gradients are not finite)."""
+        return all(id(o) in self.stepped_by for o in each(self.optimizer))
+
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.stepped = True
+        self.stepped_by.add(id(optimizer))
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -200,7 +205,8 @@ class Program:
         from step to step), optimizer, scaler and scheduler state, the RNG."""
         grads = [None if p.grad is None else p.grad.detach() for p in self.model.parameters()]
         return copy.deepcopy((self.model.state_dict(), grads, [o.state_dict() for o in each(self.optimizer)],
-                              {k: v.state_dict() for k, v in self.extras.items()}, torch.get_rng_state()))
+                              {k: [x.state_dict() for x in each(v)] for k, v in self.extras.items()},
+                              torch.get_rng_state()))
 
     def restore(self, snap: Any) -> None:
         model, grads, opt, extras, rng = copy.deepcopy(snap)
@@ -209,8 +215,9 @@ class Program:
             p.grad = g
         for o, state in zip(each(self.optimizer), opt):
             o.load_state_dict(state)
-        for k, v in extras.items():
-            self.extras[k].load_state_dict(v)
+        for k, states in extras.items():
+            for x, state in zip(each(self.extras[k]), states):
+                x.load_state_dict(state)
         torch.set_rng_state(rng)
 
     def run(self, step: int, batch: Any) -> tuple[list[Found], bool]:

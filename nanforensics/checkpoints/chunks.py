@@ -26,13 +26,13 @@ OnChunk = Callable[[int, list[torch.Tensor], list[float]], None]
 def walk(tensors: Sequence[torch.Tensor], releases: Sequence[Release], on_chunk: OnChunk | None = None
          ) -> list[tuple[float, float]]:
     """min and max of each of these tensors of one size (NaN, NaN for one holding a NaN), read in lockstep chunks of
-    ``CHUNK_BYTES`` in all, the next chunk asked for from the disk while one is reduced, each chunk's pages released
+    ``CHUNK_BYTES`` each, the next chunk asked for from the disk while one is reduced, each chunk's pages released
     once read. Without ``on_chunk`` a NaN ends the pass (the scan then counts and locates); with it every chunk is
     read. A non-contiguous tensor is flattened into a copy: nothing of it to release or to read ahead."""
     flats = [t.reshape(-1) for t in tensors]
     contiguous = [t.is_contiguous() for t in tensors]
     n = flats[0].numel()
-    step = max(1, CHUNK_BYTES // sum(f.element_size() for f in flats))
+    step = max(1, CHUNK_BYTES // max(f.element_size() for f in flats))  # as many chunks as one tensor alone
     lo, hi = [math.inf] * len(flats), [-math.inf] * len(flats)
     for start in range(0, n, step):
         chunks = [f[start:start + step] for f in flats]

@@ -15,7 +15,7 @@ import torch
 
 from .. import finite
 from ..formats.entries import Release
-from ..formats.pages import read_ahead
+from ..formats.pages import populate, read_ahead
 
 CHUNK_BYTES = 32 << 20  # 32 and 128 MB read alike (bench_scan_readers.py); 128 MB put the peak RSS past its bound
 
@@ -26,9 +26,10 @@ OnChunk = Callable[[int, list[torch.Tensor], list[float]], None]
 def walk(tensors: Sequence[torch.Tensor], releases: Sequence[Release], on_chunk: OnChunk | None = None
          ) -> list[tuple[float, float]]:
     """min and max of each of these tensors of one size (NaN, NaN for one holding a NaN), read in lockstep chunks of
-    ``CHUNK_BYTES`` each, the next chunk asked for from the disk while one is reduced, each chunk's pages released
-    once read. Without ``on_chunk`` a NaN ends the pass (the scan then counts and locates); with it every chunk is
-    read. A non-contiguous tensor is flattened into a copy: nothing of it to release or to read ahead."""
+    ``CHUNK_BYTES`` each: the next chunk asked for from the disk while one is reduced, each chunk's page table filled
+    in one call before it is read, its pages released once read. Without ``on_chunk`` a NaN ends the pass (the scan
+    then counts and locates); with it every chunk is read. A non-contiguous tensor is flattened into a copy: nothing
+    of it to release or to read ahead."""
     flats = [t.reshape(-1) for t in tensors]
     contiguous = [t.is_contiguous() for t in tensors]
     n = flats[0].numel()
@@ -36,9 +37,10 @@ def walk(tensors: Sequence[torch.Tensor], releases: Sequence[Release], on_chunk:
     lo, hi = [math.inf] * len(flats), [-math.inf] * len(flats)
     for start in range(0, n, step):
         chunks = [f[start:start + step] for f in flats]
-        for f, ahead in zip(flats, contiguous):
-            if ahead:
+        for f, chunk, own in zip(flats, chunks, contiguous):
+            if own:
                 read_ahead(f[start + step:start + 2 * step])
+                populate(chunk)
         minima = []
         for i, chunk in enumerate(chunks):
             mn, mx = (v.item() for v in finite.min_max(chunk))  # a CPU reduction has finished: read it at once

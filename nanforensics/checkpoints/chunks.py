@@ -15,7 +15,7 @@ import torch
 
 from .. import finite
 from ..formats.entries import Release
-from ..formats.pages import populate, read_ahead
+from ..formats.pages import read_ahead
 
 CHUNK_BYTES = 32 << 20  # 32 and 128 MB read alike (bench_scan_readers.py); 128 MB put the peak RSS past its bound
 
@@ -26,21 +26,23 @@ OnChunk = Callable[[int, list[torch.Tensor], list[float]], None]
 def walk(tensors: Sequence[torch.Tensor], releases: Sequence[Release], on_chunk: OnChunk | None = None
          ) -> list[tuple[float, float]]:
     """min and max of each of these tensors of one size (NaN, NaN for one holding a NaN), read in lockstep chunks of
-    ``CHUNK_BYTES`` each: the next chunk asked for from the disk while one is reduced, each chunk's page table filled
-    in one call before it is read, its pages released once read. Without ``on_chunk`` a NaN ends the pass (the scan
+    ``CHUNK_BYTES`` in all: the next chunk asked for from the disk while one is reduced, each chunk's pages released
+    once read. Without ``on_chunk`` a NaN ends the pass (the scan
     then counts and locates); with it every chunk is read. A non-contiguous tensor is flattened into a copy: nothing
     of it to release or to read ahead."""
     flats = [t.reshape(-1) for t in tensors]
     contiguous = [t.is_contiguous() for t in tensors]
     n = flats[0].numel()
-    step = max(1, CHUNK_BYTES // max(f.element_size() for f in flats))  # as many chunks as one tensor alone
+    # CHUNK_BYTES in all; beside the checks, counted as float32 where narrower, what they widen a chunk into (so the
+    # resident set stays within a few chunks whatever the dtypes)
+    sizes = [f.element_size() if on_chunk is None else max(f.element_size(), 4) for f in flats]
+    step = max(1, CHUNK_BYTES // sum(sizes))
     lo, hi = [math.inf] * len(flats), [-math.inf] * len(flats)
     for start in range(0, n, step):
         chunks = [f[start:start + step] for f in flats]
-        for f, chunk, own in zip(flats, chunks, contiguous):
-            if own:
+        for f, ahead in zip(flats, contiguous):
+            if ahead:
                 read_ahead(f[start + step:start + 2 * step])
-                populate(chunk)
         minima = []
         for i, chunk in enumerate(chunks):
             mn, mx = (v.item() for v in finite.min_max(chunk))  # a CPU reduction has finished: read it at once

@@ -1,5 +1,5 @@
-"""Handing a memory-mapped tensor's pages back once read, so a scan's resident set stays near one chunk, asking
-for the next chunk's pages ahead of the read, and mapping a chunk's pages in one call before it is read.
+"""Handing a memory-mapped tensor's pages back once read, so a scan's resident set stays near one chunk, and asking
+for the next chunk's pages ahead of the read.
 
 A scan touches every page of a checkpoint exactly once. On a file-backed private map that
 nothing writes, MADV_DONTNEED only forgets page-table entries: the kernel faults the pages back
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import sys
 from typing import Callable
 
 import torch
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", None)
-# Linux >= 5.14 (Python names it from 3.12); an older kernel refuses it, and the pages fault in as they are read
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
 
 
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
@@ -60,13 +57,3 @@ def read_ahead(view: torch.Tensor) -> None:
         return
     lo, hi = span(view)
     _madvise(lo, hi - lo, _MADV_WILLNEED)
-
-
-def populate(view: torch.Tensor) -> None:
-    """Fill the page table under ``view`` in one call (``MADV_POPULATE_READ``) before it is read, rather than a fault
-    per folio (per 16 pages where the file is cached in small ones) as it is read: half the kernel's time, in
-    bench_scan.py's breakdown. On a kernel without it (before Linux 5.14) the call fails and the pages fault in."""
-    if _madvise is None or _MADV_POPULATE_READ is None or view.numel() == 0 or not view.is_contiguous():
-        return
-    lo, hi = span(view)
-    _madvise(lo, hi - lo, _MADV_POPULATE_READ)

@@ -488,7 +488,7 @@ def _unravel(i: int, shape: tuple[int, ...]) -> list[int]:
 
 class Checker:
     """Fed the checkpoint's tensors as the scan streams them; holds a parameter's state tensors until all have come,
-    then checks them together."""
+    then hands them over together (``ParamState``), to be read once and checked."""
 
     def __init__(self, source: CheckpointSource, infos: list[TensorInfo], order_names: list[str] | None = None) -> None:
         self.source = source

@@ -6,8 +6,10 @@ that checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from nanforensics.checkpoints import soundness
+from nanforensics.checkpoints import chunks, soundness
 from nanforensics.checkpoints.scan import CLEAN, scan_checkpoint
 from nanforensics.formats import open_checkpoint
 from nanforensics.replay.engine import ReplayOptions, replay_run
@@ -132,6 +134,11 @@ def state_chunks(draw: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return state, {"betas": (b1, b2), "_dtype": dtype}
 
 
+def minima(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each chunk's minimum, as the scan's finiteness pass hands it to the screen."""
+    return {k: float(t.amin()) for k, t in state.items()}
+
+
 @settings(max_examples=400, deadline=None)
 @given(state_chunks())
 def test_the_screen_passes_no_chunk_the_masks_would_flag(chunk):
@@ -141,16 +148,80 @@ def test_the_screen_passes_no_chunk_the_masks_would_flag(chunk):
     flagged = {name: mask.nonzero().flatten().tolist() for name, mask in soundness.flags(state, hyper).items()
                if mask.any()}
     if flagged:
-        assert soundness._suspect(state, hyper, torch.empty(len(state["exp_avg"]))), (flagged, state)
+        assert soundness._suspect(state, minima(state), hyper, torch.empty(len(state["exp_avg"]))), (flagged, state)
 
 
 def test_the_screen_passes_healthy_adam_state():
     """Not vacuous: torch's own Adam state over ordinary gradients is passed without building a mask."""
     grads = [torch.randn(4096, generator=torch.Generator().manual_seed(k)) for k in range(50)]
     state, group = _adam_state(grads, torch.float32, amsgrad=True)
-    assert not soundness._suspect(state, {**group, "_dtype": torch.float32}, torch.empty(4096))
+    assert not soundness._suspect(state, minima(state), {**group, "_dtype": torch.float32}, torch.empty(4096))
     state["exp_avg"][7] = 8 * state["exp_avg_sq"][7].sqrt()  # past the bound (7.27 at these betas)
-    assert soundness._suspect(state, {**group, "_dtype": torch.float32}, torch.empty(4096))
+    assert soundness._suspect(state, minima(state), {**group, "_dtype": torch.float32}, torch.empty(4096))
+
+
+# ---- one pass: the findings do not depend on how the state is cut into chunks ----------------------------------------
+
+
+def _flawed_adam(rng: random.Random, n: int, edge: int) -> dict[str, Any]:
+    """A torch.save checkpoint of two Adam parameters (amsgrad or not, moments of both signs or all >= 0), flaws on
+    and beside multiples of ``edge`` (chunk edges) and at the ends: a negative second moment, an exp_avg past the
+    bound, a maximum below v; the second parameter's moments in bfloat16 (widened chunk by chunk), with a NaN in its
+    last chunk where ``rng`` says."""
+    params = [torch.nn.Parameter(torch.zeros(n)), torch.nn.Parameter(torch.zeros(3, n))]
+    opt = torch.optim.Adam(params, amsgrad=rng.random() < 0.5)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    signs = rng.choice([torch.Tensor.abs, torch.Tensor.clone])
+    for _ in range(3):
+        for p in params:
+            p.grad = signs(torch.randn(p.shape, generator=g))
+        opt.step()
+    state = opt.state_dict()
+    for st_ in state["state"].values():
+        last = st_["exp_avg"].numel() - 1
+        near = [edge * k + d for k in range(1, last // edge, 2) for d in (-1, 0)] + [0, last]
+        for key, scale in (("exp_avg_sq", -1.0), ("exp_avg", 20.0), ("max_exp_avg_sq", 0.5)):
+            for i in rng.sample(near, rng.randint(1, 3)) if key in st_ else []:
+                st_[key].view(-1)[i] *= scale
+    second = state["state"][1]
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        if key in second:
+            second[key] = second[key].to(torch.bfloat16)
+    if rng.random() < 0.3:
+        second["exp_avg"].view(-1)[-1] = math.nan
+    return {"model": {"a": params[0].detach(), "b": params[1].detach()}, "optimizer": state}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_findings_do_not_depend_on_the_chunks(tmp_path, monkeypatch, seed):
+    """The scan reads a parameter's state once, its tensors in lockstep chunks, the checks fed each chunk and its
+    minima (checkpoints/chunks.py): the report (findings, first coordinates, counts, extremes, the verdict) is the same
+    with chunks of 4 or 12, 16 or 48 and 8M elements, and each check's first coordinate and count are the ones the
+    masks give over the whole tensors; as a torch.save file (Adam's groups: the bound checked) and as safetensors
+    (no groups: the second moments' signs screened by the minima alone). A wrong offset, minima given to the wrong
+    tensor or a chunk left out each break it."""
+    rng = random.Random(seed)
+    edge = rng.choice([4, 12])
+    obj = _flawed_adam(rng, rng.choice([37, 64, 101]), edge)
+    state, group = obj["optimizer"]["state"], obj["optimizer"]["param_groups"][0]
+    torch.save(obj, tmp_path / "ck.pt")
+    save_file({**obj["model"], **{f"optimizer.{p}.{k}": v for i, p in enumerate("ab") for k, v in state[i].items()}},
+              tmp_path / "ck.safetensors")
+    for file, hyper in (("ck.pt", group), ("ck.safetensors", {})):
+        reports = []
+        for size in (edge * 4, 48 if edge == 4 else 16, chunks.CHUNK_BYTES):  # bytes: a float32 chunk's elements x 4
+            monkeypatch.setattr(chunks, "CHUNK_BYTES", size)
+            report = dataclasses.asdict(scan_checkpoint(open_checkpoint(tmp_path / file), full=True))
+            report.pop("seconds")
+            reports.append(report)
+        assert reports[0] == reports[1] == reports[2]
+        masks = soundness.flags({k: v for k, v in state[0].items() if v.dim()}, {**hyper, "_dtype": torch.float32})
+        expected = {name: mask.nonzero().flatten().tolist() for name, mask in masks.items() if mask.any()}
+        found = {f"{u['check']}:{u['tensor'].rpartition('.')[2]}": u for u in reports[0]["unsound"]
+                 if u["param"] in ("a", "optimizer.a") and u["check"] in soundness.ELEMENTWISE}
+        assert {name: u["index"] for name, u in found.items()} == {name: i[:1] for name, i in expected.items()}, file
+        for name, flagged in expected.items():
+            assert (f"({len(flagged)} coordinates in all)" in found[name]["message"]) == (len(flagged) > 1)
 
 
 # ---- long healthy runs: no false alarm ---------------------------------------------------------------------------

@@ -1,12 +1,11 @@
 """Scan one checkpoint: every tensor's finiteness, first bad coordinate and headroom, and a verdict.
 
-One ``aminmax`` pass per tensor (``finite.min_max``, in chunks whose pages are handed back as
+One ``aminmax`` pass per tensor (``chunks.walk``, in chunks whose pages are handed back as
 soon as they are read, so the resident set stays near one chunk, the next chunk asked for from the
 disk while one is reduced) gives both the verdict and
 max |x|; the exact count and the first coordinate are computed only for tensors found bad.
-That pass is the scan's ceiling: a ``sum`` reads faster but cannot give max |x|, and on these CPUs
-``aminmax`` runs at 0.6-0.75 of a sum's bandwidth; mapping and handing back the pages costs about
-0.1 more (docs/performance.md).
+A parameter's optimizer state is read in the same pass as its soundness checks: its tensors are held until all
+have come, then read together, once (docs/performance.md).
 The verdict ranks parameters, then buffers, then optimizer state. Model tensors (parameters and
 buffers) are read before optimizer state, so a scan that stops early still gives the right
 verdict: it stops at the first non-finite parameter, or once the model is read when only a
@@ -26,13 +25,12 @@ from .. import finite
 from ..errors import BadInput
 from ..formats import MODEL, OPTIMIZER, CheckpointSource, TensorInfo
 from ..formats.entries import Release
-from ..formats.pages import read_ahead
 from ..report import Unsound
+from .chunks import walk
 from .soundness import Checker, Soundness
 
 SCAN_SCHEMA = "nanforensics.scan/1"
 DEFAULT_MARGIN = 1000.0
-CHUNK_BYTES = 32 << 20  # 32 and 128 MB read alike (bench_scan_readers.py); 128 MB put the peak RSS past its bound
 # POISONED_BUFFERS: the parameters finite, a registered buffer (BatchNorm statistics) not
 ScanVerdict = Literal["clean", "poisoned_parameters", "poisoned_optimizer_state", "poisoned_buffers"]
 CLEAN, POISONED_PARAMETERS, POISONED_STATE, POISONED_BUFFERS = get_args(ScanVerdict)
@@ -122,25 +120,30 @@ def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: flo
     check_margin(margin)
     started = time.perf_counter()
     stream = source.open()
-    results = list(resume.tensors) if resume else []
-    bytes_read = resume.bytes_read if resume else 0
+    results = _InOrder(list(resume.tensors) if resume else [], resume.bytes_read if resume else 0, source, progress,
+                       full)
     if progress:
         progress.start(source.path.name, stream.nbytes)
-        progress.advance(bytes_read)
+        progress.advance(results.bytes_read)
     checker = Checker(source, stream.infos) if soundness and resume is None else None
-    for info, tensor, release in stream.tensors(len(results)):
-        result = _check(info, tensor, release, margin)
-        if checker is not None:
-            checker.feed(info, tensor, release, not result.nonfinite)
-        if info.group == MODEL:
-            result.buffer = source.is_buffer(info.name)
-        del tensor  # unmaps it before the next one is mapped
-        results.append(result)
-        bytes_read += info.nbytes
-        if progress:
-            progress.advance(info.nbytes)
-        if not full and _settled(results):
+    for info, tensor, release in stream.tensors(len(results.done)):
+        results.waiting.append(_Waiting(info, tensor, release))
+        state = checker.feed(info, tensor, release) if checker is not None and info.group == OPTIMIZER else None
+        if state is not None:  # the parameter's state is complete: read once, for both checks
+            held = [(results.held(i), extremes) for i, extremes in state.read()]
+            for w, extremes in held:
+                w.check(margin, extremes)
+            state.conclude(not any(w.result and w.result.nonfinite for w, _ in held))
+        elif checker is None or info.group != OPTIMIZER:
+            results.waiting[-1].check(margin, None)
+        del tensor  # unmaps it before the next one is mapped (a held one stays mapped until read)
+        if results.flush():
             break
+    else:  # state whose parameter never completed (a name given twice) is read alone, as any tensor
+        for w in results.waiting:
+            w.check(margin, None)
+        results.flush()
+    bytes_read, results = results.bytes_read, results.done
     seconds = time.perf_counter() - started + (resume.seconds if resume else 0.0)
     complete = len(results) == len(stream.infos)
     sound = checker.finish() if checker is not None and complete else resume.soundness if resume else None
@@ -153,33 +156,60 @@ def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: flo
                       soundness=sound)
 
 
+@dataclass
+class _Waiting:
+    """A tensor the stream gave, until its result is known."""
+
+    info: TensorInfo
+    tensor: torch.Tensor | None
+    release: Release
+    result: TensorScan | None = None
+
+    def check(self, margin: float, extremes: tuple[float, float] | None) -> None:
+        if self.result is None and self.tensor is not None:
+            self.result = _check(self.info, self.tensor, self.release, margin, extremes)
+            self.tensor = None  # unmapped once nothing else holds it
+
+
+@dataclass
+class _InOrder:
+    """The results in the stream's order, though optimizer state waits for the rest of its parameter's; and whether
+    a scan that is not ``full`` may stop there."""
+
+    done: list[TensorScan]
+    bytes_read: int
+    source: CheckpointSource
+    progress: Progress | None
+    full: bool
+    waiting: list[_Waiting] = field(default_factory=list)
+
+    def held(self, info: TensorInfo) -> _Waiting:
+        return next(w for w in self.waiting if w.info is info)
+
+    def flush(self) -> bool:
+        """Move the results known at the front; True once the verdict is settled and the scan may stop."""
+        while self.waiting and self.waiting[0].result is not None:
+            w = self.waiting.pop(0)
+            result = w.result
+            assert result is not None
+            if result.group == MODEL:
+                result.buffer = self.source.is_buffer(result.name)
+            self.done.append(result)
+            self.bytes_read += w.info.nbytes
+            if self.progress:
+                self.progress.advance(w.info.nbytes)
+            if not self.full and _settled(self.done):
+                return True
+        return False
+
+
 def _widened(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in _NO_AMINMAX else t  # exact: every fp8 value is a float32
 
 
-def _extremes(tensor: torch.Tensor, release: Release) -> tuple[float, float]:
-    """min and max (NaN if any) chunk by chunk, each chunk's pages released once read.
-
-    A non-contiguous tensor is flattened into a copy: nothing of it to release.
-    """
-    contiguous = tensor.is_contiguous()
-    flat = tensor.reshape(-1)
-    step = max(1, CHUNK_BYTES // flat.element_size())
-    lo, hi = math.inf, -math.inf
-    for start in range(0, flat.numel(), step):
-        chunk = flat[start:start + step]
-        if contiguous:
-            read_ahead(flat[start + step:start + 2 * step])
-        mn, mx = (v.item() for v in finite.min_max(chunk))  # a CPU reduction has finished: read it at once
-        if math.isnan(mn) or math.isnan(mx):
-            return math.nan, math.nan
-        lo, hi = min(lo, mn), max(hi, mx)
-        if contiguous:
-            release(chunk)
-    return lo, hi
-
-
-def _check(info: TensorInfo, tensor: torch.Tensor, release: Release, margin: float) -> TensorScan:
+def _check(info: TensorInfo, tensor: torch.Tensor, release: Release, margin: float,
+           extremes: tuple[float, float] | None) -> TensorScan:
+    """``extremes``: min and max where the soundness checks' pass read them already."""
     base = {"name": info.name, "group": info.group, "dtype": str(info.dtype).removeprefix("torch."),
             "shape": list(info.shape)}
     coordinates = None
@@ -189,7 +219,7 @@ def _check(info: TensorInfo, tensor: torch.Tensor, release: Release, margin: flo
     if not finite.checkable(tensor):
         return TensorScan(**base, checked=False, nonfinite=0, first_nonfinite=None, max_abs=None, dtype_max=None,
                           near_limit=False)
-    lo, hi = _extremes(tensor, release)
+    lo, hi = extremes or walk([tensor], [release])[0]
     if math.isfinite(lo) and math.isfinite(hi):
         count, first, peak = 0, None, max(abs(lo), abs(hi))
     else:  # a NaN or an infinity: count, locate, and the largest finite |x| where one is left

@@ -25,8 +25,8 @@ update (or a few later). What is checked, by optimizer (recognised by its state 
   makes the update 0/0.
 
 SGD's momentum buffer is bounded by nothing else the checkpoint holds: for SGD with momentum, shape, dtype and the
-hyperparameters are checked. Tensors are held only until their parameter's state is complete and are read in
-chunks whose pages are handed back, as the scan reads them.
+hyperparameters are checked. Tensors are held only until their parameter's state is complete, then read in the
+scan's own pass (``chunks.walk``): each chunk once, for its finiteness and these checks, its pages handed back.
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ from ..numbers import pair, real, root
 from ..report import Event, Unsound
 from ..runs.checkpoint import EXTRAS_FILE, Checkpoint, param_names, state_from_json
 from ..words import count
-
-CHUNK = 1 << 21  # elements per chunk of a pair check (8 MB of float32 per tensor)
+from .chunks import walk
 
 # The checks, as named in findings
 NEGATIVE, AMSGRAD, BOUND, SHAPE, DTYPE, STEP, HYPERPARAMETER, LOSS_SCALE, EPS_ZERO = (
@@ -396,17 +395,22 @@ def flags(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> dict[s
     return out
 
 
-def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any], scratch: torch.Tensor) -> bool:
+def _suspect(state: Mapping[str, torch.Tensor], minima: Mapping[str, float], hyper: Mapping[str, Any],
+             scratch: torch.Tensor) -> bool:
     """Whether ``flags`` could flag anything in this chunk (finite float32 state), by reductions over one reused
-    ``scratch`` buffer: three passes over a chunk still in cache where the masks take a dozen, and fresh allocations
-    would fault in their pages every chunk (the masks are built only for a chunk found suspect).
+    ``scratch`` buffer: at most two passes over a chunk still in cache where the masks take a dozen, and fresh
+    allocations would fault in their pages every chunk (the masks are built only for a chunk found suspect).
+    ``minima``: each tensor's minimum over the chunk as stored, which the scan's finiteness pass computed already: the
+    signs of the second moments cost no pass (rounding to the compared dtype is monotone and keeps 0, so a stored
+    minimum >= 0 leaves every compared value >= 0).
 
     Adam's bound is screened as min(v - m^2/K^2) >= -atol^2/(2K^2), K = k(1 + r/2) (half the slack ``flags``
     allows): a coordinate that ``flags`` marks has |m| > k(1+r) sqrt(v) + atol, so v - m^2/K^2 < -r(k/K)^2 v -
     atol^2/K^2, a margin float32's rounding (relative 2^-24 a product, three of them; r/2 >= 8 * 2^-24) cannot
-    close. An m^2/K^2 that overflows gives -inf, suspect. The same pass stands in for v's own sign: a negative v
-    leaves v - m^2/K^2 negative, so only a chunk whose minimum is negative has v read again. A slack below 2^-140
-    (float64 state) is not screened: beside it, float32's underflow (2^-149) is no longer small."""
+    close. An m^2/K^2 that overflows gives -inf, suspect. A slack below 2^-140 (float64 state) is not screened:
+    beside it, float32's underflow (2^-149) is no longer small."""
+    if any(minima[key] < 0 for key in NONNEGATIVE if key in state):
+        return True
     out = scratch[:next(iter(state.values())).numel()]
     v = state.get("exp_avg_sq")
     bound = _adam_terms(state, hyper)
@@ -414,38 +418,65 @@ def _suspect(state: Mapping[str, torch.Tensor], hyper: Mapping[str, Any], scratc
         limit, rtol, atol = bound
         k = limit * (1 + rtol / 2)
         slack = atol * atol / (2 * k * k)
-        if slack < 2.0 ** -140:
-            return True
         m = state["exp_avg"]
-        worst = float(torch.addcmul(v, m, m, value=-1 / (k * k), out=out).amin())
-        if worst < -slack or worst < 0 and bool(v.amin() < 0):
+        if slack < 2.0 ** -140 or float(torch.addcmul(v, m, m, value=-1 / (k * k), out=out).amin()) < -slack:
             return True
-    # a negative max_exp_avg_sq is below v or leaves v negative: the amsgrad check and v's sign stand in for it
-    covered = {"exp_avg_sq"} if bound is not None else set()
-    covered |= {"max_exp_avg_sq"} if v is not None else set()
-    if any(bool(state[key].amin() < 0) for key in NONNEGATIVE if key in state and key not in covered):
-        return True
     # exact: a finite x > y never rounds x - y to 0 (gradual underflow)
     return "max_exp_avg_sq" in state and v is not None and bool(
         torch.sub(v, state["max_exp_avg_sq"], out=out).amax() > 0)
 
 
-def _chunks(held: Mapping[str, _Held]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """Matching chunks of a parameter's same-sized state tensors, as float32, each chunk's pages handed back once read."""
-    flat = {k: h.tensor.reshape(-1) for k, h in held.items()}
-    n = next(iter(flat.values())).numel()
-    # tensors saved in different dtypes are compared at the coarsest one's precision: rounding is monotone, so an
-    # order that held before the cast holds after it
-    coarsest = max((h.tensor.dtype for h in held.values()), key=lambda d: torch.finfo(d).eps)
-    # float32 chunks of other dtypes land in buffers reused chunk after chunk: a fresh one would fault its pages in
-    widened = {k: torch.empty(min(CHUNK, n), dtype=torch.float32) for k, f in flat.items()
-               if f.dtype != torch.float32 or coarsest != torch.float32}
-    for start in range(0, n, CHUNK):
-        views = {k: f[start:start + CHUNK] for k, f in flat.items()}
-        yield start, {k: widened[k][:v.numel()].copy_(v.to(coarsest)) if k in widened else v for k, v in views.items()}
-        for k, v in views.items():
-            if held[k].tensor.is_contiguous():
-                held[k].release(v)
+class _Elementwise:
+    """The elementwise checks over same-sized state tensors of one parameter, fed their chunks as the scan reads them
+    (``chunks.walk``): flags, zeros at eps = 0, and (for a step of 0) whether any moment holds a value."""
+
+    def __init__(self, held: Mapping[str, _Held], hyper: Mapping[str, Any], step: float | None) -> None:
+        self.held, self.hyper, self.step = held, hyper, step
+        self.typed = {**hyper, "_dtype": held["exp_avg_sq"].tensor.dtype if "exp_avg_sq" in held else torch.float32}
+        self.eps = real(hyper.get("eps"))
+        self.denominator = "max_exp_avg_sq" if hyper.get("amsgrad") and "max_exp_avg_sq" in held else "exp_avg_sq"
+        self.tallies: dict[str, _Tally] = {}
+        self.zeros = _Tally()
+        self.nonzero = False
+        # tensors saved in different dtypes are compared at the coarsest one's precision: rounding is monotone, so an
+        # order that held before the cast holds after it
+        self.coarsest = max((h.tensor.dtype for h in held.values()), key=lambda d: torch.finfo(d).eps)
+        # float32 chunks of other dtypes, and the screen's scratch, land in buffers reused chunk after chunk: fresh
+        # ones would fault their pages in (made at the first chunk, the largest)
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def chunk(self, start: int, views: list[torch.Tensor], minima: list[float]) -> None:
+        if not self.buffers:
+            self.buffers = {k: torch.empty(views[0].numel(), dtype=torch.float32) for k, h in self.held.items()
+                            if h.tensor.dtype != torch.float32 or self.coarsest != torch.float32}
+            self.buffers[""] = torch.empty(views[0].numel(), dtype=torch.float32)
+        chunk = {k: self.buffers[k][:v.numel()].copy_(v.to(self.coarsest)) if k in self.buffers else v
+                 for k, v in zip(self.held, views)}
+        if _suspect(chunk, dict(zip(self.held, minima)), self.typed, self.buffers[""]):
+            for name, mask in flags(chunk, self.typed).items():
+                _tally(self.tallies.setdefault(name, _Tally()), mask, start, chunk)
+        if self.eps == 0 and self.denominator in chunk:
+            _tally(self.zeros, chunk[self.denominator] == 0, start, chunk)
+        if self.step == 0 and not self.nonzero:
+            self.nonzero = any(bool(c.any()) for c in chunk.values())
+
+    def report(self, found: Found) -> bool:
+        """The findings; returns whether any moment holds a value (for a step of 0)."""
+        shape = tuple(next(iter(self.held.values())).tensor.shape)
+        for name, t in self.tallies.items():
+            if t.count:
+                check, key = name.split(":")
+                found.add(check, key, _unravel(t.first, shape), t.values, _message(
+                    check, key, found.label, _unravel(t.first, shape), t, self.hyper))
+        zeros, denominator = self.zeros, self.denominator
+        if zeros.count:
+            where = _unravel(zeros.first, shape)
+            both = zeros.values.get("exp_avg") == 0
+            found.add(EPS_ZERO, denominator, where, zeros.values,
+                      f"{denominator} of {found.label} holds {count(zeros.count, 'exact zero')} (first at {where}) and "
+                      f"the group's eps is 0: the update divides by sqrt(v)+eps = 0 there, so the first zero gradient "
+                      f"at such a coordinate makes it {'0/0 = NaN' if both else 'inf (and 0/0 = NaN where exp_avg is 0)'}")
+        return self.nonzero
 
 
 def _unravel(i: int, shape: tuple[int, ...]) -> list[int]:
@@ -458,7 +489,7 @@ def _unravel(i: int, shape: tuple[int, ...]) -> list[int]:
 
 class Checker:
     """Fed the checkpoint's tensors as the scan streams them; holds a parameter's state tensors until all have come,
-    then checks them together."""
+    then hands them over together (``ParamState``), to be read once and checked."""
 
     def __init__(self, source: CheckpointSource, infos: list[TensorInfo], order_names: list[str] | None = None) -> None:
         self.source = source
@@ -470,7 +501,6 @@ class Checker:
                 self.expected[prefix] = self.expected.get(prefix, 0) + 1
         self.model = {i.name: i for i in infos if i.group == MODEL}
         self.held: dict[str, dict[str, _Held]] = {}
-        self.broken: set[str] = set()  # parameters with a non-finite state tensor: the scan reports those
         self.unsound: list[Unsound] = []
         self.steps: dict[int, list[tuple[float, str]]] = {}  # group: (step, param)
         self.kinds: dict[int, str] = {}
@@ -487,15 +517,16 @@ class Checker:
                               "are not checked against the parameters, and a parameter is named by its position (#i)"
                               + (f": {self.layout.why_unnamed}" if self.layout.why_unnamed else ""))
 
-    def feed(self, info: TensorInfo, tensor: torch.Tensor, release: Release, finite: bool) -> None:
+    def feed(self, info: TensorInfo, tensor: torch.Tensor, release: Release) -> ParamState | None:
+        """Holds an optimizer state tensor until its parameter's state is complete, and then returns that state, to be
+        read and concluded."""
         if info.group != OPTIMIZER:
-            return
+            return None
         prefix, key = _split(info.name)
-        if not finite:
-            self.broken.add(prefix)
         self.held.setdefault(prefix, {})[key] = _Held(info, tensor, release)
         if len(self.held[prefix]) == self.expected.get(prefix, 0):
-            self._param(prefix, self.held.pop(prefix))
+            return ParamState(self, prefix, self.held.pop(prefix))
+        return None
 
     def finish(self) -> Soundness:
         """The group checks once every tensor has come (parameters left incomplete by a scan that stopped early are
@@ -523,31 +554,6 @@ class Checker:
             "the state belongs to another model, or parameters were added, removed or reordered since it was saved"))
 
     # -- per parameter --
-
-    def _param(self, prefix: str, held: dict[str, _Held]) -> None:
-        if prefix in self.broken:
-            return
-        entry = self.layout.params.get(prefix) if self.layout else None
-        group = entry.group if entry else None
-        hyper = self.layout.groups[group] if self.layout and group is not None else {}
-        label = entry.label if entry else prefix
-        if group is not None:
-            self.kinds.setdefault(group, optimizer_kind(hyper, held))
-        found = Found(self, label, group, {k: h.info.name for k, h in held.items()})
-        if entry is not None and self.layout is not None and self.layout.named:
-            self._layout_checks(found, entry, held)
-        step = real(held["step"].tensor) if "step" in held else real(entry.scalars.get("step")) if entry else None
-        tensors = {k: h for k, h in held.items()
-                   if h.tensor.is_floating_point() and h.tensor.dim() > 0 and h.tensor.layout == torch.strided}
-        same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
-            if tensors else {}
-        nonzero = self._elementwise(found, same, hyper, step) if same else False
-        for k, h in tensors.items():
-            if k not in same and k in NONNEGATIVE:  # a factored moment: checked on its own
-                self._elementwise(found, {k: h}, hyper, None)
-        if step is not None and group is not None:
-            self._step(found, step, nonzero, hyper)
-            self.steps.setdefault(group, []).append((step, label))
 
     def _layout_checks(self, found: Found, entry: _Param, held: dict[str, _Held]) -> None:
         param = self._model_tensor(entry.label)
@@ -581,39 +587,6 @@ class Checker:
             return self.model[label]
         hits = [i for n, i in self.model.items() if n.endswith("." + label)]
         return hits[0] if len(hits) == 1 else None
-
-    def _elementwise(self, found: Found, held: dict[str, _Held], hyper: Mapping[str, Any], step: float | None) -> bool:
-        """Flags, zeros at eps = 0, and (for a step of 0) whether any moment holds a value; returns the last."""
-        v_dtype = held["exp_avg_sq"].tensor.dtype if "exp_avg_sq" in held else torch.float32
-        tallies: dict[str, _Tally] = {}
-        eps = real(hyper.get("eps"))
-        denominator = "max_exp_avg_sq" if hyper.get("amsgrad") and "max_exp_avg_sq" in held else "exp_avg_sq"
-        zeros = _Tally()
-        nonzero = False
-        typed = {**hyper, "_dtype": v_dtype}
-        scratch = torch.empty(min(CHUNK, next(iter(held.values())).tensor.numel()), dtype=torch.float32)
-        for start, chunk in _chunks(held):
-            if _suspect(chunk, typed, scratch):
-                for name, mask in flags(chunk, typed).items():
-                    _tally(tallies.setdefault(name, _Tally()), mask, start, chunk)
-            if eps == 0 and denominator in chunk:
-                _tally(zeros, chunk[denominator] == 0, start, chunk)
-            if step == 0 and not nonzero:
-                nonzero = any(bool(c.any()) for c in chunk.values())
-        shape = next(iter(held.values())).tensor.shape
-        for name, t in tallies.items():
-            if t.count:
-                check, key = name.split(":")
-                found.add(check, key, _unravel(t.first, tuple(shape)), t.values, _message(
-                    check, key, found.label, _unravel(t.first, tuple(shape)), t, hyper))
-        if zeros.count:
-            where = _unravel(zeros.first, tuple(shape))
-            both = zeros.values.get("exp_avg") == 0
-            found.add(EPS_ZERO, denominator, where, zeros.values,
-                      f"{denominator} of {found.label} holds {count(zeros.count, 'exact zero')} (first at {where}) and "
-                      f"the group's eps is 0: the update divides by sqrt(v)+eps = 0 there, so the first zero gradient "
-                      f"at such a coordinate makes it {'0/0 = NaN' if both else 'inf (and 0/0 = NaN where exp_avg is 0)'}")
-        return nonzero
 
     def _step(self, found: Found, step: float, nonzero: bool, hyper: Mapping[str, Any]) -> None:
         ck_step = self.source.meta_step
@@ -682,6 +655,51 @@ class Checker:
                   "the scale never grows back from 0")
         self.unsound.append(Unsound(LOSS_SCALE, "scaler.scale", None, None, None, {"scale": scale},
                                     f"the loss scale is {scale:g}, not finite and positive: {effect}"))
+
+
+class ParamState:
+    """One parameter's optimizer state, complete: ``read`` reads its tensors once (their extremes, for the scan's
+    finiteness) while the elementwise checks see each chunk; ``conclude`` makes the findings."""
+
+    def __init__(self, checker: Checker, prefix: str, held: dict[str, _Held]) -> None:
+        self.checker, self.held = checker, held
+        layout = checker.layout
+        self.entry = layout.params.get(prefix) if layout else None
+        self.group = self.entry.group if self.entry else None
+        self.hyper = layout.groups[self.group] if layout and self.group is not None else {}
+        self.label = self.entry.label if self.entry else prefix
+        self.step = real(held["step"].tensor) if "step" in held else \
+            real(self.entry.scalars.get("step")) if self.entry else None
+        tensors = {k: h for k, h in held.items()
+                   if h.tensor.is_floating_point() and h.tensor.dim() > 0 and h.tensor.layout == torch.strided}
+        same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
+            if tensors else {}
+        # the same-sized tensors together; a factored moment on its own
+        self.passes = ([_Elementwise(same, self.hyper, self.step)] if same else []) + [
+            _Elementwise({k: h}, self.hyper, None) for k, h in tensors.items() if k not in same and k in NONNEGATIVE]
+
+    def read(self) -> list[tuple[TensorInfo, tuple[float, float] | None]]:
+        """Each tensor with its min and max where the checks read it (None: not read, as a step counter)."""
+        extremes = {}
+        for part in self.passes:
+            held = list(part.held.values())
+            extremes |= zip(part.held, walk([h.tensor for h in held], [h.release for h in held], part.chunk))
+        return [(h.info, extremes.get(k)) for k, h in self.held.items()]
+
+    def conclude(self, finite: bool) -> None:
+        """The findings, unless a state tensor holds a non-finite value: the scan reports those."""
+        if not finite:
+            return
+        checker, held, group, hyper = self.checker, self.held, self.group, self.hyper
+        if group is not None:
+            checker.kinds.setdefault(group, optimizer_kind(hyper, held))
+        found = Found(checker, self.label, group, {k: h.info.name for k, h in held.items()})
+        if self.entry is not None and checker.layout is not None and checker.layout.named:
+            checker._layout_checks(found, self.entry, held)
+        nonzero = any([part.report(found) for part in self.passes])  # only the first pass is given the step
+        if self.step is not None and group is not None:
+            checker._step(found, self.step, nonzero, hyper)
+            checker.steps.setdefault(group, []).append((self.step, self.label))
 
 
 def _range(lo: float, hi: float, closed: bool) -> str:
@@ -762,7 +780,10 @@ def check(source: CheckpointSource, order_names: list[str] | None = None) -> tup
     checker = Checker(source, stream.infos, order_names)
     first = next((i for i, info in enumerate(stream.infos) if info.group == OPTIMIZER), len(stream.infos))
     for info, tensor, release in stream.tensors(first):
-        checker.feed(info, tensor, release, True)
+        state = checker.feed(info, tensor, release)
+        if state is not None:
+            state.read()
+            state.conclude(True)
         del tensor
     return checker.finish(), checker.unsound
 

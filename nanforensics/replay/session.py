@@ -145,14 +145,14 @@ class Session:
         """The state before the next step, in memory: restoring it is cheaper than replaying from the checkpoint."""
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "grads": loose_grads(self.model, self.optimizer),
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "optimizer": _copied(self.optimizer.state_dict()),
                 "rng": rng_state(), "step": self.step, "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         self.model.load_state_dict(snapshot["model"])
         # load_state_dict keeps the tensors it is given: a copy, as the snapshot may be restored again
-        self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+        self.optimizer.load_state_dict(_copied(snapshot["optimizer"]))
         self.optimizer.zero_grad(set_to_none=True)
         put_back(snapshot["grads"])
         restore_rng(snapshot["rng"])
@@ -181,3 +181,9 @@ def put_back(grads: dict[torch.Tensor, torch.Tensor | None]) -> None:
     for p, grad in grads.items():
         p.grad = None if grad is None else grad.clone()
 
+
+def _copied(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of an optimizer state dict whose state tensors are cloned rather than deep-copied: sample
+    attribution restores it before every pass, and ``Tensor.__deepcopy__`` costs many times a clone per tensor."""
+    clones = {id(t): t.clone() for s in state_dict["state"].values() for t in s.values() if isinstance(t, torch.Tensor)}
+    return copy.deepcopy(state_dict, clones)

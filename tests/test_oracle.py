@@ -231,9 +231,10 @@ def test_a_nan_made_and_dropped_inside_a_transform_is_not_the_op() -> None:
     assert _run(nn.Linear(3, 2), [batch], _per_sample_cross_entropy, optimizer=adam).verdict == "clean"
 
 
-# A per-sample loss outside every module, inside torch.func.grad: exp(out ** 2) of sample 1 overflows at step 2.
-PER_SAMPLE_EXP = '''
+# A linear model under SGD: the start of the hand-written programs below.
+LINEAR = '''
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -244,7 +245,10 @@ def build_model():
 
 def make_optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.01)
+'''
 
+# A per-sample loss outside every module, inside torch.func.grad: exp(out ** 2) of sample 1 overflows at step 2.
+PER_SAMPLE_EXP = LINEAR + '''
 
 make_scheduler = None
 
@@ -391,20 +395,7 @@ def test_group_testing_under_a_scaler_names_exactly_the_samples_that_fail_alone(
 
 # Sample 1's forward overflows at step 3 (its loss is inf); sample 2's reading of 1e12 gives a large finite gradient,
 # harmless at the plain learning rate and an inf parameter at the spiked one: it fails alone only through the update.
-LR_SPIKE = '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-def build_model():
-    torch.manual_seed(0)
-    return nn.Linear(4, 1)
-
-
-def make_optimizer(model):
-    return torch.optim.SGD(model.parameters(), lr=0.01)
-
+LR_SPIKE = LINEAR + '''
 
 def make_scheduler(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, _rule)

@@ -288,6 +288,72 @@ def test_an_op_inside_grad_builds_its_graph_a_forward_to_both_monitors(tmp_path:
     assert compare(ref, report) == []
 
 
+# At step 2, sample 1's scores x @ x.T overflow (1e40) and its softmax row is NaN; rows 0 and 2 weigh sample 1's row
+# alone, finite, and the projection's huge weights overflow them: the origin, proj's output [0, 0], is an inf that NaN
+# surrounds. With sample 1 at 1e18 nothing overflows before the projection.
+SURROUNDED = '''
+import torch
+from torch import nn
+
+
+class Mix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+        with torch.no_grad():
+            self.proj.weight.fill_(1e21)
+            self.proj.bias.zero_()
+
+    def forward(self, x):
+        return self.proj(torch.softmax(x @ x.T, dim=-1) @ x)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Mix()
+
+
+def make_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+make_scheduler = None
+
+
+def make_batch(step):
+    x = torch.rand(3, 2, generator=torch.Generator().manual_seed(step)) * 1e-20
+    if step == 2:
+        x = torch.tensor([[1e15, 0.0], [{reading}, 0.0], [0.5, 0.5]])
+    return {{"x": x}}
+
+
+def train_step(model, optimizer, batch):
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(batch["x"]).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+'''
+
+
+@pytest.mark.parametrize("reading, op", [("1e20", "aten::mm"), ("1e18", "aten::addmm")])
+def test_an_inf_that_nan_surrounds_is_named_by_the_first_overflow_that_reaches_it(reading: str, op: str,
+                                                                                   tmp_path: Path) -> None:
+    """Seed 4020's class: the trace followed the origin's own kind, inf, to the projection that made it from finite
+    rows, while the rows around it hold the NaN the scores' earlier overflow made; of the births that reach the
+    origin the step's first is named (rootcause/operations.py, _culprit), as the reference names it. Without the
+    scores' overflow the projection is the first, and named."""
+    module = programs.load(f"surrounded_{reading.replace('.', '_')}", SURROUNDED.format(reading=reading), tmp_path)
+    programs.record(module, tmp_path / "run")
+    ref = reference(module, programs.extras, programs.STEPS)
+    assert (ref.origin.step, ref.origin.stage, ref.origin.tensor, ref.origin.index, ref.origin.value) == (
+        2, "forward", "proj", [0, 0], "inf")
+    assert (ref.op, ref.phase) == (op, "forward")
+    report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
+    assert report.operation.site.op.split(".")[0] == op
+    assert compare(ref, report) == []
+
+
 # ---- what the generator found in the recorder and in sample attribution ----------------------------------------------
 
 SPARSE = '''
@@ -503,17 +569,17 @@ def test_a_supported_run_is_not_refused(tmp_path: Path) -> None:
 # was group-tested on forward and backward only, so a sample whose forward stays finite but whose update overflows
 # passed, and replay named a subset, or called the failure coupled, where each sample alone fails the whole step; group
 # testing now runs the whole step on every subset, the reference's predicate (rootcause/samples.py, _Tester._judge).
+# 4020: an inf that NaN surrounds: the trace followed the origin's own kind, inf, to the projection that made it from
+# finite rows, where the reference names the step's first overflow (bmm of q and k), whose NaN fills the rows around
+# it; of the births that reach the origin, of either kind, the step's first is named (rootcause/operations.py, _culprit).
 FIXED = [28, 65, 91, 107, 170, 171, 179, 185, 191, 201, 311, 353, 354, 372, 409, 437, 474, 574, 1149, 1266, 1298, 1540,
-         2207, 4254, 6015, 6106, 6426, 10107, 10170, 10582, 20072, 20276, 20415, 40321, 41965]
+         2207, 4020, 4254, 6015, 6106, 6426, 10107, 10170, 10582, 20072, 20276, 20415, 40321, 41965]
 # Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
 # join FIXED.
 KNOWN: dict[int, str] = {
     20026: "operation, under a GradScaler: a parameter no optimizer holds accumulates gradients the scaler never "
            "unscales until they overflow; the trace names no op for the NaN of that accumulation (the reference names "
            "the backward's sum)",
-    4020: "operation: which op made an inf that NaN surrounds; the reference names the step's first overflow from "
-          "finite inputs (bmm of q and k), the trace the birth of the origin's own inf (the proj addmm, whose input "
-          "held NaN elsewhere): per-tensor provenance cannot tell the elements apart",
 }
 LOSS_ONLY = [101, 132]  # every label of a step ignored: the fault seeds 0-99 draw only where it is refused
 SEEDS = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[s])) if s in KNOWN else s

@@ -580,6 +580,10 @@ KNOWN: dict[int, str] = {
     20026: "operation, under a GradScaler: a parameter no optimizer holds accumulates gradients the scaler never "
            "unscales until they overflow; the trace names no op for the NaN of that accumulation (the reference names "
            "the backward's sum)",
+    70390: "operation, under gradient accumulation (found by the 500-program run 70000-70499): the origin, chosen in "
+           "stage order, is the second micro-batch's forward (head's addmm overflows); the reference names the step's "
+           "first birth in program order, the first micro-batch's KL sum, whose inf never reaches that forward (the "
+           "parameters do not change between micro-batches); the replay names the addmm on the origin's data flow",
 }
 LOSS_ONLY = [101, 132]  # every label of a step ignored: the fault seeds 0-99 draw only where it is refused
 SEEDS = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[s])) if s in KNOWN else s

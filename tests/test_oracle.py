@@ -231,9 +231,10 @@ def test_a_nan_made_and_dropped_inside_a_transform_is_not_the_op() -> None:
     assert _run(nn.Linear(3, 2), [batch], _per_sample_cross_entropy, optimizer=adam).verdict == "clean"
 
 
-# A per-sample loss outside every module, inside torch.func.grad: exp(out ** 2) of sample 1 overflows at step 2.
-PER_SAMPLE_EXP = '''
+# A linear model under SGD: the start of the hand-written programs below.
+LINEAR = '''
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -244,7 +245,10 @@ def build_model():
 
 def make_optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.01)
+'''
 
+# A per-sample loss outside every module, inside torch.func.grad: exp(out ** 2) of sample 1 overflows at step 2.
+PER_SAMPLE_EXP = LINEAR + '''
 
 make_scheduler = None
 
@@ -281,6 +285,72 @@ def test_an_op_inside_grad_builds_its_graph_a_forward_to_both_monitors(tmp_path:
     assert (ref.verdict, ref.origin.step, ref.origin.stage, ref.op, ref.phase, ref.samples) == (
         "nonfinite", 2, "loss", "aten::exp", "forward", [1])
     report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
+    assert compare(ref, report) == []
+
+
+# At step 2, sample 1's scores x @ x.T overflow (1e40) and its softmax row is NaN; rows 0 and 2 weigh sample 1's row
+# alone, finite, and the projection's huge weights overflow them: the origin, proj's output [0, 0], is an inf that NaN
+# surrounds. With sample 1 at 1e18 nothing overflows before the projection.
+SURROUNDED = '''
+import torch
+from torch import nn
+
+
+class Mix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+        with torch.no_grad():
+            self.proj.weight.fill_(1e21)
+            self.proj.bias.zero_()
+
+    def forward(self, x):
+        return self.proj(torch.softmax(x @ x.T, dim=-1) @ x)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Mix()
+
+
+def make_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+make_scheduler = None
+
+
+def make_batch(step):
+    x = torch.rand(3, 2, generator=torch.Generator().manual_seed(step)) * 1e-20
+    if step == 2:
+        x = torch.tensor([[1e15, 0.0], [{reading}, 0.0], [0.5, 0.5]])
+    return {{"x": x}}
+
+
+def train_step(model, optimizer, batch):
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(batch["x"]).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+'''
+
+
+@pytest.mark.parametrize("reading, op", [("1e20", "aten::mm"), ("1e18", "aten::addmm")])
+def test_an_inf_that_nan_surrounds_is_named_by_the_first_overflow_that_reaches_it(reading: str, op: str,
+                                                                                   tmp_path: Path) -> None:
+    """Seed 4020's class: the trace followed the origin's own kind, inf, to the projection that made it from finite
+    rows, while the rows around it hold the NaN the scores' earlier overflow made; of the births that reach the
+    origin the step's first is named (rootcause/operations.py, _culprit), as the reference names it. Without the
+    scores' overflow the projection is the first, and named."""
+    module = programs.load(f"surrounded_{reading.replace('.', '_')}", SURROUNDED.format(reading=reading), tmp_path)
+    programs.record(module, tmp_path / "run")
+    ref = reference(module, programs.extras, programs.STEPS)
+    assert (ref.origin.step, ref.origin.stage, ref.origin.tensor, ref.origin.index, ref.origin.value) == (
+        2, "forward", "proj", [0, 0], "inf")
+    assert (ref.op, ref.phase) == (op, "forward")
+    report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
+    assert report.operation.site.op.split(".")[0] == op
     assert compare(ref, report) == []
 
 
@@ -389,6 +459,52 @@ def test_group_testing_under_a_scaler_names_exactly_the_samples_that_fail_alone(
             assert (found.status, found.samples) == ("attributed", alone), kinds
 
 
+# Sample 1's forward overflows at step 3 (its loss is inf); sample 2's reading of 1e12 gives a large finite gradient,
+# harmless at the plain learning rate and an inf parameter at the spiked one: it fails alone only through the update.
+LR_SPIKE = LINEAR + '''
+
+def make_scheduler(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _rule)
+
+
+def _rule(step):
+    return {spike} if step == 3 else 1.0
+
+
+def make_batch(step):
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
+    if step == 3:
+        x[1] = 1e30
+        x[2] = 1e12
+    return {{"x": x, "y": torch.zeros(4, 1)}}
+
+
+def train_step(model, optimizer, batch, scheduler):
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return loss.detach()
+'''
+
+
+@pytest.mark.parametrize("spike, alone", [("1e20", [1, 2]), ("1.0", [1])])
+def test_samples_are_judged_through_the_update_when_the_forward_already_fails(spike: str, alone: list[int],
+                                                                              tmp_path: Path) -> None:
+    """The step's forward fails (sample 1), so forward and backward alone already reproduce it; group testing on them
+    named sample 1 only, where under the LR spike sample 2 alone fails the whole step too, in its update (seeds 354,
+    1298, 40321, 41965). Every subset is now judged on the whole step, the reference's predicate; without the spike
+    sample 2's update stays finite and sample 1 alone is named, as before."""
+    module = programs.load(f"lr_spike_{spike.replace('.', '_')}", LR_SPIKE.format(spike=spike), tmp_path)
+    programs.record(module, tmp_path / "run")
+    ref = reference(module, programs.extras, programs.STEPS)
+    assert (ref.verdict, ref.origin.step, ref.origin.stage, ref.samples) == ("nonfinite", 3, "loss", alone)
+    report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
+    assert (report.samples.status, report.samples.samples) == ("attributed", alone)
+    assert compare(ref, report) == []
+
+
 # ---- the up-front refusal --------------------------------------------------------------------------------------------
 
 def _refused(axes: dict[str, str]) -> bool:
@@ -449,16 +565,18 @@ def test_a_supported_run_is_not_refused(tmp_path: Path) -> None:
 # its gradient from step to step, never zeroed, and a replay from a later checkpoint started it from None, so the step
 # the reference finds non-finite stayed clean; save_checkpoint keeps those gradients (meta.json's loose_grads, in
 # extras.safetensors), load_into puts them back, and a checkpoint holding a non-finite one is no clean start.
-FIXED = [28, 65, 91, 107, 170, 171, 179, 185, 191, 201, 311, 353, 372, 409, 437, 474, 574, 1149, 1266, 1540, 2207, 4254,
-         6015, 6106, 6426, 10107, 10170, 10582, 20072, 20276, 20415]
+# 354, 1298, 40321, 41965: samples through the update: a step whose forward already fails (an LR spike, a slow overflow)
+# was group-tested on forward and backward only, so a sample whose forward stays finite but whose update overflows
+# passed, and replay named a subset, or called the failure coupled, where each sample alone fails the whole step; group
+# testing now runs the whole step on every subset, the reference's predicate (rootcause/samples.py, _Tester._judge).
+# 4020: an inf that NaN surrounds: the trace followed the origin's own kind, inf, to the projection that made it from
+# finite rows, where the reference names the step's first overflow (bmm of q and k), whose NaN fills the rows around
+# it; of the births that reach the origin, of either kind, the step's first is named (rootcause/operations.py, _culprit).
+FIXED = [28, 65, 91, 107, 170, 171, 179, 185, 191, 201, 311, 353, 354, 372, 409, 437, 474, 574, 1149, 1266, 1298, 1540,
+         2207, 4020, 4254, 6015, 6106, 6426, 10107, 10170, 10582, 20072, 20276, 20415, 40321, 41965]
 # Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
 # join FIXED.
 KNOWN: dict[int, str] = {
-    1298: "samples: a batch that fails in the forward is group-tested on forward and backward only, so a sample whose "
-          "loss stays finite but whose update overflows (an LR spike) passes, and 5 of 10 are named where every "
-          "sample alone fails the step (batch-wide)",
-    354: "samples, the class of 1298: an LR spike's step, group-tested on forward and backward only, names [1, 2] where "
-         "sample 3 alone fails through the update too (its operation, addmm, agrees since inf beside NaN is seen)",
     20026: "operation, under a GradScaler: a parameter no optimizer holds accumulates gradients the scaler never "
            "unscales until they overflow; the trace names no op for the NaN of that accumulation (the reference names "
            "the backward's sum). The NaN came in from step 3, which the scaler skipped (log(0)) and both call caught "
@@ -466,13 +584,10 @@ KNOWN: dict[int, str] = {
            "(replay.amp.scaler_caught and the reference's) makes 20026 agree at step 3, but moves 20072, 20276 and "
            "20415 to step 0 (the scaler's first skip leaves Muon's biases inf), where group testing misses samples: "
            "fp16 sums of scaled per-sample gradients overflow alone and cancel in pairs",
-    40321: "samples, the class of 1298 (found by the 2000-program run on main, seeds 40000-41999): a slow overflow "
-           "through the update; replay attributes [5], where samples 3 and 5 each fail alone",
-    41965: "samples, the class of 1298: a slow overflow through the update, where every sample alone fails the step "
-           "(batch-wide) and replay calls the failure coupled",
-    4020: "operation: which op made an inf that NaN surrounds; the reference names the step's first overflow from "
-          "finite inputs (bmm of q and k), the trace the birth of the origin's own inf (the proj addmm, whose input "
-          "held NaN elsewhere): per-tensor provenance cannot tell the elements apart",
+    70390: "operation, under gradient accumulation (found by the 500-program run 70000-70499): the origin, chosen in "
+           "stage order, is the second micro-batch's forward (head's addmm overflows); the reference names the step's "
+           "first birth in program order, the first micro-batch's KL sum, whose inf never reaches that forward (the "
+           "parameters do not change between micro-batches); the replay names the addmm on the origin's data flow",
 }
 LOSS_ONLY = [101, 132]  # every label of a step ignored: the fault seeds 0-99 draw only where it is refused
 SEEDS = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[s])) if s in KNOWN else s

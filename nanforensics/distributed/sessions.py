@@ -116,8 +116,8 @@ class EmulatedSession(Session):
         finally:
             self.focus = before
 
-    def snapshot(self, stepping: bool = True) -> dict[str, Any]:
-        return {**super().snapshot(stepping), "rank_rng": list(self.rank_rng)}
+    def snapshot(self) -> dict[str, Any]:
+        return {**super().snapshot(), "rank_rng": list(self.rank_rng)}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         super().restore(snapshot)

@@ -142,24 +142,18 @@ class Session:
         self.step += 1
         return value, events
 
-    def snapshot(self, stepping: bool = True) -> dict[str, Any]:
-        """The state before the next step, in memory: restoring it is cheaper than replaying from the checkpoint.
-
-        ``stepping=False`` promises that ``optimizer.step()`` stays disabled (``no_optimizer_step``) until the snapshot
-        is last restored: nothing then writes the optimizer's state, so its tensors are kept, and put back, by
-        reference instead of copied (on the decoder bench, 110 MB a root-cause pass)."""
-        optimizer = self.optimizer.state_dict()
+    def snapshot(self) -> dict[str, Any]:
+        """The state before the next step, in memory: restoring it is cheaper than replaying from the checkpoint."""
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "grads": loose_grads(self.model, self.optimizer),
-                "optimizer": copy.deepcopy(optimizer, {} if stepping else _tensors(optimizer)), "shared": not stepping,
+                "optimizer": _copied(self.optimizer.state_dict()),
                 "rng": rng_state(), "step": self.step, "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         self.model.load_state_dict(snapshot["model"])
-        optimizer = snapshot["optimizer"]
-        # load_state_dict keeps the tensors it is given: a copy, unless nothing will write them
-        self.optimizer.load_state_dict(copy.deepcopy(optimizer, _tensors(optimizer) if snapshot["shared"] else {}))
+        # load_state_dict keeps the tensors it is given: a copy, as the snapshot may be restored again
+        self.optimizer.load_state_dict(_copied(snapshot["optimizer"]))
         self.optimizer.zero_grad(set_to_none=True)
         put_back(snapshot["grads"])
         restore_rng(snapshot["rng"])
@@ -189,6 +183,8 @@ def put_back(grads: dict[torch.Tensor, torch.Tensor | None]) -> None:
         p.grad = None if grad is None else grad.clone()
 
 
-def _tensors(state_dict: dict[str, Any]) -> dict[int, torch.Tensor]:
-    """A ``copy.deepcopy`` memo that keeps an optimizer state dict's state tensors as they are."""
-    return {id(t): t for s in state_dict["state"].values() for t in s.values() if isinstance(t, torch.Tensor)}
+def _copied(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of an optimizer state dict whose state tensors are cloned rather than deep-copied: sample
+    attribution restores it before every pass, and ``Tensor.__deepcopy__`` costs many times a clone per tensor."""
+    clones = {id(t): t.clone() for s in state_dict["state"].values() for t in s.values() if isinstance(t, torch.Tensor)}
+    return copy.deepcopy(state_dict, clones)

@@ -32,7 +32,10 @@ dropped its value, its derivative still reached the gradient.
 
 Tracking is per tensor, not per element: an operation's output is taken to come from all its
 floating inputs (for the optimizer's foreach and fused operations, from element i of every list).
-Where several births reach the origin, the earliest is named. Where NaN hides from min and max whether
+Where several births reach the origin, the earliest is named, of either kind: where the origin's tensor carries the
+other kind too, computed earlier in the step, that birth is named (an inf that NaN surrounds: a projection that
+overflowed in the one finite row, beside rows holding the NaN an earlier overflow of the scores made; a value written
+on purpose, a mask's -inf, is never taken so). Where NaN hides from min and max whether
 a tensor also holds ±inf, a mask over that tensor says: an inf born beside NaN from finite inputs
 (a matmul of weights an LR spike made huge) is a birth like any other.
 """
@@ -646,7 +649,20 @@ def _path(chain: list[_Record]) -> list[str]:
     return names
 
 
-def _culprit(origin: _Value, kind: str, traced_from: str) -> OperationCulprit | None:
+@dataclass
+class _Trace:
+    """What following one kind back from the origin found: the operation named, the kind it made, the records on the
+    way, the NaN's birth downstream of an overflow or the backward birth of a forward op, where a written inf came
+    from."""
+
+    culprit: _Record
+    kind: str
+    chain: list[_Record]
+    nan_site: _Record | None
+    inf_source: InfSource | None
+
+
+def _traced(origin: _Value, kind: str) -> _Trace | None:
     """The birth of ``origin``'s kind, then the two refinements: a NaN made from a computed inf names the overflow
     (NaN downstream), from a written one the NaN's op (with where the inf came from); a backward birth whose forward
     op had already made a non-finite value names that forward op (NaN in its backward)."""
@@ -680,13 +696,28 @@ def _culprit(origin: _Value, kind: str, traced_from: str) -> OperationCulprit | 
             nan_site, culprit = culprit, made
             culprit_kind = next(iter(made.births))
             chain = [made] + chain
-    birth = culprit.births[culprit_kind]
+    return _Trace(culprit, culprit_kind, chain, nan_site, inf_source)
+
+
+def _culprit(origin: _Value, kind: str, traced_from: str) -> OperationCulprit | None:
+    """``_traced`` from the origin's own kind; where the origin's tensor carries the other kind too and an operation
+    computed it earlier in the step (an inf that NaN surrounds: the rows around the origin's inf hold the NaN an
+    earlier overflow made), that earlier operation: of the births that reach the origin, the step's first. A value
+    written on purpose (a mask's -inf) is never taken from the other kind: it reaches the origin, it made nothing."""
+    t = _traced(origin, kind)
+    other = INF if kind == NAN else NAN
+    earlier = _traced(origin, other) if origin.carries(other) else None
+    if earlier is not None and not earlier.culprit.constant and (t is None or earlier.culprit.seq < t.culprit.seq):
+        t = earlier
+    if t is None:
+        return None
+    birth = t.culprit.births[t.kind]
     return OperationCulprit(
-        culprit.site(), birth.value, birth.index,
-        autograd_node=culprit.node, forward=culprit.forward.site() if culprit.forward else None,
-        traced_from=traced_from, path=_path(chain), inputs_at_index=birth.inputs_at, inf_source=inf_source,
-        nan_site=nan_site.site() if nan_site is not None else None,
-        nan_node=nan_site.node if nan_site is not None else None)
+        t.culprit.site(), birth.value, birth.index,
+        autograd_node=t.culprit.node, forward=t.culprit.forward.site() if t.culprit.forward else None,
+        traced_from=traced_from, path=_path(t.chain), inputs_at_index=birth.inputs_at, inf_source=t.inf_source,
+        nan_site=t.nan_site.site() if t.nan_site is not None else None,
+        nan_node=t.nan_site.node if t.nan_site is not None else None)
 
 
 # -- the origin in the traced step ---------------------------------------------------------------------

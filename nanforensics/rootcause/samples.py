@@ -1,10 +1,12 @@
 """Sample level: which samples of the responsible batch produce the non-finite gradient.
 
-Group testing: forward and backward on halves of the batch, recursing into the halves that still
-fail, with the optimizer step disabled and the model, optimizer and RNG restored before every
-pass, so nothing is touched. A failure that forward and backward on the whole batch do not make (it needs the update:
-a large finite gradient whose square overflows Adam's moments) is group-tested the same way through the whole step,
-``optimizer.step()`` and the code after it included, from the same restored state.
+Group testing: the whole step on halves of the batch (forward, backward, clipping, scaler and accumulation as the
+step function does them, ``optimizer.step()`` and the code after it), recursing into the halves that still fail,
+with the model, gradients, optimizer, scaler, scheduler and RNG restored before every pass, so nothing is touched.
+A subset fails when anything the replay watches goes non-finite, the update's writes included: the one predicate
+"this sample fails alone" means, whatever stage the step's own failure is in. A step whose forward fails can hold
+samples whose forward stays finite and whose update overflows (an LR spike, a large finite gradient whose square
+overflows Adam's moments): judged on forward and backward alone they would pass.
 k bad samples cost O(k log B) passes instead of B. A failing set
 whose halves both pass is *coupled* (BatchNorm statistics, a loss normalised over the batch): it
 is reported as such, never narrowed down by guessing.
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
@@ -52,13 +53,11 @@ from ..errors import BadInput
 from ..progress import SILENT, Progress
 from ..replay.amp import scaler_caught
 from ..replay.monitor import StepMonitor
-from ..replay.session import Session, no_optimizer_step
+from ..replay.session import Session
 from ..report import Event, OperationCulprit, SampleAttribution, loss_only
 from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
 from ..words import count, sample_positions
 
-# With optimizer.step() disabled, a buffer still changes in the forward (BatchNorm's running statistics).
-_BEFORE_OPTIMIZER = ("batch", "forward", "loss", "grad", "buffer")
 PROBES = 8  # single samples tried, at most, before a batch is called batch-wide
 
 
@@ -162,25 +161,22 @@ def swapped(batch: Any, donor: Any, path: str, at: str = "batch") -> Any:
 
 
 class _Tester:
-    """Runs the step on subsets of the batch from the step's state. ``update``: the whole step, ``optimizer.step()``
-    and the code after it included, for a failure the forward and backward alone do not make (a sample whose large
-    finite gradient overflows Adam's moments); otherwise forward and backward only, nothing written. ``whole``: the
-    leaves kept whole in every subset (per-batch tensors)."""
+    """Runs the whole step on subsets of the batch from the step's state, ``optimizer.step()`` and the code after it
+    included, restored after each pass. ``whole``: the leaves kept whole in every subset (per-batch tensors)."""
 
     def __init__(self, session: Session, batch: Any, size: int, whole: Collection[str] = (), progress: Progress = SILENT,
-                 update: bool = False, passes: int = 0, loss_only: bool = False) -> None:
+                 loss_only: bool = False) -> None:
         self.session, self.batch, self.size, self.whole = session, batch, size, whole
-        self.progress, self.update = progress, update
+        self.progress = progress
         self.loss_only = loss_only  # the step explained is loss-only: a subset fails as it did, by its loss alone
-        self.snapshot = session.snapshot(stepping=update)  # without the update, every pass runs under no_optimizer_step
-        self.passes = passes
+        self.snapshot = session.snapshot()
+        self.passes = 0
         self.errors: list[str] = []
 
     def fails(self, indices: list[int]) -> bool | None:
-        """One pass on the subset; True when a non-finite value appears before the optimizer (with ``update``:
-        anywhere but in a forward activation and the loss alone). None when a GradScaler caught the subset's overflow
-        and skipped the update: that says nothing of its samples, each of which may fail alone where together they
-        overflow (group testing is then not monotone); a single sample caught passes, as a step caught does."""
+        """One pass on the subset; True when it fails as the step did. None when a GradScaler caught the subset's
+        overflow and skipped the update: that says nothing of its samples, each of which may fail alone where together
+        they overflow (group testing is then not monotone); a single sample caught passes, as a step caught does."""
         verdict = self._judge(select(self.batch, indices, self.size, self.whole))
         return False if verdict is None and len(indices) == 1 else verdict
 
@@ -193,10 +189,9 @@ class _Tester:
         self.progress.update(self.passes)
         s = self.session
         s.restore(self.snapshot)
-        stepped: list[torch.optim.Optimizer] = []  # the optimizers whose step() was called (a GradScaler skips it on an
-        # overflow)
-        with StepMonitor(s.model, s.optimizer, prove=False) as monitor, \
-                (nullcontext() if self.update else no_optimizer_step(s.optimizer, stepped)):
+        stepped: list[torch.optim.Optimizer] = []  # the optimizers whose step() was called (a GradScaler skips one
+        # whose own gradients overflowed)
+        with StepMonitor(s.model, s.optimizer, prove=False) as monitor:
             handle = s.optimizer.register_step_post_hook(lambda o, *_: stepped.append(o))
             monitor.begin(s.step, subset, locate=False)
             try:
@@ -211,7 +206,7 @@ class _Tester:
             return None  # the scaler caught this subset's overflow: benign, as the replay judges a step
         # it fails as the step did: loss-only as a loss-only step, else with an origin (a subset whose only fault is a
         # loss over no target is not the origin's failure)
-        stages = {e.stage for e in events if self.update or e.stage in _BEFORE_OPTIMIZER}
+        stages = {e.stage for e in events}
         return loss_only(stages) if self.loss_only else bool(stages) and not loss_only(stages)
 
 
@@ -341,14 +336,8 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
     tester = _Tester(session, batch, size, named, progress, loss_only=loss_only)
     try:
         if not tester.fails(list(range(size))):
-            # forward and backward stay finite: the failure needs the update, and the samples are judged through it
-            session.restore(tester.snapshot)
-            tester = _Tester(session, batch, size, named, progress, update=True, passes=tester.passes,
-                             loss_only=loss_only)
-            if not tester.fails(list(range(size))):
-                return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
-                                         "the whole step on the whole batch, run again, stays finite",
-                                         whole_leaves=kept)
+            return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
+                                     "the whole step on the whole batch, run again, stays finite", whole_leaves=kept)
         found = split_batch(size, tester.fails, hint=hint)
         # "the step, not its data": tested, with the step before's batch run from this step's state; and each
         # per-batch tensor, with the step before's in its place
@@ -360,12 +349,11 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
                   and not tester.fails_on(swapped(batch, donor, p))]
     finally:
         session.restore(tester.snapshot)
-    passes = f"{tester.passes} forward/backward passes" + (
-        ", through optimizer.step(): forward and backward alone stay finite" if tester.update else "")
+    passes = f"{count(tester.passes, 'pass', 'passes')} of the whole step, each through optimizer.step()"
     if found.status == "batch_wide":
         follows = (f"; it follows the batch's per-batch {'tensors' if len(causes) > 1 else 'tensor'} "
                    f"{', '.join(causes)}: with step {before}'s in {'their' if len(causes) > 1 else 'its'} place the "
-                   f"batch's {'step stays' if tester.update else 'forward and backward stay'} finite") if causes else ""
+                   "batch's step stays finite") if causes else ""
         return SampleAttribution("batch_wide", size, [], {}, tester.passes, [],
                                  f"{batch_wide_message(found, size)}{follows} ({passes})", compared_step=compared,
                                  compared_fails=compared_fails, whole_leaves=kept, cause_leaves=causes)

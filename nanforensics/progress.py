@@ -2,7 +2,7 @@
 it (the command line: a bar on a terminal, plain lines in a CI log). The library itself never prints.
 
 A phase is one piece of work with a unit and, where known, a total: ``replaying steps 0-1902`` (steps),
-``attributing samples`` (forward/backward passes, at most n), ``what-if`` (replays). ``update`` says how many
+``attributing samples`` (passes of the whole step, at most n), ``what-if`` (replays). ``update`` says how many
 units are done, and may revise the total when the work learns where it ends (a replay that stops early).
 """
 

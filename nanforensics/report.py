@@ -210,7 +210,7 @@ class SampleAttribution:
     batch_size: int | None
     samples: list[int]            # positions in the batch
     sample_leaves: dict[str, list[Any]]  # logged non-tensor leaves (ids) of those samples
-    passes: int                   # forward/backward passes spent
+    passes: int                   # passes of the whole step spent
     coupled_groups: list[list[int]]
     message: str
     micro_batch_samples: list[list[int]] = field(default_factory=list)  # [micro-batch, position in it] of each

@@ -82,7 +82,7 @@ def test_progress_in_a_pipe_is_plain_lines_per_phase_with_true_totals(long_repla
                          f"{P}replaying steps {LONG_EVERY}-{stop} ({stop - LONG_EVERY + 1:,} steps)"]
     assert not [n for n in names if "re-running" in n]
     assert names[3].startswith(f"{P}locating: steps {LONG_DEFECT}-{stop}, reading each first non-finite value (at most ")
-    assert any(n.startswith(f"{P}attributing samples of step {LONG_DEFECT}: forward/backward passes (at most ")
+    assert any(n.startswith(f"{P}attributing samples of step {LONG_DEFECT}: passes of the whole step (at most ")
                for n in names)
     # the operation is traced first: its coordinates may point at the sample group testing starts from
     assert names[-2:] == [f"{P}tracing the operation behind grad at step {LONG_DEFECT}",

@@ -331,7 +331,7 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
     if size is None or size < 2:
         return SampleAttribution("unsplittable", size, [], {}, 0, [], _unsplittable(batch, named))
     kept = whole_leaves(batch, size, named)
-    progress.phase(f"attributing samples of step {session.step}: forward/backward passes", max_passes(size),
+    progress.phase(f"attributing samples of step {session.step}: passes of the whole step", max_passes(size),
                    unit="pass", at_most=True)
     tester = _Tester(session, batch, size, named, progress, loss_only=loss_only)
     try:

@@ -13,8 +13,10 @@ before the step.
 
 Pipeline x data parallelism: "1f1b_dp" and "1f1b_fsdp", 2 stages x 2 data-parallel ranks (4 processes, one launch of
 their own for both: the one 4-process job of the suite, about 20-25 s on 2 cores), each stage under DDP or FSDP2 over
-its dp group, as torchtitan's (pp, dp) mesh lays them out; the defect in pipeline 1's batch. FSDP2 x TP x PP (8
-processes) is refused when recording starts, tested in this process on a one-rank group: no 8-process job runs.
+its dp group, as torchtitan's (pp, dp) mesh lays them out; the defect in pipeline 1's batch.
+
+FSDP2 x TP x PP at 2x2x2 ("1f1b_3d", 8 processes, torchtitan's (pp, dp_shard, tp) mesh): recorded and replayed in
+one launch of its own, the suite's one 8-process job, on the fewest steps that show it (4, the defect at step 2).
 """
 
 from __future__ import annotations
@@ -244,14 +246,13 @@ def test_one_process_refuses(runs):
 
 def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
     """A guard, a scaler, a per-stage LR scheduler whose state holds tensors, a custom chunking of the inputs, a
-    schedule of several stages per rank (interleaved), a stage under tensor parallelism, alone or under FSDP2
-    (torchtitan's 3-D layout): refused when recording starts, by name and why (a one-rank process group in this
-    process)."""
+    schedule of several stages per rank (interleaved), a stage under tensor parallelism without fully_shard (TP x
+    PP; FSDP2 x TP x PP is recorded, ``test_fsdp2_tp_pp``): refused when recording starts, by name and why (a
+    one-rank process group in this process)."""
     import torch
     import torch.distributed as dist
     from nanforensics import Recorder
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.distributed.pipelining.microbatch import TensorChunkSpec
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -263,8 +264,6 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
         scheduler = job.decay(optimizer)
         scheduler.warmup = torch.zeros(())  # a tensor in its state: only rank 0's extras file could carry one
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-        three_d = fully_shard(parallelize_module(job.build_model(), mesh["tp"], {"1": ColwiseParallel()}), mesh=mesh["dp"])
-        sharded = PipelineStage(three_d, 0, 1, torch.device("cpu"))
         split = PipelineStage(parallelize_module(job.build_model(), mesh["tp"], {"1": ColwiseParallel()}), 0, 1,
                               torch.device("cpu"))
         gpipe = ScheduleGPipe(stage, 2, loss_fn=job.loss_fn)
@@ -276,8 +275,8 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
                   "default chunking"),
                  (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {},
                   "ScheduleInterleaved1F1B.*an interleaved schedule's stages share a rank"),
-                 (ScheduleGPipe(sharded, 2, loss_fn=job.loss_fn), {}, r"FSDP2 x TP x PP\) is not supported"),
-                 (ScheduleGPipe(split, 2, loss_fn=job.loss_fn), {}, r"stage under tensor parallelism")]
+                 (ScheduleGPipe(split, 2, loss_fn=job.loss_fn), {}, r"stage under tensor parallelism without "
+                                                                     "fully_shard")]
         for i, (schedule, extra, needle) in enumerate(cases):
             with pytest.raises(ValueError, match=needle):
                 Recorder(tmp_path / str(i), schedule, optimizer, model_factory=job.build_model, step_fn=job.train_step,
@@ -351,3 +350,71 @@ def test_manifest_validation(key, value):
 def test_manifest_validation_accepts_the_recorded_section():
     world = World.read({"world_size": 2, "backend": "gloo", "wrapping": _GOOD}, Path("m.json"))
     assert world.to_json()["wrapping"] == _GOOD
+
+
+THREE_D = "1f1b_3d"
+
+
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """FSDP2 x TP x PP at 2x2x2 (8 gloo processes): recorded, then replayed at world size, in one launch."""
+    root = tmp_path_factory.mktemp("pipeline_3d")
+    return record_and_replay(root, job.arguments(root, [THREE_D]), [THREE_D], job.WORLD * job.DP * job.TP)
+
+
+def test_fsdp2_tp_pp(three_d):
+    """torchtitan's 3-D layout at world size. Data-parallel rank 1's sample overflows the gradient of hidden unit 13 of
+    layer 0, which tensor-parallel rank 1 computes (units 8-15): the origin names the step, stage 0, the mesh
+    coordinate (pp=0, dp=1, tp=1) of rank 3, the micro-batch, the sample, and the whole tensor's coordinate [13] of
+    the gradient (rank 3's own block holds it at 5). The update's NaN lies in the shard FSDP2 gives data-parallel rank
+    1 of that block (units 12-15, 12 + 1 on rank 3): reported there at [13], the coordinate the placements over both
+    dimensions (dp_shard, tp) give. The replay is bit-exact to the next checkpoint, the run untouched, bisect names
+    the first poisoned checkpoint and the 8-process command, and one process refuses with it."""
+    recorded = three_d.recorded
+    world = job.WORLD * job.DP * job.TP
+    assert recorded.codes == [0] * world and f"{THREE_D}: {job.STEPS_3D} steps" in recorded.stdout, \
+        recorded.stderr[-3000:]
+    run = three_d.runs[THREE_D]
+    wrapping = json.loads((run / "manifest.json").read_text())["distributed"]["wrapping"]
+    layouts = {"colwise": ("Replicate()", "Shard(dim=-1)"), "rowwise": ("Shard(dim=-1)", "Replicate()")}
+    assert wrapping["tensor_parallel"] == {"size": job.TP, "plan": [
+        {"module": m, "style": style, "input_layouts": layouts[style][0], "output_layouts": layouts[style][1],
+         "use_local_output": True} for m, style in (("0", "colwise"), ("2", "rowwise"), ("3", "colwise"),
+                                                    ("4", "rowwise"))]}
+    assert [(st["stage"], st["rank"], st["modules"]) for st in wrapping["stages"]] == [
+        (i, i * job.DP * job.TP, mods) for i, mods in enumerate(job.STAGES_3D)]
+    assert wrapping["data_parallel"]["size"] == job.DP
+
+    result, out, before = three_d.replays[THREE_D]
+    assert result.codes == [1] * world, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    bad = job.BAD_DP * job.TP + job.UNIT // 8  # stage 0, dp=1, tp=1
+    origin = report["origin"]
+    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (
+        job.DEFECT_STEP_3D, "grad", "0.bias", [job.UNIT], bad)
+    pipe = report["pipeline"]
+    assert (pipe["stage"], pipe["rank"], pipe["mesh"], pipe["microbatch"]) == (
+        0, bad, {"pp": 0, "dp": job.BAD_DP, "tp": 1}, job.DEFECT_MICROBATCH)
+    assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
+    ident = f"sample-{(job.DEFECT_STEP_3D * job.DP + job.BAD_DP) * job.BATCH + job.defect_row():05d}"
+    assert (report["samples"]["status"], report["samples"]["samples"], report["samples"]["sample_leaves"]) == (
+        "attributed", [job.DEFECT_SAMPLE], {"batch['id']": [ident]})
+    assert report["responsible_batch"]["file"].endswith(f"ranks/rank_{bad:05d}/batches/step_{job.DEFECT_STEP_3D:08d}"
+                                                        ".safetensors")
+    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
+        (job.DEFECT_STEP_3D + 2, True)]
+    at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP_3D]
+    assert {e["rank"] for e in at} == {bad}  # nothing on tensor-parallel rank 0 of the same batch, nor elsewhere
+    assert [(e["stage"], e["tensor"], e["index"]) for e in at if e["stage"] in ("grad", "param")] == [
+        ("grad", "0.bias", [job.UNIT]), ("grad", "0.weight", [job.UNIT, 0]),
+        ("param", "0.bias", [job.UNIT]), ("param", "0.weight", [job.UNIT, 0])]
+    assert report["setup"]["world_size"] == world
+    assert report["findings"][0].endswith(f"made grad 0.bias[{job.UNIT}] = {origin['value']} on stage 0 "
+                                          f"(rank {bad}, pp=0, dp={job.BAD_DP}, tp=1).")
+    assert tree_digest(run) == before
+    found = bisect([run / "checkpoints"])
+    assert found.first_poisoned is not None and found.first_poisoned.step == job.DEFECT_STEP_3D + 2
+    assert found.last_clean is not None and found.last_clean.step == job.DEFECT_STEP_3D
+    assert found.replay is not None and f"torchrun --nproc-per-node {world} -m" in found.replay.command
+    assert_one_line_error(run_cli("replay", run), f"torchrun --nproc-per-node {world} -m nanforensics replay {run}")
+    assert tree_digest(run) == before

@@ -22,6 +22,7 @@ one launch of its own, the suite's one 8-process job, on the fewest steps that s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from nanforensics.distributed.world import mismatch
 from nanforensics.errors import BadInput
 from nanforensics.runs.layout import DISTRIBUTED_FORMAT, World
 from nanforensics.runs.run import Run
-from nanforensics.runs.stages import DATA_PARALLEL, OPTIONS
+from nanforensics.runs.stages import DATA_PARALLEL, OPTIONS, TENSOR_PARALLEL
 
 import pipeline_job as job
 from conftest import assert_one_line_error, run_cli, tree_digest
@@ -326,13 +327,22 @@ def _bad_stage() -> st.SearchStrategy[Any]:
     return st.lists(spec | _JSON, max_size=3)
 
 
+def _tensor_parallel() -> st.SearchStrategy[Any]:
+    entry = st.fixed_dictionaries({"module": st.sampled_from(["a", "b.0", 3]), "style": st.sampled_from(
+        ["colwise", "rowwise", "sequence", "loss"]), "input_layouts": st.sampled_from(["Replicate()", "Shard(dim=-1)", "x"]),
+        "output_layouts": st.sampled_from(["Replicate()", "Shard(dim=1)"]), "use_local_output": st.booleans() | st.none()})
+    return st.fixed_dictionaries({"size": st.integers(0, 3)}, optional={"plan": st.lists(entry | _JSON, max_size=2),
+                                                                         "extra": _JSON})
+
+
 def _data_parallel() -> st.SearchStrategy[Any]:
     return st.fixed_dictionaries({"size": st.integers(0, 3)}, optional={
         "broadcast_buffers": st.booleans() | st.none(), "find_unused_parameters": st.booleans(), "bucket": st.booleans()})
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(key=st.sampled_from([*OPTIONS, DATA_PARALLEL, "extra"]), value=_JSON | _bad_stage() | _data_parallel())
+@given(key=st.sampled_from([*OPTIONS, DATA_PARALLEL, TENSOR_PARALLEL, "extra"]),
+       value=_JSON | _bad_stage() | _data_parallel() | _tensor_parallel())
 def test_manifest_validation(key, value):
     """Any value in any field of the pipeline section: read as the recorder wrote it, or refused in one line naming
     the manifest; never a traceback."""
@@ -350,6 +360,32 @@ def test_manifest_validation(key, value):
 def test_manifest_validation_accepts_the_recorded_section():
     world = World.read({"world_size": 2, "backend": "gloo", "wrapping": _GOOD}, Path("m.json"))
     assert world.to_json()["wrapping"] == _GOOD
+
+
+_FSDP = {"module": "", "reshard_after_forward": True,
+         "mp_policy": {"param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": True}}
+_PLAN = {"module": "a", "style": "colwise", "input_layouts": "Replicate()", "output_layouts": "Shard(dim=-1)",
+         "use_local_output": True}
+_3D = {**_GOOD, "stages": [{"stage": 0, "rank": 0, "modules": ["a"]}, {"stage": 1, "rank": 4, "modules": ["b"]}],
+       DATA_PARALLEL: {"size": 2, "modules": [_FSDP]}, TENSOR_PARALLEL: {"size": 2, "plan": [_PLAN]}}
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({}, None),
+    ({DATA_PARALLEL: {"size": 2, "broadcast_buffers": True}}, "needs each stage under fully_shard"),
+    ({TENSOR_PARALLEL: {"size": 2, "plan": []}}, "is not {size, plan}"),
+    ({TENSOR_PARALLEL: {"size": 4, "plan": [_PLAN]}}, "not a list of one stage per 8 ranks of 8"),
+    ({TENSOR_PARALLEL: {"size": 2, "plan": [{**_PLAN, "style": "loss"}]}}, "plan entry"),
+])
+def test_manifest_of_the_3d_layout(change, needle):
+    """FSDP2 x TP x PP: the section the recorder writes reads back; tensor parallelism without fully_shard, an empty
+    plan, a size that does not divide the stages' ranks, a style replay cannot rebuild: one line naming the manifest."""
+    raw = {"world_size": 8, "backend": "gloo", "wrapping": {**_3D, **change}}
+    if needle is None:
+        assert World.read(raw, Path("m.json")).to_json()["wrapping"] == {**_3D, "kind": "pipeline"}
+        return
+    with pytest.raises(BadInput, match=re.escape(needle)):
+        World.read(raw, Path("m.json"))
 
 
 THREE_D = "1f1b_3d"

@@ -160,19 +160,8 @@ def test_pipeline_by_data_parallel(data_parallel, name):
     report = json.loads(out.read_text())
     origin = report["origin"]
     bad = job.BAD_DP  # stage 0 of pipeline 1 is rank 1
-    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (
-        job.DEFECT_STEP, "grad", "0.gain", [job.DEFECT_FEATURE], bad)
-    pipe = report["pipeline"]
-    assert (pipe["stage"], pipe["rank"], pipe["mesh"], pipe["microbatch"]) == (0, bad, {"pp": 0, "dp": bad},
-                                                                               job.DEFECT_MICROBATCH)
-    assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
-    ident = f"sample-{(job.DEFECT_STEP * job.DP + bad) * job.BATCH + job.defect_row():05d}"
-    assert (report["samples"]["status"], report["samples"]["samples"], report["samples"]["sample_leaves"]) == (
-        "attributed", [job.DEFECT_SAMPLE], {"batch['id']": [ident]})
-    assert report["responsible_batch"]["file"].endswith(f"ranks/rank_{bad:05d}/batches/step_{job.DEFECT_STEP:08d}"
-                                                        ".safetensors")
-    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
-        (job.DEFECT_STEP + 1, True)]
+    check_origin(report, job.DEFECT_STEP, ("0.gain", [job.DEFECT_FEATURE]), bad, {"pp": 0, "dp": bad},
+                 job.DEFECT_STEP + 1)
     # the other pipeline's own gradients stay finite; the update is reported by the rank that holds it
     at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
     assert {e["rank"] for e in at if e["stage"] == "grad"} == {bad}
@@ -187,6 +176,25 @@ def test_pipeline_by_data_parallel(data_parallel, name):
     assert found.replay is not None and f"torchrun --nproc-per-node {job.WORLD * job.DP} -m" in found.replay.command
     problem = mismatch(Run(run), job.WORLD)
     assert problem is not None and f"--nproc-per-node {job.WORLD * job.DP} -m nanforensics replay" in problem
+
+
+def check_origin(report: dict[str, Any], step: int, grad: tuple[str, list[int]], rank: int, mesh: dict[str, int],
+                 compared: int) -> None:
+    """A pipeline by data parallelism's origin: the gradient ``grad`` (tensor, whole tensor's coordinate) of stage 0
+    on ``rank`` (at ``mesh``) in micro-batch ``DEFECT_MICROBATCH`` at ``step``, the sample of data-parallel rank
+    ``mesh["dp"]``'s batch, and the replay bit-exact up to the checkpoint at step ``compared``."""
+    origin = report["origin"]
+    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (step, "grad", *grad,
+                                                                                                    rank)
+    pipe = report["pipeline"]
+    assert (pipe["stage"], pipe["rank"], pipe["mesh"], pipe["microbatch"]) == (0, rank, mesh, job.DEFECT_MICROBATCH)
+    assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
+    ident = f"sample-{(step * job.DP + mesh['dp']) * job.BATCH + job.defect_row():05d}"
+    assert (report["samples"]["status"], report["samples"]["samples"], report["samples"]["sample_leaves"]) == (
+        "attributed", [job.DEFECT_SAMPLE], {"batch['id']": [ident]})
+    assert report["responsible_batch"]["file"].endswith(f"ranks/rank_{rank:05d}/batches/step_{step:08d}.safetensors")
+    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
+        (compared, True)]
 
 
 def test_per_stage_scheduler_and_a_gradient_no_optimizer_zeroes(runs, torchrun_replays):
@@ -424,21 +432,10 @@ def test_fsdp2_tp_pp(three_d):
     result, out, before = three_d.replays[THREE_D]
     assert result.codes == [1] * world, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    bad = job.BAD_DP * job.TP + job.UNIT // 8  # stage 0, dp=1, tp=1
     origin = report["origin"]
-    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (
-        job.DEFECT_STEP_3D, "grad", "0.bias", [job.UNIT], bad)
-    pipe = report["pipeline"]
-    assert (pipe["stage"], pipe["rank"], pipe["mesh"], pipe["microbatch"]) == (
-        0, bad, {"pp": 0, "dp": job.BAD_DP, "tp": 1}, job.DEFECT_MICROBATCH)
-    assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
-    ident = f"sample-{(job.DEFECT_STEP_3D * job.DP + job.BAD_DP) * job.BATCH + job.defect_row():05d}"
-    assert (report["samples"]["status"], report["samples"]["samples"], report["samples"]["sample_leaves"]) == (
-        "attributed", [job.DEFECT_SAMPLE], {"batch['id']": [ident]})
-    assert report["responsible_batch"]["file"].endswith(f"ranks/rank_{bad:05d}/batches/step_{job.DEFECT_STEP_3D:08d}"
-                                                        ".safetensors")
-    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
-        (job.DEFECT_STEP_3D + 2, True)]
+    bad = job.BAD_DP * job.TP + job.UNIT // 8  # stage 0, dp=1, tp=1
+    check_origin(report, job.DEFECT_STEP_3D, ("0.bias", [job.UNIT]), bad, {"pp": 0, "dp": job.BAD_DP, "tp": 1},
+                 job.DEFECT_STEP_3D + 2)
     at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP_3D]
     assert {e["rank"] for e in at} == {bad}  # nothing on tensor-parallel rank 0 of the same batch, nor elsewhere
     assert [(e["stage"], e["tensor"], e["index"]) for e in at if e["stage"] in ("grad", "param")] == [

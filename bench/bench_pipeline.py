@@ -1,16 +1,15 @@
 """Recording a pipeline-parallel step against a plain one: a 2-stage MLP under ScheduleGPipe, 2 ranks on gloo.
 
-    python bench/bench_pipeline.py [--rounds 15] [--steps 10] [--width 512] [--every 50] [--layout 3d]
+    python bench/bench_pipeline.py [--rounds 15] [--steps 10] [--width 512] [--every 50] [--layout 3d [--replay 40]]
 
 Starts itself under torchrun (2 processes; ``--layout 3d``: 8, torchtitan's FSDP2 x TP x PP at 2x2x2, each stage's
 layers colwise then rowwise on "tp", then ``fully_shard`` on "dp_shard", and the replay's cost too: the recorded run
-replayed at world size for 1 step and for ``--steps + 1``, the difference per step against the plain step).
-Each rank holds two identical stages, one trained plainly and one under
-the Recorder (batches to disk, the step's loss broadcast from the last stage, a checkpoint through
-torch.distributed.checkpoint every ``--every`` steps); the variants run in turn each round (``--steps`` steps each),
-and the ratio is the median over rounds of the recorded variant's time over the plain one's, with its interquartile
-range (bench/benchlib.py), on the wall clock and in CPU time summed over both ranks (which a loaded machine does not
-charge for waiting for a core). Rank 0 prints both.
+replayed at world size for 1 step and for ``--replay + 1``, the difference per step against the plain step). Each
+rank holds two identical stages, one trained plainly and one under the Recorder (batches to disk, the step's loss
+broadcast from the last stage, a checkpoint through torch.distributed.checkpoint every ``--every`` steps); the
+variants run in turn each round (``--steps`` steps each), and the ratio is the median over rounds of the recorded
+variant's time over the plain one's, with its interquartile range (bench/benchlib.py), on the wall clock and in CPU
+time summed over every rank (which a loaded machine does not charge for waiting for a core). Rank 0 prints both.
 """
 
 from __future__ import annotations
@@ -140,6 +139,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--layout", choices=sorted(RANKS), default="pp")
+    parser.add_argument("--replay", type=int, default=40, help="steps replayed (beyond the first) to time the replay")
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "RANK" in os.environ:
@@ -153,7 +153,7 @@ def main() -> None:
         code = subprocess.run(argv, env=env).returncode
         if code or args.layout != "3d":
             sys.exit(code)
-        replay_cost(torchrun, Path(tmp), args.steps, env)
+        replay_cost(torchrun, Path(tmp), min(args.replay, (args.rounds + 1) * args.steps - 1), env)
 
 
 def replay_cost(torchrun: list[str], out: Path, steps: int, env: dict[str, str]) -> None:

@@ -278,7 +278,7 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
         gpipe = ScheduleGPipe(stage, 2, loss_fn=job.loss_fn)
         cases = [(gpipe, {"guard": True}, "guard= is not supported with a pipeline schedule: a guard's incidents"),
                  (gpipe, {"scaler": torch.amp.GradScaler("cpu")}, "scaler= is not supported .*: a GradScaler's inf "
-                                                                  "check is each stage's own"),
+                                                                  "check sees only its own stage's gradients"),
                  (gpipe, {"scheduler": scheduler, "scheduler_factory": job.decay}, "LR scheduler holds tensors"),
                  (ScheduleGPipe(stage, 2, loss_fn=job.loss_fn, args_chunk_spec=(TensorChunkSpec(1),)), {},
                   "default chunking"),
@@ -310,6 +310,26 @@ def test_replay_refuses_a_schedule_of_several_stages_per_rank(runs, tmp_path):
     assert_one_line_error(run_cli("replay", run), f"schedule '{schedule}': this nanforensics replays ScheduleGPipe and "
                                                   "Schedule1F1B (one stage per rank; an interleaved or zero-bubble "
                                                   "schedule puts several stages on a rank)")
+    assert tree_digest(run) == before
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_replay_refuses_a_gradscaler_per_stage(runs, tmp_path, enabled):
+    """A manifest naming a GradScaler beside a pipeline schedule (no recorder writes one): one line naming the manifest
+    and why, exit 2, before the one-process refusal's torchrun command (no world size replays it) and before any
+    checkpoint is read; the copy is left as it was."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["gpipe"], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["scaler"] = {"enabled": enabled}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    before = tree_digest(run)
+    result = run_cli("replay", run)
+    assert_one_line_error(result, "names a GradScaler (scaler) with a pipeline schedule, which nanforensics does not "
+                                  "replay: a GradScaler's inf check sees only its own stage's gradients")
+    assert "torchrun" not in result.stderr and str(run / "manifest.json") in result.stderr
     assert tree_digest(run) == before
 
 

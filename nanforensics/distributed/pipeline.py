@@ -33,6 +33,9 @@ from .tensors import is_dtensor
 from .world import object_group
 
 MICROBATCH_LOSSES = "microbatch_losses.jsonl"  # the last stage's: {"step": s, "losses": [...]} per line
+# why a GradScaler per stage is neither recorded nor replayed: what the recorder and the replay say
+SCALER_WHY = ("a GradScaler's inf check sees only its own stage's gradients, so one stage would step where another "
+              "skips, and each stage's scale would drift from the one the last stage scaled the loss by")
 
 
 def schedule_of(obj: Any) -> Any:
@@ -256,7 +259,7 @@ def pipeline_world(model: Any, **extras: Any) -> PipelineRankRecorder | None:
     given = [name for name, value in extras.items() if value and name != "scheduler"]  # each stage's own: recorded
     if given:
         why = ("a guard's incidents replay on one process, and a pipeline only at world size" if given[0] == "guard"
-               else "a GradScaler's inf check is each stage's own, so the stages would skip different steps")
+               else SCALER_WHY)
         raise ValueError(f"{given[0]}= is not supported with a pipeline schedule: {why}")
     scheduler_state(extras.get("scheduler"))
     if not (dist.is_available() and dist.is_initialized()):

@@ -71,7 +71,7 @@ from ..runs.stages import (
     tp_size,
 )
 from .checkpoint import restore_rank_rng
-from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, prune, step_loss
+from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, SCALER_WHY, prune, step_loss
 from .tensors import local_part, shard_like
 from .world import object_group
 from .wrapping import apply_plan, shard_modules, unsharded_params, wrap_ddp
@@ -426,6 +426,9 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
     from ..rootcause.findings import narrate
     from ..runs import imports
 
+    if run.manifest.scaler_enabled is not None:  # no recorder writes one: refused at any world size
+        raise BadInput(run.path / "manifest.json", f"names a GradScaler (scaler) with a pipeline schedule, which "
+                                                   f"nanforensics does not replay: {SCALER_WHY}")
     if not (dist.is_available() and dist.is_initialized()):
         raise BadInput(run.path, one_process_refusal(run))
     if not isinstance(run, Run) or not isinstance(code, UserCode):

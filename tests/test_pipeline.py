@@ -462,6 +462,17 @@ def test_fsdp2_tp_pp(three_d):
         ("grad", "0.bias", [job.UNIT]), ("grad", "0.weight", [job.UNIT, 0]),
         ("param", "0.bias", [job.UNIT]), ("param", "0.weight", [job.UNIT, 0])]
     assert report["setup"]["world_size"] == world
+    # a step later every value is NaN: rowwise layer 2's bias, replicated over tp, is reported by tp rank 0's copy of
+    # each dp shard alone; the whole model's values counted once (a shard per rank, a stage once)
+    later = [e for e in report["events"] if e["step"] == job.DEFECT_STEP_3D + 1]
+    assert [e["rank"] for e in later if (e["stage"], e["tensor"]) == ("param", "2.bias")] == [0, job.TP]
+    assert [e["rank"] for e in later if (e["stage"], e["tensor"]) == ("param", "0.bias")] == [0, 1, 2, 3]
+    total = sum(p.numel() for p in job.build_model_3d().parameters())
+    assert {(r["params_total"], r["state_total"]) for r in report["spread"]} == {(total, 2 * total)}
+    logs = [[json.loads(line)["loss"] for line in (run / "ranks" / f"rank_{r:05d}" / "steps.jsonl").read_text().splitlines()]
+            for r in (4, 4 + job.TP)]  # the last stage of each batch's pipeline (tp rank 0)
+    finite = job.DEFECT_STEP_3D + 1  # the steps before the NaN
+    assert [s.loss for s in Run(run).steps][:finite] == [(a + b) / 2 for a, b in list(zip(*logs))[:finite]]
     assert report["findings"][0].endswith(f"made grad 0.bias[{job.UNIT}] = {origin['value']} on stage 0 "
                                           f"(rank {bad}, pp=0, dp={job.BAD_DP}, tp=1).")
     assert tree_digest(run) == before

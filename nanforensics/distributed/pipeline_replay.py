@@ -72,7 +72,7 @@ from ..runs.stages import (
 )
 from .checkpoint import restore_rank_rng
 from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, SCALER_WHY, prune, step_loss
-from .tensors import local_part, shard_like
+from .tensors import local_part, shard_like, speaks_for
 from .world import object_group
 from .wrapping import apply_plan, shard_modules, unsharded_params, wrap_ddp
 
@@ -362,8 +362,10 @@ class _Watch:
 
     def _check(self, stage: str, name: str, t: torch.Tensor | None, mb: int | None = -1, key: str | None = None) -> None:
         mb = self.mb if mb == -1 else mb
-        # outside a micro-batch, the stage's shape inference runs its forward on uninitialised tensors: not the run's
-        if t is None or (stage, f"{name}/{key}") in self.seen or (mb is None and stage in ("forward", "grad")):
+        # outside a micro-batch, the stage's shape inference runs its forward on uninitialised tensors: not the run's;
+        # a DTensor the placements replicate over tensor-parallel ranks is reported by the copy that speaks for it
+        if t is None or (stage, f"{name}/{key}") in self.seen or (mb is None and stage in ("forward", "grad")) \
+                or not speaks_for(t):
             return
         held, offset = local_part(t.detach())  # an FSDP2 shard is checked where it lies in the whole tensor
         where = locate(held)
@@ -402,21 +404,6 @@ def _order(item: tuple[tuple, Event], stages: int, n: int, width: int) -> tuple:
 # shards are each rank's own)
 _REPLICATED = ("optimizer_state", "param", "buffer")
 
-
-def _once(found: list[tuple[tuple, Event]], wrapping: dict[str, Any]) -> list[tuple[tuple, Event]]:
-    """The step's events (in order), each value once: the tensor-parallel ranks of a pipeline stage that hold the
-    same value (a replicated parameter's shard, a layer's output they all compute, the loss) report it alike, at
-    the same whole-tensor coordinate; the lowest tensor-parallel rank speaks for them. A tensor-parallel shard is
-    its rank's own: its coordinate differs."""
-    seen: set[tuple] = set()
-    out = []
-    for (mb, phase), e in found:
-        rank = e.rank if e.rank is not None else 0
-        key = (mb, phase, e.tensor, tuple(e.index), e.state_key, e.value, rank - rank % tp_size(wrapping))
-        if key not in seen:
-            seen.add(key)
-            out.append(((mb, phase), e))
-    return out
 
 
 def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch.device, opts: Any,
@@ -472,9 +459,9 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
         lasts = [gathered[last_rank(wrapping, j)] for j in batch_pipelines(wrapping)]
         loss = mean_loss([g[1] for g in lasts])  # as the run's loss is read: the mean over the batches' pipelines
         replayed_mb[step] = [g[2] for g in lasts]
-        found = _once(sorted((item for r, g in enumerate(gathered) for item in g[0]
-                              if pipeline_of(wrapping, r) == 0 or s.sharded or item[0][1] not in _REPLICATED),
-                             key=lambda item: _order(item, stages, n, width)), wrapping)
+        found = sorted((item for r, g in enumerate(gathered) for item in g[0]
+                        if pipeline_of(wrapping, r) == 0 or s.sharded or item[0][1] not in _REPLICATED),
+                       key=lambda item: _order(item, stages, n, width))
         events += [e for _, e in found]
         params_total, state_total = (sum(g[3][i] for g in gathered[::width]) for i in (0, 1))  # each stage's, whole
         logged_loss = logged.get(step)

@@ -201,6 +201,26 @@ def build_3d(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
     return schedule, torch.optim.AdamW(module.parameters(), lr=1e-2)
 
 
+def misplaced(module: nn.Module) -> list[str]:
+    """Every rank's shard of every parameter against the whole tensor at the place ``local_part`` (the replay's one
+    mapping from a shard's coordinates to the whole tensor's) gives it: the parameters of any rank whose shard is not
+    the whole tensor's block there, gathered to every rank. Under the 3-D layout a parameter is split on both
+    ``dp_shard`` and ``tp`` (colwise: ``_StridedShard`` then ``Shard`` on dimension 0; rowwise: dimensions 0 and 1,
+    unevenly for a 1-row weight), or on ``dp_shard`` alone and replicated on ``tp`` (rowwise biases)."""
+    from nanforensics.distributed.tensors import local_part
+
+    wrong = []
+    for name, param in module.named_parameters():  # every rank, in the same order: full_tensor is a collective
+        whole = param.full_tensor()
+        local, offset = local_part(param.detach())
+        assert offset is not None
+        if not torch.equal(whole[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))], local):
+            wrong.append(name)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, wrong)
+    return sorted({name for names in every for name in names})
+
+
 def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:
     """Train run ``name`` ("gpipe" or "1f1b") on this rank, recorded."""
     from nanforensics import Recorder
@@ -212,6 +232,10 @@ def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:
     step_fn = train_step_scheduled if scheduled else train_step
     factory = build_model_3d if tp > 1 else build_model
     steps = STEPS_3D if tp > 1 else steps
+    if tp > 1:  # before training: every value distinct from its neighbours, none NaN
+        wrong = misplaced(schedule._stage.submod)
+        if dist.get_rank() == 0:
+            print(f"{name}: {len(wrong)} shards misplaced", flush=True)
     rec = Recorder(out / name, schedule, optimizer, model_factory=factory, step_fn=step_fn, checkpoint_every=EVERY,
                    overwrite=True, **scheduled, **({"scheduler_factory": decay} if scheduled else {}))
     logged = []

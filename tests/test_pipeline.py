@@ -438,6 +438,8 @@ def test_fsdp2_tp_pp(three_d):
     world = job.WORLD * job.DP * job.TP
     assert recorded.codes == [0] * world and f"{THREE_D}: {job.STEPS_3D} steps" in recorded.stdout, \
         recorded.stderr[-3000:]
+    # every element of every rank's shard of every parameter lies where the replay's mapping puts it
+    assert f"{THREE_D}: 0 shards misplaced" in recorded.stdout
     run = three_d.runs[THREE_D]
     wrapping = json.loads((run / "manifest.json").read_text())["distributed"]["wrapping"]
     layouts = {"colwise": ("Replicate()", "Shard(dim=-1)"), "rowwise": ("Shard(dim=-1)", "Replicate()")}

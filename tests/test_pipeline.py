@@ -294,6 +294,41 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("module, style, needle", [
+    ("0", "colwise", None), ("2", "rowwise", None), ("0.nothing", "colwise", "names '0.nothing', which stage 0"),
+    ("1", "colwise", "splits '1' colwise, but it is a LogSoftplus, not a Linear or an Embedding")])
+def test_replay_applies_only_a_plan_that_fits_the_stage(module, style, needle):
+    """A 3-D manifest's plan applied to a stage on replay: an entry naming no module of the stage (which
+    parallelize_module would skip with a warning, replaying another layout) or a layer its style cannot split (a
+    traceback from torch) is one line naming the manifest; an entry of another stage is left to it (a one-rank
+    process group in this process)."""
+    import torch.distributed as dist
+    from nanforensics.distributed.pipeline import prune
+    from nanforensics.distributed.pipeline_replay import _plan_stage
+    from nanforensics.distributed.tensors import is_dtensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layouts = {"colwise": ("Replicate()", "Shard(dim=-1)"), "rowwise": ("Shard(dim=-1)", "Replicate()")}
+    entry = {"module": module, "style": style, "input_layouts": layouts[style][0],
+             "output_layouts": layouts[style][1], "use_local_output": True}
+    other = {**entry, "module": "3", "style": "colwise", "input_layouts": "Replicate()", "output_layouts": "Shard(dim=-1)"}
+    spec = {"stage": 0, "rank": 0, "modules": job.STAGES_3D[0]}
+    where = Path("RUN/manifest.json")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        model = prune(job.build_model_3d(), job.STAGES_3D[0])
+        if needle is None:
+            _plan_stage(model, mesh, [entry, other], spec, where)
+            assert [n for n, p in model.named_parameters() if is_dtensor(p)] == [f"{module}.weight", f"{module}.bias"]
+            return
+        with pytest.raises(BadInput, match=re.escape(needle)) as e:
+            _plan_stage(model, mesh, [entry, other], spec, where)
+        assert e.value.where == str(where) and "\n" not in str(e.value)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_replay_refuses_a_schedule_of_several_stages_per_rank(runs, tmp_path):
     """A manifest naming a multi-stage schedule (no recorder of this version writes one): one line saying why, exit
     2, before any checkpoint or step is read; the copy it names is left as it was. (Any other name: the manifest's

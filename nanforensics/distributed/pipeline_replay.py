@@ -134,8 +134,7 @@ class _Stage:
                                   "factory builds")
         self.model = prune(model, self.spec["modules"]).to(device)
         if tp_group is not None:  # the stage's part of the plan, then fully_shard: torchtitan's order
-            apply_plan(self.model, tp_group, [e for e in wrapping[TENSOR_PARALLEL]["plan"]
-                                              if e["module"].partition(".")[0] in self.spec["modules"]])
+            _plan_stage(self.model, tp_group, wrapping[TENSOR_PARALLEL]["plan"], self.spec, where)
         if self.sharded:  # before the optimizer is built over the (sharded) parameters
             shard_modules(self.model, wrapping[DATA_PARALLEL]["modules"], data_group)
         self.meta = checkpoint.meta()
@@ -182,6 +181,23 @@ class _Stage:
             self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
         restore_rng(snap["rng"])
         self.step = snap["step"]
+
+
+def _plan_stage(model: nn.Module, mesh: Any, plan: list[dict[str, Any]], spec: dict[str, Any], where: Any) -> None:
+    """The recorded plan's entries of this stage's modules applied on its tensor-parallel ranks; BadInput for an
+    entry naming no module of the stage, or a style its module does not take (``parallelize_module`` would skip the
+    one with a warning and refuse the other with a traceback)."""
+    mine = [e for e in plan if e["module"].partition(".")[0] in spec["modules"]]
+    for entry in mine:
+        try:
+            module = model.get_submodule(entry["module"])
+        except AttributeError:
+            raise BadInput(where, f"the tensor-parallel plan names {entry['module']!r}, which stage {spec['stage']}'s "
+                                  "module does not hold") from None
+        if entry["style"] != "sequence" and not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise BadInput(where, f"the tensor-parallel plan splits {entry['module']!r} {entry['style']}, but it is a "
+                                  f"{type(module).__name__}, not a Linear or an Embedding")
+    apply_plan(model, mesh, mine)
 
 
 def _scheduler_state(checkpoint: Checkpoint, meta: dict[str, Any], rank: int, size: int) -> Any:

@@ -3,12 +3,14 @@
 The loop passes its schedule (``ScheduleGPipe`` or ``Schedule1F1B``, one ``PipelineStage`` per rank, stage i on rank
 i) to the ``Recorder`` as its model. With data parallelism (``dp`` pipelines side by side, torchtitan's (pp, dp)
 mesh), stage i runs on ranks i*dp to i*dp+dp-1 under DistributedDataParallel or FSDP2's ``fully_shard`` over them, and
-each pipeline is fed its own batch. Each rank logs the batch its step function gives the schedule (stage 0 the inputs,
-the last stage the targets); the step function returns the micro-batch losses on the last stage, whose mean every rank
-of that pipeline logs, and the last stage keeps each micro-batch's loss (``microbatch_losses.jsonl``). Checkpoints go
-through ``torch.distributed.checkpoint``, each rank writing its stage's parameters and optimizer state under their
-names in the whole model, rank 0 the names of all (``meta.json``): so ``scan``, ``bisect`` and every reader see one
-model. Replay: ``pipeline_replay``.
+each pipeline is fed its own batch. Under torchtitan's 3-D layout (a (pp, dp_shard, tp) mesh) each stage's layers are
+split first by ``parallelize_module`` on "tp": its plan is read back and recorded beside the stages, a stage runs on
+dp*tp ranks, and the tp pipelines of a data-parallel rank share its batch. Each rank logs the batch its step
+function gives the schedule (stage 0 the inputs, the last stage the targets); the step function returns the
+micro-batch losses on the last stage, whose mean every rank of that pipeline logs, and the last stage keeps each
+micro-batch's loss (``microbatch_losses.jsonl``). Checkpoints go through ``torch.distributed.checkpoint``, each rank
+writing its stage's parameters and optimizer state under their names in the whole model, rank 0 the names of all
+(``meta.json``): so ``scan``, ``bisect`` and every reader see one model. Replay: ``pipeline_replay``.
 """
 
 from __future__ import annotations

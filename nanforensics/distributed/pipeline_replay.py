@@ -13,7 +13,9 @@ gradients from rank to rank, and names the sample within the micro-batch.
 With data parallelism the (pp, dp) mesh is made again and each stage wrapped as recorded (DDP or FSDP2 over its dp
 ranks): every pipeline replays its own batch side by side, the gradients are watched before they are averaged (under
 FSDP2 on the unsharded parameters), each FSDP2 shard at the whole tensor's coordinate, and the origin's rank names its
-mesh coordinate. Each stage's own LR scheduler is rebuilt and its recorded state loaded.
+mesh coordinate. Each stage's own LR scheduler is rebuilt and its recorded state loaded. Under FSDP2 x TP x PP the
+(pp, dp_shard, tp) mesh is made again and each stage's part of the recorded plan applied before ``fully_shard``; a
+value the placements replicate over tensor-parallel ranks is reported by the copy that speaks for it.
 
 **On one process** the run is refused, with the command that replays it: a stage's module alone cannot compute what
 the others fed it, and the user's step function gives the schedule its own rank's batch, so running the stages one

@@ -107,7 +107,7 @@ def logged_microbatch_losses(run: Run, pipeline: int = 0) -> dict[int, list[floa
 
 def one_process_refusal(run: Run) -> str:
     size = run.world.world_size if run.world else 1
-    return (f"a pipeline-parallel run is replayed with one process per stage: run `torchrun --nproc-per-node {size} -m "
+    return (f"a pipeline-parallel run is replayed by one process per rank it ran on: run `torchrun --nproc-per-node {size} -m "
             f"nanforensics replay {shlex.quote(str(run.path))}` (one process cannot run a stage's step function on "
             "what the other stages send it)")
 

@@ -1,13 +1,15 @@
 """Recording a pipeline-parallel step against a plain one: a 2-stage MLP under ScheduleGPipe, 2 ranks on gloo.
 
-    python bench/bench_pipeline.py [--rounds 15] [--steps 10] [--width 512] [--every 50]
+    python bench/bench_pipeline.py [--rounds 15] [--steps 10] [--width 512] [--every 50] [--layout 3d [--replay 40]]
 
-Starts itself under torchrun (2 processes). Each rank holds two identical stages, one trained plainly and one under
-the Recorder (batches to disk, the step's loss broadcast from the last stage, a checkpoint through
-torch.distributed.checkpoint every ``--every`` steps); the variants run in turn each round (``--steps`` steps each),
-and the ratio is the median over rounds of the recorded variant's time over the plain one's, with its interquartile
-range (bench/benchlib.py), on the wall clock and in CPU time summed over both ranks (which a loaded machine does not
-charge for waiting for a core). Rank 0 prints both.
+Starts itself under torchrun (2 processes; ``--layout 3d``: 8, torchtitan's FSDP2 x TP x PP at 2x2x2, each stage's
+layers colwise then rowwise on "tp", then ``fully_shard`` on "dp_shard", and the replay's cost too: the recorded run
+replayed at world size for 1 step and for ``--replay + 1``, the difference per step against the plain step). Each
+rank holds two identical stages, one trained plainly and one under the Recorder (batches to disk, the step's loss
+broadcast from the last stage, a checkpoint through torch.distributed.checkpoint every ``--every`` steps); the
+variants run in turn each round (``--steps`` steps each), and the ratio is the median over rounds of the recorded
+variant's time over the plain one's, with its interquartile range (bench/benchlib.py), on the wall clock and in CPU
+time summed over every rank (which a loaded machine does not charge for waiting for a core). Rank 0 prints both.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import paired_ratio  # noqa: E402
 
-WORLD, BATCH, MICROBATCHES, FEATURES = 2, 64, 4, 64
+STAGES, BATCH, MICROBATCHES, FEATURES = 2, 64, 4, 64
+RANKS = {"pp": 2, "3d": 8}  # processes per layout
 TARGET = 1.25  # recording costs at most a quarter of a plain step
 
 
@@ -51,13 +54,24 @@ def train_step(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str,
     return losses
 
 
-def stage(width: int) -> tuple[Any, torch.optim.Optimizer]:
+def stage(width: int, mesh: Any = None) -> tuple[Any, torch.optim.Optimizer]:
+    """This rank's stage: one per rank, or on ``mesh`` (pp, dp_shard, tp) split by its plan, then sharded."""
     from nanforensics.distributed.pipeline import prune
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    rank = dist.get_rank()
-    module = prune(build_model(width), [["0", "1", "2", "3"], ["4", "5", "6"]][rank])
-    schedule = ScheduleGPipe(PipelineStage(module, rank, WORLD, torch.device("cpu")), MICROBATCHES, loss_fn=loss_fn)
+    index = dist.get_rank() if mesh is None else mesh["pp"].get_local_rank()
+    module = prune(build_model(width), [["0", "1", "2", "3"], ["4", "5", "6"]][index])
+    group = None
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        pair = [("0", "2"), ("4", "6")][index]
+        parallelize_module(module, mesh["tp"], {pair[0]: ColwiseParallel(), pair[1]: RowwiseParallel()})
+        fully_shard(module, mesh=mesh["dp_shard"])
+        group = mesh["pp"].get_group()
+    schedule = ScheduleGPipe(PipelineStage(module, index, STAGES, torch.device("cpu"), group=group), MICROBATCHES,
+                             loss_fn=loss_fn)
     return schedule, torch.optim.AdamW(module.parameters(), lr=1e-3)
 
 
@@ -65,12 +79,17 @@ def worker(args: argparse.Namespace) -> None:
     from nanforensics import Recorder
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mesh = None
+    if args.layout == "3d":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (STAGES, 2, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, FEATURES, generator=g), torch.randn(BATCH, 1, generator=g)
-    batch = {"x": x, "ids": [f"s{i}" for i in range(BATCH)]} if rank == 0 else {"y": y}
-    plain_schedule, plain_opt = stage(args.width)
-    rec_schedule, rec_opt = stage(args.width)
+    batch = {"x": x, "ids": [f"s{i}" for i in range(BATCH)]} if rank < size // STAGES else {"y": y}
+    plain_schedule, plain_opt = stage(args.width, mesh)
+    rec_schedule, rec_opt = stage(args.width, mesh)
     out = Path(args.out)
     rec = Recorder(out / "run", rec_schedule, rec_opt, model_factory=build_model, step_fn=train_step,
                    model_kwargs={"width": args.width}, checkpoint_every=args.every, overwrite=True)
@@ -95,14 +114,17 @@ def worker(args: argparse.Namespace) -> None:
             start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             used = torch.tensor([time.process_time() - start_cpu], dtype=torch.float64)
-            dist.all_reduce(used)
+            dist.all_reduce(used)  # every rank's
             wall[name].append((time.perf_counter() - start) / args.steps)
             cpu[name].append(float(used) / args.steps)
     rec.close()
     if rank == 0:
+        layout = "FSDP2 x TP x PP (2x2x2)" if mesh is not None else "one stage per rank"
         print(f"2-stage MLP (width {args.width}), ScheduleGPipe, {MICROBATCHES} micro-batches of {BATCH // MICROBATCHES}, "
-              f"2 ranks on gloo; checkpoint every {args.every} steps; {args.rounds} rounds of {args.steps} steps")
-        for clock, times in (("wall clock", wall), ("CPU time, both ranks", cpu)):
+              f"{size} ranks on gloo, {layout}; checkpoint every {args.every} steps; {args.rounds} rounds of "
+              f"{args.steps} steps")
+        (out / "plain_step_s").write_text(str(sorted(wall["plain"])[len(wall["plain"]) // 2]))
+        for clock, times in (("wall clock", wall), ("CPU time, all ranks", cpu)):
             median, q1, q3 = paired_ratio(times, "recorded")
             plain_ms = sorted(times["plain"])[len(times["plain"]) // 2] * 1e3
             print(f"{clock:21}  plain step {plain_ms:7.2f} ms  recorded / plain {median:6.3f}x  (IQR {q1:.3f}-{q3:.3f})"
@@ -116,16 +138,41 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--layout", choices=sorted(RANKS), default="pp")
+    parser.add_argument("--replay", type=int, default=40, help="steps replayed (beyond the first) to time the replay")
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)
         return
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS[args.layout])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-                __file__, "--rounds", str(args.rounds), "--steps", str(args.steps), "--width", str(args.width),
-                "--every", str(args.every), "--out", tmp]
-        sys.exit(subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
+        argv = [*torchrun, __file__, "--rounds", str(args.rounds), "--steps", str(args.steps), "--width",
+                str(args.width), "--every", str(args.every), "--layout", args.layout, "--out", tmp]
+        code = subprocess.run(argv, env=env).returncode
+        if code or args.layout != "3d":
+            sys.exit(code)
+        replay_cost(torchrun, Path(tmp), min(args.replay, (args.rounds + 1) * args.steps - 1), env)
+
+
+def replay_cost(torchrun: list[str], out: Path, steps: int, env: dict[str, str]) -> None:
+    """The recorded run replayed at world size from its first checkpoint for 1 step and for ``steps + 1``: the
+    difference per step (the start, the mesh and the checkpoint's load cancel out) against the plain step."""
+    times = []
+    for count in (1, steps + 1):
+        command = [*torchrun, "-m", "nanforensics", "replay", str(out / "run"), "--from-step", "0", "--max-steps",
+                   str(count), "--no-explain", "--json", str(out / f"replay_{count}.json")]
+        start = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        times.append(time.perf_counter() - start)
+        if done.returncode:
+            sys.exit(f"replay exited {done.returncode}: {done.stderr[-2000:]}")
+    per_step = (times[1] - times[0]) / steps
+    plain = float((out / "plain_step_s").read_text())
+    print(f"replay at world size  {times[0]:.1f} s for 1 step, {times[1]:.1f} s for {steps + 1}: {per_step * 1e3:7.2f} ms "
+          f"a step, replay / plain {per_step / plain:6.2f}x (watched: every module's output, every local gradient)",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,14 @@ loss overflows to inf on stage 1. "gpipe_scheduled" is "gpipe" with an LR schedu
 of the optimizer (it still requires grad). "1f1b_dp" runs 2 pipelines side by side (``--nproc-per-node 4``):
 torchtitan's (pp, dp) mesh, each stage under DDP over its dp group, pipeline ``BAD_DP``'s batch holding the near-zero
 reading; "1f1b_fsdp" the same with each stage under ``fully_shard`` over its dp group (torchtitan's dp_shard).
+
+"1f1b_3d" is torchtitan's FSDP2 x TP x PP at 2x2x2 (``--nproc-per-node 8``): a (pp, dp_shard, tp) mesh, each stage's
+layers split by ``parallelize_module`` on "tp" (Megatron's colwise then rowwise pairs), then ``fully_shard`` on
+"dp_shard". Its model (``build_model_3d``) takes ``log(softplus(h))`` of hidden unit ``UNIT``, which only feature
+``DEFECT_FEATURE`` drives, negatively; at ``DEFECT_STEP_3D`` pipeline ``BAD_DP``'s sample holds a glitch reading
+there (``GLITCH``): softplus underflows to a subnormal, the forward stays finite, and backward's 1/softplus overflows:
+``0.bias[UNIT]``'s gradient is infinite, in tensor-parallel rank 1's block of units (8-15), and the update leaves it
+NaN in data-parallel rank 1's shard of that block (12-15). Fewest steps: 4, the defect at step 2.
 """
 
 from __future__ import annotations
@@ -32,11 +40,15 @@ DEFECT_STEP, DEFECT_MICROBATCH, DEFECT_SAMPLE, DEFECT_FEATURE = 3, 2, 1, 3
 FEATURES = 4
 STAGES = [["0", "1", "2"], ["3", "4", "5"]]  # the top-level modules each stage holds
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "gpipe_scheduled": "ScheduleGPipe",
-             "1f1b_dp": "Schedule1F1B", "1f1b_fsdp": "Schedule1F1B"}
-DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_scheduled": "input", "1f1b_dp": "input", "1f1b_fsdp": "input"}
+             "1f1b_dp": "Schedule1F1B", "1f1b_fsdp": "Schedule1F1B", "1f1b_3d": "Schedule1F1B"}
+DEFECTS = {"gpipe": "input", "1f1b": "target", "gpipe_scheduled": "input", "1f1b_dp": "input", "1f1b_fsdp": "input",
+           "1f1b_3d": "glitch"}
 # "1f1b_dp": 2 stages x 2 data-parallel ranks (4 processes), torchtitan's (pp, dp) mesh, each stage under DDP over
 # its dp group; only pipeline BAD_DP's batch carries the defect
 DP, BAD_DP = 2, 1
+# "1f1b_3d": FSDP2 x TP x PP, 2 x 2 x 2
+TP, UNIT, GLITCH, STEPS_3D, DEFECT_STEP_3D = 2, 13, 198.0, 4, 2
+STAGES_3D = [["0", "1", "2"], ["3", "4"]]
 FROZEN = "0.gain"  # "gpipe_scheduled": the optimizer does not hold it; it still requires grad, which nothing zeroes
 DECAY = 0.7  # "gpipe_scheduled": each stage's LR scheduler multiplies its learning rate by this every step
 
@@ -61,6 +73,25 @@ def build_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(LogGain(FEATURES), nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                          nn.Linear(16, 1))
+
+
+class LogSoftplus(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.log(F.softplus(h))
+
+
+def build_model_3d() -> nn.Module:
+    """Two colwise/rowwise pairs (stage 0: ``0``, ``1``, ``2``; stage 1: ``3``, ``4``). Unit ``UNIT`` of layer 0 reads
+    feature ``DEFECT_FEATURE`` alone, at -0.5; every other unit reads it positively."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), LogSoftplus(), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1))
+    with torch.no_grad():
+        first = model[0]
+        first.weight[:, DEFECT_FEATURE].abs_().add_(0.1)
+        first.weight[UNIT].zero_()
+        first.weight[UNIT, DEFECT_FEATURE] = -0.5
+        first.bias[UNIT] = 0.0
+    return model
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -95,7 +126,11 @@ def train_step_scheduled(schedule: Any, optimizer: torch.optim.Optimizer, batch:
 
 def data_parallel(name: str) -> int:
     """How many pipelines run side by side in run ``name``."""
-    return DP if name.endswith(("_dp", "_fsdp")) else 1
+    return DP if name.endswith(("_dp", "_fsdp", "_3d")) else 1
+
+
+def tensor_parallel(name: str) -> int:
+    return TP if name.endswith("_3d") else 1
 
 
 def data(step: int, defect: str, dp: int = 0, pipelines: int = 1) -> dict[str, Any]:
@@ -103,7 +138,9 @@ def data(step: int, defect: str, dp: int = 0, pipelines: int = 1) -> dict[str, A
     g = torch.Generator().manual_seed(1000 + step + 97 * dp)
     x = torch.exp(torch.randn(BATCH, FEATURES, generator=g) * 0.5)
     y = torch.log(x).mean(dim=1, keepdim=True)
-    bad = step == DEFECT_STEP and dp == min(BAD_DP, pipelines - 1)
+    bad = step == (DEFECT_STEP_3D if defect == "glitch" else DEFECT_STEP) and dp == min(BAD_DP, pipelines - 1)
+    if defect == "glitch" and bad:
+        x[defect_row(), DEFECT_FEATURE] = GLITCH
     if defect == "input" and bad:
         x[defect_row(), DEFECT_FEATURE] = 3e-45
     if defect == "target" and bad:
@@ -127,6 +164,8 @@ def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel
 
     dp = data_parallel(schedule_name)
+    if schedule_name.endswith("_3d"):  # torchtitan's FSDP2 x TP x PP
+        return build_3d(schedule_name)
     mesh = init_device_mesh("cpu", (WORLD, dp), mesh_dim_names=("pp", "dp"))
     index = mesh["pp"].get_local_rank()
     module = prune(build_model(), STAGES[index])
@@ -142,16 +181,62 @@ def build(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
     return schedule, torch.optim.AdamW(held, lr=1e-2)
 
 
+def build_3d(schedule_name: str) -> tuple[Any, torch.optim.Optimizer]:
+    """As torchtitan lays out 3-D parallelism: a (pp, dp_shard, tp) mesh; each stage's module given its plan on "tp"
+    (colwise then rowwise), then ``fully_shard`` on "dp_shard"; the stage's communication on "pp"."""
+    from nanforensics.distributed.pipeline import prune
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (WORLD, DP, TP), mesh_dim_names=("pp", "dp_shard", "tp"))
+    index = mesh["pp"].get_local_rank()
+    module = prune(build_model_3d(), STAGES_3D[index])
+    pairs = [("0", "2"), ("3", "4")][index]
+    parallelize_module(module, mesh["tp"], {pairs[0]: ColwiseParallel(), pairs[1]: RowwiseParallel()})
+    fully_shard(module, mesh=mesh["dp_shard"])
+    stage = PipelineStage(module, index, WORLD, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = getattr(schedules, SCHEDULES[schedule_name])(stage, MICROBATCHES, loss_fn=loss_fn)
+    return schedule, torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+
+def misplaced(module: nn.Module) -> list[str]:
+    """Every rank's shard of every parameter against the whole tensor at the place ``local_part`` (the replay's one
+    mapping from a shard's coordinates to the whole tensor's) gives it: the parameters of any rank whose shard is not
+    the whole tensor's block there, gathered to every rank. Under the 3-D layout a parameter is split on both
+    ``dp_shard`` and ``tp`` (colwise: ``_StridedShard`` then ``Shard`` on dimension 0; rowwise: dimensions 0 and 1,
+    unevenly for a 1-row weight), or on ``dp_shard`` alone and replicated on ``tp`` (rowwise biases)."""
+    from nanforensics.distributed.tensors import local_part
+
+    wrong = []
+    for name, param in module.named_parameters():  # every rank, in the same order: full_tensor is a collective
+        whole = param.full_tensor()
+        local, offset = local_part(param.detach())
+        assert offset is not None
+        if not torch.equal(whole[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))], local):
+            wrong.append(name)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, wrong)
+    return sorted({name for names in every for name in names})
+
+
 def record(out: Path, name: str, steps: int = STEPS) -> list[Any]:
     """Train run ``name`` ("gpipe" or "1f1b") on this rank, recorded."""
     from nanforensics import Recorder
 
     schedule, optimizer = build(name)
-    pipelines = data_parallel(name)
-    stage, dp = divmod(dist.get_rank(), pipelines)
+    pipelines, tp = data_parallel(name), tensor_parallel(name)
+    stage, dp = divmod(dist.get_rank() // tp, pipelines)  # the tensor-parallel ranks of a pipeline share its batch
     scheduled = {"scheduler": decay(optimizer)} if name == "gpipe_scheduled" else {}
     step_fn = train_step_scheduled if scheduled else train_step
-    rec = Recorder(out / name, schedule, optimizer, model_factory=build_model, step_fn=step_fn, checkpoint_every=EVERY,
+    factory = build_model_3d if tp > 1 else build_model
+    steps = STEPS_3D if tp > 1 else steps
+    if tp > 1:  # before training: every value distinct from its neighbours, none NaN
+        wrong = misplaced(schedule._stage.submod)
+        if dist.get_rank() == 0:
+            print(f"{name}: {len(wrong)} shards misplaced", flush=True)
+    rec = Recorder(out / name, schedule, optimizer, model_factory=factory, step_fn=step_fn, checkpoint_every=EVERY,
                    overwrite=True, **scheduled, **({"scheduler_factory": decay} if scheduled else {}))
     logged = []
     for step in range(steps):
@@ -172,9 +257,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     for name in args.names:
-        record(args.out, name)
+        logged = record(args.out, name)
         if dist.get_rank() == 0:
-            print(f"{name}: {STEPS} steps", flush=True)
+            print(f"{name}: {len(logged)} steps", flush=True)
     dist.destroy_process_group()
 
 

@@ -13,13 +13,16 @@ before the step.
 
 Pipeline x data parallelism: "1f1b_dp" and "1f1b_fsdp", 2 stages x 2 data-parallel ranks (4 processes, one launch of
 their own for both: the one 4-process job of the suite, about 20-25 s on 2 cores), each stage under DDP or FSDP2 over
-its dp group, as torchtitan's (pp, dp) mesh lays them out; the defect in pipeline 1's batch. FSDP2 x TP x PP (8
-processes) is refused when recording starts, tested in this process on a one-rank group: no 8-process job runs.
+its dp group, as torchtitan's (pp, dp) mesh lays them out; the defect in pipeline 1's batch.
+
+FSDP2 x TP x PP at 2x2x2 ("1f1b_3d", 8 processes, torchtitan's (pp, dp_shard, tp) mesh): recorded and replayed in
+one launch of its own, the suite's one 8-process job, on the fewest steps that show it (4, the defect at step 2).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from nanforensics.errors import BadInput
 from nanforensics.runs.checkpoint import Checkpoint
 from nanforensics.runs.layout import DISTRIBUTED_FORMAT, World
 from nanforensics.runs.run import Run
-from nanforensics.runs.stages import DATA_PARALLEL, OPTIONS
+from nanforensics.runs.stages import DATA_PARALLEL, OPTIONS, TENSOR_PARALLEL
 
 import pipeline_job as job
 from conftest import assert_one_line_error, run_cli, tree_digest
@@ -159,19 +162,8 @@ def test_pipeline_by_data_parallel(data_parallel, name):
     report = json.loads(out.read_text())
     origin = report["origin"]
     bad = job.BAD_DP  # stage 0 of pipeline 1 is rank 1
-    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (
-        job.DEFECT_STEP, "grad", "0.gain", [job.DEFECT_FEATURE], bad)
-    pipe = report["pipeline"]
-    assert (pipe["stage"], pipe["rank"], pipe["mesh"], pipe["microbatch"]) == (0, bad, {"pp": 0, "dp": bad},
-                                                                               job.DEFECT_MICROBATCH)
-    assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
-    ident = f"sample-{(job.DEFECT_STEP * job.DP + bad) * job.BATCH + job.defect_row():05d}"
-    assert (report["samples"]["status"], report["samples"]["samples"], report["samples"]["sample_leaves"]) == (
-        "attributed", [job.DEFECT_SAMPLE], {"batch['id']": [ident]})
-    assert report["responsible_batch"]["file"].endswith(f"ranks/rank_{bad:05d}/batches/step_{job.DEFECT_STEP:08d}"
-                                                        ".safetensors")
-    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
-        (job.DEFECT_STEP + 1, True)]
+    check_origin(report, job.DEFECT_STEP, ("0.gain", [job.DEFECT_FEATURE]), bad, {"pp": 0, "dp": bad},
+                 job.DEFECT_STEP + 1)
     # the other pipeline's own gradients stay finite; the update is reported by the rank that holds it
     at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
     assert {e["rank"] for e in at if e["stage"] == "grad"} == {bad}
@@ -186,6 +178,25 @@ def test_pipeline_by_data_parallel(data_parallel, name):
     assert found.replay is not None and f"torchrun --nproc-per-node {job.WORLD * job.DP} -m" in found.replay.command
     problem = mismatch(Run(run), job.WORLD)
     assert problem is not None and f"--nproc-per-node {job.WORLD * job.DP} -m nanforensics replay" in problem
+
+
+def check_origin(report: dict[str, Any], step: int, grad: tuple[str, list[int]], rank: int, mesh: dict[str, int],
+                 compared: int) -> None:
+    """A pipeline by data parallelism's origin: the gradient ``grad`` (tensor, whole tensor's coordinate) of stage 0
+    on ``rank`` (at ``mesh``) in micro-batch ``DEFECT_MICROBATCH`` at ``step``, the sample of data-parallel rank
+    ``mesh["dp"]``'s batch, and the replay bit-exact up to the checkpoint at step ``compared``."""
+    origin = report["origin"]
+    assert (origin["step"], origin["stage"], origin["tensor"], origin["index"], origin["rank"]) == (step, "grad", *grad,
+                                                                                                    rank)
+    pipe = report["pipeline"]
+    assert (pipe["stage"], pipe["rank"], pipe["mesh"], pipe["microbatch"]) == (0, rank, mesh, job.DEFECT_MICROBATCH)
+    assert pipe["logged_microbatch_losses"] == pipe["replayed_microbatch_losses"]
+    ident = f"sample-{(step * job.DP + mesh['dp']) * job.BATCH + job.defect_row():05d}"
+    assert (report["samples"]["status"], report["samples"]["samples"], report["samples"]["sample_leaves"]) == (
+        "attributed", [job.DEFECT_SAMPLE], {"batch['id']": [ident]})
+    assert report["responsible_batch"]["file"].endswith(f"ranks/rank_{rank:05d}/batches/step_{step:08d}.safetensors")
+    assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
+        (compared, True)]
 
 
 def test_per_stage_scheduler_and_a_gradient_no_optimizer_zeroes(runs, torchrun_replays):
@@ -251,14 +262,13 @@ def test_one_process_refuses(runs):
 
 def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
     """A guard, a scaler, a per-stage LR scheduler whose state holds tensors, a custom chunking of the inputs, a
-    schedule of several stages per rank (interleaved), a stage under tensor parallelism, alone or under FSDP2
-    (torchtitan's 3-D layout): refused when recording starts, by name and why (a one-rank process group in this
-    process)."""
+    schedule of several stages per rank (interleaved), a stage under tensor parallelism without fully_shard (TP x
+    PP; FSDP2 x TP x PP is recorded, ``test_fsdp2_tp_pp``): refused when recording starts, by name and why (a
+    one-rank process group in this process)."""
     import torch
     import torch.distributed as dist
     from nanforensics import Recorder
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.distributed.pipelining.microbatch import TensorChunkSpec
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -270,25 +280,58 @@ def test_recorder_refuses_what_replay_cannot_rebuild(tmp_path):
         scheduler = job.decay(optimizer)
         scheduler.warmup = torch.zeros(())  # a tensor in its state: only rank 0's extras file could carry one
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-        three_d = fully_shard(parallelize_module(job.build_model(), mesh["tp"], {"1": ColwiseParallel()}), mesh=mesh["dp"])
-        sharded = PipelineStage(three_d, 0, 1, torch.device("cpu"))
         split = PipelineStage(parallelize_module(job.build_model(), mesh["tp"], {"1": ColwiseParallel()}), 0, 1,
                               torch.device("cpu"))
         gpipe = ScheduleGPipe(stage, 2, loss_fn=job.loss_fn)
         cases = [(gpipe, {"guard": True}, "guard= is not supported with a pipeline schedule: a guard's incidents"),
                  (gpipe, {"scaler": torch.amp.GradScaler("cpu")}, "scaler= is not supported .*: a GradScaler's inf "
-                                                                  "check is each stage's own"),
+                                                                  "check sees only its own stage's gradients"),
                  (gpipe, {"scheduler": scheduler, "scheduler_factory": job.decay}, "LR scheduler holds tensors"),
                  (ScheduleGPipe(stage, 2, loss_fn=job.loss_fn, args_chunk_spec=(TensorChunkSpec(1),)), {},
                   "default chunking"),
                  (ScheduleInterleaved1F1B([stage], 2, loss_fn=job.loss_fn), {},
                   "ScheduleInterleaved1F1B.*an interleaved schedule's stages share a rank"),
-                 (ScheduleGPipe(sharded, 2, loss_fn=job.loss_fn), {}, r"FSDP2 x TP x PP\) is not supported"),
-                 (ScheduleGPipe(split, 2, loss_fn=job.loss_fn), {}, r"stage under tensor parallelism")]
+                 (ScheduleGPipe(split, 2, loss_fn=job.loss_fn), {}, r"stage under tensor parallelism without "
+                                                                     "fully_shard")]
         for i, (schedule, extra, needle) in enumerate(cases):
             with pytest.raises(ValueError, match=needle):
                 Recorder(tmp_path / str(i), schedule, optimizer, model_factory=job.build_model, step_fn=job.train_step,
                          **extra)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("module, style, needle", [
+    ("0", "colwise", None), ("2", "rowwise", None), ("0.nothing", "colwise", "names '0.nothing', which stage 0"),
+    ("1", "colwise", "splits '1' colwise, but it is a LogSoftplus, not a Linear or an Embedding")])
+def test_replay_applies_only_a_plan_that_fits_the_stage(module, style, needle):
+    """A 3-D manifest's plan applied to a stage on replay: an entry naming no module of the stage (which
+    parallelize_module would skip with a warning, replaying another layout) or a layer its style cannot split (a
+    traceback from torch) is one line naming the manifest; an entry of another stage is left to it (a one-rank
+    process group in this process)."""
+    import torch.distributed as dist
+    from nanforensics.distributed.pipeline import prune
+    from nanforensics.distributed.pipeline_replay import _plan_stage
+    from nanforensics.distributed.tensors import is_dtensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layouts = {"colwise": ("Replicate()", "Shard(dim=-1)"), "rowwise": ("Shard(dim=-1)", "Replicate()")}
+    entry = {"module": module, "style": style, "input_layouts": layouts[style][0],
+             "output_layouts": layouts[style][1], "use_local_output": True}
+    other = {**entry, "module": "3", "style": "colwise", "input_layouts": "Replicate()", "output_layouts": "Shard(dim=-1)"}
+    spec = {"stage": 0, "rank": 0, "modules": job.STAGES_3D[0]}
+    where = Path("RUN/manifest.json")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        model = prune(job.build_model_3d(), job.STAGES_3D[0])
+        if needle is None:
+            _plan_stage(model, mesh, [entry, other], spec, where)
+            assert [n for n, p in model.named_parameters() if is_dtensor(p)] == [f"{module}.weight", f"{module}.bias"]
+            return
+        with pytest.raises(BadInput, match=re.escape(needle)) as e:
+            _plan_stage(model, mesh, [entry, other], spec, where)
+        assert e.value.where == str(where) and "\n" not in str(e.value)
     finally:
         dist.destroy_process_group()
 
@@ -309,6 +352,26 @@ def test_replay_refuses_a_schedule_of_several_stages_per_rank(runs, tmp_path):
     assert_one_line_error(run_cli("replay", run), f"schedule '{schedule}': this nanforensics replays ScheduleGPipe and "
                                                   "Schedule1F1B (one stage per rank; an interleaved or zero-bubble "
                                                   "schedule puts several stages on a rank)")
+    assert tree_digest(run) == before
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_replay_refuses_a_gradscaler_per_stage(runs, tmp_path, enabled):
+    """A manifest naming a GradScaler beside a pipeline schedule (no recorder writes one): one line naming the manifest
+    and why, exit 2, before the one-process refusal's torchrun command (no world size replays it) and before any
+    checkpoint is read; the copy is left as it was."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["gpipe"], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["scaler"] = {"enabled": enabled}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    before = tree_digest(run)
+    result = run_cli("replay", run)
+    assert_one_line_error(result, "names a GradScaler (scaler) with a pipeline schedule, which nanforensics does not "
+                                  "replay: a GradScaler's inf check sees only its own stage's gradients")
+    assert "torchrun" not in result.stderr and str(run / "manifest.json") in result.stderr
     assert tree_digest(run) == before
 
 
@@ -334,13 +397,22 @@ def _bad_stage() -> st.SearchStrategy[Any]:
     return st.lists(spec | _JSON, max_size=3)
 
 
+def _tensor_parallel() -> st.SearchStrategy[Any]:
+    entry = st.fixed_dictionaries({"module": st.sampled_from(["a", "b.0", 3]), "style": st.sampled_from(
+        ["colwise", "rowwise", "sequence", "loss"]), "input_layouts": st.sampled_from(["Replicate()", "Shard(dim=-1)", "x"]),
+        "output_layouts": st.sampled_from(["Replicate()", "Shard(dim=1)"]), "use_local_output": st.booleans() | st.none()})
+    return st.fixed_dictionaries({"size": st.integers(0, 3)}, optional={"plan": st.lists(entry | _JSON, max_size=2),
+                                                                         "extra": _JSON})
+
+
 def _data_parallel() -> st.SearchStrategy[Any]:
     return st.fixed_dictionaries({"size": st.integers(0, 3)}, optional={
         "broadcast_buffers": st.booleans() | st.none(), "find_unused_parameters": st.booleans(), "bucket": st.booleans()})
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(key=st.sampled_from([*OPTIONS, DATA_PARALLEL, "extra"]), value=_JSON | _bad_stage() | _data_parallel())
+@given(key=st.sampled_from([*OPTIONS, DATA_PARALLEL, TENSOR_PARALLEL, "extra"]),
+       value=_JSON | _bad_stage() | _data_parallel() | _tensor_parallel())
 def test_manifest_validation(key, value):
     """Any value in any field of the pipeline section: read as the recorder wrote it, or refused in one line naming
     the manifest; never a traceback."""
@@ -358,3 +430,99 @@ def test_manifest_validation(key, value):
 def test_manifest_validation_accepts_the_recorded_section():
     world = World.read({"world_size": 2, "backend": "gloo", "wrapping": _GOOD}, Path("m.json"))
     assert world.to_json()["wrapping"] == _GOOD
+
+
+_FSDP = {"module": "", "reshard_after_forward": True,
+         "mp_policy": {"param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": True}}
+_PLAN = {"module": "a", "style": "colwise", "input_layouts": "Replicate()", "output_layouts": "Shard(dim=-1)",
+         "use_local_output": True}
+_3D = {**_GOOD, "stages": [{"stage": 0, "rank": 0, "modules": ["a"]}, {"stage": 1, "rank": 4, "modules": ["b"]}],
+       DATA_PARALLEL: {"size": 2, "modules": [_FSDP]}, TENSOR_PARALLEL: {"size": 2, "plan": [_PLAN]}}
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({}, None),
+    ({DATA_PARALLEL: {"size": 2, "broadcast_buffers": True}}, "needs each stage under fully_shard"),
+    ({TENSOR_PARALLEL: {"size": 2, "plan": []}}, "is not {size, plan}"),
+    ({TENSOR_PARALLEL: {"size": 4, "plan": [_PLAN]}}, "not a list of one stage per 8 ranks of 8"),
+    ({TENSOR_PARALLEL: {"size": 2, "plan": [{**_PLAN, "style": "loss"}]}}, "plan entry"),
+])
+def test_manifest_of_the_3d_layout(change, needle):
+    """FSDP2 x TP x PP: the section the recorder writes reads back; tensor parallelism without fully_shard, an empty
+    plan, a size that does not divide the stages' ranks, a style replay cannot rebuild: one line naming the manifest."""
+    raw = {"world_size": 8, "backend": "gloo", "wrapping": {**_3D, **change}}
+    if needle is None:
+        assert World.read(raw, Path("m.json")).to_json()["wrapping"] == {**_3D, "kind": "pipeline"}
+        return
+    with pytest.raises(BadInput, match=re.escape(needle)):
+        World.read(raw, Path("m.json"))
+
+
+THREE_D = "1f1b_3d"
+
+
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """FSDP2 x TP x PP at 2x2x2 (8 gloo processes): recorded, then replayed at world size, in one launch."""
+    root = tmp_path_factory.mktemp("pipeline_3d")
+    return record_and_replay(root, job.arguments(root, [THREE_D]), [THREE_D], job.WORLD * job.DP * job.TP)
+
+
+def test_fsdp2_tp_pp(three_d):
+    """torchtitan's 3-D layout at world size. Data-parallel rank 1's sample overflows the gradient of hidden unit 13 of
+    layer 0, which tensor-parallel rank 1 computes (units 8-15): the origin names the step, stage 0, the mesh
+    coordinate (pp=0, dp=1, tp=1) of rank 3, the micro-batch, the sample, and the whole tensor's coordinate [13] of
+    the gradient (rank 3's own block holds it at 5). The update's NaN lies in the shard FSDP2 gives data-parallel rank
+    1 of that block (units 12-15, 12 + 1 on rank 3): reported there at [13], the coordinate the placements over both
+    dimensions (dp_shard, tp) give. The replay is bit-exact to the next checkpoint, the run untouched, bisect names
+    the first poisoned checkpoint and the 8-process command, and one process refuses with it."""
+    recorded = three_d.recorded
+    world = job.WORLD * job.DP * job.TP
+    assert recorded.codes == [0] * world and f"{THREE_D}: {job.STEPS_3D} steps" in recorded.stdout, \
+        recorded.stderr[-3000:]
+    # every element of every rank's shard of every parameter lies where the replay's mapping puts it
+    assert f"{THREE_D}: 0 shards misplaced" in recorded.stdout
+    run = three_d.runs[THREE_D]
+    wrapping = json.loads((run / "manifest.json").read_text())["distributed"]["wrapping"]
+    layouts = {"colwise": ("Replicate()", "Shard(dim=-1)"), "rowwise": ("Shard(dim=-1)", "Replicate()")}
+    assert wrapping["tensor_parallel"] == {"size": job.TP, "plan": [
+        {"module": m, "style": style, "input_layouts": layouts[style][0], "output_layouts": layouts[style][1],
+         "use_local_output": True} for m, style in (("0", "colwise"), ("2", "rowwise"), ("3", "colwise"),
+                                                    ("4", "rowwise"))]}
+    assert [(st["stage"], st["rank"], st["modules"]) for st in wrapping["stages"]] == [
+        (i, i * job.DP * job.TP, mods) for i, mods in enumerate(job.STAGES_3D)]
+    assert wrapping["data_parallel"]["size"] == job.DP
+
+    result, out, before = three_d.replays[THREE_D]
+    assert result.codes == [1] * world, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    origin = report["origin"]
+    bad = job.BAD_DP * job.TP + job.UNIT // 8  # stage 0, dp=1, tp=1
+    check_origin(report, job.DEFECT_STEP_3D, ("0.bias", [job.UNIT]), bad, {"pp": 0, "dp": job.BAD_DP, "tp": 1},
+                 job.DEFECT_STEP_3D + 2)
+    at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP_3D]
+    assert {e["rank"] for e in at} == {bad}  # nothing on tensor-parallel rank 0 of the same batch, nor elsewhere
+    assert [(e["stage"], e["tensor"], e["index"]) for e in at if e["stage"] in ("grad", "param")] == [
+        ("grad", "0.bias", [job.UNIT]), ("grad", "0.weight", [job.UNIT, 0]),
+        ("param", "0.bias", [job.UNIT]), ("param", "0.weight", [job.UNIT, 0])]
+    assert report["setup"]["world_size"] == world
+    # a step later every value is NaN: rowwise layer 2's bias, replicated over tp, is reported by tp rank 0's copy of
+    # each dp shard alone; the whole model's values counted once (a shard per rank, a stage once)
+    later = [e for e in report["events"] if e["step"] == job.DEFECT_STEP_3D + 1]
+    assert [e["rank"] for e in later if (e["stage"], e["tensor"]) == ("param", "2.bias")] == [0, job.TP]
+    assert [e["rank"] for e in later if (e["stage"], e["tensor"]) == ("param", "0.bias")] == [0, 1, 2, 3]
+    total = sum(p.numel() for p in job.build_model_3d().parameters())
+    assert {(r["params_total"], r["state_total"]) for r in report["spread"]} == {(total, 2 * total)}
+    logs = [[json.loads(line)["loss"] for line in (run / "ranks" / f"rank_{r:05d}" / "steps.jsonl").read_text().splitlines()]
+            for r in (4, 4 + job.TP)]  # the last stage of each batch's pipeline (tp rank 0)
+    finite = job.DEFECT_STEP_3D + 1  # the steps before the NaN
+    assert [s.loss for s in Run(run).steps][:finite] == [(a + b) / 2 for a, b in list(zip(*logs))[:finite]]
+    assert report["findings"][0].endswith(f"made grad 0.bias[{job.UNIT}] = {origin['value']} on stage 0 "
+                                          f"(rank {bad}, pp=0, dp={job.BAD_DP}, tp=1).")
+    assert tree_digest(run) == before
+    found = bisect([run / "checkpoints"])
+    assert found.first_poisoned is not None and found.first_poisoned.step == job.DEFECT_STEP_3D + 2
+    assert found.last_clean is not None and found.last_clean.step == job.DEFECT_STEP_3D
+    assert found.replay is not None and f"torchrun --nproc-per-node {world} -m" in found.replay.command
+    assert_one_line_error(run_cli("replay", run), f"torchrun --nproc-per-node {world} -m nanforensics replay {run}")
+    assert tree_digest(run) == before

@@ -13,7 +13,9 @@ gradients from rank to rank, and names the sample within the micro-batch.
 With data parallelism the (pp, dp) mesh is made again and each stage wrapped as recorded (DDP or FSDP2 over its dp
 ranks): every pipeline replays its own batch side by side, the gradients are watched before they are averaged (under
 FSDP2 on the unsharded parameters), each FSDP2 shard at the whole tensor's coordinate, and the origin's rank names its
-mesh coordinate. Each stage's own LR scheduler is rebuilt and its recorded state loaded.
+mesh coordinate. Each stage's own LR scheduler is rebuilt and its recorded state loaded. Under FSDP2 x TP x PP the
+(pp, dp_shard, tp) mesh is made again and each stage's part of the recorded plan applied before ``fully_shard``; a
+value the placements replicate over tensor-parallel ranks is reported by the copy that speaks for it.
 
 **On one process** the run is refused, with the command that replays it: a stage's module alone cannot compute what
 the others fed it, and the user's step function gives the schedule its own rank's batch, so running the stages one
@@ -54,22 +56,37 @@ from ..runs.batches import data_leaves, map_tensors, per_sample
 from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state, state_from_json
 from ..runs.layout import mean_loss, rank_dir
 from ..runs.run import Run, UserCode
-from ..runs.stages import DATA_PARALLEL, PIPELINE, coordinate_text, dp_rank, dp_size, last_rank, stage_of, stage_rank
+from ..runs.stages import (
+    DATA_PARALLEL,
+    PIPELINE,
+    TENSOR_PARALLEL,
+    batch_pipelines,
+    coordinate,
+    coordinate_text,
+    dp_rank,
+    dp_size,
+    last_rank,
+    pipeline_of,
+    stage_of,
+    stage_rank,
+    stage_width,
+    tp_size,
+)
 from .checkpoint import restore_rank_rng
-from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, prune, step_loss
-from .tensors import local_part, shard_like
+from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, SCALER_WHY, prune, step_loss
+from .tensors import local_part, shard_like, speaks_for
 from .world import object_group
-from .wrapping import shard_modules, unsharded_params, wrap_ddp
+from .wrapping import apply_plan, shard_modules, unsharded_params, wrap_ddp
 
 
-def logged_microbatch_losses(run: Run, dp: int = 0) -> dict[int, list[float]]:
-    """The last stage's micro-batch losses per step in pipeline ``dp``, as recorded: a torn last line (a job killed
+def logged_microbatch_losses(run: Run, pipeline: int = 0) -> dict[int, list[float]]:
+    """The last stage's micro-batch losses per step in pipeline ``pipeline``, as recorded: a torn last line (a job killed
     mid-write) is dropped, any other line that is not a step's losses is bad input; no file, none (an older
     recording)."""
     from ..inputs import excerpt, read_input
     from ..runs.steplog import is_step
 
-    path = rank_dir(run.path, last_rank(run.world.wrapping, dp)) / MICROBATCH_LOSSES  # type: ignore[union-attr]
+    path = rank_dir(run.path, last_rank(run.world.wrapping, pipeline)) / MICROBATCH_LOSSES  # type: ignore[union-attr]
     out: dict[int, list[float]] = {}
     if not path.is_file():
         return out
@@ -90,7 +107,7 @@ def logged_microbatch_losses(run: Run, dp: int = 0) -> dict[int, list[float]]:
 
 def one_process_refusal(run: Run) -> str:
     size = run.world.world_size if run.world else 1
-    return (f"a pipeline-parallel run is replayed with one process per stage: run `torchrun --nproc-per-node {size} -m "
+    return (f"a pipeline-parallel run is replayed by one process per rank it ran on: run `torchrun --nproc-per-node {size} -m "
             f"nanforensics replay {shlex.quote(str(run.path))}` (one process cannot run a stage's step function on "
             "what the other stages send it)")
 
@@ -104,9 +121,9 @@ class _Stage:
         wrapping = run.world.wrapping  # type: ignore[union-attr]
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.spec, self.wrapping = stage_of(wrapping, self.rank), wrapping
-        self.stages, self.dp = len(wrapping["stages"]), dp_rank(wrapping, self.rank)
-        self.last = self.rank == last_rank(wrapping, self.dp)
-        self.pipeline, data_group = _groups(wrapping, self.rank, device)
+        self.stages, self.line = len(wrapping["stages"]), pipeline_of(wrapping, self.rank)
+        self.last = self.rank == last_rank(wrapping, self.line)
+        self.pipeline, data_group, tp_group = _groups(wrapping, device)
         self.sharded = data_group is not None and "modules" in wrapping[DATA_PARALLEL]  # FSDP2 over the dp ranks
         where = run.path / "manifest.json"
         try:
@@ -118,6 +135,8 @@ class _Stage:
             raise BadInput(where, f"stage {self.spec['stage']}'s module {missing[0]!r} is not a child of the model the "
                                   "factory builds")
         self.model = prune(model, self.spec["modules"]).to(device)
+        if tp_group is not None:  # the stage's part of the plan, then fully_shard: torchtitan's order
+            _plan_stage(self.model, tp_group, wrapping[TENSOR_PARALLEL]["plan"], self.spec, where)
         if self.sharded:  # before the optimizer is built over the (sharded) parameters
             shard_modules(self.model, wrapping[DATA_PARALLEL]["modules"], data_group)
         self.meta = checkpoint.meta()
@@ -140,10 +159,10 @@ class _Stage:
         self.step = checkpoint.step
 
     def totals(self) -> tuple[int, int]:
-        """The stage's parameter and optimizer-state values."""
-        state = sum(local_part(v)[0].numel() for st in self.optimizer.state.values() for v in st.values()
+        """The stage's parameter and optimizer-state values, whole (a sharded tensor's numel is the whole one's)."""
+        state = sum(v.numel() for st in self.optimizer.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim)
-        return sum(local_part(p)[0].numel() for p in self.model.parameters()), state
+        return sum(p.numel() for p in self.model.parameters()), state
 
     def twins(self) -> dict[torch.Tensor, str]:
         """Each parameter's tensor its local gradient accumulates into, by name: under FSDP2 the unsharded one."""
@@ -166,6 +185,23 @@ class _Stage:
         self.step = snap["step"]
 
 
+def _plan_stage(model: nn.Module, mesh: Any, plan: list[dict[str, Any]], spec: dict[str, Any], where: Any) -> None:
+    """The recorded plan's entries of this stage's modules applied on its tensor-parallel ranks; BadInput for an
+    entry naming no module of the stage, or a style its module does not take (``parallelize_module`` would skip the
+    one with a warning and refuse the other with a traceback)."""
+    mine = [e for e in plan if e["module"].partition(".")[0] in spec["modules"]]
+    for entry in mine:
+        try:
+            module = model.get_submodule(entry["module"])
+        except AttributeError:
+            raise BadInput(where, f"the tensor-parallel plan names {entry['module']!r}, which stage {spec['stage']}'s "
+                                  "module does not hold") from None
+        if entry["style"] != "sequence" and not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise BadInput(where, f"the tensor-parallel plan splits {entry['module']!r} {entry['style']}, but it is a "
+                                  f"{type(module).__name__}, not a Linear or an Embedding")
+    apply_plan(model, mesh, mine)
+
+
 def _scheduler_state(checkpoint: Checkpoint, meta: dict[str, Any], rank: int, size: int) -> Any:
     """Rank ``rank``'s LR scheduler state, as the recorder wrote each rank's into meta.json (plain JSON)."""
     states = meta.get(RANK_SCHEDULERS)
@@ -175,17 +211,20 @@ def _scheduler_state(checkpoint: Checkpoint, meta: dict[str, Any], rank: int, si
     return state_from_json(states[rank], None, checkpoint.path / "meta.json")
 
 
-def _groups(wrapping: dict[str, Any], rank: int, device: torch.device) -> tuple[Any, Any]:
-    """This rank's pipeline (the ranks of every stage in its data-parallel rank) as a process group, and its stage's
-    data-parallel ranks as a mesh: torchtitan's (pp, dp) DeviceMesh made again; (None, None) without data
-    parallelism: the pipeline is every rank."""
+def _groups(wrapping: dict[str, Any], device: torch.device) -> tuple[Any, Any, Any]:
+    """This rank's pipeline (the ranks of every stage at its place in the stage) as a process group, its stage's
+    data-parallel ranks as a mesh, and its tensor-parallel ranks as one (None without): torchtitan's (pp, dp) or
+    (pp, dp_shard, tp) DeviceMesh made again; (None, None, None) on one rank per stage: the pipeline is every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp = dp_size(wrapping)
-    if dp == 1:
-        return None, None
-    mesh = init_device_mesh(device.type, (len(wrapping["stages"]), dp), mesh_dim_names=("pp", "dp"))
-    return mesh["pp"].get_group(), mesh["dp"]
+    if stage_width(wrapping) == 1:
+        return None, None, None
+    stages, dp = len(wrapping["stages"]), dp_size(wrapping)
+    if TENSOR_PARALLEL not in wrapping:
+        mesh = init_device_mesh(device.type, (stages, dp), mesh_dim_names=("pp", "dp"))
+        return mesh["pp"].get_group(), mesh["dp"], None
+    mesh = init_device_mesh(device.type, (stages, dp, tp_size(wrapping)), mesh_dim_names=("pp", "dp_shard", "tp"))
+    return mesh["pp"].get_group(), mesh["dp_shard"], mesh["tp"]
 
 
 def _stage_optimizer(code: UserCode, model: nn.Module, meta: dict[str, Any], checkpoint: Checkpoint,
@@ -338,8 +377,10 @@ class _Watch:
 
     def _check(self, stage: str, name: str, t: torch.Tensor | None, mb: int | None = -1, key: str | None = None) -> None:
         mb = self.mb if mb == -1 else mb
-        # outside a micro-batch, the stage's shape inference runs its forward on uninitialised tensors: not the run's
-        if t is None or (stage, f"{name}/{key}") in self.seen or (mb is None and stage in ("forward", "grad")):
+        # outside a micro-batch, the stage's shape inference runs its forward on uninitialised tensors: not the run's;
+        # a DTensor the placements replicate over tensor-parallel ranks is reported by the copy that speaks for it
+        if t is None or (stage, f"{name}/{key}") in self.seen or (mb is None and stage in ("forward", "grad")) \
+                or not speaks_for(t):
             return
         held, offset = local_part(t.detach())  # an FSDP2 shard is checked where it lies in the whole tensor
         where = locate(held)
@@ -366,17 +407,18 @@ class _Watch:
                 self._check("buffer", name, b, None)
 
 
-def _order(item: tuple[tuple, Event], stages: int, n: int, dp: int) -> tuple:
-    """An event's place in the step's computation (see ``_PHASES``); the pipelines side by side, in data-parallel
-    rank order."""
+def _order(item: tuple[tuple, Event], stages: int, n: int, width: int) -> tuple:
+    """An event's place in the step's computation (see ``_PHASES``); the pipelines side by side, in the order of
+    their places in a stage (data-parallel rank, then tensor-parallel rank)."""
     (mb, phase), e = item
-    stage, pipeline = divmod(e.rank if e.rank is not None else 0, dp)
+    stage, pipeline = divmod(e.rank if e.rank is not None else 0, width)
     return (n if mb is None else mb, _PHASES[phase], stage if phase == "forward" else stages - stage, pipeline, e.tensor)
 
 
 # what the update writes: the same in every DDP copy of a stage, reported by data-parallel rank 0's alone (FSDP2's
 # shards are each rank's own)
 _REPLICATED = ("optimizer_state", "param", "buffer")
+
 
 
 def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch.device, opts: Any,
@@ -386,6 +428,9 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
     from ..rootcause.findings import narrate
     from ..runs import imports
 
+    if run.manifest.scaler_enabled is not None:  # no recorder writes one: refused at any world size
+        raise BadInput(run.path / "manifest.json", f"names a GradScaler (scaler) with a pipeline schedule, which "
+                                                   f"nanforensics does not replay: {SCALER_WHY}")
     if not (dist.is_available() and dist.is_initialized()):
         raise BadInput(run.path, one_process_refusal(run))
     if not isinstance(run, Run) or not isinstance(code, UserCode):
@@ -399,10 +444,11 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
                                     trust_code=opts.trust_code, trust_packages=opts.trust_packages)
     s = _Stage(run, code, checkpoint, device, loss_fn)
     n, stages, dp, size = wrapping["microbatches"], s.stages, dp_size(wrapping), world.world_size
+    width = stage_width(wrapping)
     if dp > 1 and not s.sharded and checkpoint.step > run.manifest.start_step:
         _warm_up(run, code, s, device)
     logged = {st.step: st.loss for st in run.steps}
-    logged_mb = [logged_microbatch_losses(run, j) for j in range(dp)]
+    logged_mb = [logged_microbatch_losses(run, j) for j in batch_pipelines(wrapping)]  # by data-parallel rank
     last = run.last_step if opts.max_steps is None else min(run.last_step or 0, checkpoint.step + opts.max_steps - 1)
     assert last is not None
     progress.phase(f"replaying steps {checkpoint.step}-{last}, one stage per rank", last - checkpoint.step + 1)
@@ -425,15 +471,14 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
             watch.after_step()
         gathered: list[Any] = [None] * size
         dist.all_gather_object(gathered, (watch.events, value, watch.losses, s.totals()), group=object_group())
-        lasts = [gathered[last_rank(wrapping, j)] for j in range(dp)]
-        loss = mean_loss([g[1] for g in lasts])  # as the run's loss is read: the mean over pipelines
+        lasts = [gathered[last_rank(wrapping, j)] for j in batch_pipelines(wrapping)]
+        loss = mean_loss([g[1] for g in lasts])  # as the run's loss is read: the mean over the batches' pipelines
         replayed_mb[step] = [g[2] for g in lasts]
         found = sorted((item for r, g in enumerate(gathered) for item in g[0]
-                        if r % dp == 0 or s.sharded or item[0][1] not in _REPLICATED),
-                       key=lambda item: _order(item, stages, n, dp))
+                        if pipeline_of(wrapping, r) == 0 or s.sharded or item[0][1] not in _REPLICATED),
+                       key=lambda item: _order(item, stages, n, width))
         events += [e for _, e in found]
-        copies = gathered if s.sharded else gathered[::dp]  # FSDP2's shards each count; DDP's copies once
-        params_total, state_total = (sum(g[3][i] for g in copies) for i in (0, 1))
+        params_total, state_total = (sum(g[3][i] for g in gathered[::width]) for i in (0, 1))  # each stage's, whole
         logged_loss = logged.get(step)
         spread.append(StepRecord(step, logged_loss, loss, _bad(found, "param"), params_total,
                                  _bad(found, "optimizer_state"), state_total,
@@ -459,17 +504,18 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
     if explained is not None:
         ((mb, _), event), before, captured = explained
         rank = event.rank or 0
-        stage_index, pipeline = divmod(rank, dp)
+        stage_index, pipeline = divmod(rank, width)
+        batch = dp_rank(wrapping, rank)  # whose batch the pipeline ran
         first = stage_rank(wrapping, 0, pipeline)  # the rank that holds this pipeline's inputs
         rows = _rows(_batch_rows(run, event.step, first), n, mb) if mb is not None else []
         span = f" (rows {rows[0]}-{rows[-1]})" if rows else ""
-        at = f" ({coordinate_text(wrapping, rank)})" if dp > 1 else ""
+        at = f" ({coordinate_text(wrapping, rank)})" if width > 1 else ""
         report.pipeline = PipelineOrigin(
             stage_index, rank, mb, n, wrapping["schedule"], [rows[0], rows[-1] + 1] if rows else [],
-            logged_mb[pipeline].get(event.step, []), replayed_mb.get(event.step, [[]] * dp)[pipeline],
+            logged_mb[batch].get(event.step, []), replayed_mb.get(event.step, [[]] * dp)[batch],
             text=f"stage {stage_index}{at}, " + (f"micro-batch {mb} of {n}" if mb is not None else "the update"),
             batch_text=f", micro-batch {mb} of {n}{span}, stage 0's inputs{at}" if mb is not None else "",
-            mesh={"pp": stage_index, "dp": pipeline} if dp > 1 else {})
+            mesh=coordinate(wrapping, rank) if width > 1 else {})
         if mb is not None and opts.explain and event.stage != "param":
             s.restore(before)
             report.samples = _attribute(run, s, event, mb, rows, captured, first, progress)
@@ -581,11 +627,12 @@ def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:
     (every rank takes part in each hand-over); on the origin's rank, whether the origin's tensor turned non-finite."""
     group = s.pipeline or object_group()  # each pipeline hands over within itself
     stage, stages = s.spec["stage"], s.stages
-    ranks = [stage_rank(s.wrapping, hop, s.dp) for hop in range(stages)]  # the global rank of each stage
+    ranks = [stage_rank(s.wrapping, hop, s.line) for hop in range(stages)]  # the global rank of each stage
     seen: list[bool] = [False]
 
     def watch(t: Any) -> None:
-        if isinstance(t, torch.Tensor) and locate(t.detach()) is not None:
+        # this rank's shard alone: a DTensor's own reductions are collectives, and only the origin's rank watches
+        if isinstance(t, torch.Tensor) and locate(local_part(t.detach())[0]) is not None:
             seen[0] = True
 
     handles = []
@@ -644,7 +691,7 @@ def _compare(s: _Stage, checkpoint: Checkpoint) -> CheckpointComparison:
         mine.first_mismatch.rank = s.rank
     parts: list[Any] = [None] * s.size
     dist.all_gather_object(parts, mine, group=object_group())
-    parts = parts[::dp_size(s.wrapping)]  # a data-parallel copy of a stage compares the same tensors again
+    parts = parts[::stage_width(s.wrapping)]  # a stage's other ranks compare the same (whole) tensors again
     first = next((p.first_mismatch for p in parts if p.first_mismatch is not None), None)
     return CheckpointComparison(
         checkpoint.step, str(checkpoint.path), sum(p.tensors for p in parts), all(p.exact for p in parts),

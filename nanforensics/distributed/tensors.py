@@ -30,6 +30,16 @@ def local_part(t: Any) -> tuple[Any, list[int] | None]:
     return t.to_local(), list(offset)
 
 
+def speaks_for(t: Any) -> bool:
+    """Whether this rank's shard of a DTensor is the copy that speaks for it: coordinate 0 on every mesh dimension
+    its placements replicate it on (the ranks there hold the same values, at the same whole-tensor coordinates);
+    anything but a DTensor is this rank's own. Nothing is communicated."""
+    if not is_dtensor(t):
+        return True
+    mesh = t.device_mesh
+    return all(mesh.get_local_rank(i) == 0 for i, placement in enumerate(t.placements) if placement.is_replicate())
+
+
 def whole(t: Any) -> Any:
     """A sharded tensor gathered whole (a collective: every rank checks the same tensors in the same order), so that
     coordinates and counts are the tensor's own, whichever rank holds them; anything else as it is."""

@@ -45,8 +45,8 @@ def mismatch(run: Run, ranks: int) -> str | None:
     recorded = run.world.world_size
     if ranks == recorded:
         return None
-    if run.world.kind == PIPELINE:  # one stage per rank: never emulated
-        return (f"recorded by {recorded} pipeline stages, replayed by {ranks} processes: run `torchrun "
+    if run.world.kind == PIPELINE:  # each rank its place in a stage: never emulated
+        return (f"recorded by {recorded} ranks of a pipeline, replayed by {ranks} processes: run `torchrun "
                 f"--nproc-per-node {recorded} -m nanforensics replay {path}`")
     return (f"recorded by {recorded} ranks, replayed by {ranks}: run `torchrun --nproc-per-node {recorded} -m "
             f"nanforensics replay {path}`, or `nanforensics replay {path}` to emulate the {recorded} ranks on one process")

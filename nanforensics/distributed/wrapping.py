@@ -229,15 +229,21 @@ def parallelize(module: nn.Module, world: World, device: torch.device) -> Any:
     """The run's DeviceMesh made again, its tensor-parallel plan applied to ``module``; returns the mesh of its
     data-parallel dimensions (the one ``fully_shard`` shards over: HSDP where it has two)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
     layout = world.mesh
     assert layout is not None
     root = init_device_mesh(device.type, layout.shape, mesh_dim_names=layout.dim_names)
     if layout.plan:
-        parallelize_module(module, root[layout.tp_dim], {spec["module"]: _style(spec) for spec in layout.plan})
+        apply_plan(module, root[layout.tp_dim], layout.plan)
     dims = layout.data_dims
     return root[dims if len(dims) > 1 else dims[0]] if dims else None
+
+
+def apply_plan(module: nn.Module, mesh: Any, plan: Any) -> None:
+    """``parallelize_module`` on ``mesh`` with the recorded ``plan`` (its entries as the manifest writes them)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(module, mesh, {spec["module"]: _style(spec) for spec in plan})
 
 
 def _placement(text: str) -> Any:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput, shown
-from .stages import DATA_PARALLEL, MAX_RANKS, PIPELINE, pipeline_problem
+from .stages import DATA_PARALLEL, MAX_RANKS, PIPELINE, TENSOR_PARALLEL, pipeline_problem
 from .steplog import LoggedStep
 
 DISTRIBUTED_FORMAT = "nanforensics.run/1+distributed"
@@ -207,6 +207,21 @@ def _mesh_problem(raw: Any, world_size: int) -> str | None:
         return f"tp_dim {shown(tp_dim)} is not null or one of {names}"
     if not isinstance(plan, list) or bool(plan) != (tp_dim is not None):
         return "plan must list the tensor-parallel modules exactly when tp_dim names a dimension"
+    problem = _plan_problem(plan)
+    if problem is not None:
+        return problem
+    if not isinstance(placements, dict):
+        return f"placements {shown(placements)} is not an object of parameter names"
+    for name, placed in placements.items():
+        if not (isinstance(placed, dict) and set(placed) <= set(names)
+                and all(isinstance(v, str) and _PLACEMENT.fullmatch(v) for v in placed.values())):
+            return f"placements of {shown(name)}: {shown(placed)} is not a placement (Replicate(), Shard(dim=d)) " \
+                   "per mesh dimension"
+    return None
+
+
+def _plan_problem(plan: list[Any]) -> str | None:
+    """What is wrong with a tensor-parallel plan (a mesh's, or a pipeline's stages'), or None."""
     for spec in plan:
         if not (isinstance(spec, dict) and set(spec) == {"module", "style", "input_layouts", "output_layouts",
                                                           "use_local_output"}
@@ -216,13 +231,6 @@ def _mesh_problem(raw: Any, world_size: int) -> str | None:
                         for k in ("input_layouts", "output_layouts"))):
             return f"plan entry {shown(spec)} is not {{module, style ({', '.join(STYLES)}), input_layouts, " \
                    "output_layouts, use_local_output}"
-    if not isinstance(placements, dict):
-        return f"placements {shown(placements)} is not an object of parameter names"
-    for name, placed in placements.items():
-        if not (isinstance(placed, dict) and set(placed) <= set(names)
-                and all(isinstance(v, str) and _PLACEMENT.fullmatch(v) for v in placed.values())):
-            return f"placements of {shown(name)}: {shown(placed)} is not a placement (Replicate(), Shard(dim=d)) " \
-                   "per mesh dimension"
     return None
 
 
@@ -235,6 +243,11 @@ def _wrapping_problem(kind: str, options: dict[str, Any], world_size: int) -> st
     if kind == TP:
         return "of a tensor-parallel run has no options" if options else None
     problem = pipeline_problem(options, world_size)
+    if problem is None and TENSOR_PARALLEL in options:  # each stage's plan, on its tensor-parallel ranks
+        tp = options[TENSOR_PARALLEL]
+        if set(tp) != {"size", "plan"} or not isinstance(tp["plan"], list) or not tp["plan"]:
+            return f"{TENSOR_PARALLEL} {shown(tp)} is not {{size, plan}} with the plan's modules"
+        problem = _plan_problem(tp["plan"])
     if problem is None and DATA_PARALLEL in options:  # each stage under DDP, or FSDP2, over its data-parallel ranks
         wrapper = {k: v for k, v in options[DATA_PARALLEL].items() if k != "size"}
         return _fsdp2_problem(wrapper) if "modules" in wrapper else _ddp_problem(wrapper)

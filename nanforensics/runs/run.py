@@ -21,7 +21,7 @@ from .compiled import eager, wrapped_names
 from .layout import DISTRIBUTED_FORMAT, RANKS, World, merged_steps, rank_dir
 from .optimizers import GIVEN, UNSUPPORTED, OptimizerSet, SchedulerSet, unsupported
 from .paths import MANIFEST, run_directory
-from .stages import PIPELINE, dp_size, last_rank
+from .stages import PIPELINE, batch_pipelines, last_rank
 from .steplog import LoggedStep, is_step, read_steps
 
 RUN_FORMAT = "nanforensics.run/1"
@@ -217,7 +217,7 @@ class Run:
                 self._steps = read_steps(self.path / STEPS)
             else:  # a pipeline's losses are its last stage's (every rank of a pipeline logged them): one per pipeline
                 wrapping = self.world.wrapping
-                ranks = [last_rank(wrapping, dp) for dp in range(dp_size(wrapping))] if self.world.kind == PIPELINE \
+                ranks = [last_rank(wrapping, j) for j in batch_pipelines(wrapping)] if self.world.kind == PIPELINE \
                     else self.ranks
                 try:
                     self._steps = merged_steps([self.rank_steps(r) for r in ranks])

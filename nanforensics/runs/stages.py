@@ -15,6 +15,13 @@ each stage's module under DistributedDataParallel or ``fully_shard`` over its ``
 {"size": dp, ...DDP's options}`` or ``{"size": dp, "modules": [...FSDP2's, as an FSDP2 run's wrapping lists them]}``:
 stage i runs on ranks ``i * dp`` to ``i * dp + dp - 1`` (its ``rank`` is the first of them), and data-parallel rank j
 of every stage is one pipeline, fed its own batch. Without the key, ``dp`` is 1.
+
+FSDP2 x TP x PP (torchtitan's 3-D layout: a ``(pp, dp_shard, tp)`` mesh, each stage's module given its
+tensor-parallel plan by ``parallelize_module`` on ``tp``, then ``fully_shard`` on ``dp_shard``) adds
+``"tensor_parallel": {"size": tp, "plan": [...the plan's entries, as a mesh run's]}``: each stage runs on ``dp * tp``
+ranks, stage i's first at ``i * dp * tp``, rank ``i * dp * tp + j * tp + t`` its data-parallel rank j and
+tensor-parallel rank t, and each ``(j, t)`` one pipeline; the ``tp`` pipelines of data-parallel rank j share a batch.
+Without the key, ``tp`` is 1.
 """
 
 from __future__ import annotations
@@ -29,18 +36,23 @@ SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
 MAX_MICROBATCHES = 1 << 16
 OPTIONS = ("schedule", "microbatches", "scale_grads", "loss_fn", "stages")
 DATA_PARALLEL = "data_parallel"  # optional: the data-parallel size and DDP's options on every stage
+TENSOR_PARALLEL = "tensor_parallel"  # optional: the tensor-parallel size and the plan inside every stage
 MAX_RANKS = 1 << 20  # a world beyond any job's is damage
 
 
 def pipeline_problem(options: dict[str, Any], world_size: int) -> str | None:
     """What is wrong with a pipeline run's ``wrapping`` (untrusted input), or None (DDP's options under
     ``data_parallel`` are the caller's to check, with a DDP run's)."""
-    if set(options) - {DATA_PARALLEL} != set(OPTIONS):
-        return f"of a pipeline run needs exactly {', '.join(OPTIONS)} (and {DATA_PARALLEL}), not " \
+    if set(options) - {DATA_PARALLEL, TENSOR_PARALLEL} != set(OPTIONS):
+        return f"of a pipeline run needs exactly {', '.join(OPTIONS)} (and {DATA_PARALLEL}, {TENSOR_PARALLEL}), not " \
                f"{shown(sorted(map(str, options)))}"
-    dp = options.get(DATA_PARALLEL, {"size": 1})
-    if not (isinstance(dp, dict) and type(dp.get("size")) is int and 1 <= dp["size"] <= MAX_RANKS):
-        return f"{DATA_PARALLEL} {shown(dp)} is not {{size, DDP's options}} with a size from 1 to {MAX_RANKS}"
+    for key, what in ((DATA_PARALLEL, "DDP's options"), (TENSOR_PARALLEL, "plan")):
+        part = options.get(key, {"size": 1})
+        if not (isinstance(part, dict) and type(part.get("size")) is int and 1 <= part["size"] <= MAX_RANKS):
+            return f"{key} {shown(part)} is not {{size, {what}}} with a size from 1 to {MAX_RANKS}"
+    if TENSOR_PARALLEL in options and "modules" not in options.get(DATA_PARALLEL, {}):
+        return f"{TENSOR_PARALLEL} needs each stage under fully_shard over its data-parallel ranks ({DATA_PARALLEL} " \
+               "with modules): the one layout with tensor parallelism inside a stage this nanforensics replays"
     schedule, count, scale = options["schedule"], options["microbatches"], options["scale_grads"]
     if schedule not in SCHEDULES:
         return f"schedule {shown(schedule)}: this nanforensics replays {' and '.join(SCHEDULES)} (one stage per " \
@@ -51,7 +63,7 @@ def pipeline_problem(options: dict[str, Any], world_size: int) -> str | None:
         return f"scale_grads {shown(scale)} is not true or false"
     if not isinstance(options["loss_fn"], str) or not options["loss_fn"]:
         return f"loss_fn {shown(options['loss_fn'])} is not an import string"
-    stages, size = options["stages"], dp["size"]
+    stages, size = options["stages"], stage_width(options)
     if not isinstance(stages, list) or len(stages) * size != world_size:
         return f"stages {shown(stages)} is not a list of one stage per {size} ranks of {world_size}"
     seen: set[str] = set()
@@ -73,26 +85,55 @@ def dp_size(wrapping: dict[str, Any]) -> int:
     return int(wrapping.get(DATA_PARALLEL, {"size": 1})["size"])
 
 
+def tp_size(wrapping: dict[str, Any]) -> int:
+    """How many tensor-parallel ranks split each stage's layers: 1 without tensor parallelism."""
+    return int(wrapping.get(TENSOR_PARALLEL, {"size": 1})["size"])
+
+
+def stage_width(wrapping: dict[str, Any]) -> int:
+    """How many ranks run each stage: its data-parallel times its tensor-parallel ranks."""
+    return dp_size(wrapping) * tp_size(wrapping)
+
+
 def stage_of(wrapping: dict[str, Any], rank: int) -> dict[str, Any]:
     """The stage ``rank`` runs (a validated ``wrapping``)."""
-    return wrapping["stages"][rank // dp_size(wrapping)]
+    return wrapping["stages"][rank // stage_width(wrapping)]
+
+
+def pipeline_of(wrapping: dict[str, Any], rank: int) -> int:
+    """Which pipeline global rank ``rank`` is part of (its ranks, one per stage, hand activations to each other):
+    ``dp_rank * tp + tp_rank``."""
+    return rank % stage_width(wrapping)
 
 
 def dp_rank(wrapping: dict[str, Any], rank: int) -> int:
-    """The data-parallel rank of global rank ``rank``: which of the pipelines it is part of."""
-    return rank % dp_size(wrapping)
+    """The data-parallel rank of global rank ``rank``: whose batch its pipeline runs."""
+    return pipeline_of(wrapping, rank) // tp_size(wrapping)
 
 
-def stage_rank(wrapping: dict[str, Any], stage: int, dp: int = 0) -> int:
-    """The global rank that runs stage ``stage`` in pipeline ``dp``."""
-    return stage * dp_size(wrapping) + dp
+def batch_pipelines(wrapping: dict[str, Any]) -> list[int]:
+    """One pipeline per batch (data-parallel rank j's tensor-parallel rank 0), in data-parallel rank order: the run's
+    loss is the mean of their last stages'."""
+    return [j * tp_size(wrapping) for j in range(dp_size(wrapping))]
 
 
-def last_rank(wrapping: dict[str, Any], dp: int = 0) -> int:
-    """The rank of the last stage of pipeline ``dp``: the one that computes its losses."""
-    return stage_rank(wrapping, len(wrapping["stages"]) - 1, dp)
+def stage_rank(wrapping: dict[str, Any], stage: int, pipeline: int = 0) -> int:
+    """The global rank that runs stage ``stage`` in pipeline ``pipeline``."""
+    return stage * stage_width(wrapping) + pipeline
+
+
+def last_rank(wrapping: dict[str, Any], pipeline: int = 0) -> int:
+    """The rank of the last stage of pipeline ``pipeline``: the one that computes its losses."""
+    return stage_rank(wrapping, len(wrapping["stages"]) - 1, pipeline)
+
+
+def coordinate(wrapping: dict[str, Any], rank: int) -> dict[str, int]:
+    """Global rank ``rank``'s place on the mesh, as torchtitan names its dimensions: {"pp", "dp"} and, with tensor
+    parallelism, "tp"."""
+    at = {"pp": rank // stage_width(wrapping), "dp": dp_rank(wrapping, rank)}
+    return at | ({"tp": rank % tp_size(wrapping)} if TENSOR_PARALLEL in wrapping else {})
 
 
 def coordinate_text(wrapping: dict[str, Any], rank: int) -> str:
-    """Global rank ``rank``'s place, "pp=1, dp=0", as torchtitan's mesh names its dimensions."""
-    return f"pp={rank // dp_size(wrapping)}, dp={dp_rank(wrapping, rank)}"
+    """Global rank ``rank``'s place, "pp=1, dp=0" (", tp=1" with tensor parallelism)."""
+    return ", ".join(f"{k}={v}" for k, v in coordinate(wrapping, rank).items())

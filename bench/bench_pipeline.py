@@ -1,10 +1,12 @@
-"""Recording a pipeline-parallel step against a plain one: a 2-stage MLP under ScheduleGPipe, 2 ranks on gloo.
+"""Recording and replaying a pipeline-parallel step against a plain one: a 2-stage MLP under ScheduleGPipe on gloo.
 
-    python bench/bench_pipeline.py [--rounds 15] [--steps 10] [--width 512] [--every 50] [--layout 3d [--replay 40]]
+    python bench/bench_pipeline.py [--rounds 15] [--steps 10] [--width 512] [--every 50] [--layout pp|pp_dp|3d]
+                                   [--replay 40]
 
-Starts itself under torchrun (2 processes; ``--layout 3d``: 8, torchtitan's FSDP2 x TP x PP at 2x2x2, each stage's
-layers colwise then rowwise on "tp", then ``fully_shard`` on "dp_shard", and the replay's cost too: the recorded run
-replayed at world size for 1 step and for ``--replay + 1``, the difference per step against the plain step). Each
+Starts itself under torchrun: ``pp`` 2 processes, one stage each; ``pp_dp`` 4, torchtitan's dp_shard x pp at 2x2
+(each stage under ``fully_shard`` on "dp_shard"); ``3d`` 8, torchtitan's FSDP2 x TP x PP at 2x2x2 (each stage's
+layers colwise then rowwise on "tp", then ``fully_shard`` on "dp_shard"). Then the replay's cost: the recorded run
+replayed at world size for 1 step and for ``--replay + 1``, the difference per step against the plain step. Each
 rank holds two identical stages, one trained plainly and one under the Recorder (batches to disk, the step's loss
 broadcast from the last stage, a checkpoint through torch.distributed.checkpoint every ``--every`` steps); the
 variants run in turn each round (``--steps`` steps each), and the ratio is the median over rounds of the recorded
@@ -32,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import paired_ratio  # noqa: E402
 
 STAGES, BATCH, MICROBATCHES, FEATURES = 2, 64, 4, 64
-RANKS = {"pp": 2, "3d": 8}  # processes per layout
+RANKS = {"pp": 2, "pp_dp": 4, "3d": 8}  # processes per layout
+MESHES = {"pp_dp": ((STAGES, 2), ("pp", "dp_shard")), "3d": ((STAGES, 2, 2), ("pp", "dp_shard", "tp"))}
 TARGET = 1.25  # recording costs at most a quarter of a plain step
 
 
@@ -55,7 +58,7 @@ def train_step(schedule: Any, optimizer: torch.optim.Optimizer, batch: dict[str,
 
 
 def stage(width: int, mesh: Any = None) -> tuple[Any, torch.optim.Optimizer]:
-    """This rank's stage: one per rank, or on ``mesh`` (pp, dp_shard, tp) split by its plan, then sharded."""
+    """This rank's stage: one per rank, or on ``mesh`` (pp, dp_shard[, tp]) split by its plan, then sharded."""
     from nanforensics.distributed.pipeline import prune
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
@@ -66,8 +69,9 @@ def stage(width: int, mesh: Any = None) -> tuple[Any, torch.optim.Optimizer]:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        pair = [("0", "2"), ("4", "6")][index]
-        parallelize_module(module, mesh["tp"], {pair[0]: ColwiseParallel(), pair[1]: RowwiseParallel()})
+        if "tp" in mesh.mesh_dim_names:
+            pair = [("0", "2"), ("4", "6")][index]
+            parallelize_module(module, mesh["tp"], {pair[0]: ColwiseParallel(), pair[1]: RowwiseParallel()})
         fully_shard(module, mesh=mesh["dp_shard"])
         group = mesh["pp"].get_group()
     schedule = ScheduleGPipe(PipelineStage(module, index, STAGES, torch.device("cpu"), group=group), MICROBATCHES,
@@ -81,10 +85,11 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     mesh = None
-    if args.layout == "3d":
+    if args.layout in MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (STAGES, 2, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+        shape, names = MESHES[args.layout]
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, FEATURES, generator=g), torch.randn(BATCH, 1, generator=g)
     batch = {"x": x, "ids": [f"s{i}" for i in range(BATCH)]} if rank < size // STAGES else {"y": y}
@@ -119,7 +124,7 @@ def worker(args: argparse.Namespace) -> None:
             cpu[name].append(float(used) / args.steps)
     rec.close()
     if rank == 0:
-        layout = "FSDP2 x TP x PP (2x2x2)" if mesh is not None else "one stage per rank"
+        layout = {"pp": "one stage per rank", "pp_dp": "FSDP2 x PP (2x2)", "3d": "FSDP2 x TP x PP (2x2x2)"}[args.layout]
         print(f"2-stage MLP (width {args.width}), ScheduleGPipe, {MICROBATCHES} micro-batches of {BATCH // MICROBATCHES}, "
               f"{size} ranks on gloo, {layout}; checkpoint every {args.every} steps; {args.rounds} rounds of "
               f"{args.steps} steps")
@@ -151,7 +156,7 @@ def main() -> None:
         argv = [*torchrun, __file__, "--rounds", str(args.rounds), "--steps", str(args.steps), "--width",
                 str(args.width), "--every", str(args.every), "--layout", args.layout, "--out", tmp]
         code = subprocess.run(argv, env=env).returncode
-        if code or args.layout != "3d":
+        if code:
             sys.exit(code)
         replay_cost(torchrun, Path(tmp), min(args.replay, (args.rounds + 1) * args.steps - 1), env)
 

@@ -34,9 +34,15 @@ def real(value: Any) -> float | None:
     return float(value)
 
 
+def is_count(value: Any) -> bool:
+    """A Python int read from a file as a size, a count or a dimension: not a bool, which Python counts as an int
+    (a shape of ``[True]`` passes ``isinstance(d, int)`` and then ``Tensor.view`` raises TypeError)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def unrepresentable(value: Any) -> bool:
     """An int no float holds (``10**400``): torch's arithmetic raises ``OverflowError`` on it."""
-    return isinstance(value, int) and not isinstance(value, bool) and math.isinf(real(value) or 0.0)
+    return is_count(value) and math.isinf(real(value) or 0.0)
 
 
 def spoken(value: int) -> str:

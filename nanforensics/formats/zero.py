@@ -34,6 +34,7 @@ import torch
 
 from ..errors import BadInput, shown
 from ..inputs import read_input
+from ..numbers import is_count
 from . import torch_file
 from .entries import MODEL, OPTIMIZER, Entry, Release, TensorInfo
 
@@ -206,8 +207,8 @@ def read(folder: Path) -> Layout:
         optims.append(sd)
     stage = _stage(optims[0], files[0])
     count = optims[0].get("partition_count")
-    counts = set(count) if isinstance(count, list) and all(isinstance(c, int) for c in count) else {count} \
-        if isinstance(count, int) else None
+    counts = set(count) if isinstance(count, list) and all(is_count(c) for c in count) else {count} \
+        if is_count(count) else None
     if counts != {len(files)}:
         raise BadInput(files[0], f"partition_count {shown(count)} does not match the {len(files)} optimizer states "
                                  f"files in {folder}")
@@ -253,7 +254,7 @@ def _shapes(value: Any, where: Path) -> list[list[tuple[str, tuple[int, ...]]]]:
 
 def _shape(value: Any, name: Any, key: str, where: Path) -> tuple[int, ...]:
     """A recorded shape: a sequence of non-negative ints, checked before any size is computed from it."""
-    if not isinstance(value, (tuple, list)) or len(value) > 64 or not all(isinstance(d, int) and 0 <= d < 1 << 62
+    if not isinstance(value, (tuple, list)) or len(value) > 64 or not all(is_count(d) and 0 <= d < 1 << 62
                                                                           for d in value):
         raise BadInput(where, f"{key} gives {shown(name)} the shape {shown(value)}")
     return tuple(value)
@@ -314,7 +315,7 @@ def _stage12(shapes: list[list[tuple[str, tuple[int, ...]]]], flats: list[list[t
         starts = [sum(sizes[:r]) for r in range(world)]
         pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
         if pads is not None and (not isinstance(pads, list) or len(pads) != len(group)
-                                 or not all(isinstance(p, int) and p >= 0 for p in pads)):
+                                 or not all(is_count(p) and p >= 0 for p in pads)):
             raise BadInput(files[0], f"param_alignment_paddings of group {g} do not give one padding per parameter")
         offset = 0
         for i, (name, shape) in enumerate(group):

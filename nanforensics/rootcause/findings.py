@@ -171,10 +171,9 @@ def findings(r: ReplayReport) -> list[str]:
             out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "
                        f"The logged loss first shows NaN at step {shown}, {count(shown - o.step, 'step')} later; "
                        f"{inspect}.")
-        elif r.reproduced is None and r.first_nonfinite_loss_step not in (None, o.step):
+        elif r.reproduced is None and (shown := _replayed_shown(r, o)) is not None:
             replayed = next((s.replayed_loss for s in r.spread if s.step == o.step), None)
             loss_text = f" ({replayed:.6g})" if replayed is not None and math.isfinite(replayed) else ""
-            shown = r.first_nonfinite_loss_step
             inspect = (f"the step to inspect is step {o.step}, not step {shown}" if step_not_data(r) else
                        f"the batch to inspect is step {o.step}'s, not step {shown}'s")
             out.append(f"The loss at step {o.step} was finite in the replay{loss_text}: it is computed before the "
@@ -192,6 +191,13 @@ def findings(r: ReplayReport) -> list[str]:
         out.append(f"Every parameter is non-finite by step {r.fully_nonfinite_step}.")
     out += _reproduction(r)
     return out + (_loaded(r.loaded) if r.loaded is not None else [])
+
+
+def _replayed_shown(r: ReplayReport, o: Event) -> int | None:
+    """With no loss logged, the first replayed non-finite loss after the origin's step, where none is at it: where
+    the replay shows the failure. A loss-only step's NaN before the origin is not it (its own sentence says so)."""
+    first = next((s.step for s in r.spread if s.step >= o.step and not math.isfinite(s.replayed_loss)), None)
+    return first if first != o.step else None
 
 
 def _loaded(c: CheckpointLoad) -> list[str]:

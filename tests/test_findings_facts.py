@@ -1,0 +1,205 @@
+"""The report's verdict sentences on hand-built facts: the headline, where the failure shows, whether the step or its
+data is to blame, the loss-only steps and the reproduction, each sentence tied to the facts that make it true and
+read for its exact words. Built by hand, not recorded: a replay reaches few of these combinations, and these tests
+enumerate them all in milliseconds (tests/test_findings.py checks the same sentences on recorded runs)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+from nanforensics.report import (
+    AmpReport,
+    CheckpointLoad,
+    DataDefect,
+    Event,
+    ReplayReport,
+    ReplaySetup,
+    SampleAttribution,
+    StepRecord,
+)
+from nanforensics.rootcause.findings import findings, first_shown, headline, step_not_data
+from nanforensics.words import count
+
+NAN = math.nan
+ORIGIN = 5  # the responsible step of every report with an origin here
+
+
+def step(n: int, logged: float | None = 1.0, replayed: float = 1.0, ulps: int | None = None) -> StepRecord:
+    return StepRecord(n, logged, replayed, 0, 10, 0, 20, loss_ulps=ulps)
+
+
+def event(n: int = ORIGIN, stage: str = "grad", value: str = "nan") -> Event:
+    return Event(n, stage, "fc.weight", [1, 2], value, elements_nonfinite=3, tensors_nonfinite=1, dtype="float32")
+
+
+def report(origin: Event | None = None, *, logged: dict[int, float] | None = None, **facts) -> ReplayReport:
+    """A report over steps 2-8: losses logged (1.0 unless ``logged`` says otherwise) and replayed finite, the origin
+    ``origin`` (a grad at step 5 by default with verdict nonfinite), reproduced."""
+    logged = logged or {}
+    spread = [step(n, logged.get(n, 1.0)) for n in range(2, 9)]
+    base = dict(verdict="nonfinite" if origin else "clean", responsible_step=origin.step if origin else None,
+                responsible_batch=None, first_nonfinite_loss_step=None,
+                logged_first_nonfinite_loss_step=next((n for n in sorted(logged) if not math.isfinite(logged[n])), None),
+                origin=origin, events=[origin] if origin else [], spread=spread, state_poisoned=False, reproduced=True,
+                diverged_at_step=None, fully_nonfinite_step=None, findings=[],
+                setup=ReplaySetup("run", 2, 2, 8, "cpu", 1, []))
+    return ReplayReport(**{**base, **facts})
+
+
+def batch_wide(**facts) -> SampleAttribution:
+    return SampleAttribution(**{**dict(status="batch_wide", batch_size=8, samples=list(range(8)), sample_leaves={},
+                                       passes=9, coupled_groups=[], message="every sample fails alone"), **facts})
+
+
+# -- step_not_data: the step is blamed exactly when most of the batch fails alone and no data defect explains it --
+
+DEFECT = {"none": [], "at the origin": [DataDefect(ORIGIN, "b.pt", "batch['x']", "nonfinite", 1, [0, 1], "nan")],
+          "elsewhere": [DataDefect(ORIGIN - 1, "b.pt", "batch['x']", "nonfinite", 1, [0, 1], "nan")]}
+
+
+@pytest.mark.parametrize("status, compared_fails, cause, defect", list(itertools.product(
+    [None, "batch_wide", "attributed", "coupled"], [None, True, False], [[], ["batch['x']"]], DEFECT)))
+def test_the_step_is_blamed_exactly_when_the_batch_fails_wide_with_no_data_defect(status, compared_fails, cause, defect):
+    samples = None if status is None else batch_wide(status=status, compared_fails=compared_fails, cause_leaves=cause)
+    r = report(event(), samples=samples, data_defects=DEFECT[defect])
+    blamed = status == "batch_wide" and compared_fails is not False and not cause and defect != "at the origin"
+    assert step_not_data(r) is blamed
+    assert headline(r) == (f"step {ORIGIN} failed batch-wide: the step, not its data; logged losses all finite" if blamed
+                           else f"responsible step {ORIGIN}; logged losses all finite")
+
+
+# -- first_shown: the first logged non-finite loss that is not a loss-only step --
+
+@pytest.mark.parametrize("nonfinite, loss_only", [
+    (nonfinite, loss_only) for nonfinite in itertools.chain.from_iterable(
+        itertools.combinations([3, 4, 6], k) for k in range(4))
+    for loss_only in itertools.chain.from_iterable(itertools.combinations(nonfinite, k) for k in range(len(nonfinite) + 1))])
+def test_the_failure_shows_at_the_first_logged_nonfinite_loss_that_is_not_loss_only(nonfinite, loss_only):
+    r = report(event(), logged={n: NAN for n in nonfinite}, loss_only_steps=list(loss_only))
+    shown = next((n for n in nonfinite if n not in loss_only), None)
+    assert first_shown(r) == shown
+    tail = (f"logged loss first NaN at step {shown}" if shown is not None else
+            "logged losses all finite" if not nonfinite else "logged losses non-finite only where the state stayed finite")
+    assert headline(r) == f"responsible step {ORIGIN}; {tail}"
+
+
+def test_a_loss_only_step_logged_past_the_replay_is_no_show():
+    """first_shown looks past a loss-only first NaN only among the replayed steps: a later step's NaN shows."""
+    r = report(event(), logged={3: NAN, 7: math.inf}, loss_only_steps=[3])
+    assert first_shown(r) == 7
+    r.spread[-2] = step(7, None)  # step 7's loss not logged: nothing past step 3 shows it
+    assert first_shown(r) is None
+
+
+# -- headline: each verdict's one line --
+
+def test_the_headline_of_each_verdict():
+    o = event()
+    assert headline(report(o, reproduced=None)) == f"responsible step {ORIGIN}; replayed losses all finite"
+    assert headline(report(o, reproduced=None, first_nonfinite_loss_step=6)) == \
+        f"responsible step {ORIGIN}; replayed loss first NaN at step 6"
+    assert headline(report(o, logged={7: NAN})) == f"responsible step {ORIGIN}; logged loss first NaN at step 7"
+    assert headline(report(o, reproduced=None, logged={7: NAN}, first_nonfinite_loss_step=6)) == \
+        f"responsible step {ORIGIN}; replayed loss first NaN at step 6"
+    supplied = report(verdict="not_reproduced")
+    assert headline(supplied) == "steps 2-8 replayed from the supplied batches, all finite: not reproduced"
+    assert headline(replace(supplied, loss_only_steps=[3, 6])) == \
+        "steps 2-8 replayed from the supplied batches, a non-finite loss only at steps 3, 6: not reproduced"
+    assert headline(report(verdict="not_reproduced", logged={7: NAN})) == \
+        "logged loss NaN at step 7, not reproduced by the replay"
+    assert headline(report(verdict="loss_only", loss_only_steps=[4])) == \
+        "non-finite loss at step 4 only: the model's state stayed finite"
+    assert headline(report()) == "steps 2-8 replayed, all finite"
+    loaded = CheckpointLoad("c.pt", "torch.save dict", 2, "metadata", "m:batches", None, "name", 4, 0, "none",
+                            ["torch"], None, [])
+    assert headline(report(loaded=loaded)) == "steps 2-8 replayed from the supplied batches, all finite"
+
+
+# -- findings: the origin, then where the loss shows the failure, said only where it holds --
+
+GRAD = ("Origin: step 5, grad fc.weight[1, 2] = nan (float32): the forward pass and the loss were finite; the backward pass "
+        "made it.")
+LATER = ("The loss logged at step 5 was finite{loss}: it is computed before the update. The logged loss first shows NaN at "
+         "step {shown}, {n} later; the {inspect}.")
+BATCH, STEP = "batch to inspect is step 5's, not step {shown}'s", "step to inspect is step 5, not step {shown}"
+
+
+def when_shown(r: ReplayReport) -> list[str]:
+    """The sentences about the loss beside the origin: the second of the findings where there is one."""
+    out = findings(r)
+    assert out[0] == GRAD
+    return [s for s in out if s.startswith(("The loss at", "The loss logged at", "The logged loss"))]
+
+
+@pytest.mark.parametrize("shown", [None, 3, 5, 6, 8])
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("logged_at_origin", [None, 1.5, math.inf])
+def test_the_logged_loss_is_placed_against_the_origin(shown, wide, logged_at_origin):
+    logged = {ORIGIN: NAN if shown == ORIGIN else logged_at_origin} if logged_at_origin is not None or shown == ORIGIN else {}
+    if shown is not None:
+        logged[shown] = NAN
+    samples = batch_wide(compared_fails=True, compared_step=4) if wide else None
+    r = report(event(), logged=logged, samples=samples)
+    if logged_at_origin is None and shown != ORIGIN:
+        r.spread[ORIGIN - 2] = step(ORIGIN, None)
+    said = when_shown(r)
+    shown = min((n for n, v in logged.items() if not math.isfinite(v)), default=None)  # an inf at the origin shows first
+    if shown is None or shown == ORIGIN:
+        assert said == []
+    elif shown < ORIGIN:
+        assert said == ["The logged loss was already non-finite at step 3, before the origin: it reached neither the "
+                        "parameters nor the optimizer state."]
+    else:
+        loss = " (1.5)" if logged_at_origin == 1.5 else ""
+        inspect = (STEP if wide else BATCH).format(shown=shown)
+        assert said == [LATER.format(loss=loss, shown=shown, n="1 step" if shown == 6 else "3 steps", inspect=inspect)]
+
+
+def test_a_nonfinite_loss_the_scaler_caught_before_the_origin_is_said_to_be_caught():
+    caught = AmpReport("float16", "float32", True, [], [event(3, "grad", "inf")], None)
+    r = report(event(), logged={3: math.inf}, amp=caught)
+    assert when_shown(r) == ["The logged loss was already non-finite at step 3, before the origin: an overflow the "
+                             "scaler caught, skipping that step with the state intact."]
+    r.amp = replace(caught, caught=[event(4, "grad", "inf")])  # caught at another step: not this loss
+    assert when_shown(r)[0].endswith("it reached neither the parameters nor the optimizer state.")
+
+
+@pytest.mark.parametrize("nonfinite", [(), (4,), (4, 7), (5, 6), (7, 8)])
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("replayed_at_origin", [1.625, math.inf])
+def test_with_no_loss_logged_the_replayed_loss_is_placed_against_the_origin(nonfinite, wide, replayed_at_origin):
+    """A NaN loss before the origin is a loss-only step's (said apart), never where the failure shows."""
+    r = report(event(), reproduced=None, loss_only_steps=[n for n in nonfinite if n < ORIGIN],
+               samples=batch_wide(compared_fails=True, compared_step=4) if wide else None)
+    r.spread = [step(n, None, NAN if n in nonfinite else replayed_at_origin if n == ORIGIN else 1.0) for n in range(2, 9)]
+    r.first_nonfinite_loss_step = next((s.step for s in r.spread if not math.isfinite(s.replayed_loss)), None)
+    said = when_shown(r)
+    shown = next((n for n in nonfinite if n > ORIGIN), None)
+    if shown is None or ORIGIN in nonfinite or replayed_at_origin == math.inf:
+        assert said == []
+        return
+    inspect = (STEP if wide else BATCH).format(shown=shown)
+    n = count(shown - ORIGIN, "step")
+    assert said == [f"The loss at step 5 was finite in the replay (1.625): it is computed before the update. It first "
+                    f"shows NaN at step {shown}, {n} later, where a training log shows it too; the {inspect}."]
+    r.reproduced = True  # losses were logged (all finite): the logged ones place it, not the replay's
+    assert when_shown(r) == []
+
+
+def test_no_origin_said_each_way():
+    assert findings(report(verdict="not_reproduced", logged={7: NAN}))[0] == (
+        "The logged loss was non-finite at step 7, but the replay found no non-finite value: the failure did not "
+        "reproduce here.")
+    clean = ("No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter or buffer over "
+             "steps 2-8")
+    assert findings(report())[0] == clean + "; steps before 2 were not replayed (`--from-step 0` replays from the start)."
+    r = report()
+    r.setup.first_step = 0
+    assert findings(r)[0] == clean.replace("2-8", "0-8") + "."
+    assert not any(s.startswith("No non-finite value") for s in findings(report(loss_only_steps=[4])))
+    r = report(fully_nonfinite_step=7)
+    assert "Every parameter is non-finite by step 7." in findings(r)
+    assert not any(s.startswith("Every parameter") for s in findings(report()))

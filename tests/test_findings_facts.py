@@ -15,13 +15,14 @@ from nanforensics.report import (
     CheckpointLoad,
     DataDefect,
     Event,
+    Precursor,
     ReplayReport,
     ReplaySetup,
     SampleAttribution,
     StepRecord,
 )
 from nanforensics.rootcause.findings import findings, first_shown, headline, step_not_data
-from nanforensics.words import count
+from nanforensics.words import count, numbered
 
 NAN = math.nan
 ORIGIN = 5  # the responsible step of every report with an origin here
@@ -203,3 +204,72 @@ def test_no_origin_said_each_way():
     r = report(fully_nonfinite_step=7)
     assert "Every parameter is non-finite by step 7." in findings(r)
     assert not any(s.startswith("Every parameter") for s in findings(report()))
+
+
+# -- loss-only steps: harmless where healthy steps follow, the first sign where the origin follows with none between --
+
+MEAN = (" Such a loss typically comes from a batch with no valid target: a mean over zero elements is 0/0 = NaN while its "
+        "gradient is zero (cross_entropy when every label is ignore_index, -100).")
+OVERFLOW = (" An infinite loss with finite gradients is an overflow of large finite values{largest}: the loss reduced them "
+            "past its dtype's largest value, while each gradient, its share of the reduction, stayed finite.")
+
+
+def loss_only_report(origin: int | None, steps: list[int], values: dict[int, float] | None = None) -> ReplayReport:
+    """Steps 2-8: the loss-only ``steps`` (NaN unless ``values`` says), the origin at step ``origin`` and the steps
+    after it non-finite, every other step healthy."""
+    values = values or {}
+    r = report(event(origin) if origin is not None else None, loss_only_steps=steps)
+    r.spread = [step(n, 1.0, values.get(n, NAN) if n in steps else NAN if origin is not None and n > origin else 1.0)
+                for n in range(2, 9)]
+    return r
+
+
+def subsets(items: list[int]) -> list[list[int]]:
+    return [list(c) for k in range(len(items) + 1) for c in itertools.combinations(items, k)]
+
+
+@pytest.mark.parametrize("origin", [None, 6])
+def test_each_loss_only_step_is_harmless_unseen_or_the_first_sign_by_the_steps_after_it(origin):
+    for steps in subsets([2, 3, 4, 5] if origin else [2, 3, 4, 5, 6, 7, 8]):
+        r = loss_only_report(origin, steps)
+        healthy = [n for n in range(2, 9) if n not in steps and (origin is None or n < origin)]
+        signs = [s for s in steps if origin and not any(s < h < origin for h in healthy)]
+        unseen = [s for s in steps if s not in signs and not any(h > s for h in healthy)]
+        harmless = [s for s in steps if s not in signs + unseen]
+        said = []
+        for group in (harmless, unseen, signs):
+            if not group:
+                continue
+            before = " before the origin" if origin else ""
+            head = (f"The loss was NaN at {numbered('step', group)}{before}, but no gradient, parameter, optimizer-state or "
+                    "buffer value was")
+            if group is harmless:
+                upto = max(n for n in range(group[-1], 9) if all(m in healthy + steps for m in range(group[-1], n + 1)))
+                said.append(f"{head}: the non-finite loss never reached the model, so training could continue (the "
+                            f"replayed steps after it stayed finite through step {upto}).{MEAN}")
+            elif group is unseen:
+                said.append(f"{head}; the replay holds no healthy step after it (it ended at step 8), so it does not show "
+                            f"whether training could continue.{MEAN}")
+            else:
+                said.append(f"{head}, yet the replay does not show training continuing: the origin follows at step 6 with "
+                            f"no healthy step between, so the non-finite loss was the first sign of that failure.{MEAN}")
+        assert [s for s in findings(r) if s.startswith("The loss was")] == said, steps
+
+
+def test_an_infinite_loss_is_an_overflow_and_names_the_largest_activation_where_every_one_is_known():
+    r = loss_only_report(6, [4, 5], {4: math.inf, 5: -math.inf})
+    head = ("The loss was -inf or inf at steps 4, 5 before the origin, but no gradient, parameter, optimizer-state or buffer "
+            "value was, yet the replay does not show training continuing: the origin follows at step 6 with no healthy "
+            "step between, so the non-finite loss was the first sign of that failure.")
+    assert [s for s in findings(r) if s.startswith("The loss was")] == [head + OVERFLOW.format(largest="")]
+    seen = [Precursor(n, None, None, None, {}, a, "float32", None) for n, a in ((3, 1e30), (4, 2.5e38), (5, 1e38), (7, 9e99))]
+    r.precursors = seen
+    largest = " (the largest activation at steps 4, 5 was 2.5e+38)"
+    assert [s for s in findings(r) if s.startswith("The loss was")] == [head + OVERFLOW.format(largest=largest)]
+    r.precursors = [*seen[:2], replace(seen[2], activation_max_abs=math.inf)]  # one not finite: no largest is named
+    assert [s for s in findings(r) if s.startswith("The loss was")] == [head + OVERFLOW.format(largest="")]
+    r.precursors = [replace(p, activation_max_abs=None) for p in seen]  # none known: none named
+    assert [s for s in findings(r) if s.startswith("The loss was")] == [head + OVERFLOW.format(largest="")]
+    r = loss_only_report(6, [4, 5], {4: math.inf})  # one of them NaN: the mean over no target
+    assert [s for s in findings(r) if s.startswith("The loss was")][0].startswith("The loss was NaN or inf at steps 4, 5")
+    assert [s for s in findings(r) if s.startswith("The loss was")][0].endswith(MEAN)

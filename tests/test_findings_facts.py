@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 from nanforensics.report import (
     AmpReport,
+    CheckpointComparison,
     CheckpointLoad,
     DataDefect,
     Event,
@@ -20,8 +21,9 @@ from nanforensics.report import (
     ReplaySetup,
     SampleAttribution,
     StepRecord,
+    TensorMismatch,
 )
-from nanforensics.rootcause.findings import findings, first_shown, headline, step_not_data
+from nanforensics.rootcause.findings import findings, first_shown, headline, reproduction, step_not_data
 from nanforensics.words import count, numbered
 
 NAN = math.nan
@@ -273,3 +275,98 @@ def test_an_infinite_loss_is_an_overflow_and_names_the_largest_activation_where_
     r = loss_only_report(6, [4, 5], {4: math.inf})  # one of them NaN: the mean over no target
     assert [s for s in findings(r) if s.startswith("The loss was")][0].startswith("The loss was NaN or inf at steps 4, 5")
     assert [s for s in findings(r) if s.startswith("The loss was")][0].endswith(MEAN)
+
+
+# -- reproduction: reproduced or not, and on what evidence: a recorded checkpoint's state, or the losses alone --
+
+def compared(n: int = 6, exact: bool = True, first_mismatch: TensorMismatch | None = None, **facts) -> CheckpointComparison:
+    facts = {"mismatched_tensors": 0 if exact else 2, "values": 1000, **facts}
+    return CheckpointComparison(n, f"checkpoints/step_{n}", 12, exact, first_mismatch=first_mismatch, **facts)
+
+
+UNREADABLE = CheckpointComparison(6, "checkpoints/step_6", 0, False, 0, None, error="not a zip file")  # as replay makes it
+
+
+@pytest.mark.parametrize("ulps, losses", [(None, "no finite loss to compare"), (0, "losses identical"),
+                                          (1, "losses within 1 ulp"), (12, "losses within 12 ulp")])
+def test_reproduced_says_on_what_evidence(ulps, losses):
+    def said(*checkpoints: CheckpointComparison) -> str:
+        return reproduction(report(checkpoints_compared=list(checkpoints), loss_max_ulps=ulps))
+
+    assert said() == f"reproduced as far as losses show ({losses}; no recorded checkpoint in the replayed window)"
+    assert said(UNREADABLE) == said()  # a checkpoint that could not be read decides nothing
+    assert said(compared(4), compared(6)) == \
+        f"reproduced (parameters, optimizer state and buffers bit-exact at step 6; {losses})"
+    assert said(compared(6), compared(7, exact=False, tolerance=1e-3, first_mismatch=MISMATCH)) == \
+        f"reproduced (parameters, optimizer state and buffers bit-exact at step 6; {losses})"  # the last that matched
+    assert said(compared(nan_matched=7)) == (f"reproduced (parameters, optimizer state and buffers equal at step 6: 7 "
+                                             f"of its 1,000 values NaN in both, the others bit-exact; {losses})")
+    assert said(compared(values=12345, nan_matched=1234)).startswith(
+        "reproduced (parameters, optimizer state and buffers equal at step 6: 1,234 of its 12,345 values NaN in both")
+    for rounded, max_ulps, by in ((30, 4, "4 ulps"), (1, 1, "1 ulp"), (2, None, "0 ulps")):
+        assert said(compared(exact=False, tolerance=1e-3, rounded=rounded, max_ulps=max_ulps)) == (
+            f"reproduced within tolerance (parameters, optimizer state and buffers at step 6 within rtol 0.001: "
+            f"{rounded} of its 1,000 values differ, by up to {by}, the others bit-exact; {losses})")
+    r = report(reproduced=None, checkpoints_compared=[compared()], loss_max_ulps=ulps)
+    assert reproduction(r) == ("cannot be judged: there are no logged losses and no recorded checkpoints to compare the "
+                               "replay with")
+
+
+MISMATCH = TensorMismatch("fc.weight", "parameter", [1, 2], "0.5", "0.25", 5, 3)
+
+
+def test_not_reproduced_names_where_the_state_or_the_losses_diverged():
+    r = report(reproduced=False, diverged_at_step=6,
+               checkpoints_compared=[compared(4), compared(6, exact=False, first_mismatch=MISMATCH)])
+    assert reproduction(r) == ("not reproduced: the state diverged by step 6: fc.weight[1, 2] is 0.5 in the checkpoint "
+                               "of step 6, 0.25 in the replay, 3 ulp apart (5 values differ, in 2 tensors)")
+    whole = replace(MISMATCH, index=[], recorded="float32[4, 8]", replayed="missing", elements=1, ulps=None)
+    r.checkpoints_compared[1] = compared(6, exact=False, first_mismatch=whole, mismatched_tensors=1)
+    assert reproduction(r) == ("not reproduced: the state diverged by step 6: fc.weight is float32[4, 8] in the checkpoint "
+                               "of step 6, missing in the replay (1 value differs, in 1 tensor)")
+    r.checkpoints_compared[1] = compared(7, exact=False, first_mismatch=MISMATCH)  # not at the diverged step: the losses
+    for logged, replayed, ulps, words in ((1.25, 1.5, 3, "logged 1.25, replayed 1.5, 3 ulp apart"),
+                                          (None, NAN, None, "logged -, replayed NaN"),
+                                          (math.inf, -math.inf, None, "logged inf, replayed -inf"),
+                                          (0.1, 0.30000000000000004, None, "logged 0.1, replayed 0.3")):
+        r.spread[6 - 2] = step(6, logged, replayed, ulps)
+        assert reproduction(r) == f"not reproduced: losses diverge from step 6 ({words})"
+    sentences = findings(r)
+    assert ("Not reproduced: losses diverge from step 6 (logged 0.1, replayed 0.3). The replay is not an exact copy of "
+            "the run: non-deterministic kernels, another device or thread count, a loop that draws random numbers "
+            "between steps, or files changed after recording.") in sentences
+
+
+def test_the_reproduction_sentence_in_the_findings():
+    unjudged = ("No losses were logged and no recorded checkpoint lies in the replayed window: whether the replay "
+                "reproduces the run cannot be judged")
+    assert findings(report(event(), reproduced=None))[-1] == unjudged + "."
+    assert findings(report(reproduced=None))[-1] == unjudged + (
+        "; it stays finite over steps 2-8, so a failure of the run within them is not reproduced from the supplied "
+        "batches.")
+
+    def losses(ulps: int | None, *checkpoints: CheckpointComparison, backend: str | None = None) -> list[str]:
+        r = report(event(), loss_max_ulps=ulps, checkpoints_compared=list(checkpoints))
+        r.setup.compiled = backend
+        return [s for s in findings(r) if s.startswith("Replayed losses differ")]
+
+    assert losses(None) == losses(0) == losses(0, compared(exact=False, tolerance=1e-3)) == []
+    head = "Replayed losses differ from the logged ones by up to {} float32 ulp: "
+    assert losses(8, compared(4), compared(6)) == [head.format(8) + (
+        "the state is bit-exact at step 6, so that is the loss's own rounding (its reduction summed in another order), "
+        "not a divergence.")]
+    assert losses(9, compared(6)) == [head.format(9) + (
+        "more than rounding, yet the state is bit-exact at step 6: the logged losses were not computed as the replay "
+        "computes them (logged from another computation, or edited).")]
+    unconfirmed = "; no recorded checkpoint in the replayed window confirms the state."
+    rounding = "few enough to be the loss's own rounding (its reduction summed in another order)"
+    assert losses(8) == [head.format(8) + rounding + unconfirmed]
+    assert losses(1, UNREADABLE) == [head.format(1) + rounding + unconfirmed]
+    close = compared(exact=False, tolerance=1e-3, rounded=3, max_ulps=2)
+    assert losses(8, compared(4, exact=False, tolerance=1e-3, rounded=3, max_ulps=2), close) == [
+        head.format(8) + rounding + "; the state matches the recorded one within tolerance at step 6."]
+    for backend in (None, "eager", "aot_eager"):
+        assert losses(9, backend=backend) == [
+            head.format(9) + "within the tolerance for a replay on another device type or CPU" + unconfirmed]
+    assert losses(9, backend="inductor") == [head.format(9) + (
+        "within the tolerance for an eager replay of a run compiled with kernels of its own") + unconfirmed]

@@ -370,3 +370,127 @@ def test_the_reproduction_sentence_in_the_findings():
             head.format(9) + "within the tolerance for a replay on another device type or CPU" + unconfirmed]
     assert losses(9, backend="inductor") == [head.format(9) + (
         "within the tolerance for an eager replay of a run compiled with kernels of its own") + unconfirmed]
+
+
+# -- the other sentences of a report with no origin, a window cut short, a checkpoint the recorder did not write --
+
+def test_nothing_reached_names_the_overflows_the_scaler_caught():
+    def caught(*steps: int) -> AmpReport:
+        return AmpReport("float16", "float32", True, [], [event(n, "grad", "inf") for n in steps], None)
+
+    r = report(amp=caught(4, 6, 4))
+    assert findings(r)[0] == ("No non-finite value reached the optimizer state or the parameters over steps 2-8: the "
+                              "non-finite values met at steps 4, 6 were overflows the scaler caught.")
+    r = report(amp=caught(6, 4), logged={4: math.inf})
+    assert findings(r)[0] == ("No non-finite value reached the optimizer state or the parameters over steps 2-8: the "
+                              "non-finite values met at steps 4, 6 were overflows the scaler caught (the non-finite loss "
+                              "logged at step 4 among them).")
+    r = report(amp=caught(6), logged={4: math.inf})  # a logged NaN the scaler did not catch: not among them
+    assert findings(r)[0].endswith("the non-finite values met at step 6 were overflows the scaler caught.")
+    assert findings(report(amp=caught()))[0].startswith("No non-finite value in any batch, activation, loss")
+
+
+@pytest.mark.parametrize("first", [0, 1, 2])
+@pytest.mark.parametrize("loaded", [False, True])
+def test_the_steps_before_the_window_are_said_unreplayed_only_where_there_are_some(first, loaded):
+    r = report(loaded=LOADED if loaded else None)
+    r.setup.first_step = first
+    unreplayed = f"; steps before {first} were not replayed (`--from-step 0` replays from the start)"
+    assert findings(r)[0] == ("No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter "
+                              f"or buffer over steps {first}-8{unreplayed if first and not loaded else ''}.")
+
+
+@pytest.mark.parametrize("shown", [None, 7, 8, 9, 12])
+def test_a_replay_that_ended_before_the_loss_shows_nan_says_its_window_is_shorter(shown):
+    r = report(event(), logged={shown: NAN} if shown is not None else {})
+    r.logged_first_nonfinite_loss_step = shown  # logged past the replay's last step (8) too
+    window = [s for s in findings(r) if s.startswith("The replay ended")]
+    assert window == ([] if shown is None or shown <= 8 else [
+        f"The replay ended at step 8, before the logged loss first shows NaN (step {shown}): the replayed loss, the "
+        "optimizer state and the reproduction are judged over steps 2-8 only."])
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_an_origin_step_missing_from_the_spread_gives_no_loss_value(logged):
+    r = report(event(), reproduced=True if logged else None, logged={7: NAN} if logged else {})
+    if not logged:
+        r.spread = [step(n, None, NAN if n >= 7 else 1.0) for n in range(2, 9)]
+    r.spread = [s for s in r.spread if s.step != ORIGIN]
+    said = when_shown(r)
+    assert said[0].startswith("The loss logged at step 5 was finite: it" if logged else
+                              "The loss at step 5 was finite in the replay: it"), said
+
+
+LOADED = CheckpointLoad("c.pt", "torch.save dict", 2, "metadata", "m:batches", None, "name", 4, 0, "none", ["torch"], None, [])
+FIRST = "The checkpoint is taken as the state before step 2 (from {}): m:batches(2) is the first batch replayed{}."
+AFTER = "; a loop that saved it after running step 2 needs --from-step 3"
+BY_ORDER = ("Optimizer state was matched to the parameters by order, as torch's load_state_dict does: the checkpoint "
+            "records no parameter names. Every group's size and every state tensor's shape agree; {}.")
+RNG = "The torch RNG state was not restored{}: every pass of the replay starts from seed 0. "
+
+
+@pytest.mark.parametrize("facts, said", [
+    ({}, [FIRST.format("its metadata", AFTER)]),
+    ({"step_from": "trainer_state.json"}, [FIRST.format("the steps trainer_state.json counts", "")]),
+    ({"step_from": "name", "model_prefix_stripped": "module."},
+     [FIRST.format("its name", AFTER),
+      "Model keys were saved with the prefix 'module.' (a wrapper), removed to match the model by name."]),
+    ({"step_from": "--from-step", "optimizer_matched": "order", "same_shape_params": 2},
+     [FIRST.format("--from-step", AFTER), BY_ORDER.format(
+         "2 of 4 parameters share their shape with another of their group, so the optimizer must list those in the "
+         "order training did: a different order among them goes unnoticed")]),
+    ({"step_from": "a guess", "optimizer_matched": "order", "step": 7},
+     [FIRST.format("a guess", AFTER).replace("2", "7").replace("3", "8"),
+      BY_ORDER.format("no two parameters of a group share a shape")]),
+    ({"scheduler": "unused"},
+     [FIRST.format("its metadata", AFTER),
+      "The checkpoint holds an LR scheduler's state, but no scheduler factory was named (--scheduler): the learning "
+      "rate stays at the checkpoint's value, where training followed its schedule."]),
+    ({"scheduler": "restored", "rng_restored": [], "rng_missing": "none saved"},
+     [FIRST.format("its metadata", AFTER), RNG.format(" (none saved)") + (
+         "The model has no dropout module, so this matters only where the step function draws random numbers.")]),
+    ({"rng_restored": ["python", "numpy"], "random_modules": ["drop", "enc.drop"]},
+     [FIRST.format("its metadata", AFTER), RNG.format("") + (
+         "The model's dropout (drop, enc.drop) draws its masks from it, so they differ from training's: the replayed "
+         "steps are not the run's, and a failure that needs particular masks may not reproduce.")]),
+])
+def test_each_choice_made_loading_a_checkpoint_the_recorder_did_not_write_is_said(facts, said):
+    loaded = replace(LOADED, **facts)
+    assert findings(report(event(), loaded=loaded))[-len(said):] == said
+    assert findings(report(loaded=loaded))[-len(said):] == said
+    assert not any(s.startswith("The checkpoint is taken") for s in findings(report(event())))
+
+
+def test_the_parameter_update_or_the_code_after_it_is_named_as_the_cause_where_the_trace_says():
+    from nanforensics.report import OperationCulprit, OpSite
+
+    def culprit(phase: str, source: str | None = "train.py:12 in step") -> OperationCulprit:
+        return OperationCulprit(OpSite("aten::mul_.Tensor", phase, None, source, ["float32"], [["1", "2"]], ["float32"]),
+                                "nan", [0])
+
+    def cause(stage: str, op: OperationCulprit | None) -> str:
+        return findings(report(event(stage=stage), operation=op))[0].split("(float32): ")[1]
+
+    assert cause("param", culprit("optimizer")) == ("gradients and optimizer state were finite; the parameter update "
+                                                    "itself (optimizer.step()) produced it.")
+    after = ("gradients and optimizer state were finite; the step function's own code produced it after the update: "
+             "aten::mul_.Tensor{}, which ran after optimizer.step() returned.")
+    assert cause("param", culprit("after_update")) == after.format(" at train.py:12 in step")
+    assert cause("param", culprit("after_update", None)) == after.format("")
+    for phase in ("forward", "before_update", None):
+        assert cause("param", culprit(phase) if phase else None) == (
+            "gradients and optimizer state were finite; the parameter was non-finite once the step returned: "
+            "optimizer.step() or the step function's own code after it produced it.")
+    assert cause("grad", culprit("optimizer")) == "the forward pass and the loss were finite; the backward pass made it."
+
+
+@pytest.mark.parametrize("origin", [None, 6])
+def test_the_root_cause_is_said_once_after_the_loss_only_steps_where_there_is_no_origin(origin):
+    r = loss_only_report(origin, [4, 5])
+    r.samples = replace(batch_wide(), status="attributed", samples=[3], message="sample 3 of 8 has no valid target")
+    said = findings(r)
+    cause = "Samples: sample 3 of 8 has no valid target."
+    assert said.count(cause) == 1
+    loss_only = next(i for i, s in enumerate(said) if s.startswith("The loss was NaN at steps 4, 5"))
+    assert (said.index(cause) > loss_only) is (origin is None)
+    assert said[0] == GRAD.replace("step 5", "step 6") if origin else said[0] == said[loss_only]  # the first of them

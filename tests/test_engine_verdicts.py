@@ -7,14 +7,19 @@ written): a replay reaches only some of them, and none of these tests replays a 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import shutil
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 from nanforensics.replay.engine import _expected_stop, _horizon, _report
 from nanforensics.report import BatchRef, CheckpointComparison, Event, StepRecord, TensorMismatch
+from nanforensics.runs.batches import encoded, snapshot
 from nanforensics.runs.cpu import this_cpu
+from nanforensics.runs.files import write_bytes_atomic
 from nanforensics.runs.run import Run
 
 from conftest import ROOT
@@ -49,10 +54,10 @@ def event(n: int, stage: str = "grad") -> Event:
 
 
 def report(run: Run, events=(), records=(), caught=(), logged_nan=(), loss_only=(), compared=(), device="cpu",
-           rtol: float = 0.0):
+           rtol: float = 0.0, **options):
     logged_first = min(logged_nan, default=None)
     return _report(run, run.checkpoints()[1], torch.device(device), 1, Code(), list(events), list(records), logged_first,
-                   rtol, caught, logged_nan=list(logged_nan), loss_only=list(loss_only), compared=list(compared))
+                   rtol, caught, logged_nan=list(logged_nan), loss_only=list(loss_only), compared=list(compared), **options)
 
 
 def subsets(items):
@@ -143,6 +148,8 @@ def test_the_setup_names_the_window_replayed_the_device_and_the_cpus(run):
     assert (r.findings, r.spread, r.schema) == ([], spread(range(10, 16)), type(r)(**{**vars(r)}).schema)
     s = report(run).setup  # nothing replayed: the window is the start checkpoint's step
     assert (s.first_step, s.last_step) == (10, 10)
+    s = report(run, records=spread(range(11, 14))).setup  # else the steps replayed
+    assert (s.from_checkpoint, s.first_step, s.last_step) == (10, 11, 13)
     s = report(run, records=spread(range(10, 12)), device="meta").setup  # not a CPU: no CPUs named
     assert (s.device, s.recorded_cpu, s.replay_cpu) == ("meta", None, None)
 
@@ -156,10 +163,36 @@ def test_the_replay_is_expected_to_stop_after_the_step_after_the_first_logged_na
 
 def test_the_chain_is_complete_past_the_nan_loss_every_parameter_or_the_logged_nan_whichever_is_last():
     base = range(10, 20)
-    for nan_loss, full, logged_nan in itertools.product((None, 11, 12, 14), (None, 12, 15), subsets((11, 13, 16))):
+    for nan_loss, full, logged_nan in itertools.product((None, 11, 12, 14), (None, 12, 15), subsets((11, 12, 13, 16))):
         records = spread(base, replayed={n: NAN for n in base if nan_loss is not None and n >= nan_loss},
                          params={n: 10 for n in base if full is not None and n >= full})
         done = full if full is not None else max(nan_loss or 12, 12) + 1
         logged = next((s for s in logged_nan if s >= 12), done)
         assert _horizon([event(12), event(13, "param")], records, list(logged_nan)) == max(done, logged), \
             (nan_loss, full, logged_nan)
+
+
+@pytest.mark.parametrize("max_ulps", [0, 2, 3, 8, 9])
+def test_losses_part_where_they_differ_by_more_than_the_ulps_allowed(run, max_ulps):
+    records = spread(range(10, 16))
+    records[3].replayed_loss = float(np.nextafter(np.nextafter(np.nextafter(np.float32(2.0), np.float32(3)),
+                                                                 np.float32(3)), np.float32(3)))  # 3 float32 ulps above
+    r = report(run, records=records, max_ulps=max_ulps)
+    assert (r.diverged_at_step, r.reproduced) == ((13, False) if max_ulps < 3 else (None, True))
+    if max_ulps == 8:
+        assert report(run, records=records).diverged_at_step is None  # 8, LOSS_ULPS, unless told otherwise
+
+
+def test_the_batch_named_is_each_per_sample_leaf_and_the_backend_the_run_compiled_with(tmp_path):
+    """A run (a copy of the sample run) whose step-12 batch holds per-sample ids a level down, trained compiled."""
+    copy = shutil.copytree(CLEAN_RUN, tmp_path / "run")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "compiled": {"backend": "inductor"}}))
+    original = Run(copy).batch(12)
+    ids = [f"id-{i}" for i in range(64)]
+    write_bytes_atomic(copy / "batches" / "step_00000012.safetensors",
+                       encoded(12, *snapshot({"x": original["x"], "y": original["y"], "meta": {"ids": ids, "src": "a"}})))
+    r = report(Run(copy), [event(12)], spread(range(10, 16)))
+    assert r.responsible_batch == BatchRef(12, str(copy / "batches" / "step_00000012.safetensors"),
+                                           {"batch['meta']['ids']": ids, "batch['meta']['src']": "a"})
+    assert r.setup.compiled == "inductor"

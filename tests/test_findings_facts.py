@@ -494,3 +494,110 @@ def test_the_root_cause_is_said_once_after_the_loss_only_steps_where_there_is_no
     loss_only = next(i for i, s in enumerate(said) if s.startswith("The loss was NaN at steps 4, 5"))
     assert (said.index(cause) > loss_only) is (origin is None)
     assert said[0] == GRAD.replace("step 5", "step 6") if origin else said[0] == said[loss_only]  # the first of them
+
+
+# -- what the optimizer state and the buffers hold once non-finite, and what follows from it --
+
+def state(n: int, key: str, value: str = "inf", values: int = 3, tensors: int = 2) -> Event:
+    return Event(n, "optimizer_state", "fc.weight", [0], value, state_key=key, elements_nonfinite=values,
+                 tensors_nonfinite=tensors, dtype="float32")
+
+
+def param(n: int) -> Event:
+    return Event(n, "param", "fc.weight", [0], "nan", elements_nonfinite=1, tensors_nonfinite=1)
+
+
+FROZEN = ("Where v is inf, Adam's update m/(sqrt(v)+eps) is 0: those coordinates are frozen, they stop learning rather "
+          "than turn NaN, and stay frozen while the inf lasts (beta2*inf = inf). Zeroing their state (--what-if "
+          "reset-state) lets them learn again.")
+SKIP = ("Skipping the step after optimizer.step() has written the state would not have saved the run: skip before the "
+        "state is written (check the gradients first, as GradScaler does), or repair or reset the state.")
+STAYED, TURNED = "the parameters stayed finite through step 8", "the parameters turned non-finite at step 6"
+
+
+def moments(step: int, **values: float) -> Precursor:
+    return Precursor(step, None, None, None, values, None, None, None)
+
+
+@pytest.mark.parametrize("events, precursors, said", [
+    ([], [], []),
+    ([state(5, "exp_avg_sq")], [], [f"From step 5 the optimizer state holds infinities in exp_avg_sq (3 values in 2 "
+                                     f"tensors); {STAYED}. {FROZEN}"]),
+    ([state(5, "exp_avg_sq", values=1, tensors=1), state(6, "exp_avg")], [moments(5, exp_avg=1.0, exp_avg_sq=math.inf)],
+     [f"From step 5 the optimizer state holds infinities in exp_avg_sq (1 value in 1 tensor), while exp_avg stayed "
+      f"finite; {STAYED}. {FROZEN}"]),
+    ([state(5, "exp_avg_sq"), param(6)], [], [f"From step 5 the optimizer state holds infinities in exp_avg_sq (3 values "
+                                              f"in 2 tensors); {TURNED}. An infinity in the state persists (beta*inf = "
+                                              f"inf).", SKIP]),
+    ([state(5, "exp_avg_sq"), state(5, "exp_avg", values=1, tensors=1)], [],
+     [f"From step 5 the optimizer state holds infinities in exp_avg (1 value in 1 tensor) and exp_avg_sq (3 values in 2 "
+      f"tensors); {STAYED}. Adam's update m/(sqrt(v)+eps) is inf/inf = NaN there, and the infinities persist (beta*inf "
+      "= inf)."]),
+    ([state(5, "exp_avg_sq", "nan"), state(5, "exp_avg"), param(6)], [],
+     [f"From step 5 the optimizer state holds NaN in exp_avg_sq (3 values in 2 tensors); infinities in exp_avg (3 values "
+      f"in 2 tensors); {TURNED}. NaN in the state is absorbing: beta*NaN stays NaN, and no later gradient repairs it.",
+      SKIP]),
+    ([state(5, "exp_avg_sq", "nan"), state(5, "exp_avg", "nan")], [moments(5, exp_avg=math.inf, exp_avg_sq=math.nan)],
+     [f"From step 5 the optimizer state holds NaN in exp_avg_sq (3 values in 2 tensors); infinities in exp_avg (3 values "
+      f"in 2 tensors); {STAYED}. NaN in the state is absorbing: beta*NaN stays NaN, and no later gradient repairs it."]),
+    ([state(5, "exp_avg_sq", "nan")], [moments(4, exp_avg_sq=math.inf), moments(5, exp_avg_sq=2.0)],  # finite: the event
+     [f"From step 5 the optimizer state holds NaN in exp_avg_sq (3 values in 2 tensors); {STAYED}. NaN in the state is "
+      "absorbing: beta*NaN stays NaN, and no later gradient repairs it."]),
+    ([param(4), Event(5, "grad", "fc.weight", [0], "nan"), state(5, "momentum_buffer")], [],
+     ["From step 5 the optimizer state holds infinities in momentum_buffer (3 values in 2 tensors); the parameters were "
+      "non-finite from step 4, before it: the state took the non-finite values from them through that step's gradients, "
+      "a consequence rather than the origin."]),
+    ([param(4), state(5, "momentum_buffer"), Event(6, "grad", "fc.weight", [0], "nan")], [],
+     ["From step 5 the optimizer state holds infinities in momentum_buffer (3 values in 2 tensors); the parameters were "
+      "non-finite from step 4, before it: the state took the non-finite values from them, a consequence rather than the "
+      "origin."]),
+    ([state(5, "momentum_buffer"), state(5, "exp_avg_sq")], [],
+     [f"From step 5 the optimizer state holds infinities in exp_avg_sq (3 values in 2 tensors) and momentum_buffer (3 "
+      f"values in 2 tensors); {STAYED}. An infinity in the state persists (beta*inf = inf)."]),
+    ([state(5, "max_exp_avg_sq"), state(5, "exp_avg_sq")], [],
+     [f"From step 5 the optimizer state holds infinities in exp_avg_sq (3 values in 2 tensors) and max_exp_avg_sq (3 "
+      f"values in 2 tensors); {STAYED}. {FROZEN}"]),
+    ([state(5, "square_avg")], [], [f"From step 5 the optimizer state holds infinities in square_avg (3 values in 2 "
+                                     f"tensors); {STAYED}. An infinity in the state persists (beta*inf = inf)."]),
+])
+def test_what_the_optimizer_state_holds_and_what_follows(events, precursors, said):
+    r = report(event(), precursors=precursors)
+    r.events = events  # the origin among them or not: what the state sentence reads is the events
+    assert [s for s in findings(r) if s.startswith(("From step", "Skipping"))] == said
+
+
+def buffer(n: int, name: str = "bn.running_var", tensors: int = 1) -> Event:
+    return Event(n, "buffer", name, [0], "inf", elements_nonfinite=1, tensors_nonfinite=tensors)
+
+
+PERSISTS = "A buffer persists from step to step like optimizer state, so the run carries it on."
+RUNNING = ("These are BatchNorm running statistics: {}in training mode BatchNorm normalises with each batch's own "
+           "statistics; in eval mode (evaluation, inference) it normalises with the running ones, which keep a non-finite "
+           "value ((1-momentum)*inf = inf). Reset them (reset_running_stats()) or re-estimate them on clean batches.")
+
+
+@pytest.mark.parametrize("events, nonfinite_loss, said", [
+    ([buffer(5)], None, [f"Buffer bn.running_var holds non-finite values from step 5; {STAYED}. {PERSISTS}",
+                         RUNNING.format("the replayed losses stayed finite through step 8, since ")]),
+    ([buffer(5, "bn.running_mean", 3), param(6)], 7,
+     [f"Buffer bn.running_mean and 2 other buffers hold non-finite values from step 5; {TURNED}. {PERSISTS}",
+      RUNNING.format("")]),
+    ([buffer(5, "ema.shadow", 2), param(6)], 4,  # a NaN loss before the buffer's step does not count
+     [f"Buffer ema.shadow and 1 other buffer hold non-finite values from step 5; {TURNED}. {PERSISTS}"]),
+    ([buffer(5, "ema.shadow"), buffer(6, "bn.running_var")], None,
+     [f"Buffer ema.shadow holds non-finite values from step 5; {STAYED}. {PERSISTS}"]),
+    ([param(4), buffer(5, "ema.shadow", 2)], None,
+     ["Buffer ema.shadow and 1 other buffer went non-finite at step 5, after the parameters (step 4): a consequence, "
+      "not the origin."]),
+    ([param(5), buffer(5, "bn.running_var")], 8,
+     ["Buffer bn.running_var holds non-finite values from step 5; the parameters turned non-finite at step 5. "
+      f"{PERSISTS}", RUNNING.format("")]),
+    ([buffer(5, "bn.running_varx")], None, [f"Buffer bn.running_varx holds non-finite values from step 5; {STAYED}. "
+                                            f"{PERSISTS}"]),
+])
+def test_what_a_nonfinite_buffer_means(events, nonfinite_loss, said):
+    r = report(event())
+    r.events = [*r.events, *events]
+    if nonfinite_loss is not None:
+        r.spread[nonfinite_loss - 2].replayed_loss = NAN
+    assert [s for s in findings(r) if s.startswith(("Buffer", "These are"))] == said

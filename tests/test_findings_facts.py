@@ -14,6 +14,7 @@ from nanforensics.report import (
     AmpReport,
     CheckpointComparison,
     CheckpointLoad,
+    CpuIdentity,
     DataDefect,
     Event,
     Precursor,
@@ -116,6 +117,11 @@ def test_the_headline_of_each_verdict():
     assert headline(report(verdict="loss_only", loss_only_steps=[4])) == \
         "non-finite loss at step 4 only: the model's state stayed finite"
     assert headline(report()) == "steps 2-8 replayed, all finite"
+    one = report(spread=[step(2)])
+    one.setup.last_step = 2
+    assert headline(one) == "step 2 replayed, all finite"  # never "steps 2-2"
+    assert findings(one)[0].startswith("No non-finite value in any batch, activation, loss, gradient, optimizer state, "
+                                       "parameter or buffer over step 2;")
     loaded = CheckpointLoad("c.pt", "torch.save dict", 2, "metadata", "m:batches", None, "name", 4, 0, "none",
                             ["torch"], None, [])
     assert headline(report(loaded=loaded)) == "steps 2-8 replayed from the supplied batches, all finite"
@@ -601,3 +607,91 @@ def test_what_a_nonfinite_buffer_means(events, nonfinite_loss, said):
     if nonfinite_loss is not None:
         r.spread[nonfinite_loss - 2].replayed_loss = NAN
     assert [s for s in findings(r) if s.startswith(("Buffer", "These are"))] == said
+
+
+# -- an origin the forward did not read at once; a replay compared within a tolerance, and why --
+
+UNREAD = ("{} went {} at step 3, but no module output and no loss held a non-finite value at {}: the forward "
+          "first carries it at step {}, the first step whose forward reads a non-finite value ({}){}.")
+
+
+@pytest.mark.parametrize("stage", ["param", "optimizer_state", "buffer", "grad", "forward"])
+@pytest.mark.parametrize("carried", [None, 4, 5, 6])
+@pytest.mark.parametrize("value", ["nan", "-inf"])
+def test_an_origin_the_forward_reads_only_steps_later_says_so(stage, carried, value):
+    o = Event(3, stage, "emb.weight", [7, 0], value, state_key="exp_avg" if stage == "optimizer_state" else None)
+    later = [Event(3, "forward", "emb", [0], "nan"), Event(4, "grad", "emb.weight", [0], "nan")]
+    if carried is not None:
+        later += [Event(carried, "loss" if carried == 5 else "forward", "loss" if carried == 5 else "emb", [0, 1], "inf"),
+                  Event(carried + 1, "forward", "head", [0], "nan")]
+    for shown, tail in ((None, ""), (carried, "; the logged loss first shows NaN there too"),
+                        (7, "; the logged loss first shows NaN at step 7")):
+        r = report(o, logged={shown: NAN} if shown else {})
+        r.events = [o, *later]
+        said = [s for s in findings(r) if " went " in s and "no module output" in s]
+        if stage in ("grad", "forward") or carried is None or carried == 4:
+            assert said == []
+            continue
+        what = {"param": "Param emb.weight[7, 0]", "buffer": "Buffer emb.weight[7, 0]",
+                "optimizer_state": "Optimizer_state exp_avg of emb.weight[7, 0]"}[stage]
+        where = "loss[0, 1] = inf" if carried == 5 else "forward emb[0, 1] = inf"
+        unread = "step 4" if carried == 5 else f"steps 4-{carried - 1}"  # never "steps 4-4"
+        assert said == [UNREAD.format(what, "NaN" if value == "nan" else value, unread, carried, where, tail)]
+
+
+CPU = CpuIdentity("AMD EPYC", "AVX2", "x86_64")
+OTHER_CPU = CpuIdentity("", "AVX512", "x86_64")
+
+
+def within(n: int = 6, tolerance: float = 1e-3, **facts) -> CheckpointComparison:
+    return compared(n, exact=False, tolerance=tolerance, **facts)
+
+
+@pytest.mark.parametrize("recorded", [CPU, None])
+def test_a_state_compared_within_a_tolerance_names_the_two_cpus(recorded):
+    def said(*checkpoints: CheckpointComparison, backend: str | None = None, replay: CpuIdentity = OTHER_CPU) -> list[str]:
+        r = report(event(), checkpoints_compared=list(checkpoints))
+        r.setup.recorded_cpu, r.setup.replay_cpu, r.setup.compiled = recorded, replay, backend
+        return [s for s in findings(r) if s.startswith("Recorded on")]
+
+    named = ("AMD EPYC (x86_64, capability AVX2)" if recorded else
+             "an unknown CPU (the run's manifest does not name it)")
+    line = (f"Recorded on {named}, replayed on an unnamed CPU (x86_64, capability AVX512): kernels "
+            f"{'' if recorded else 'may '}sum in another order, so the state is compared within a tolerance (rtol {{}}) "
+            "rather than bit for bit; {}.")
+    assert said() == said(compared()) == said(replace(UNREADABLE, tolerance=1e-3)) == []
+    assert said(within(rounded=2, max_ulps=5), within(7, 0.01, rounded=1, max_ulps=9)) == \
+        [line.format("0.001", "differences up to 9 ulps")]
+    assert said(within(max_ulps=1)) == [line.format("0.001", "differences up to 1 ulp")]
+    assert said(within()) == [line.format("0.001", "every value compared is bit-exact all the same")]
+    assert said(within(), backend="inductor", replay=OTHER_CPU) == [line.format("0.001", "every value compared is "
+                                                                                "bit-exact all the same")]
+    assert said(within(), backend="inductor", replay=recorded) == []  # the compiled kernels are the reason, said apart
+    assert said(within(), backend="eager", replay=recorded) == [line.replace("replayed on an unnamed CPU (x86_64, "
+                                                                             "capability AVX512)", f"replayed on {named}")
+                                                                .format("0.001", "every value compared is bit-exact all "
+                                                                        "the same")]
+
+
+def test_a_run_trained_compiled_says_how_its_state_is_compared():
+    def said(backend: str | None, *checkpoints: CheckpointComparison) -> list[str]:
+        r = report(event(), checkpoints_compared=list(checkpoints))
+        r.setup.compiled = backend
+        return [s for s in findings(r) if s.startswith("The run trained under torch.compile")]
+
+    head = ("The run trained under torch.compile (backend {0}); the replay ran the module it compiled eagerly, where its "
+            "hooks see every module's output and every operation. ")
+    eager = head + "{0} runs the kernels eager mode runs{1}: {2}."
+    own = head + ("{0} generates kernels of its own, which may round otherwise than eager mode's, so the state is "
+                  "compared within rtol {1}: {2}.")
+    assert said(None, within()) == []
+    none = "no recorded checkpoint in the replayed window was compared"
+    assert said("eager") == [eager.format("eager", ", so the state is compared bit for bit", none)]
+    assert said("aot_eager", UNREADABLE) == [eager.format("aot_eager", ", so the state is compared bit for bit", none)]
+    assert said("eager", compared(4), compared()) == [eager.format("eager", ", so the state is compared bit for bit",
+                                                                   "it is bit-exact at step 6")]
+    assert said("eager", within(rounded=1)) == [eager.format("eager", "", "it matches within rtol 0.001 at step 6")]
+    assert said("inductor") == [own.format("inductor", "0.001", none)]
+    assert said("inductor", within(7, 0.01, rounded=1), UNREADABLE) == [
+        own.format("inductor", "0.01", "it matches within rtol 0.01 at step 7")]
+    assert said("inductor", within(first_mismatch=MISMATCH)) == [own.format("inductor", "0.001", "it differs at step 6")]

@@ -695,3 +695,79 @@ def test_a_run_trained_compiled_says_how_its_state_is_compared():
     assert said("inductor", within(7, 0.01, rounded=1), UNREADABLE) == [
         own.format("inductor", "0.01", "it matches within rtol 0.01 at step 7")]
     assert said("inductor", within(first_mismatch=MISMATCH)) == [own.format("inductor", "0.001", "it differs at step 6")]
+
+
+# -- a batch-wide failure: its data, what the batch carries, or the state the run had reached, and the drift --
+
+def drifting(*steps: int, lr: float = 0.01, factor: float = 1.0) -> list[Precursor]:
+    """Precursors at ``steps``: the learning rate multiplied by ``factor`` each step, the rest flat."""
+    return [Precursor(n, 1.0, 1.0, 0.5, {}, 10.0, "bfloat16", 0.25, lr * factor ** i) for i, n in enumerate(steps)]
+
+
+STEP_HEAD = ("Step 5, not its data, is responsible: most of its batch fails sample by sample, so the cause is the state "
+             "the run had reached (its learning rate, its loss scale, or weights grown over many steps), and {}")
+
+
+@pytest.mark.parametrize("compared_fails", [True, None])
+def test_the_step_not_its_data_and_the_drift_before_it(compared_fails):
+    other = ("the batch of step 4, run from the same state, fails too" if compared_fails else
+             "another batch would most likely fail the same way")
+
+    def said(precursors: list[Precursor]) -> list[str]:
+        r = report(event(), samples=batch_wide(compared_fails=compared_fails, compared_step=4), precursors=precursors)
+        return [s for s in findings(r) if s.startswith("Step 5")]
+
+    assert said([]) == said(drifting(4, 5, 6, factor=100)[1:]) == [
+        STEP_HEAD.format(other) + "; the replay holds no earlier steps to show a drift."]
+    assert said(drifting(3, 4, factor=3)) == [STEP_HEAD.format(other) + "; no precursor rose 10-fold over steps 3-4."]
+    assert said(drifting(2, 3, 4, 5, factor=100 ** 0.5)) == [
+        STEP_HEAD.format(other) + ". Over steps 2-4 this rose: the learning rate from 0.01 to 1."]
+    assert said(drifting(3, 4, 5, factor=10)) == [
+        STEP_HEAD.format(other) + ". Over steps 3-4 this rose: the learning rate from 0.01 to 0.1."]
+    grown = [replace(p, grad_norm=10.0 ** i, update_max_abs=0.5 * 20 ** i, activation_headroom=0.01 * 10 ** i)
+             for i, p in enumerate(drifting(2, 3, 4, factor=4))]
+    assert said(grown) == [STEP_HEAD.format(other) + (
+        ". Over steps 2-4 these rose: the learning rate from 0.01 to 0.16, the gradient norm from 1 to 100, the largest "
+        "parameter update from 0.5 to 200 and the largest activation from 0.01 to 1 of bfloat16's largest value.")]
+
+
+def test_a_batch_wide_failure_through_the_batchs_own_tensors_or_its_data_or_what_its_samples_share():
+    def said(**facts) -> list[str]:
+        samples = batch_wide(**{"compared_fails": True, "compared_step": 4, **facts.pop("samples", {})})
+        return [s for s in findings(report(event(), samples=samples, **facts)) if s.startswith(("Step 5", "Most of"))]
+
+    assert said(samples={"cause_leaves": ["batch['mask']"]}) == [
+        "Step 5's batch fails as a whole through its per-batch tensor batch['mask'] (kept whole when the batch was "
+        "split): with step 4's in its place the same samples, from the same state, stay finite; it is the cause, not "
+        "particular samples nor the state the run had reached."]
+    assert said(samples={"cause_leaves": ["batch['mask']", "batch['scale']"]}) == [
+        "Step 5's batch fails as a whole through its per-batch tensors batch['mask'], batch['scale'] (kept whole when "
+        "the batch was split): with step 4's in their place the same samples, from the same state, stay finite; they "
+        "are the cause, not particular samples nor the state the run had reached."]
+    assert said(data_defects=DEFECT["at the origin"]) == [
+        "Most of step 5's batch fails sample by sample, and that batch holds data defects (see Data): the batch as a "
+        "whole is bad data, not particular samples of it."]
+    passed = ("Most of step 5's batch fails sample by sample, yet the batch of step 4, run from the same state, stays "
+              "finite: the state the run had reached does not make every batch fail, so what this batch's samples share "
+              "(a sequence length or padding, a setting the batch carries) is part of the cause, not particular samples.")
+    assert said(samples={"compared_fails": False}) == said(samples={"compared_fails": False},
+                                                           precursors=drifting(4, 5, factor=100)) == [passed]
+    assert said(samples={"compared_fails": False}, precursors=drifting(2, 3, 4, factor=10)) == [
+        passed + " Over steps 2-4 before it this rose: the learning rate from 0.01 to 1."]
+    assert said(samples={"compared_fails": False}, precursors=drifting(3, 4, factor=9.9)) == [passed]
+    assert said(samples={"status": "attributed"}) == []
+    assert not any(s.startswith(("Step", "Most of")) for s in findings(report(samples=batch_wide(compared_step=4))))
+
+
+def test_a_coupled_failure_after_a_drift_names_the_drift():
+    def said(precursors: list[Precursor], **facts) -> list[str]:
+        samples = batch_wide(status="coupled", coupled_groups=[[1, 2], [5, 6]])
+        return [s for s in findings(report(event(), samples=samples, precursors=precursors, **facts))
+                if s.startswith("Step 5's batch holds")]
+
+    assert said(drifting(3, 4, 5, factor=10)) == [
+        "Step 5's batch holds no data defect and its failure needs samples together ([1, 2], [5, 6]); over steps 3-4 "
+        "before it this rose: the learning rate from 0.01 to 0.1."]
+    assert said(drifting(3, 4, factor=9)) == said(drifting(4, 5, factor=100)) == []
+    assert said(drifting(3, 4, factor=10), data_defects=DEFECT["at the origin"]) == []
+    assert said(drifting(3, 4, factor=10), data_defects=DEFECT["elsewhere"]) != []

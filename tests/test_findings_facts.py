@@ -771,3 +771,68 @@ def test_a_coupled_failure_after_a_drift_names_the_drift():
     assert said(drifting(3, 4, factor=9)) == said(drifting(4, 5, factor=100)) == []
     assert said(drifting(3, 4, factor=10), data_defects=DEFECT["at the origin"]) == []
     assert said(drifting(3, 4, factor=10), data_defects=DEFECT["elsewhere"]) != []
+
+
+# -- gradient clipping: what it did, or would have done, with the step's non-finite gradient --
+
+def grad(value: str, stage: str = "grad", values: int = 4, nan: int = 0, tensors: int = 1, rewritten: int = 0,
+         index: tuple[int, ...] = (1, 2), tensor: str = "fc.weight") -> Event:
+    return Event(ORIGIN, stage, tensor, list(index), value, elements_nonfinite=values, tensors_nonfinite=tensors,
+                 nan_elements=nan, rewritten=rewritten)
+
+
+def opt(value: str, **facts) -> Event:
+    return grad(value, "optimizer_grad", **facts)
+
+
+NAN_NORM = ("Gradient clipping would not have rescued this: the total gradient norm is NaN, so the clip factor max_norm/NaN "
+            "is NaN, and clipping makes every gradient NaN.")
+INF_NORM = ("Gradient clipping would not have rescued this: the total gradient norm is inf, so the clip factor "
+            "max_norm/inf is 0, and {} = NaN.")
+TURNED_NAN = ("The step function turned the {0} gradient into NaN before optimizer.step(): that is what gradient clipping "
+              "does to an infinity (total norm inf, clip factor max_norm/inf = 0, and {1} = NaN), so clipping cannot "
+              "rescue it.")
+SPREAD = ("Clipping spread it: backward left {} ({} NaN) in {}; the step function then rewrote {} before "
+          "optimizer.step(), which saw {} ({} NaN) in {}. A total-norm clip (clip_grad_norm_) scales every gradient by "
+          "one factor, max_norm/total norm: {}, and every gradient it scaled became NaN.")
+NOT_FINITE, NAN_FACTOR = "the factor was not finite", "a NaN gradient makes the total norm NaN, and so the factor max_norm/NaN"
+
+
+@pytest.mark.parametrize("events, norm, origin, said", [
+    ([], None, "forward", []),  # no gradient went non-finite
+    ([grad("nan", nan=4)], None, "grad", [NAN_NORM]),
+    ([grad("nan", nan=4)], None, "forward", []),  # the gradients only carry the forward's NaN
+    ([grad("inf")], None, "grad", [INF_NORM.format("0*inf")]),
+    ([grad("-inf")], None, "forward", [INF_NORM.format("0*(-inf)")]),
+    ([grad("inf")], math.nan, "grad", [NAN_NORM]),
+    ([grad("nan")], math.inf, "grad", [INF_NORM.format("0*inf")]),
+    ([grad("inf")], 3.0, "grad", []),  # a finite norm measured: clipping would have scaled it
+    ([grad("inf"), opt("inf")], None, "grad", [INF_NORM.format("0*inf")]),
+    ([grad("inf"), opt("-inf")], None, "grad", []),  # the step function changed the gradients
+    ([grad("nan"), opt("inf")], None, "grad", []),
+    ([grad("inf"), opt("nan", nan=4)], None, "grad", [TURNED_NAN.format("inf", "0*inf")]),  # the same coordinate
+    ([grad("-inf"), opt("nan", nan=4, index=(0, 0))], None, "grad", []),  # another coordinate, nothing rewritten
+    ([grad("-inf"), opt("nan", nan=4, tensor="fc.bias")], None, "grad", []),
+    ([grad("-inf"), opt("nan", nan=1, rewritten=1, index=(0, 0))], None, "grad", [TURNED_NAN.format("-inf", "0*(-inf)")]),
+    ([grad("-inf", nan=1), opt("nan", nan=1, rewritten=1, index=(0, 0))], None, "grad", []),  # no more NaN than before
+    ([grad("inf"), opt("nan", values=10, nan=10, tensors=3, rewritten=3)], None, "grad",
+     [SPREAD.format("4 non-finite gradient values", 0, "1 tensor", "3 gradient tensors", "10 non-finite values", 10,
+                    "3 tensors", NOT_FINITE)]),
+    ([grad("nan", values=1, nan=1), opt("nan", values=2, nan=2, tensors=1, rewritten=1)], None, "grad",
+     [SPREAD.format("1 non-finite gradient value", 1, "1 tensor", "1 gradient tensor", "2 non-finite values", 2,
+                    "1 tensor", NAN_FACTOR)]),
+    ([grad("nan", values=1000, nan=1000), opt("nan", values=2000, nan=1500, tensors=3, rewritten=3)], None, "grad",
+     [SPREAD.format("1,000 non-finite gradient values", "1,000", "1 tensor", "3 gradient tensors",
+                    "2,000 non-finite values", "1,500", "3 tensors", NAN_FACTOR)]),
+    ([grad("nan", nan=4), opt("nan", values=4, nan=4, rewritten=3)], None, "grad", [NAN_NORM]),  # no more values
+    ([grad("nan", nan=2), opt("nan", values=8, nan=2, rewritten=3)], None, "grad", [NAN_NORM]),  # no more NaN
+    ([grad("nan", nan=2), opt("nan", values=8, nan=4, rewritten=0)], None, "grad", [NAN_NORM]),  # nothing rewritten
+    ([grad("nan", nan=4), grad("inf", index=(9, 9))], None, "grad", [NAN_NORM]),  # the first gradient event decides
+])
+def test_what_clipping_does_with_the_steps_nonfinite_gradient(events, norm, origin, said):
+    r = report(Event(ORIGIN, origin, "fc.weight", [1, 2], "nan"),
+               precursors=[Precursor(ORIGIN - 1, 1.0, None, None, {}, None, None, None),
+                           Precursor(ORIGIN, norm, None, None, {}, None, None, None)] if norm is not None else [])
+    r.events = [r.origin, *events] if origin != "grad" else events or [r.origin]
+    r.events += [replace(e, step=ORIGIN + 1, value="inf") for e in events]  # the next step's do not count
+    assert [s for s in findings(r) if "lipping" in s] == said

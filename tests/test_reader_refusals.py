@@ -206,7 +206,7 @@ def test_a_view_may_claim_at_most_its_limit_beyond_its_storage():
     assert refusal(check_tensors, [huge], WHERE).startswith(f"{WHERE}: a tensor of shape [1099511627776] claims 4398046511104")
 
 
-@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:Sparse CS[RC] tensor support is in beta")
 @pytest.mark.parametrize("layout", ["coo", "csr", "csc", "bsr", "bsc"])
 def test_a_sparse_tensors_stored_parts_are_checked_as_views(layout):
     dense = torch.eye(4)
@@ -215,8 +215,24 @@ def test_a_sparse_tensors_stored_parts_are_checked_as_views(layout):
     assert check_tensors([sparse], WHERE) is None
     values = torch.zeros(1).expand(MAX_EXPANDED_BYTES)  # values claiming far past what they store
     index = torch.zeros(1, dtype=torch.long).expand(MAX_EXPANDED_BYTES)
-    if layout == "coo":
-        bad = torch.sparse_coo_tensor(index.unsqueeze(0), values, (4,), check_invariants=False)
-    else:
-        bad = torch.sparse_csr_tensor(torch.tensor([0, MAX_EXPANDED_BYTES]), index, values, (1, 4), check_invariants=False)
+    compressed = torch.tensor([0, MAX_EXPANDED_BYTES])
+    bad = {"coo": lambda: torch.sparse_coo_tensor(index.unsqueeze(0), values, (4,), check_invariants=False),
+           "csr": lambda: torch.sparse_csr_tensor(compressed, index, values, (1, 4), check_invariants=False),
+           "csc": lambda: torch.sparse_csc_tensor(compressed, index, values, (4, 1), check_invariants=False),
+           "bsr": lambda: torch.sparse_bsr_tensor(compressed, index, values.view(-1, 1, 1), (1, 4), check_invariants=False),
+           "bsc": lambda: torch.sparse_bsc_tensor(compressed, index, values.view(-1, 1, 1), (4, 1), check_invariants=False),
+           }[layout]()
     assert refusal(check_tensors, [bad], WHERE).startswith(f"{WHERE}: a tensor of shape [")
+
+
+def test_a_tensor_whose_strides_pass_int64_is_refused_before_its_storage_is_weighed():
+    huge = torch.zeros(1).expand(2 ** 62)  # 2^64 bytes claimed: no layout holds it
+    assert refusal(check_tensors, {"t": huge}, WHERE) == \
+        f"{WHERE}: a tensor's shape [4611686018427387904] has strides beyond 2^63 bytes"
+
+
+def test_a_regular_file_that_cannot_be_read_is_refused_in_one_line():
+    mem = Path("/proc/self/mem")  # a regular file by stat, whose read at offset 0 fails (EIO)
+    if not mem.exists():
+        pytest.skip("no /proc")
+    assert refusal(read_input, mem) == f"{mem}: cannot read (Input/output error)"

@@ -231,6 +231,15 @@ def test_a_tensor_whose_strides_pass_int64_is_refused_before_its_storage_is_weig
         f"{WHERE}: a tensor's shape [4611686018427387904] has strides beyond 2^63 bytes"
 
 
+def test_a_file_holding_more_than_its_size_says_is_refused_past_the_limit():
+    status = Path("/proc/self/status")  # its size says 0; it holds a few hundred bytes
+    if not status.exists():
+        pytest.skip("no /proc")
+    assert len(read_input(status, limit=100_000)) > 100
+    assert refusal(read_input, status, limit=100) == \
+        f"{status}: more than the 100 bytes this nanforensics reads of such a file (its size said 0)"
+
+
 def test_a_regular_file_that_cannot_be_read_is_refused_in_one_line():
     mem = Path("/proc/self/mem")  # a regular file by stat, whose read at offset 0 fails (EIO)
     if not mem.exists():

@@ -17,6 +17,9 @@ from nanforensics.report import (
     CpuIdentity,
     DataDefect,
     Event,
+    InfSource,
+    OperationCulprit,
+    OpSite,
     Precursor,
     ReplayReport,
     ReplaySetup,
@@ -24,7 +27,16 @@ from nanforensics.report import (
     StepRecord,
     TensorMismatch,
 )
-from nanforensics.rootcause.findings import findings, first_shown, headline, reproduction, step_not_data
+from nanforensics.rootcause.findings import (
+    describe,
+    findings,
+    first_shown,
+    headline,
+    narrate,
+    operation_sentence,
+    reproduction,
+    step_not_data,
+)
 from nanforensics.words import count, numbered
 
 NAN = math.nan
@@ -836,3 +848,97 @@ def test_what_clipping_does_with_the_steps_nonfinite_gradient(events, norm, orig
     r.events = [r.origin, *events] if origin != "grad" else events or [r.origin]
     r.events += [replace(e, step=ORIGIN + 1, value="inf") for e in events]  # the next step's do not count
     assert [s for s in findings(r) if "lipping" in s] == said
+
+
+# -- the operation that made the origin's value, each clause read off the culprit's facts; an event in words --
+
+LOG = OpSite("aten::log", "forward", "enc.norm", "model.py:12 in forward", ["float32"], [["-1", "2"]], ["float32"])
+MASK = OpSite("aten::masked_fill", "before_update", "attn", "train.py:40 in step", ["float32"], [["0", "1"]], ["float32"])
+SOFTMAX = OpSite("aten::softmax", "forward", "attn", None, ["float32"], [["-inf", "3"], ["inf", "inf"]], ["float32"])
+
+
+@pytest.mark.parametrize("culprit, said", [
+    (OperationCulprit(LOG, "nan", [0, 3]),
+     "Operation: forward aten::log in module `enc.norm` (model.py:12 in forward) produced nan at [0, 3] from finite inputs "
+     "[-1, 2]."),
+    (OperationCulprit(OpSite("aten::div", "backward", None, None, ["float32"] * 2, [["0", "0"], ["1", "inf"]], ["float32"],
+                             [["nan", "nan"], ["0", "1"]]), "nan", [1], autograd_node="DivBackward0", forward=LOG,
+                      inputs_at_index=[["0", "0"], None, ["-inf", "-inf"], ["1", "2"]], traced_from="grad w[1] = nan",
+                      path=["aten::div", "aten::mul", "aten::sum"]),
+     "Operation: aten::div in the backward of aten::log in module `enc.norm` (model.py:12 in forward), autograd node "
+     "DivBackward0, produced nan at [1] from inputs holding inf ([0, 0], [1, inf]); the input elements that coordinate "
+     "was computed from ranged over [0, 0], (not shown), [-inf, -inf] (all -inf), [1, 2]; its outputs ranged over "
+     "[nan, nan], [0, 1]; the forward op's inputs ranged over [-1, 2]. Traced back from grad w[1] = nan: aten::sum <- "
+     "aten::mul <- aten::div."),
+    (OperationCulprit(OpSite("aten::mul", "backward", "fc", None, ["float32"], [["nan", "1"]], ["float32"]), "nan", [0],
+                      inputs_at_index=[None], traced_from="grad w[0] = nan"),
+     "Operation: backward aten::mul in module `fc` produced nan at [0] from inputs holding nan ([nan, 1])."),
+    (OperationCulprit(SOFTMAX, "nan", [2, 2], inf_source=InfSource("constant", MASK, "attn.mask"),
+                      nan_site=OpSite("aten::mul", "backward", "attn", None, ["float32"], [["nan", "1"]], ["float32"]),
+                      nan_node="MulBackward0"),
+     "Operation: forward aten::softmax in module `attn` produced nan at [2, 2] from inputs holding inf and -inf ([-inf, 3], "
+     "[inf, inf]). The -inf and inf in its inputs was not computed: the step function's own code before "
+     "optimizer.step(), aten::masked_fill in module `attn` (train.py:40 in step) wrote it as a constant (a mask), and "
+     "attn.mask held it before the step, so this operation, where it became NaN, is the cause. NaN arose in the backward "
+     "pass, at backward aten::mul in module `attn`, autograd node MulBackward0, from inputs holding nan ([nan, 1])."),
+    (OperationCulprit(replace(SOFTMAX, input_ranges=[["0", "inf"]]), "nan", [0],
+                      inf_source=InfSource("constant", MASK, None),
+                      nan_site=OpSite("aten::sub", "forward", None, None, [], [], ["float32"])),
+     "Operation: forward aten::softmax in module `attn` produced nan at [0] from inputs holding inf ([0, inf]). The inf "
+     "in its inputs was not computed: the step function's own code before optimizer.step(), aten::masked_fill in module "
+     "`attn` (train.py:40 in step) wrote it as a constant (a mask), so this operation, where it became NaN, is the cause. "
+     "NaN arose downstream of it, at forward aten::sub outside any module from no floating-point inputs."),
+    (OperationCulprit(OpSite("aten::exp", "after_update", None, None, [], [], ["float32"]), "nan", [0],
+                      inf_source=InfSource("held", None, None)),
+     "Operation: the step function's own code after optimizer.step(), aten::exp outside any module produced nan at [0] "
+     "from no floating-point inputs. The ±inf in its inputs was not computed in this step: a tensor from before the step "
+     "already held it, so this operation, where it became NaN, is the cause."),
+    (OperationCulprit(replace(LOG, phase="backward"), "nan", [1], inf_source=InfSource("held", None, "emb.weight"),
+                      nan_site=replace(LOG, phase="backward"), nan_node="LogBackward0", path=["aten::log"]),
+     "Operation: backward aten::log in module `enc.norm` (model.py:12 in forward) produced nan at [1] from finite inputs "
+     "[-1, 2]. The ±inf in its inputs was not computed in this step: emb.weight already held it, so this operation, where "
+     "it became NaN, is the cause. NaN arose downstream of it, at backward aten::log in module `enc.norm` (model.py:12 in "
+     "forward), autograd node LogBackward0, from finite inputs [-1, 2]."),
+])
+def test_the_operation_sentence_reads_each_clause_off_the_culprit(culprit, said):
+    assert operation_sentence(culprit) == said
+    assert said in findings(report(event(), operation=culprit))
+
+
+@pytest.mark.parametrize("facts, said", [
+    ({}, "grad fc.weight[1, 2] = nan"),
+    ({"stage": "optimizer_state", "state_key": "exp_avg", "optimizer": "disc", "rank": 1, "value": "inf"},
+     "optimizer_state exp_avg of fc.weight[1, 2] = inf (optimizer disc) on rank 1"),
+    ({"stage": "loss", "tensor": "loss", "index": [], "value": ""}, "loss"),
+    ({"stage": "loss", "tensor": "loss", "index": [0], "rank": 0}, "loss[0] = nan on rank 0"),
+    ({"stage": "forward", "tensor": "blocks.0", "index": [], "value": "-inf", "optimizer": "gen"},
+     "forward blocks.0 = -inf (optimizer gen)"),
+])
+def test_an_event_in_words(facts, said):
+    e = replace(event(), **facts)
+    assert describe(e) == said
+    assert narrate(report(e)).origin.text == said  # the views' name for it, set once
+
+
+def test_the_data_defect_and_the_samples_are_said_for_the_responsible_step_only():
+    defects = [DataDefect(5, "batches/step_5.safetensors", "batch['x']", "nonfinite", 1, [0, 3], "nan"),
+               DataDefect(4, "batches/step_4.safetensors", "batch['x']", "extreme", 12, [2, 0], "1e+30"),
+               DataDefect(5, "batches/step_5.safetensors", "batch['y']", "subnormal", 3, [7], "1e-40")]
+    samples = batch_wide(status="attributed", samples=[3], sample_leaves={"batch['ids']": ["a7", "b2"], "batch['f']": [1]},
+                         message="sample 3 of 8 fails alone")
+    said = findings(report(event(), data_defects=defects, samples=samples))
+    assert [s for s in said if s.startswith(("Data:", "Samples:"))] == [
+        "Data: the batch of step 5 holds a non-finite value, batch['x'][0, 3] = nan (1 such value in "
+        "batches/step_5.safetensors).",
+        "Data: the batch of step 5 holds a subnormal value, batch['y'][7] = 1e-40 (3 such values in "
+        "batches/step_5.safetensors).",
+        "Samples: sample 3 of 8 fails alone (batch['ids'] = ['a7', 'b2']; batch['f'] = [1])."]
+    no_origin = report(loss_only_steps=[4], data_defects=defects, samples=replace(samples, sample_leaves={}))
+    assert [s for s in findings(no_origin) if s.startswith(("Data:", "Samples:"))] == [
+        "Data: the batch of step 5 holds a non-finite value, batch['x'][0, 3] = nan (1 such value in "
+        "batches/step_5.safetensors).",
+        "Data: the batch of step 4 holds an extreme value, batch['x'][2, 0] = 1e+30 (12 such values in "
+        "batches/step_4.safetensors).",
+        "Data: the batch of step 5 holds a subnormal value, batch['y'][7] = 1e-40 (3 such values in "
+        "batches/step_5.safetensors).",
+        "Samples: sample 3 of 8 fails alone."]

@@ -24,6 +24,7 @@ from nanforensics.report import (
     ReplayReport,
     ReplaySetup,
     SampleAttribution,
+    ScalerStep,
     StepRecord,
     TensorMismatch,
 )
@@ -35,6 +36,7 @@ from nanforensics.rootcause.findings import (
     narrate,
     operation_sentence,
     reproduction,
+    spikes,
     step_not_data,
 )
 from nanforensics.words import count, numbered
@@ -942,3 +944,57 @@ def test_the_data_defect_and_the_samples_are_said_for_the_responsible_step_only(
         "Data: the batch of step 5 holds a subnormal value, batch['y'][7] = 1e-40 (3 such values in "
         "batches/step_5.safetensors).",
         "Samples: sample 3 of 8 fails alone."]
+
+
+# -- one-step spikes before the origin: a jump of JUMP times both neighbours that came and went --
+
+SPIKE = ("At step {0}, {1} before the origin, {2}, and fell back at step {3}: a one-step spike, which a comparison of "
+         "the window's first and last steps does not show.")
+
+
+def flat(*steps: int) -> list[Precursor]:
+    return [Precursor(n, 1.0, None, 0.1, {}, None, None, None, 0.01) for n in steps]
+
+
+@pytest.mark.parametrize("at, value, said", [
+    (4, 1.0, "the learning rate jumped to 1, 100 times its value at the steps either side (at most 0.01)"),
+    (4, 0.99, None),  # 99 times: no spike
+    (2, 5.0, None), (7, 5.0, None),  # the window's first step has no step before it; the origin's step is not before it
+    (5, 5.0, "the learning rate jumped to 5, 500 times its value at the steps either side (at most 0.01)"),
+    (4, math.inf, None), (4, None, None),
+])
+def test_a_one_step_spike_of_a_precursor_is_named(at, value, said):
+    precursors = flat(*range(2, 9))
+    precursors[at - 2] = replace(precursors[at - 2], learning_rate=value)
+    r = report(Event(7, "grad", "w", [0], "nan"), precursors=precursors)
+    spoken = [s for s in findings(r) if "one-step spike" in s]
+    assert spoken == ([SPIKE.format(at, count(7 - at, "step"), said, at + 1)] if said else [])
+
+
+def test_a_spike_needs_both_neighbours_known_finite_and_positive():
+    for neighbour in (None, math.inf, math.nan, 0.0, -1.0):
+        precursors = flat(*range(2, 9))
+        precursors[4 - 2] = replace(precursors[4 - 2], grad_norm=1000.0)
+        precursors[5 - 2] = replace(precursors[5 - 2], grad_norm=neighbour)
+        assert spikes(report(Event(7, "grad", "w", [0], "nan"), precursors=precursors)) == {}
+    assert spikes(report(precursors=flat(2, 3, 4))) == {}  # no origin: nothing to lead up to
+    precursors = flat(2, 3, 5, 6)  # step 4 missing: step 3 and step 5 each lack a neighbour
+    precursors[1] = replace(precursors[1], update_max_abs=100.0)
+    assert spikes(report(Event(7, "grad", "w", [0], "nan"), precursors=precursors)) == {}
+
+
+def test_every_precursor_that_jumped_at_a_step_and_the_loss_scale_are_named_together():
+    precursors = flat(*range(2, 9))
+    precursors[4 - 2] = replace(precursors[4 - 2], learning_rate=1.0, grad_norm=100.0, update_max_abs=10.0)
+    scaler = [ScalerStep(n, 2.0 ** (20 if n == 3 else 10), None, "hold", False, None, False) for n in range(2, 8)]
+    r = report(Event(6, "grad", "w", [0], "nan"), precursors=precursors,
+               amp=AmpReport("float16", "float32", True, scaler, [], None))
+    assert [s for s in findings(r) if "one-step spike" in s] == [
+        SPIKE.format(3, "3 steps", "the loss scale jumped to 1.05e+06, 1.02e+03 times its value at the steps either side "
+                                   "(at most 1.02e+03)", 4),
+        SPIKE.format(4, "2 steps", "the learning rate jumped to 1, 100 times its value at the steps either side (at most "
+                                   "0.01) and the gradient norm jumped to 100, 100 times its value at the steps either side "
+                                   "(at most 1) and the largest parameter update jumped to 10, 100 times its value at the "
+                                   "steps either side (at most 0.1)", 5)]
+    r.amp = AmpReport("float16", "float32", False, scaler, [], None)  # no scaler: its scale is no precursor
+    assert len([s for s in findings(r) if "one-step spike" in s]) == 1

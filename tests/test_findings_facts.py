@@ -998,3 +998,66 @@ def test_every_precursor_that_jumped_at_a_step_and_the_loss_scale_are_named_toge
                                    "steps either side (at most 0.1)", 5)]
     r.amp = AmpReport("float16", "float32", False, scaler, [], None)  # no scaler: its scale is no precursor
     assert len([s for s in findings(r) if "one-step spike" in s]) == 1
+
+
+# -- the cause by the origin's stage; what counts as a rise; a later step's state is not the first step's --
+
+@pytest.mark.parametrize("stage, tensor, cause", [
+    ("batch", "batch['x']", "the batch itself holds a non-finite value: a data defect, before any computation"),
+    ("forward", "blocks.0", "in the forward pass, module blocks.0's output is the first module output to hold it"),
+    ("loss", "loss", "every module output was finite but the loss computation produced it"),
+    ("optimizer_grad", "fc.weight", "the gradients were finite after backward; the step function made them non-finite "
+                                    "before optimizer.step()"),
+    ("buffer", "encoder.bn.running_var", "gradients, optimizer state and parameters were finite, but a registered buffer "
+                                         "was not: buffers are updated outside the optimizer (BatchNorm updates its "
+                                         "running statistics in the training forward, from each batch's own statistics)"),
+    ("buffer", "ema.running_total", "gradients, optimizer state and parameters were finite, but a registered buffer was "
+                                    "not: buffers are updated outside the optimizer"),
+])
+def test_the_cause_said_for_each_stage_of_the_origin(stage, tensor, cause):
+    o = Event(ORIGIN, stage, tensor, [0], "inf", dtype="float32")
+    assert findings(report(o))[0] == f"Origin: step 5, {describe(o)} (float32): {cause}."
+
+
+def test_a_nested_batchnorm_buffer_is_a_running_statistic():
+    r = report(event())
+    r.events = [event(), buffer(6, "encoder.layers.0.bn.running_mean")]
+    assert [s for s in findings(r) if s.startswith("These are BatchNorm")] == [
+        RUNNING.format("the replayed losses stayed finite through step 8, since ")]
+
+
+@pytest.mark.parametrize("values, said", [
+    ([0.0, 0.001, 0.01], "the learning rate from 0.001 to 0.01"),  # a warmup from 0: the first positive value
+    ([-1.0, 0.001, 0.01], "the learning rate from 0.001 to 0.01"),
+    ([0.001, None, 0.01], "the learning rate from 0.001 to 0.01"),  # not measured at a step
+    ([0.001, 0.01, math.inf], "the learning rate from 0.001 to 0.01"),  # an infinite or NaN one is no value
+    ([0.001, 0.01, math.nan], "the learning rate from 0.001 to 0.01"),
+    ([0.0, 0.0, 5.0], None), ([None, None, 5.0], None),
+])
+def test_a_rise_is_between_the_first_and_last_positive_finite_values(values, said):
+    precursors = [replace(p, learning_rate=v) for p, v in zip(drifting(2, 3, 4), values)]
+    r = report(event(), samples=batch_wide(compared_fails=True, compared_step=4), precursors=precursors)
+    text = [s for s in findings(r) if s.startswith("Step 5")][0]
+    assert text.endswith(f". Over steps 2-4 this rose: {said}." if said else "; no precursor rose 10-fold over steps 2-4.")
+
+
+def test_the_largest_activation_is_a_fraction_of_the_last_steps_dtype():
+    precursors = [replace(p, activation_headroom=h, activation_dtype=d) for p, h, d in
+                  zip(drifting(1, 2, 3, 4), (0.001, 0.01, 0.02, 0.5), ("float32", "float16", "float32", "bfloat16"))]
+    r = report(event(), samples=batch_wide(status="coupled", coupled_groups=[[0, 1]]), precursors=precursors)
+    assert [s for s in findings(r) if s.startswith("Step 5's batch holds")] == [
+        "Step 5's batch holds no data defect and its failure needs samples together ([0, 1]); over steps 1-4 before it "
+        "this rose: the largest activation from 0.001 to 0.5 of bfloat16's largest value."]
+    precursors = [replace(p, grad_norm=n) for p, n in zip(precursors, (1.0, 2.0, 5.0, 50.0))]
+    r.precursors = precursors
+    assert [s for s in findings(r) if s.startswith("Step 5's batch holds")] == [
+        "Step 5's batch holds no data defect and its failure needs samples together ([0, 1]); over steps 1-4 before it "
+        "these rose: the gradient norm from 1 to 50 and the largest activation from 0.001 to 0.5 of bfloat16's largest "
+        "value."]
+
+
+def test_the_first_steps_state_is_judged_by_its_own_events_not_a_later_steps():
+    r = report(event())
+    r.events = [state(5, "exp_avg_sq"), Event(5, "grad", "fc.weight", [0], "nan"), state(7, "exp_avg_sq", "nan")]
+    assert [s for s in findings(r) if s.startswith("From step")] == [
+        f"From step 5 the optimizer state holds infinities in exp_avg_sq (3 values in 2 tensors); {STAYED}. {FROZEN}"]

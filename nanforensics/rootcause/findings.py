@@ -203,7 +203,7 @@ def _replayed_shown(r: ReplayReport, o: Event) -> int | None:
 def _loaded(c: CheckpointLoad) -> list[str]:
     """How a checkpoint the recorder did not write was read: each choice that shapes what the replay means."""
     basis = {"metadata": "its metadata", "trainer_state.json": "the steps trainer_state.json counts",
-             "name": "its name", "--from-step": "--from-step"}.get(c.step_from, c.step_from)
+             "name": "its name"}.get(c.step_from, c.step_from)  # "--from-step" says itself
     advice = "" if c.step_from == "trainer_state.json" else \
         f"; a loop that saved it after running step {c.step} needs --from-step {c.step + 1}"
     out = [f"The checkpoint is taken as the state before step {c.step} (from {basis}): {c.batches}({c.step}) is the "
@@ -602,7 +602,7 @@ def _batch_wide(r: ReplayReport) -> list[str]:
                 "the batch as a whole is bad data, not particular samples of it."]
     if not step_not_data(r):  # another batch passed from the same state
         before = [p for p in r.precursors if p.step < o.step]
-        rose = rising(before) if len(before) >= 2 else []
+        rose = rising(before)
         drift = f" Over {span(before[0].step, before[-1].step)} before it {_rose(rose)}." if rose else ""
         return [f"Most of step {o.step}'s batch fails sample by sample, yet the batch of step {c}, run from the same "
                 "state, stays finite: the state the run had reached does not make every batch fail, so what this batch's "
@@ -637,7 +637,7 @@ def _coupled_drift(r: ReplayReport) -> list[str]:
             or any(d.step == o.step for d in r.data_defects)):
         return []
     before = [p for p in r.precursors if p.step < o.step]
-    rose = rising(before) if len(before) >= 2 else []
+    rose = rising(before)
     if not rose:
         return []
     groups = ", ".join(map(str, r.samples.coupled_groups))

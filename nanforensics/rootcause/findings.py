@@ -696,7 +696,7 @@ def _clipping(r: ReplayReport) -> list[str]:
         return ["Gradient clipping would not have rescued this: the total gradient norm is NaN, so the clip factor "
                 "max_norm/NaN is NaN, and clipping makes every gradient NaN."]
     if math.isinf(norm):
-        value = grad.value if grad.value in ("inf", "-inf") else "inf"
+        value = "-inf" if grad.value == "-inf" else "inf"  # a NaN gradient with an infinite norm: inf's
         return [f"Gradient clipping would not have rescued this: the total gradient norm is inf, so the clip factor "
                 f"max_norm/inf is 0, and {_times_zero(value)} = NaN."]
     return []

@@ -1061,3 +1061,40 @@ def test_the_first_steps_state_is_judged_by_its_own_events_not_a_later_steps():
     r.events = [state(5, "exp_avg_sq"), Event(5, "grad", "fc.weight", [0], "nan"), state(7, "exp_avg_sq", "nan")]
     assert [s for s in findings(r) if s.startswith("From step")] == [
         f"From step 5 the optimizer state holds infinities in exp_avg_sq (3 values in 2 tensors); {STAYED}. {FROZEN}"]
+
+
+def test_narrate_names_every_event_the_views_show():
+    """Each event of the report, the origin (a separate object once a saved report is read back), and the overflows
+    the scaler caught and the one that poisoned its state get their words; the headline and the reproduction too."""
+    caught, poisoned = Event(3, "grad", "fc.bias", [1], "inf"), Event(6, "optimizer_state", "fc.bias", [1], "nan",
+                                                                     state_key="exp_avg_sq")
+    for amp in (None, AmpReport("float16", "float32", True, [], [caught], None),
+                AmpReport("float16", "float32", True, [], [caught], poisoned)):
+        r = report(replace(event()), amp=amp)  # the origin a copy of events[0], not the same object
+        r.events = [event(), param(6)]
+        narrate(r)
+        assert [e.text for e in r.events] == ["grad fc.weight[1, 2] = nan", "param fc.weight[0] = nan"]
+        assert r.origin.text == "grad fc.weight[1, 2] = nan"
+        if amp is not None:
+            assert caught.text == "grad fc.bias[1] = inf"
+        if amp is not None and amp.state_poisoned_by is not None:
+            assert poisoned.text == "optimizer_state exp_avg_sq of fc.bias[1] = nan"
+        assert (r.headline, r.reproduction) == (headline(r), reproduction(r))
+    r = narrate(report())  # no origin, no scaler
+    assert r.headline == "steps 2-8 replayed, all finite" and r.spread_map is not None
+
+
+@pytest.mark.parametrize("ranges, said", [
+    ([["-inf", "3"]], "[-inf, 3]"), ([["nan", "nan"]], "[nan, nan] (all nan)"), ([["inf", "inf"]], "[inf, inf] (all inf)"),
+    ([["1", "1"]], "[1, 1]"), ([["nan", "inf"]], "[nan, inf]"),
+])
+def test_the_input_elements_at_the_coordinate_are_all_one_value_only_where_both_ends_are(ranges, said):
+    sentence = operation_sentence(OperationCulprit(LOG, "nan", [0], inputs_at_index=ranges))
+    assert f"; the input elements that coordinate was computed from ranged over {said}." in sentence
+
+
+def test_the_outputs_are_said_only_where_there_are_several():
+    one = replace(LOG, output_ranges=[["nan", "1"]])
+    assert "its outputs ranged" not in operation_sentence(OperationCulprit(one, "nan", [0]))
+    two = replace(LOG, output_ranges=[["nan", "1"], ["0", "0"]])
+    assert "; its outputs ranged over [nan, 1], [0, 0]." in operation_sentence(OperationCulprit(two, "nan", [0]))

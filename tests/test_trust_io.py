@@ -354,6 +354,38 @@ def test_an_output_folder_is_refused_where_a_file_stands_and_taken_where_a_folde
         "regular files"
 
 
+def test_inputs_and_examined_trees_hold_back_only_the_outputs_inside_them(tmp_path: Path) -> None:
+    """A folder read as input, or examined, refuses the outputs inside it, not those beside it; a file read as input
+    refuses only itself."""
+    for name in ("input", "tree", "out"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "input.json").write_text("{}")
+    examine(tmp_path / "tree")
+    check_outputs([tmp_path / "input", tmp_path / "input.json"], {"--json": tmp_path / "out" / "r.json"})
+    write_output(tmp_path / "out" / "r.json", "{}", "--json")
+    write_output(tmp_path / "input.json.md", "# r", "--md")
+    assert (tmp_path / "out" / "r.json").read_text() == "{}" and (tmp_path / "input.json").read_text() == "{}"
+    with pytest.raises(BadInput) as e:
+        write_output(tmp_path / "tree" / "r.json", "{}", "--json")
+    assert str(e.value) == f"--json: {tmp_path / 'tree' / 'r.json'} lies inside {tmp_path / 'tree'}, which this command " \
+        "examines and never writes into"
+
+
+def test_a_missing_folder_is_refused_at_the_check_and_made_only_when_asked(tmp_path: Path) -> None:
+    """check_outputs refuses an output whose folder is missing, before any work, and makes nothing; with
+    --create-dirs it makes the folder then."""
+    out = tmp_path / "missing" / "r.json"
+    with pytest.raises(BadInput) as e:
+        check_outputs([], {"--json": out})
+    assert str(e.value) == f"--json: {out} cannot be written: the folder {out.parent} does not exist (--create-dirs " \
+        "creates it)"
+    assert not out.parent.exists()
+    check_outputs([], {"--json": out}, create_dirs=True)
+    assert out.parent.is_dir() and list(out.parent.iterdir()) == []
+    write_output(out, "{}", "--json")
+    assert out.read_text() == "{}"
+
+
 def test_a_file_with_no_write_bit_but_an_execute_bit_is_read_only(tmp_path: Path) -> None:
     """Only write bits make a report replaceable (root may write anything): --x for others alone is read-only."""
     for mode in (0o001, 0o010, 0o100, 0o555):

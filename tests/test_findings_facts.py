@@ -614,6 +614,8 @@ RUNNING = ("These are BatchNorm running statistics: {}in training mode BatchNorm
       f"{PERSISTS}", RUNNING.format("")]),
     ([buffer(5, "bn.running_varx")], None, [f"Buffer bn.running_varx holds non-finite values from step 5; {STAYED}. "
                                             f"{PERSISTS}"]),
+    ([buffer(5)], 5, [f"Buffer bn.running_var holds non-finite values from step 5; {STAYED}. {PERSISTS}",
+                      RUNNING.format("")]),  # the buffer's own step's loss counts
 ])
 def test_what_a_nonfinite_buffer_means(events, nonfinite_loss, said):
     r = report(event())
@@ -1098,3 +1100,24 @@ def test_the_outputs_are_said_only_where_there_are_several():
     assert "its outputs ranged" not in operation_sentence(OperationCulprit(one, "nan", [0]))
     two = replace(LOG, output_ranges=[["nan", "1"], ["0", "0"]])
     assert "; its outputs ranged over [nan, 1], [0, 0]." in operation_sentence(OperationCulprit(two, "nan", [0]))
+
+
+def test_a_loss_only_step_the_spread_does_not_hold_is_said_non_finite():
+    r = loss_only_report(None, [3, 5])
+    r.spread = [x for x in r.spread if x.step != 3]
+    assert [x for x in findings(r) if x.startswith("The loss was")][0].startswith(
+        "The loss was NaN at steps 3, 5, but no gradient")
+    r.spread = [x for x in r.spread if x.step != 5]
+    assert [x for x in findings(r) if x.startswith("The loss was")][0].startswith(
+        "The loss was non-finite at steps 3, 5, but no gradient")
+
+
+def test_the_last_of_three_checkpoints_is_the_one_named():
+    exact = [compared(n) for n in (2, 4, 6)]
+    r = report(event(), loss_max_ulps=3, checkpoints_compared=exact)
+    assert [x for x in findings(r) if x.startswith("Replayed losses")][0].endswith(
+        "the state is bit-exact at step 6, so that is the loss's own rounding (its reduction summed in another order), "
+        "not a divergence.")
+    r.checkpoints_compared = [within(n, rounded=1) for n in (2, 4, 6)]
+    assert [x for x in findings(r) if x.startswith("Replayed losses")][0].endswith(
+        "; the state matches the recorded one within tolerance at step 6.")

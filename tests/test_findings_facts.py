@@ -577,6 +577,12 @@ def moments(step: int, **values: float) -> Precursor:
     ([state(5, "max_exp_avg_sq"), state(5, "exp_avg_sq")], [],
      [f"From step 5 the optimizer state holds infinities in exp_avg_sq (3 values in 2 tensors) and max_exp_avg_sq (3 "
       f"values in 2 tensors); {STAYED}. {FROZEN}"]),
+    ([state(5, "exp_avg_sq"), param(5)], [],  # the parameters at the same step: not before it
+     ["From step 5 the optimizer state holds infinities in exp_avg_sq (3 values in 2 tensors); the parameters turned "
+      "non-finite at step 5. An infinity in the state persists (beta*inf = inf).", SKIP]),
+    ([state(5, "exp_avg_sq")], [moments(5, exp_avg=1.0, max_exp_avg_sq=2.0, exp_avg_sq=math.inf)],
+     [f"From step 5 the optimizer state holds infinities in exp_avg_sq (3 values in 2 tensors), while exp_avg, "
+      f"max_exp_avg_sq stayed finite; {STAYED}. {FROZEN}"]),
     ([state(5, "square_avg")], [], [f"From step 5 the optimizer state holds infinities in square_avg (3 values in 2 "
                                      f"tensors); {STAYED}. An infinity in the state persists (beta*inf = inf)."]),
 ])

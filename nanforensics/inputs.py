@@ -166,9 +166,12 @@ def read_input(path: Path, limit: int = MAX_TEXT_BYTES) -> bytes:
         if size > limit:
             raise BadInput(path, f"{size} bytes, more than the {limit} this nanforensics reads of such a file")
         try:
-            return f.read(limit + 1)
+            data = f.read(limit + 1)
         except OSError as e:
             raise BadInput(path, f"cannot read ({e.strerror or e})") from None
+        if len(data) > limit:  # grown since the fstat, or a size that says less than it holds (/proc)
+            raise BadInput(path, f"more than the {limit} bytes this nanforensics reads of such a file (its size said {size})")
+        return data
 
 
 def excerpt(data: bytes | str, limit: int = 24) -> str:

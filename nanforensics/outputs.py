@@ -159,8 +159,6 @@ def _checked(path: Path, option: str | None, folder: bool = False, create: bool 
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise BadInput(where, f"{named}cannot be written: cannot create {path.parent} ({e.strerror or e})") from None
-    if not parent.is_dir():
-        raise BadInput(where, f"{named}cannot be written: {path.parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise BadInput(where, f"{named}cannot be written: {path.parent} is not writable")
     return real

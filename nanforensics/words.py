@@ -21,6 +21,11 @@ def numbered(noun: str, numbers: Sequence[int], plural: str | None = None) -> st
     return f"{noun if len(numbers) == 1 else plural or noun + 's'} {', '.join(map(str, numbers))}"
 
 
+def span(first: int, last: int, noun: str = "step") -> str:
+    """``span(4, 6)`` is "steps 4-6", ``span(4, 4)`` "step 4": a range of one is not written as "steps 4-4"."""
+    return f"{noun} {first}" if first == last else f"{noun}s {first}-{last}"
+
+
 def sample_positions(samples: list[int], located: list[list[int]]) -> str:
     """``5, 9``; in a step of several micro-batches ``21 (micro-batch 1, sample 5)``."""
     if not located:

@@ -5,6 +5,7 @@ each was skipped."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -12,7 +13,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from nanforensics import Recorder
-from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, nonfinite_flag
+from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, _sum_flag, nonfinite_flag
 from torch import nn
 
 from conftest import run_cli
@@ -159,3 +160,15 @@ def test_nonfinite_flag_over_groups():
         bad[i][0] = float("nan")
         assert float(nonfinite_flag(bad, torch.device("cpu"))) == 1.0
     assert float(nonfinite_flag(finite, torch.device("cpu"))) == 0.0
+
+
+@pytest.mark.parametrize("kinds", [k for n in range(4) for k in itertools.product(["finite", "nan", "inf", "huge"], repeat=n)])
+def test_the_state_screen_flags_exactly_when_a_sum_is_nonfinite(kinds):
+    """The screen of the state after a step over every mix of up to three tensors, a state whose every tensor sums
+    non-finite included: a sum of finite values past float32's largest flags too (the host then settles it); an
+    integer or empty tensor is no part of it."""
+    value = {"finite": 1.5, "nan": float("nan"), "inf": float("-inf"), "huge": 3e38}
+    tensors = [torch.full((2,), value[k], dtype=torch.float64 if i % 2 else torch.float32) for i, k in enumerate(kinds)]
+    tensors += [torch.full((2,), 7, dtype=torch.int64), torch.empty(0)]
+    assert float(_sum_flag(tensors, torch.device("cpu"))) == float(any(k != "finite" for k in kinds))
+

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from nanforensics.errors import BadInput
-from nanforensics.runs.imports import ROLES, TOOL_MODULES, TRUST_HINT, load_callable
+from nanforensics.runs.imports import ROLES, TOOL_MODULES, TRUST_HINT, Places, check_callable, load_callable
 
 # the command line's cases run in-process (run_cli: sys.path as the console script's process has it, from a probe of
 # one), but the one about start-up, a process: what a fresh interpreter imports as torch loads (sympy's gmpy2, flint);
@@ -247,6 +247,43 @@ def test_each_object_of_the_projects_own_module_in_each_role(tmp_path):
                     assert str(refused.value) == f"{where}: {role} {spec!r} is refused: {problem}; {TRUST_HINT}"
         finally:
             sys.modules.pop("kinds_here", None)
+
+
+def test_odd_objects_are_named_by_what_they_are_not_by_what_they_claim(tmp_path):
+    """A module that sets a global ``__module__`` is still just a module; a built-in function of a module built into
+    the interpreter but outside ``sys.stdlib_module_names`` (xxsubtype) is still the standard library's."""
+    (tmp_path / "claims.py").write_text("__module__ = 'json'\n")
+    (tmp_path / "odd_here.py").write_text("import claims as module\nfrom xxsubtype import bench\n")
+    where = tmp_path / "manifest.json"
+    with nowhere_chosen(tmp_path):
+        try:
+            for spec, kind in (("odd_here:module", "a module"),
+                               ("odd_here:bench", "a built-in function of Python's standard library (xxsubtype)")):
+                with pytest.raises(BadInput) as refused:
+                    load_callable("step_fn", spec, where=where)
+                assert str(refused.value) == (f"{where}: step_fn {spec!r} is refused: it is {kind}, not a function or "
+                                              f"class defined in a module; {TRUST_HINT}")
+        finally:
+            sys.modules.pop("odd_here", None)
+            sys.modules.pop("claims", None)
+
+
+def test_a_function_of_the_tool_itself_is_refused_even_where_its_file_lies_in_a_chosen_place(monkeypatch):
+    """From the project's own checkout (the working directory: a place the user chose, holding nanforensics'
+    source) a function of the platform is refused by its top-level package, in each role that takes a function;
+    trusting its distribution (--trust-package nanforensics) admits it."""
+    import nanforensics.words as words
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    for role in sorted(r for r in ROLES if ROLES[r].functions):
+        with pytest.raises(BadInput) as refused:
+            check_callable(role, "nanforensics.words:count", words.count, where="m.json", places=Places.chosen())
+        assert str(refused.value) == (f"m.json: {role} 'nanforensics.words:count' is refused: it is "
+                                      f"nanforensics.words.count, a function of nanforensics, not of the run's own code; "
+                                      f"{TRUST_HINT}")
+        check_callable(role, "nanforensics.words:count", words.count, where="m.json",
+                       places=Places.chosen(packages=["nanforensics"]))
 
 
 # (role, class) admitted: the project's classes and torch's (TOOL_CLASSES) of the kind the role names; the rest refused

@@ -262,6 +262,19 @@ def test_five_percent_past_the_bound_is_flagged_and_the_bound_is_not(b1, b2, exp
     assert not _flagged(limit * math.sqrt(v) * (1 - 2 * torch.finfo(dtype).eps), v, (b1, b2), dtype)
 
 
+@pytest.mark.parametrize("betas", [(0.9, 0.91), (0.9, 0.95), (0.5, 0.3), (0.9, 0.999)])
+def test_the_worst_rounding_the_derivation_allows_is_not_flagged_and_twice_it_is(betas):
+    """In bfloat16, where the slack is far above the check's own float32 arithmetic: m and sqrt(v) are each off by at
+    most u / (1 - b1^2/b2) after any number of steps (soundness._tolerance's derivation), 2u / (1 - b1^2/b2) in all, so
+    |m| / sqrt(v) that far past the bound is rounding (8% at betas (0.9, 0.91)), and twice that far is not. Stated
+    from the betas alone, not from the tolerance function."""
+    b1, b2 = betas
+    derived = torch.finfo(torch.bfloat16).eps / (1 - b1 * b1 / b2)
+    limit, v = soundness.adam_bound(b1, b2), 4.0  # v = 4: sqrt exact; m rounds to bfloat16 within 0.4%, said below
+    assert not _flagged(2 * limit * (1 + derived - 2 ** -8), v, betas, torch.bfloat16)
+    assert _flagged(2 * limit * (1 + 2 * derived + 2 ** -8), v, betas, torch.bfloat16)
+
+
 def test_float32_slack_is_a_few_units_in_the_last_place():
     """At the default betas a float32 pair 64 ulps past the bound is flagged (the old floor of 1e-3, 8000 ulps,
     passed it)."""

@@ -324,6 +324,118 @@ def test_create_dirs_creates_the_missing_folder(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "a" / "b" / "r.json").read_text())["verdict"] == "clean"
 
 
+@pytest.mark.parametrize("option", [None, "--json"])
+def test_an_output_under_a_file_is_refused_and_every_missing_folder_above_one_is_made(tmp_path: Path, option) -> None:
+    """A file where the output's folder would be: refused in one line naming the path (and the option) once, with or
+    without --create-dirs; every missing folder above an output is made with --create-dirs."""
+    (tmp_path / "f").write_text("a file\n")
+    for where, create in itertools.product((tmp_path / "f" / "r.json", tmp_path / "f" / "sub" / "r.json"), (False, True)):
+        with pytest.raises(BadInput) as e:
+            write_output(where, "{}", option, create_dirs=create)
+        assert str(e.value) == (f"--json: {where} " if option else f"{where}: ") + "cannot be checked (Not a directory)"
+    deep = tmp_path / "a" / "b" / "c" / "r.json"
+    write_output(deep, "{}", option, create_dirs=True)
+    assert deep.read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "f"] and (tmp_path / "f").read_text() == "a file\n"
+
+
+def test_an_output_folder_is_refused_where_a_file_stands_and_taken_where_a_folder_or_nothing_does(tmp_path: Path) -> None:
+    """repair's --out is a folder the command replaces: a regular file there is not one; a folder or nothing is."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(BadInput) as e:
+        check_outputs([], {"--out": tmp_path / "file"}, folders=("--out",))
+    assert str(e.value) == f"--out: {tmp_path / 'file'} exists and is not a directory"
+    for fine in ("folder", "absent"):
+        check_outputs([], {"--out": tmp_path / fine}, folders=("--out",))
+    with pytest.raises(BadInput) as e:  # the same path as a file output: a folder is not a regular file
+        check_outputs([], {"--json": tmp_path / "folder"})
+    assert str(e.value) == f"--json: {tmp_path / 'folder'} is a directory, not a regular file: reports replace only " \
+        "regular files"
+
+
+def test_inputs_and_examined_trees_hold_back_only_the_outputs_inside_them(tmp_path: Path) -> None:
+    """A folder read as input, or examined, refuses the outputs inside it, not those beside it; a file read as input
+    refuses only itself."""
+    for name in ("input", "tree", "out"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "input.json").write_text("{}")
+    examine(tmp_path / "tree")
+    check_outputs([tmp_path / "input", tmp_path / "input.json"], {"--json": tmp_path / "out" / "r.json"})
+    write_output(tmp_path / "out" / "r.json", "{}", "--json")
+    write_output(tmp_path / "input.json.md", "# r", "--md")
+    assert (tmp_path / "out" / "r.json").read_text() == "{}" and (tmp_path / "input.json").read_text() == "{}"
+    with pytest.raises(BadInput) as e:
+        write_output(tmp_path / "tree" / "r.json", "{}", "--json")
+    assert str(e.value) == f"--json: {tmp_path / 'tree' / 'r.json'} lies inside {tmp_path / 'tree'}, which this command " \
+        "examines and never writes into"
+
+
+def test_a_missing_folder_is_refused_at_the_check_and_made_only_when_asked(tmp_path: Path) -> None:
+    """check_outputs refuses an output whose folder is missing, before any work, and makes nothing; with
+    --create-dirs it makes the folder then."""
+    out = tmp_path / "missing" / "r.json"
+    with pytest.raises(BadInput) as e:
+        check_outputs([], {"--json": out})
+    assert str(e.value) == f"--json: {out} cannot be written: the folder {out.parent} does not exist (--create-dirs " \
+        "creates it)"
+    assert not out.parent.exists()
+    check_outputs([], {"--json": out}, create_dirs=True)
+    assert out.parent.is_dir() and list(out.parent.iterdir()) == []
+    write_output(out, "{}", "--json")
+    assert out.read_text() == "{}"
+
+
+def test_a_file_with_no_write_bit_but_an_execute_bit_is_read_only(tmp_path: Path) -> None:
+    """Only write bits make a report replaceable (root may write anything): --x for others alone is read-only."""
+    for mode in (0o001, 0o010, 0o100, 0o555):
+        path = tmp_path / f"r{mode:o}.json"
+        path.write_text("{}")
+        path.chmod(mode)
+        with pytest.raises(BadInput) as e:
+            write_output(path, "[]", "--json")
+        assert str(e.value) == f"--json: {path} is read-only: not replaced"
+
+
+def _as_another_user(call: Callable[[], object]) -> str:
+    """What ``call`` returns, or the error it raises, as text, from a child process running as nobody (uid 65534)
+    when this one is root, who may write anywhere; as this process's own user otherwise."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of pytest's runs here, and it never returns into it
+        try:
+            os.close(read)
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            out = repr(call())
+        except BaseException as e:  # every outcome goes back to the parent as text
+            out = f"{type(e).__name__}: {e}"
+        os.write(write, out.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_a_folder_this_process_may_not_write_or_create_in_is_refused_before_anything_is_written() -> None:
+    """A folder its owner alone may write, seen by another user: the output is refused in one line, and a missing
+    folder under it cannot be made (--create-dirs), said with the system's reason."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as base:  # /tmp: every user may reach into it
+        folder = Path(base) / "theirs"
+        folder.mkdir()
+        Path(base).chmod(0o755)
+        folder.chmod(0o755 if os.geteuid() == 0 else 0o555)
+        assert _as_another_user(lambda: write_output(folder / "r.json", "{}", "--json")) == \
+            f"BadInput: --json: {folder / 'r.json'} cannot be written: {folder} is not writable"
+        assert _as_another_user(lambda: write_output(folder / "sub" / "r.json", "{}", "--json", create_dirs=True)) == \
+            f"BadInput: --json: {folder / 'sub' / 'r.json'} cannot be written: cannot create {folder / 'sub'} (Permission denied)"
+        folder.chmod(0o755)
+        assert list(folder.iterdir()) == []
+
+
 # ---- A: outputs over every kind of path -------------------------------------------------------------------------
 
 KINDS = ["absent", "regular", "read-only", "read-only executable", "directory", "fifo", "socket", "device", "dangling"]

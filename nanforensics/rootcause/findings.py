@@ -11,7 +11,7 @@ from ..replay.spread import from_replay
 from ..report import CheckpointComparison, CheckpointLoad, Event, OperationCulprit, OpSite, Precursor, ReplayReport
 from ..runs.compiled import EAGER_KERNELS
 from ..runs.cpu import describe as describe_cpu
-from ..words import count, numbered
+from ..words import count, numbered, span
 
 
 def describe(e: Event) -> str:
@@ -171,10 +171,9 @@ def findings(r: ReplayReport) -> list[str]:
             out.append(f"The loss logged at step {o.step} was finite{loss_text}: it is computed before the update. "
                        f"The logged loss first shows NaN at step {shown}, {count(shown - o.step, 'step')} later; "
                        f"{inspect}.")
-        elif r.reproduced is None and r.first_nonfinite_loss_step not in (None, o.step):
+        elif r.reproduced is None and (shown := _replayed_shown(r, o)) is not None:
             replayed = next((s.replayed_loss for s in r.spread if s.step == o.step), None)
             loss_text = f" ({replayed:.6g})" if replayed is not None and math.isfinite(replayed) else ""
-            shown = r.first_nonfinite_loss_step
             inspect = (f"the step to inspect is step {o.step}, not step {shown}" if step_not_data(r) else
                        f"the batch to inspect is step {o.step}'s, not step {shown}'s")
             out.append(f"The loss at step {o.step} was finite in the replay{loss_text}: it is computed before the "
@@ -194,10 +193,17 @@ def findings(r: ReplayReport) -> list[str]:
     return out + (_loaded(r.loaded) if r.loaded is not None else [])
 
 
+def _replayed_shown(r: ReplayReport, o: Event) -> int | None:
+    """With no loss logged, the first replayed non-finite loss after the origin's step, where none is at it: where
+    the replay shows the failure. A loss-only step's NaN before the origin is not it (its own sentence says so)."""
+    first = next((s.step for s in r.spread if s.step >= o.step and not math.isfinite(s.replayed_loss)), None)
+    return first if first != o.step else None
+
+
 def _loaded(c: CheckpointLoad) -> list[str]:
     """How a checkpoint the recorder did not write was read: each choice that shapes what the replay means."""
     basis = {"metadata": "its metadata", "trainer_state.json": "the steps trainer_state.json counts",
-             "name": "its name", "--from-step": "--from-step"}.get(c.step_from, c.step_from)
+             "name": "its name"}.get(c.step_from, c.step_from)  # "--from-step" says itself
     advice = "" if c.step_from == "trainer_state.json" else \
         f"; a loop that saved it after running step {c.step} needs --from-step {c.step + 1}"
     out = [f"The checkpoint is taken as the state before step {c.step} (from {basis}): {c.batches}({c.step}) is the "
@@ -242,7 +248,7 @@ def _unread(r: ReplayReport) -> list[str]:
     what = describe(replace(o, value=""))
     went = "NaN" if o.value == "nan" else o.value
     return [f"{what[0].upper()}{what[1:]} went {went} at step {o.step}, but no module output and no loss held a non-finite value "
-            f"at steps {o.step + 1}-{carried.step - 1}: the forward first carries it at step {carried.step}, the first "
+            f"at {span(o.step + 1, carried.step - 1)}: the forward first carries it at step {carried.step}, the first "
             f"step whose forward reads a non-finite value ({describe(carried)}){loss}."]
 
 
@@ -392,7 +398,7 @@ def _loss(x: float | None) -> str:
 
 def _reproduction(r: ReplayReport) -> list[str]:
     if r.reproduced is None:
-        clean = (f"; it stays finite over steps {r.setup.first_step}-{r.setup.last_step}, so a failure of the run "
+        clean = (f"; it stays finite over {span(r.setup.first_step, r.setup.last_step)}, so a failure of the run "
                  "within them is not reproduced from the supplied batches") if r.verdict == "clean" else ""
         return [f"No losses were logged and no recorded checkpoint lies in the replayed window: whether the replay "
                 f"reproduces the run cannot be judged{clean}."]
@@ -458,17 +464,17 @@ def _other_cpu(r: ReplayReport) -> list[str]:
 
 def _nothing_reached(r: ReplayReport) -> str:
     """A run with no origin: clean, or clean apart from overflows the loss scaler caught."""
-    span = f"steps {r.setup.first_step}-{r.setup.last_step}"
+    window = span(r.setup.first_step, r.setup.last_step)
     caught = sorted({e.step for e in r.amp.caught}) if r.amp is not None else []
     # a recorded run replays from its last clean checkpoint: the steps before it were not checked
     before = (f"; steps before {r.setup.first_step} were not replayed (`--from-step 0` replays from the start)"
               if r.loaded is None and r.setup.first_step > 0 else "")
     if not caught:
         return (f"No non-finite value in any batch, activation, loss, gradient, optimizer state, parameter or buffer "
-                f"over {span}{before}.")
+                f"over {window}{before}.")
     logged = r.logged_first_nonfinite_loss_step
     among = f" (the non-finite loss logged at step {logged} among them)" if logged in caught else ""
-    return (f"No non-finite value reached the optimizer state or the parameters over {span}: the non-finite values "
+    return (f"No non-finite value reached the optimizer state or the parameters over {window}: the non-finite values "
             f"met at {numbered('step', caught)} were overflows the scaler caught{among}.")
 
 
@@ -490,14 +496,14 @@ def headline(r: ReplayReport) -> str:
     if r.verdict == "not_reproduced" and r.logged_first_nonfinite_loss_step is None:  # bisect --code
         state = f"a non-finite loss only at {numbered('step', r.loss_only_steps)}" if r.loss_only_steps else \
             "all finite"
-        return f"steps {r.setup.first_step}-{r.setup.last_step} replayed from the supplied batches, {state}: " \
+        return f"{span(r.setup.first_step, r.setup.last_step)} replayed from the supplied batches, {state}: " \
                "not reproduced"
     if r.verdict == "not_reproduced":
         return f"logged loss NaN at step {r.logged_first_nonfinite_loss_step}, not reproduced by the replay"
     if r.verdict == "loss_only":
         return f"non-finite loss at {numbered('step', r.loss_only_steps)} only: the model's state stayed finite"
     supplied = " from the supplied batches" if r.loaded is not None else ""
-    return f"steps {r.setup.first_step}-{r.setup.last_step} replayed{supplied}, all finite"
+    return f"{span(r.setup.first_step, r.setup.last_step)} replayed{supplied}, all finite"
 
 
 def narrate(r: ReplayReport) -> ReplayReport:
@@ -596,8 +602,8 @@ def _batch_wide(r: ReplayReport) -> list[str]:
                 "the batch as a whole is bad data, not particular samples of it."]
     if not step_not_data(r):  # another batch passed from the same state
         before = [p for p in r.precursors if p.step < o.step]
-        rose = rising(before) if len(before) >= 2 else []
-        drift = f" Over steps {before[0].step}-{before[-1].step} before it {_rose(rose)}." if rose else ""
+        rose = rising(before)
+        drift = f" Over {span(before[0].step, before[-1].step)} before it {_rose(rose)}." if rose else ""
         return [f"Most of step {o.step}'s batch fails sample by sample, yet the batch of step {c}, run from the same "
                 "state, stays finite: the state the run had reached does not make every batch fail, so what this batch's "
                 "samples share (a sequence length or padding, a setting the batch carries) is part of the cause, not "
@@ -610,11 +616,11 @@ def _batch_wide(r: ReplayReport) -> list[str]:
     before = [p for p in r.precursors if p.step < o.step]
     if len(before) < 2:
         return [f"{head}; the replay holds no earlier steps to show a drift."]
-    span = f"steps {before[0].step}-{before[-1].step}"
+    window = span(before[0].step, before[-1].step)
     rose = rising(before)
     if not rose:
-        return [f"{head}; no precursor rose {RISE:g}-fold over {span}."]
-    return [f"{head}. Over {span} {_rose(rose)}."]
+        return [f"{head}; no precursor rose {RISE:g}-fold over {window}."]
+    return [f"{head}. Over {window} {_rose(rose)}."]
 
 
 def _rose(rose: list[str]) -> str:
@@ -631,12 +637,12 @@ def _coupled_drift(r: ReplayReport) -> list[str]:
             or any(d.step == o.step for d in r.data_defects)):
         return []
     before = [p for p in r.precursors if p.step < o.step]
-    rose = rising(before) if len(before) >= 2 else []
+    rose = rising(before)
     if not rose:
         return []
     groups = ", ".join(map(str, r.samples.coupled_groups))
     return [f"Step {o.step}'s batch holds no data defect and its failure needs samples together ({groups}); over "
-            f"steps {before[0].step}-{before[-1].step} before it {_rose(rose)}."]
+            f"{span(before[0].step, before[-1].step)} before it {_rose(rose)}."]
 
 
 def _times_zero(value: str) -> str:
@@ -690,7 +696,7 @@ def _clipping(r: ReplayReport) -> list[str]:
         return ["Gradient clipping would not have rescued this: the total gradient norm is NaN, so the clip factor "
                 "max_norm/NaN is NaN, and clipping makes every gradient NaN."]
     if math.isinf(norm):
-        value = grad.value if grad.value in ("inf", "-inf") else "inf"
+        value = "-inf" if grad.value == "-inf" else "inf"  # a NaN gradient with an infinite norm: inf's
         return [f"Gradient clipping would not have rescued this: the total gradient norm is inf, so the clip factor "
                 f"max_norm/inf is 0, and {_times_zero(value)} = NaN."]
     return []

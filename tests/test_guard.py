@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from nanforensics import Recorder
-from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, GuardStop
+from nanforensics.runs.batches import snapshot
+from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, GuardStop, ring_nbytes
 
 import guard_training as gt
 from conftest import ROOT, TESTS, run_cli
@@ -120,6 +122,36 @@ def test_a_nan_written_after_the_step_before_a_checkpoint_is_never_checkpointed(
     assert stop.value.incident == tmp_path / "run" / INCIDENTS / "step_00000002"
     assert [e["event"] for e in events(tmp_path / "run")] == ["state_nonfinite", "summary"]
     assert not (tmp_path / "run" / "checkpoints" / "step_00000003").exists()
+
+
+def _flip_from(run: Path, start: int, steps: int, at: int, **options: Any) -> None:
+    """``gt.train_flip``'s loop from step ``start`` (a resumed run's numbering): a NaN written after step ``at``."""
+    model = gt.build_model()
+    optimizer = gt.make_optimizer(model)
+    with Recorder(run, model, optimizer, model_factory=gt.build_model, step_fn=gt.flip_step, start_step=start,
+                  **options) as rec:
+        for step in range(start, start + steps):
+            batch = {**gt.make_batch(step, {}), "flip": step == at}
+            rec.log(step, batch, gt.flip_step(model, optimizer, batch))
+
+
+ONE_BATCH = ring_nbytes(snapshot(gt.make_batch(0, {})))
+
+
+@pytest.mark.parametrize("start, at, options", [
+    (0, 2, {"checkpoint_every": 100, "guard": GuardPolicy(ring_bytes=3 * ONE_BATCH)}),
+    (7, 9, {"checkpoint_every": 3, "guard": True}),
+    (7, 11, {"checkpoint_every": 100, "guard": GuardPolicy(state_check_every=5)})],
+    ids=["ring-bytes", "resumed-checkpoint", "resumed-check-every"])
+def test_the_state_check_is_due_where_its_policy_says(tmp_path, start, at, options):
+    """The state check runs at the step that fills the ring to ``ring_bytes`` (three batches: the checkpoint comes
+    early there), and counts ``checkpoint_every`` and ``state_check_every`` from a resumed run's first step: a NaN
+    written after that step is found there, the run stopped before any later checkpoint."""
+    with pytest.raises(GuardStop) as stop:
+        _flip_from(tmp_path / "run", start, 12, at, **options)
+    assert stop.value.incident == tmp_path / "run" / INCIDENTS / f"step_{at:08d}"
+    assert [e["event"] for e in events(tmp_path / "run")] == ["state_nonfinite", "summary"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [f"step_{start:08d}"]
 
 
 def test_rollback_restores_the_newest_checkpoint_and_training_goes_on(tmp_path):

@@ -252,10 +252,13 @@ def _flagged(m: float, v: float, betas: tuple[float, float], dtype: torch.dtype)
 
 
 @settings(max_examples=120, deadline=None)
-@given(b1=st.floats(0.0, 0.9), b2=st.sampled_from([0.99, 0.999, 0.9999]), exponent=st.integers(-30, 30),
+@given(b1=st.floats(0.0, 0.9), b2=st.sampled_from([0.99, 0.999, 0.9999]), exponent=st.integers(-25, 30),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
 def test_five_percent_past_the_bound_is_flagged_and_the_bound_is_not(b1, b2, exponent, dtype):
-    """Edges from the bound alone (1.05 times it, and it), not from the tolerance: the slack is rounding, not 0.1%."""
+    """Edges from the bound alone (1.05 times it, and it), not from the tolerance: the slack is rounding, not 0.1%.
+    Second moments from 1e-25 up: below, the absolute slack of flushed moments (sqrt(tiny / (1-b2)), 1e-17 at b2 =
+    0.9999) is a percent of sqrt(v), and bfloat16's 4% of rounding at b1 = 0.9 with it passes 1.05 (v = 1e-30 did,
+    now and then: a flaky test); that slack has its own tests (flushed moments, the absolute slack's edge)."""
     limit = soundness.adam_bound(b1, b2)
     v = 10.0 ** exponent
     assert _flagged(1.05 * limit * math.sqrt(v), v, (b1, b2), dtype)

@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from nanforensics import Recorder
-from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, GuardStop
+from nanforensics.runs.batches import snapshot
+from nanforensics.runs.guard import GUARD_LOG, INCIDENTS, GuardPolicy, GuardStop, ring_nbytes
 
 import guard_training as gt
 from conftest import ROOT, TESTS, run_cli
@@ -122,6 +124,36 @@ def test_a_nan_written_after_the_step_before_a_checkpoint_is_never_checkpointed(
     assert not (tmp_path / "run" / "checkpoints" / "step_00000003").exists()
 
 
+def _flip_from(run: Path, start: int, steps: int, at: int, **options: Any) -> None:
+    """``gt.train_flip``'s loop from step ``start`` (a resumed run's numbering): a NaN written after step ``at``."""
+    model = gt.build_model()
+    optimizer = gt.make_optimizer(model)
+    with Recorder(run, model, optimizer, model_factory=gt.build_model, step_fn=gt.flip_step, start_step=start,
+                  **options) as rec:
+        for step in range(start, start + steps):
+            batch = {**gt.make_batch(step, {}), "flip": step == at}
+            rec.log(step, batch, gt.flip_step(model, optimizer, batch))
+
+
+ONE_BATCH = ring_nbytes(snapshot(gt.make_batch(0, {})))
+
+
+@pytest.mark.parametrize("start, at, options", [
+    (0, 2, {"checkpoint_every": 100, "guard": GuardPolicy(ring_bytes=3 * ONE_BATCH)}),
+    (7, 9, {"checkpoint_every": 3, "guard": True}),
+    (7, 11, {"checkpoint_every": 100, "guard": GuardPolicy(state_check_every=5)})],
+    ids=["ring-bytes", "resumed-checkpoint", "resumed-check-every"])
+def test_the_state_check_is_due_where_its_policy_says(tmp_path, start, at, options):
+    """The state check runs at the step that fills the ring to ``ring_bytes`` (three batches: the checkpoint comes
+    early there), and counts ``checkpoint_every`` and ``state_check_every`` from a resumed run's first step: a NaN
+    written after that step is found there, the run stopped before any later checkpoint."""
+    with pytest.raises(GuardStop) as stop:
+        _flip_from(tmp_path / "run", start, 12, at, **options)
+    assert stop.value.incident == tmp_path / "run" / INCIDENTS / f"step_{at:08d}"
+    assert [e["event"] for e in events(tmp_path / "run")] == ["state_nonfinite", "summary"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [f"step_{start:08d}"]
+
+
 def test_rollback_restores_the_newest_checkpoint_and_training_goes_on(tmp_path):
     model = gt.train_flip(tmp_path / "run", 40, checkpoint_every=10, guard=GuardPolicy(state_check_every=5, rollback=True))
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -141,29 +173,45 @@ def test_k_bad_batches_in_a_row_stop_and_a_repeated_sample_is_named(tmp_path):
     optimizer = gt.make_optimizer(model)
     rec = Recorder(tmp_path / "run", model, optimizer, model_factory=gt.build_model, step_fn=gt.train_step,
                    checkpoint_every=4, guard=GuardPolicy(max_consecutive=3))
-    with pytest.raises(GuardStop, match="3 consecutive steps skipped"):
+    with pytest.raises(GuardStop, match="3 consecutive steps skipped") as stop:
         for step in range(20):
             rec.log(step, batch(step), gt.train_step(model, optimizer, batch(step)))
     assert step == 11
+    assert stop.value.incident == tmp_path / "run" / INCIDENTS / "step_00000011"  # the newest incident, the stop's own
     log = events(tmp_path / "run")
     assert [e["step"] for e in log if e["event"] == "skip"] == [5, 9, 10, 11]
     assert next(e for e in log if e["step"] == 9)["repeats"][0]["step"] == 5
-    assert [e["event"] for e in log[-2:]] == ["stop", "summary"]
+    assert log[-2] == {"event": "stop", "step": 11, "why": "3 consecutive steps skipped (max_consecutive=3)",
+                       "incident": f"{INCIDENTS}/step_00000011"}
+    assert log[-1]["event"] == "summary"
     assert sorted(p.name for p in (tmp_path / "run" / INCIDENTS).iterdir() if p.is_dir()) == \
         [f"step_{s:08d}" for s in (5, 9, 10, 11)]
 
 
-def test_fraction_of_skipped_steps_stops(tmp_path):
-    defects = {s: "inf_input" for s in (2, 6, 9)}
+def _skipping(run: Path, skips: tuple[int, ...], steps: int, policy: GuardPolicy) -> int:
+    """A guarded run of ``steps`` steps whose batches at ``skips`` hold an inf: the step it stopped at (GuardStop), or
+    ``steps`` where it ran to the end."""
+    defects = {s: "inf_input" for s in skips}
     model = gt.build_model()
     optimizer = gt.make_optimizer(model)
-    rec = Recorder(tmp_path / "run", model, optimizer, model_factory=gt.build_model, step_fn=gt.train_step,
-                   guard=GuardPolicy(max_skip_fraction=0.2, fraction_after=8))
-    with pytest.raises(GuardStop, match="3 of 10 steps skipped, more than max_skip_fraction=0.2"):
-        for step in range(20):
+    rec = Recorder(run, model, optimizer, model_factory=gt.build_model, step_fn=gt.train_step, guard=policy)
+    try:
+        for step in range(steps):
             b = gt.make_batch(step, defects)
             rec.log(step, b, gt.train_step(model, optimizer, b))
-    assert step == 9  # judged at each skip from step fraction_after on: 2 of 7 at step 6 is not judged yet
+    except GuardStop as stop:
+        assert f"{len([s for s in skips if s <= step])} of {step + 1} steps skipped, more than max_skip_fraction=" \
+            f"{policy.max_skip_fraction}" in str(stop)
+        return step
+    rec.close()
+    return steps
+
+
+def test_fraction_of_skipped_steps_stops(tmp_path):
+    """Judged at each skip from the fraction_after-th step on (2 of 7 at step 6 is not judged yet; 3 of 10 at step 9,
+    the tenth, is), and only a fraction above the limit stops: exactly a quarter of the steps skipped at 0.25 goes on."""
+    assert _skipping(tmp_path / "a", (2, 6, 9), 12, GuardPolicy(max_skip_fraction=0.2, fraction_after=10)) == 9
+    assert _skipping(tmp_path / "b", (3, 7, 11), 12, GuardPolicy(max_skip_fraction=0.25, fraction_after=4)) == 12
 
 
 def test_fused_adam_skips_on_the_device_and_keeps_its_step_count(tmp_path):
@@ -326,3 +374,18 @@ def test_settings_are_checked(tmp_path, options, message):
                  step_fn=gt.train_step, **options)
     with pytest.raises(ValueError, match="at least 1"):
         GuardPolicy(max_consecutive=0)
+
+
+@pytest.mark.parametrize("field, bad, good, message", [
+    ("max_consecutive", 0, 1, "max_consecutive, state_check_every and fraction_after must be at least 1"),
+    ("state_check_every", 0, 1, "max_consecutive, state_check_every and fraction_after must be at least 1"),
+    ("fraction_after", 0, 1, "max_consecutive, state_check_every and fraction_after must be at least 1"),
+    ("max_skip_fraction", -0.01, 0.0, "max_skip_fraction must be between 0 and 1"),
+    ("max_skip_fraction", 1.01, 1.0, "max_skip_fraction must be between 0 and 1"),
+    ("ring_bytes", 0, 1, "ring_bytes must be positive (or None for no byte limit)")])
+def test_each_policy_limit_is_refused_past_its_edge_and_taken_at_it(field, bad, good, message):
+    """Each setting alone, one past its edge (refused with its own sentence) and at it (taken)."""
+    with pytest.raises(ValueError) as refused:
+        GuardPolicy(**{field: bad})
+    assert str(refused.value) == message
+    assert getattr(GuardPolicy(**{field: good}), field) == good

@@ -7,6 +7,7 @@ that checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -99,6 +100,44 @@ def test_the_bound_is_the_least_one():
     assert 0.999 * limit < ratio <= limit
     assert not any(m.any() for m in soundness.flags(state, group).values())
     assert soundness.adam_bound(0.99, 0.9) is None and soundness.adam_bound(0.9, 1.0) is None  # b1^2 >= b2, b2 = 1
+    for b1 in (0.5, 0.75, 0.875):  # b1^2 = b2 exactly (these squares are exact): no bound, not a division by 0
+        assert b1 * b1 < 1 and soundness.adam_bound(b1, b1 * b1) is None
+
+
+_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+@pytest.mark.parametrize("betas", [None, (0.9, 0.999), (0.99, 0.9)], ids=["no-betas", "bounded", "b1^2>b2"])
+@pytest.mark.parametrize("keys", [k for n in range(1, 4) for k in itertools.combinations(_KEYS, n)], ids=str)
+def test_each_check_applies_exactly_where_its_tensors_and_betas_are(keys, betas):
+    """Every subset of Adam's tensors, with betas that bound them, that do not, or none: a negative second moment
+    planted at 0, a maximum below v at 1, an exp_avg 100 times past the bound at 2; each check reports its own
+    coordinate where its tensors (and, for the bound, betas) are there, and nothing else is reported."""
+    planted = {"exp_avg_sq": [-1.0, 1.0, 1.0, 1.0], "max_exp_avg_sq": [1.0, 0.5, 1.0, 1.0],
+               "exp_avg": [0.0, 0.0, 100.0, 0.0]}
+    state = {k: torch.tensor(planted[k]) for k in keys}
+    hyper = {} if betas is None else {"betas": betas}
+    expected = {f"{soundness.NEGATIVE}:{k}": [0] if k == "exp_avg_sq" else [] for k in keys if k in soundness.NONNEGATIVE}
+    if {"max_exp_avg_sq", "exp_avg_sq"} <= set(keys):
+        expected[f"{soundness.AMSGRAD}:max_exp_avg_sq"] = [1]
+    if {"exp_avg", "exp_avg_sq"} <= set(keys) and betas == (0.9, 0.999):
+        expected[f"{soundness.BOUND}:exp_avg"] = [2]
+    got = {name: mask.nonzero().flatten().tolist() for name, mask in soundness.flags(state, hyper).items()}
+    assert got == expected
+    suspect = soundness._suspect(state, minima(state), hyper, torch.empty(4))
+    assert suspect == any(expected.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_the_absolute_slack_is_the_edge(dtype):
+    """Beside a second moment of 0, an exp_avg of exactly the absolute slack is sound and the next float32 up is not."""
+    for b1, b2 in ((0.9, 0.999), (0.0, 0.99), (0.95, 0.9999)):
+        limit = soundness.adam_bound(b1, b2)
+        atol = torch.tensor(soundness._tolerance(dtype, b1, b2, limit)[1], dtype=torch.float32)
+        state = {"exp_avg": torch.stack([atol, torch.nextafter(atol, torch.tensor(math.inf))]),
+                 "exp_avg_sq": torch.zeros(2)}
+        mask = soundness.flags(state, {"betas": (b1, b2), "_dtype": dtype})[f"{soundness.BOUND}:exp_avg"]
+        assert mask.tolist() == [False, True], (b1, b2)
 
 
 # ---- the screen: a chunk it passes has nothing for the masks to flag ------------------------------------------------
@@ -158,6 +197,38 @@ def test_the_screen_passes_healthy_adam_state():
     assert not soundness._suspect(state, minima(state), {**group, "_dtype": torch.float32}, torch.empty(4096))
     state["exp_avg"][7] = 8 * state["exp_avg_sq"][7].sqrt()  # past the bound (7.27 at these betas)
     assert soundness._suspect(state, minima(state), {**group, "_dtype": torch.float32}, torch.empty(4096))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_screen_passes_state_at_the_bound_and_where_gradients_were_zero(dtype):
+    """Passed, not merely unflagged: coordinates that never had a gradient (m = v = 0, the minimum of v is 0) and
+    torch's Adam on gradients growing as (b2/b1)^t, which take |m|/sqrt(v) to the bound itself. A screen that called
+    these suspect would build the masks for every chunk of an embedding or of a run at its bound."""
+    b1, b2 = 0.9, 0.999
+    p = torch.nn.Parameter(torch.zeros(1024, dtype=dtype))
+    optimizer = torch.optim.Adam([p], betas=(b1, b2), amsgrad=True)
+    base = torch.rand(1024, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.5
+    base[:64] = 0  # never a gradient there
+    for t in range(60):
+        p.grad = (base * (b2 / b1) ** t * 1e-6).to(dtype)
+        optimizer.step()
+        state = {k: optimizer.state[p][k].float() for k in _KEYS}
+        hyper = {"betas": (b1, b2), "_dtype": dtype}
+        assert not soundness._suspect(state, minima(state), hyper, torch.empty(1024)), t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_the_screen_passes_no_pair_the_masks_would_flag_over_a_grid(dtype):
+    """Every pair of a grid of exp_avg and exp_avg_sq, the exp_avg not tied to the bound (the generated chunks above
+    place it at the bound's edges): where ``flags`` flags the pair, the screen calls it suspect. Among them: a second
+    moment of 0 beside a first moment so small its square underflows float32, in float64 state."""
+    magnitudes = [0.0, 2.0 ** -149, 1e-23, 1e-20, 1e-10, 1.0, 1e19]
+    for b1, b2 in ((0.9, 0.999), (0.5, 0.99)):
+        hyper = {"betas": (b1, b2), "_dtype": dtype}
+        for m, v in itertools.product(magnitudes, repeat=2):
+            state = {"exp_avg": torch.tensor([m]), "exp_avg_sq": torch.tensor([v])}
+            if soundness.flags(state, hyper)[f"{soundness.BOUND}:exp_avg"].any():
+                assert soundness._suspect(state, minima(state), hyper, torch.empty(1)), (m, v, b1, b2)
 
 
 # ---- one pass: the findings do not depend on how the state is cut into chunks ----------------------------------------

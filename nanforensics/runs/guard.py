@@ -494,10 +494,10 @@ class Guard:
         elif self.steps >= p.fraction_after and len(self.skipped) > p.max_skip_fraction * self.steps:
             why = (f"{len(self.skipped)} of {self.steps} steps skipped, more than max_skip_fraction="
                    f"{p.max_skip_fraction}")
-        if why is not None:
-            self._note({"event": "stop", "step": step, "why": why, "incident": str(self.incidents[-1].relative_to(
-                self.rec.path)) if self.incidents else None})
-            raise self._stop(why, self.incidents[-1] if self.incidents else None)
+        if why is not None:  # called after a skip's or a rollback's incident: the newest is this step's
+            self._note({"event": "stop", "step": step, "why": why,
+                        "incident": str(self.incidents[-1].relative_to(self.rec.path))})
+            raise self._stop(why, self.incidents[-1])
 
     def _stop(self, why: str, incident: Path | None) -> GuardStop:
         self.rec.close()

@@ -14,6 +14,7 @@ mutant survives unexplained or an entry is stale, 0 otherwise.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -89,8 +90,11 @@ def dotted(module: str) -> str:
 
 
 def scratch_dir(module: str, tests_at: str | None = None) -> Path:
-    """Where a module's mutants are made and run (and stay, for `mutmut show` and `mutmut browse` there)."""
-    return Path(tempfile.gettempdir()) / "nanforensics-mutate" / (dotted(module) + (f"@{tests_at}" if tests_at else ""))
+    """Where a module's mutants are made and run (and stay, for `mutmut show` and `mutmut browse` there): one folder
+    per checkout, so that two checkouts' runs on one machine (a `--count` here, a run there) never wipe each other's."""
+    checkout = hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]
+    return (Path(tempfile.gettempdir()) / "nanforensics-mutate" / checkout /
+            (dotted(module) + (f"@{tests_at}" if tests_at else "")))
 
 
 def scratch_copy(module: str, tests_at: str | None = None, tests: Sequence[str] = ()) -> Path:

@@ -5,6 +5,7 @@ in milliseconds."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -231,17 +232,53 @@ def test_a_tensor_whose_strides_pass_int64_is_refused_before_its_storage_is_weig
         f"{WHERE}: a tensor's shape [4611686018427387904] has strides beyond 2^63 bytes"
 
 
-def test_a_file_holding_more_than_its_size_says_is_refused_past_the_limit():
-    status = Path("/proc/self/status")  # its size says 0; it holds a few hundred bytes
-    if not status.exists():
-        pytest.skip("no /proc")
-    assert len(read_input(status, limit=100_000)) > 100
-    assert refusal(read_input, status, limit=100) == \
-        f"{status}: more than the 100 bytes this nanforensics reads of such a file (its size said 0)"
+class _SizeSays:
+    """A file's stat as /proc's files give it (size 0 whatever they hold), or as a file that grew since: its other
+    fields the file's own."""
+
+    def __init__(self, real: os.stat_result) -> None:
+        self._real = real
+        self.st_size = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
 
 
-def test_a_regular_file_that_cannot_be_read_is_refused_in_one_line():
-    mem = Path("/proc/self/mem")  # a regular file by stat, whose read at offset 0 fails (EIO)
-    if not mem.exists():
-        pytest.skip("no /proc")
-    assert refusal(read_input, mem) == f"{mem}: cannot read (Input/output error)"
+def test_a_file_holding_more_than_its_size_says_is_refused_past_the_limit(tmp_path, monkeypatch):
+    """A size that says less than the file holds (/proc's 0, or a file grown since the fstat): read past the limit
+    is refused, never returned cut. The file is the test's own; its stat says 0."""
+    grown = tmp_path / "grown"
+    grown.write_bytes(b"x" * 300)
+    real_fstat = os.fstat
+    monkeypatch.setattr(inputs.os, "fstat", lambda fd: _SizeSays(real_fstat(fd)))
+    assert read_input(grown, limit=100_000) == b"x" * 300
+    assert refusal(read_input, grown, limit=100) == \
+        f"{grown}: more than the 100 bytes this nanforensics reads of such a file (its size said 0)"
+
+
+class _Unreadable:
+    """An open regular file whose reads fail as a failing disk's do (EIO)."""
+
+    def __init__(self, f: object) -> None:
+        self._f = f
+
+    def __enter__(self) -> "_Unreadable":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()  # type: ignore[attr-defined]
+
+    def fileno(self) -> int:
+        return self._f.fileno()  # type: ignore[attr-defined]
+
+    def read(self, n: int) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+def test_a_regular_file_that_cannot_be_read_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A regular file whose read fails (EIO from a failing disk): one line naming it, the system's words."""
+    broken = tmp_path / "broken"
+    broken.write_bytes(b"{}")
+    real_open = inputs.open_input
+    monkeypatch.setattr(inputs, "open_input", lambda path: _Unreadable(real_open(path)))
+    assert refusal(read_input, broken) == f"{broken}: cannot read (Input/output error)"

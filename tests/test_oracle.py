@@ -131,6 +131,26 @@ def test_inf_gradient_from_a_near_zero_input_is_made_in_the_backward() -> None:
     assert (ref.op, ref.phase, ref.samples) == ("aten::div", "backward", [1])
 
 
+class MaskedLogGain(LogGain):
+    """log where the reading is positive, 0 elsewhere: log(0)'s -inf is dropped by the where, and log's backward
+    divides its zero gradient by the zero reading, 0/0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.softplus(self.gain) * x
+        return torch.where(u > 0, torch.log(u), torch.zeros_like(u))
+
+
+@pytest.mark.parametrize("reading, op, phase", [(0.0, "aten::log", "forward"), (3e-45, "aten::div", "backward")])
+def test_a_backward_birth_is_reached_by_its_forward_op_s(reading: float, op: str, phase: str) -> None:
+    """The gradient's NaN is log's backward 0/0, made from finite values; it is reached by what log's forward made
+    (-inf, dropped by the where), so log is named. A reading log keeps finite (-103) leaves the backward's own op."""
+    bad = _rows()
+    bad["x"][1, 2] = reading
+    ref = _run(nn.Sequential(MaskedLogGain(3), nn.Linear(3, 1)), [bad])
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.index) == ("grad", "0.gain", [2])
+    assert (ref.op, ref.phase, ref.samples) == (op, phase, [1])
+
+
 def _unclipped_division(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
     optimizer.zero_grad(set_to_none=True)
     loss = F.mse_loss(model(batch["x"]), batch["y"])
@@ -351,6 +371,76 @@ def test_an_inf_that_nan_surrounds_is_named_by_the_first_overflow_that_reaches_i
     assert (ref.op, ref.phase) == (op, "forward")
     report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
     assert report.operation.site.op.split(".")[0] == op
+    assert compare(ref, report) == []
+
+
+# Two micro-batches accumulated into one update at step 2: the first's outputs (1e20) are finite and their square, the
+# loss, overflows when {first}; the second's sample 0 (1e20 x 1e19) overflows in head's addmm on its own. The
+# parameters do not change between micro-batches, so the first's inf never reaches the second's forward.
+ACCUMULATED = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(2, 1)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.tensor([[1e19, 0.0]]))
+            self.head.bias.zero_()
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def build_model():
+    return Net()
+
+
+def make_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+make_scheduler = None
+
+
+def make_batch(step):
+    first = torch.full((2, 2), 1e-3)
+    second = torch.full((2, 2), 1e-3)
+    if step == 2:
+        first[:, 0] = {first_reading}
+        second[0, 0] = 1e20
+    return {{"micro_batches": [{{"x": first}}, {{"x": second}}]}}
+
+
+def train_step(model, optimizer, batch):
+    optimizer.zero_grad(set_to_none=True)
+    loss = 0.0
+    for micro in batch["micro_batches"]:
+        part = model(micro["x"]).pow(2).sum() / 2
+        part.backward()
+        loss = loss + part.detach()
+    optimizer.step()
+    return loss
+'''
+
+
+@pytest.mark.parametrize("first", ["10.0", "1e-3"])
+def test_a_micro_batch_s_overflow_that_never_reaches_the_origin_is_not_its_op(first: str, tmp_path: Path) -> None:
+    """Seed 70390's class: the origin, first in stage order, is the second micro-batch's forward; the op named is the
+    first birth that reaches it (head's addmm), not the step's first birth (the first micro-batch's square, whose inf
+    reaches only the loss). Without the first micro-batch's overflow the answer is the same, the addmm."""
+    module = programs.load(f"accumulated_{first.replace('.', '_').replace('-', '_')}",
+                           ACCUMULATED.format(first_reading=first), tmp_path)
+    programs.record(module, tmp_path / "run")
+    ref = reference(module, programs.extras, programs.STEPS)
+    assert (ref.origin.step, ref.origin.stage, ref.origin.tensor, ref.origin.index, ref.origin.value) == (
+        2, "forward", "head", [0, 0], "inf")
+    assert ([f.stage for f in ref.steps[2]][:3], ref.op, ref.phase, ref.samples) == (
+        ["forward", "loss", "grad"], "aten::addmm", "forward", [2])
+    report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
+    assert report.operation.site.op.split(".")[0] == "aten::addmm"
     assert compare(ref, report) == []
 
 

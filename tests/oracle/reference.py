@@ -5,9 +5,9 @@ read whole with ``torch.isfinite``.
 
 What it reports (``Reference``): per step the first non-finite value of each stage in program order (stage, tensor,
 coordinate, value); the origin, the first step with a non-finite value that is not loss-only; the loss-only steps
-(a non-finite loss, nothing but forward activations non-finite with it); the op that made the origin step's first
-non-finite value from finite inputs, with its phase; and the samples of that step that fail alone (the step re-run
-from a snapshot on each single sample).
+(a non-finite loss, nothing but forward activations non-finite with it); the op of that step that first made a
+non-finite value from finite inputs, of those whose value reaches the origin, with its phase; and the samples of that
+step that fail alone (the step re-run from a snapshot on each single sample).
 """
 
 from __future__ import annotations
@@ -369,7 +369,8 @@ class Births(TorchDispatchMode):
 
 def birth(prog: Program, batch: Any, stage: str) -> tuple[str | None, str | None]:
     """The first op, in program order, of the step that made a non-finite value from finite inputs and whose value
-    reaches the origin (the first non-finite tensor of ``stage``), and its phase:
+    reaches the origin (the first non-finite tensor of ``stage``; none reaches a value the batch brought in), and its
+    phase:
     forward (inside a module, inside ``torch.func.grad``'s function, or building the graph), backward, optimizer
     (inside ``optimizer.step()``), before_update (the step's own code before the update, not building the graph),
     after_update (after it)."""
@@ -410,9 +411,7 @@ def birth(prog: Program, batch: Any, stage: str) -> tuple[str | None, str | None
     finally:
         for h in handles:
             h.remove()
-    if reached and reached[0] is not None:
-        return mode.births[reached[0]]
-    return mode.made[0] if mode.made else (None, None)
+    return mode.births[reached[0]] if reached and reached[0] is not None else (None, None)
 
 
 # ---- samples alone ------------------------------------------------------------------------------------------------

@@ -374,28 +374,21 @@ def test_an_inf_that_nan_surrounds_is_named_by_the_first_overflow_that_reaches_i
     assert compare(ref, report) == []
 
 
-# Two micro-batches accumulated into one update at step 2: the first's outputs (1e20) are finite and their square, the
-# loss, overflows when {first}; the second's sample 0 (1e20 x 1e19) overflows in head's addmm on its own. The
-# parameters do not change between micro-batches, so the first's inf never reaches the second's forward.
+# Two micro-batches accumulated into one update at step 2: at a reading of 10 the first's outputs (1e20) are finite
+# and their square, the loss, overflows (at 1e-3 it does not); the second's sample 0 (1e20 x 1e19) overflows in the
+# linear layer's addmm on its own. The parameters do not change between micro-batches, so the first's inf never reaches
+# the second's forward.
 ACCUMULATED = '''
 import torch
 from torch import nn
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.head = nn.Linear(2, 1)
-        with torch.no_grad():
-            self.head.weight.copy_(torch.tensor([[1e19, 0.0]]))
-            self.head.bias.zero_()
-
-    def forward(self, x):
-        return self.head(x)
-
-
 def build_model():
-    return Net()
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1e19, 0.0]]))
+        model.bias.zero_()
+    return model
 
 
 def make_optimizer(model):
@@ -429,14 +422,14 @@ def train_step(model, optimizer, batch):
 @pytest.mark.parametrize("first", ["10.0", "1e-3"])
 def test_a_micro_batch_s_overflow_that_never_reaches_the_origin_is_not_its_op(first: str, tmp_path: Path) -> None:
     """Seed 70390's class: the origin, first in stage order, is the second micro-batch's forward; the op named is the
-    first birth that reaches it (head's addmm), not the step's first birth (the first micro-batch's square, whose inf
+    first birth that reaches it (the layer's addmm), not the step's first birth (the first micro-batch's square, whose inf
     reaches only the loss). Without the first micro-batch's overflow the answer is the same, the addmm."""
     module = programs.load(f"accumulated_{first.replace('.', '_').replace('-', '_')}",
                            ACCUMULATED.format(first_reading=first), tmp_path)
     programs.record(module, tmp_path / "run")
     ref = reference(module, programs.extras, programs.STEPS)
     assert (ref.origin.step, ref.origin.stage, ref.origin.tensor, ref.origin.index, ref.origin.value) == (
-        2, "forward", "head", [0, 0], "inf")
+        2, "forward", "<root>", [0, 0], "inf")
     assert ([f.stage for f in ref.steps[2]][:3], ref.op, ref.phase, ref.samples) == (
         ["forward", "loss", "grad"], "aten::addmm", "forward", [2])
     report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))

@@ -20,7 +20,7 @@ import torch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -124,8 +124,9 @@ class StepWatch:
         if stage in self.found:
             return
         with temporarily_clear_interpreter_stack():  # read as plain tensors, outside any transform
-            t = _plain(t)
-            bad = first_bad(t.detach()) if _checkable(t) else None
+            t = _plain(t)  # (a dispatch mode watching the step, Births, marks the plain tensor as it marks t)
+            with _disable_current_modes():  # and reads it unseen
+                bad = first_bad(t.detach()) if _checkable(t) else None
         if bad is not None:
             self.found[stage] = Found(self.step, stage, name, bad[0], bad[1], key)
             if self.seen is not None:

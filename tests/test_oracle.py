@@ -131,6 +131,26 @@ def test_inf_gradient_from_a_near_zero_input_is_made_in_the_backward() -> None:
     assert (ref.op, ref.phase, ref.samples) == ("aten::div", "backward", [1])
 
 
+class MaskedLogGain(LogGain):
+    """log where the reading is positive, 0 elsewhere: log(0)'s -inf is dropped by the where, and log's backward
+    divides its zero gradient by the zero reading, 0/0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.softplus(self.gain) * x
+        return torch.where(u > 0, torch.log(u), torch.zeros_like(u))
+
+
+@pytest.mark.parametrize("reading, op, phase", [(0.0, "aten::log", "forward"), (3e-45, "aten::div", "backward")])
+def test_a_backward_birth_is_reached_by_its_forward_op_s(reading: float, op: str, phase: str) -> None:
+    """The gradient's NaN is log's backward 0/0, made from finite values; it is reached by what log's forward made
+    (-inf, dropped by the where), so log is named. A reading log keeps finite (-103) leaves the backward's own op."""
+    bad = _rows()
+    bad["x"][1, 2] = reading
+    ref = _run(nn.Sequential(MaskedLogGain(3), nn.Linear(3, 1)), [bad])
+    assert (ref.origin.stage, ref.origin.tensor, ref.origin.index) == ("grad", "0.gain", [2])
+    assert (ref.op, ref.phase, ref.samples) == (op, phase, [1])
+
+
 def _unclipped_division(model: nn.Module, optimizer: Any, batch: dict[str, Any]) -> torch.Tensor:
     optimizer.zero_grad(set_to_none=True)
     loss = F.mse_loss(model(batch["x"]), batch["y"])
@@ -354,6 +374,69 @@ def test_an_inf_that_nan_surrounds_is_named_by_the_first_overflow_that_reaches_i
     assert compare(ref, report) == []
 
 
+# Two micro-batches accumulated into one update at step 2: at a reading of 10 the first's outputs (1e20) are finite
+# and their square, the loss, overflows (at 1e-3 it does not); the second's sample 0 (1e20 x 1e19) overflows in the
+# linear layer's addmm on its own. The parameters do not change between micro-batches, so the first's inf never reaches
+# the second's forward.
+ACCUMULATED = '''
+import torch
+from torch import nn
+
+
+def build_model():
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1e19, 0.0]]))
+        model.bias.zero_()
+    return model
+
+
+def make_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+make_scheduler = None
+
+
+def make_batch(step):
+    first = torch.full((2, 2), 1e-3)
+    second = torch.full((2, 2), 1e-3)
+    if step == 2:
+        first[:, 0] = {first_reading}
+        second[0, 0] = 1e20
+    return {{"micro_batches": [{{"x": first}}, {{"x": second}}]}}
+
+
+def train_step(model, optimizer, batch):
+    optimizer.zero_grad(set_to_none=True)
+    loss = 0.0
+    for micro in batch["micro_batches"]:
+        part = model(micro["x"]).pow(2).sum() / 2
+        part.backward()
+        loss = loss + part.detach()
+    optimizer.step()
+    return loss
+'''
+
+
+@pytest.mark.parametrize("first", ["10.0", "1e-3"])
+def test_a_micro_batch_s_overflow_that_never_reaches_the_origin_is_not_its_op(first: str, tmp_path: Path) -> None:
+    """Seed 70390's class: the origin, first in stage order, is the second micro-batch's forward; the op named is the
+    first birth that reaches it (the layer's addmm), not the step's first birth (the first micro-batch's square, whose inf
+    reaches only the loss). Without the first micro-batch's overflow the answer is the same, the addmm."""
+    module = programs.load(f"accumulated_{first.replace('.', '_').replace('-', '_')}",
+                           ACCUMULATED.format(first_reading=first), tmp_path)
+    programs.record(module, tmp_path / "run")
+    ref = reference(module, programs.extras, programs.STEPS)
+    assert (ref.origin.step, ref.origin.stage, ref.origin.tensor, ref.origin.index, ref.origin.value) == (
+        2, "forward", "<root>", [0, 0], "inf")
+    assert ([f.stage for f in ref.steps[2]][:3], ref.op, ref.phase, ref.samples) == (
+        ["forward", "loss", "grad"], "aten::addmm", "forward", [2])
+    report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
+    assert report.operation.site.op.split(".")[0] == "aten::addmm"
+    assert compare(ref, report) == []
+
+
 # ---- what the generator found in the recorder and in sample attribution ----------------------------------------------
 
 SPARSE = '''
@@ -572,8 +655,13 @@ def test_a_supported_run_is_not_refused(tmp_path: Path) -> None:
 # 4020: an inf that NaN surrounds: the trace followed the origin's own kind, inf, to the projection that made it from
 # finite rows, where the reference names the step's first overflow (bmm of q and k), whose NaN fills the rows around
 # it; of the births that reach the origin, of either kind, the step's first is named (rootcause/operations.py, _culprit).
+# 70390: under gradient accumulation the first micro-batch's KL sum overflows (the loss) and the second micro-batch's
+# head overflows on its own (the origin, first in stage order); the reference named the step's first birth, which never
+# reaches the origin (the parameters do not change between micro-batches). The reference now names the first birth
+# that reaches the origin, as the replay does (tests/oracle/reference.py, Births.reach).
 FIXED = [28, 65, 91, 107, 170, 171, 179, 185, 191, 201, 311, 353, 354, 372, 409, 437, 474, 574, 1149, 1266, 1298, 1540,
-         2207, 4020, 4254, 6015, 6106, 6426, 10107, 10170, 10582, 20072, 20276, 20415, 40321, 41965]
+         2207, 4020, 4254, 6015, 6106, 6426, 10107, 10170, 10582, 20072, 20276, 20415, 40321, 41965,
+         70390]
 # Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
 # join FIXED.
 KNOWN: dict[int, str] = {
@@ -584,10 +672,6 @@ KNOWN: dict[int, str] = {
            "(replay.amp.scaler_caught and the reference's) makes 20026 agree at step 3, but moves 20072, 20276 and "
            "20415 to step 0 (the scaler's first skip leaves Muon's biases inf), where group testing misses samples: "
            "fp16 sums of scaled per-sample gradients overflow alone and cancel in pairs",
-    70390: "operation, under gradient accumulation (found by the 500-program run 70000-70499): the origin, chosen in "
-           "stage order, is the second micro-batch's forward (head's addmm overflows); the reference names the step's "
-           "first birth in program order, the first micro-batch's KL sum, whose inf never reaches that forward (the "
-           "parameters do not change between micro-batches); the replay names the addmm on the origin's data flow",
 }
 LOSS_ONLY = [101, 132]  # every label of a step ignored: the fault seeds 0-99 draw only where it is refused
 SEEDS = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[s])) if s in KNOWN else s

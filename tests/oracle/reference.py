@@ -5,9 +5,9 @@ read whole with ``torch.isfinite``.
 
 What it reports (``Reference``): per step the first non-finite value of each stage in program order (stage, tensor,
 coordinate, value); the origin, the first step with a non-finite value that is not loss-only; the loss-only steps
-(a non-finite loss, nothing but forward activations non-finite with it); the op that made the origin step's first
-non-finite value from finite inputs, with its phase; and the samples of that step that fail alone (the step re-run
-from a snapshot on each single sample).
+(a non-finite loss, nothing but forward activations non-finite with it); the op of that step that first made a
+non-finite value from finite inputs, of those whose value reaches the origin, with its phase; and the samples of that
+step that fail alone (the step re-run from a snapshot on each single sample).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_clear_interpreter_stack
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
+from torch.utils.weak import WeakTensorKeyDictionary
 
 ORDER = ("batch", "forward", "loss", "grad", "optimizer_grad", "optimizer_state", "param", "buffer")
 LOSS_ONLY = {"forward", "loss"}
@@ -108,8 +109,9 @@ class StepWatch:
     """Hooks for one run of one step: every stage's first non-finite value, in the order the hooks saw them."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                 constant_buffers: set[str]) -> None:
-        self.model, self.optimizer, self.step = model, optimizer, step
+                 constant_buffers: set[str], seen: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        """``seen``: told each stage's first non-finite tensor the moment it is found."""
+        self.model, self.optimizer, self.step, self.seen = model, optimizer, step, seen
         self.names = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             self.names.setdefault(p, n)
@@ -122,10 +124,13 @@ class StepWatch:
         if stage in self.found:
             return
         with temporarily_clear_interpreter_stack():  # read as plain tensors, outside any transform
-            t = _plain(t)
-            bad = first_bad(t.detach()) if _checkable(t) else None
+            t = _plain(t)  # (a dispatch mode watching the step, Births, marks the plain tensor as it marks t)
+            with _disable_current_modes():  # and reads it unseen
+                bad = first_bad(t.detach()) if _checkable(t) else None
         if bad is not None:
             self.found[stage] = Found(self.step, stage, name, bad[0], bad[1], key)
+            if self.seen is not None:
+                self.seen(stage, t)
 
     def __enter__(self) -> "StepWatch":
         for name, module in self.model.named_modules():
@@ -263,7 +268,7 @@ def reference(module: Any, extras: Callable[[Any, Any], dict[str, Any]], steps: 
         return out
     batch = module.make_batch(explained)
     prog.restore(snaps[explained])
-    out.op, out.phase = birth(prog, batch)
+    out.op, out.phase = birth(prog, batch, per_step[explained][0].stage)
     size, singles = single_samples(batch)
     out.batch_size = size
     for i, one in enumerate(singles):
@@ -288,7 +293,9 @@ def _kinds(values: list[Any]) -> tuple[bool, bool]:
 
 class Transforms(TorchFunctionMode):
     """Which torch.func transforms the user's code is inside, read where torch's Python API is called: below it, where
-    ``Births`` runs, functorch has already unwrapped the tensors and hidden its interpreter stack."""
+    ``Births`` runs, functorch has already unwrapped the tensors and hidden its interpreter stack. Also each autograd
+    node a call created whose output is non-finite, with the first birth that reaches that output: its backward's
+    birth is reached by it (log(0)'s -inf dropped by a where, then 0/0 in log's backward)."""
 
     def __init__(self, state: dict[str, Any]) -> None:
         super().__init__()
@@ -300,14 +307,22 @@ class Transforms(TorchFunctionMode):
         self.state["inside"] = bool(keys)
         self.state["differentiated"] = any(k in (TransformType.Grad, TransformType.Jvp) for k in keys)
         try:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
         finally:
             self.state["inside"], self.state["differentiated"] = before
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None and t in self.state["reach"]:
+                self.state["nodes"].setdefault(t.grad_fn, self.state["reach"][t])
+        return out
 
 
 class Births(TorchDispatchMode):
     """Every op whose output holds a NaN none of its inputs held, or an ±inf none held (a NaN made from ±inf counts):
     a non-tensor inf argument (``masked_fill(mask, -inf)``) is a constant written, not a value made.
+
+    Each non-finite tensor an op writes is marked with the first birth that reaches it: the earliest of the op's own
+    and its non-finite inputs' marks (``reach``). Several micro-batches make values that never meet: the first
+    micro-batch's loss can overflow while a later one's forward overflows on its own.
 
     A birth inside a torch.func transform is kept only once a non-finite value leaves the transform: an op outside
     every transform reads one before any op outside has made one. A per-sample loss over no target is NaN inside
@@ -318,6 +333,8 @@ class Births(TorchDispatchMode):
         self.phase, self.state = phase, state
         self.made: list[tuple[str, str]] = []
         self.pending: list[tuple[str, str]] = []  # made inside a transform, not yet seen leaving it
+        self.births: list[tuple[str, str]] = []  # every birth, kept or pending, in program order
+        self.reach: WeakTensorKeyDictionary = state["reach"]  # a non-finite tensor -> the first birth reaching it
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -328,6 +345,7 @@ class Births(TorchDispatchMode):
         if not inside and (in_nan or in_inf) and self.pending and not self.made:
             self.made += self.pending  # what the transform made came out of it
         constant_inf = any(isinstance(a, float) and a in (float("inf"), float("-inf")) for a in inputs)
+        came = [self.reach[t] for t, (n, i) in zip(inputs, before) if (n or i) and t in self.reach]
         out = func(*args, **kwargs)
         name = func._schema.name
         if name not in ALLOCATIONS and not constant_inf:
@@ -338,15 +356,27 @@ class Births(TorchDispatchMode):
             out_inf = out_inf or any(a[1] and not b[1] for a, b in zip(written, before))
             if (out_nan and not in_nan) or (out_inf and not in_inf and not in_nan):
                 (self.pending if inside else self.made).append((name, self.phase(inputs)))
+                came.append(len(self.births))
+                node = torch._C._current_autograd_node()
+                if node is not None and node in self.state["nodes"]:
+                    came.append(self.state["nodes"][node])
+                self.births.append((name, self.phase(inputs)))
+        if came:
+            for t in [*tree_flatten(out)[0], *inputs]:
+                if isinstance(t, torch.Tensor) and any(_kinds([t])):
+                    self.reach[t] = min(came + ([self.reach[t]] if t in self.reach else []))
         return out
 
 
-def birth(prog: Program, batch: Any) -> tuple[str | None, str | None]:
-    """The first op, in program order, of the step that made a non-finite value from finite inputs, and its phase:
+def birth(prog: Program, batch: Any, stage: str) -> tuple[str | None, str | None]:
+    """The first op, in program order, of the step that made a non-finite value from finite inputs and whose value
+    reaches the origin (the first non-finite tensor of ``stage``; none reaches a value the batch brought in), and its
+    phase:
     forward (inside a module, inside ``torch.func.grad``'s function, or building the graph), backward, optimizer
     (inside ``optimizer.step()``), before_update (the step's own code before the update, not building the graph),
     after_update (after it)."""
-    state = {"depth": 0, "optimizer": False, "after": False, "inside": False, "differentiated": False}
+    state = {"depth": 0, "optimizer": False, "after": False, "inside": False, "differentiated": False,
+             "reach": WeakTensorKeyDictionary(), "nodes": {}}
 
     def phase(inputs: list[Any]) -> str:
         if state["optimizer"]:
@@ -368,13 +398,21 @@ def birth(prog: Program, batch: Any) -> tuple[str | None, str | None]:
                *[o.register_step_post_hook(lambda *a: state.update(optimizer=False, after=True))
                  for o in each(prog.optimizer)]]
     mode = Births(phase, state)
+    reached: list[int | None] = []
+
+    def seen(found: str, t: torch.Tensor) -> None:
+        if found == stage:
+            reached.append(mode.reach.get(t))
+
+    watch = StepWatch(prog.model, prog.optimizer, -1, prog.constant_buffers, seen)
     try:
-        with Transforms(state), mode:
-            prog.module.train_step(prog.model, prog.optimizer, batch, **prog.extras)
+        with Transforms(state), mode, watch:
+            loss = prog.module.train_step(prog.model, prog.optimizer, batch, **prog.extras)
+            watch.finish(batch, loss)
     finally:
         for h in handles:
             h.remove()
-    return mode.made[0] if mode.made else (None, None)
+    return mode.births[reached[0]] if reached and reached[0] is not None else (None, None)
 
 
 # ---- samples alone ------------------------------------------------------------------------------------------------

@@ -665,6 +665,9 @@ FIXED = [28, 65, 91, 107, 170, 171, 179, 185, 191, 201, 311, 353, 354, 372, 409,
 # Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
 # join FIXED.
 KNOWN: dict[int, str] = {
+    1278: "origin.state_key, Adafactor stepped by two optimizers after an LR spike (found by accum31's run of the two-"
+          "optimizer programs 1000-1099, on main too): row_var and col_var turn non-finite in the same step; the "
+          "reference names the one written first (row_var), the replay orders a stage's state keys by name (col_var)",
     20026: "operation, under a GradScaler: a parameter no optimizer holds accumulates gradients the scaler never "
            "unscales until they overflow; the trace names no op for the NaN of that accumulation (the reference names "
            "the backward's sum). The NaN came in from step 3, which the scaler skipped (log(0)) and both call caught "

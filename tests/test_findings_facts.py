@@ -278,6 +278,17 @@ def test_each_loss_only_step_is_harmless_unseen_or_the_first_sign_by_the_steps_a
         assert [s for s in findings(r) if s.startswith("The loss was")] == said, steps
 
 
+def test_a_harmless_loss_only_step_followed_by_a_step_with_an_event_names_the_healthy_step_after():
+    """The step right after a harmless loss-only step is not healthy (an overflow the scaler caught): the sentence
+    names the healthy step that makes it harmless, never "stayed finite through" the loss-only step itself."""
+    r = loss_only_report(None, [3])
+    r.events = [event(4)]
+    said = [s for s in findings(r) if s.startswith("The loss was")]
+    assert said == ["The loss was NaN at step 3, but no gradient, parameter, optimizer-state or buffer value was: the "
+                    "non-finite loss never reached the model, so training could continue (the replay was healthy again "
+                    f"at step 5).{MEAN}"], said
+
+
 def test_an_infinite_loss_is_an_overflow_and_names_the_largest_activation_where_every_one_is_known():
     r = loss_only_report(6, [4, 5], {4: math.inf, 5: -math.inf})
     head = ("The loss was -inf or inf at steps 4, 5 before the origin, but no gradient, parameter, optimizer-state or buffer "

@@ -327,8 +327,11 @@ def _loss_only(r: ReplayReport) -> list[str]:
                 if step not in healthy and step not in steps:
                     break
                 upto = step
-            text = (f"{head}: the non-finite loss never reached the model, so training could continue (the replayed "
-                    f"steps after it stayed finite through step {upto}).")
+            # the steps right after it kept the model finite; or, where the next one did not (a caught overflow),
+            # the healthy step that makes it harmless
+            tail = (f"the replayed steps after it stayed finite through step {upto}" if upto > group[-1] else
+                    f"the replay was healthy again at step {min(h for h in healthy if h > group[-1])}")
+            text = f"{head}: the non-finite loss never reached the model, so training could continue ({tail})."
         elif verdict == "unseen":
             text = (f"{head}; the replay holds no healthy step after it (it ended at step {last}), so it does not show "
                     "whether training could continue.")

@@ -53,19 +53,16 @@ def loss_value(loss: Any, where: Path) -> float:
 
 
 @contextmanager
-def no_optimizer_step(optimizer: torch.optim.Optimizer,
-                      calls: list[torch.optim.Optimizer] | None = None) -> Iterator[None]:
+def no_optimizer_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """An instance attribute shadows the method: the user's step runs, the optimizer does nothing (each of several,
-    whose own ``step()`` the step function calls; ``calls``: the optimizer of each call that would have stepped one,
-    so a GradScaler's skip is seen).
+    whose own ``step()`` the step function calls).
 
     An LR scheduler may already have put its own wrapper there; it is put back as it was.
     """
     members = members_of(optimizer)
     own = [vars(o).get("step") for o in members]
-    noted = calls if calls is not None else []
     for o in members:
-        o.step = lambda *args, _o=o, **kwargs: noted.append(_o)  # type: ignore[method-assign]
+        o.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         yield
     finally:

@@ -59,10 +59,7 @@ class OptimizerSet(torch.optim.Optimizer):
 
     def as_given(self) -> Any:
         """The members as the training loop passed them: what the step function receives."""
-        if self.given == "dict":
-            return dict(self.members)
-        values = list(self.members.values())
-        return tuple(values) if self.given == "tuple" else values
+        return shaped(list(self.members), list(self.members.values()), self.given)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -183,6 +180,14 @@ def members_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     return list(optimizer.members.values()) if isinstance(optimizer, OptimizerSet) else [optimizer]
 
 
+def shaped(names: Sequence[str], values: list[Any], given: str) -> Any:
+    """One value per member, in the container the loop passed the optimizers in (``given``): a dict by the names, a
+    tuple or a list in the members' order."""
+    if given == "dict":
+        return dict(zip(names, values))
+    return tuple(values) if given == "tuple" else values
+
+
 def as_given(held: Any) -> Any:
     """What the step function is called with: a set's members (optimizers, schedulers) as the loop passed them, else
     the one optimizer or scheduler."""
@@ -222,10 +227,7 @@ class SchedulerSet:
 
     def as_given(self) -> Any:
         """The schedulers as the loop passed them, None for a member without one: what the step function receives."""
-        values = [self.members.get(n) for n in self.names]
-        if self.given == "dict":
-            return dict(zip(self.names, values))
-        return tuple(values) if self.given == "tuple" else values
+        return shaped(self.names, [self.members.get(n) for n in self.names], self.given)
 
     def state_dict(self) -> dict[str, Any]:
         return {name: s.state_dict() for name, s in self.members.items()}

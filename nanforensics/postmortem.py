@@ -29,7 +29,7 @@ from .rootcause.findings import describe
 from .runs import imports
 from .runs.run import MANIFEST, Run, UserCode
 from .runs.steplog import LoggedStep, first_nonfinite
-from .words import count, numbered
+from .words import count, numbered, span
 
 POSTMORTEM_SCHEMA = "nanforensics.postmortem/1"
 DONE, SKIPPED, FAILED = "done", "skipped", "failed"
@@ -212,7 +212,7 @@ def _replay(run: Run | None, not_run: Analysis, steps: list[LoggedStep] | None, 
              "not_reproduced": "the logged NaN did not reproduce",
              "loss_only": f"a non-finite loss only, at {numbered('step', report.loss_only_steps)}: "
                           "gradients, parameters, optimizer state and buffers stayed finite"}[report.verdict]
-    analyses.append(Analysis(REPLAY, DONE, f"steps {s.first_step}-{s.last_step} from the checkpoint at step "
+    analyses.append(Analysis(REPLAY, DONE, f"{span(s.first_step, s.last_step)} from the checkpoint at step "
                                            f"{s.from_checkpoint} on {s.device}; {found}"))
     return report, []
 
@@ -245,7 +245,7 @@ def _tensor_spread(run: Run | None, replay: ReplayReport | None, analyses: list[
         analyses.append(Analysis(TENSOR_SPREAD, FAILED, str(e)))
         return None
     differs = spread.disagreement(m, replay)
-    detail = f"{count(len(m.rows), 'parameter')} over steps {m.steps[0]}-{m.steps[-1]}"
+    detail = f"{count(len(m.rows), 'parameter')} over {span(m.steps[0], m.steps[-1])}"
     if differs is not None:
         detail += f"; the re-run's counts differ from the replay's from step {differs} (non-deterministic kernels?)"
     analyses.append(Analysis(TENSOR_SPREAD, DONE, detail))
@@ -286,10 +286,10 @@ def _window(checkpoints: BisectReport | None, summary: StepLogSummary | None) ->
     return Window(first, last, basis) if basis else None
 
 
-def span(w: Window) -> str:
+def where(w: Window) -> str:
     """``in steps 10-18``, ``at or before step 18`` or ``at or after step 10``."""
     if w.first is not None and w.last is not None:
-        return f"in steps {w.first}-{w.last}"
+        return f"in {span(w.first, w.last)}"
     return f"at or before step {w.last}" if w.last is not None else f"at or after step {w.first}"
 
 
@@ -308,8 +308,8 @@ def _report(path: Path, analyses: list[Analysis], summary: StepLogSummary | None
                                                                                         "loss_only"))):
         verdict, responsible, window = "nonfinite", None, _window(checkpoints, summary)
         if window is not None:
-            headline = f"non-finite values began {span(window)}, not pinned by a replay"
-            findings.append(f"The origin lies {span(window)}: " + "; ".join(window.basis) + ".")
+            headline = f"non-finite values began {where(window)}, not pinned by a replay"
+            findings.append(f"The origin lies {where(window)}: " + "; ".join(window.basis) + ".")
         else:
             headline = "the checkpoints hold non-finite values, but their history is not monotonic (a restart or " \
                        "a repair?), so they do not bracket the origin"

@@ -72,6 +72,7 @@ from ..runs.stages import (
     stage_width,
     tp_size,
 )
+from ..words import span
 from .checkpoint import restore_rank_rng
 from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, SCALER_WHY, prune, step_loss
 from .tensors import local_part, shard_like, speaks_for
@@ -451,7 +452,7 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
     logged_mb = [logged_microbatch_losses(run, j) for j in batch_pipelines(wrapping)]  # by data-parallel rank
     last = run.last_step if opts.max_steps is None else min(run.last_step or 0, checkpoint.step + opts.max_steps - 1)
     assert last is not None
-    progress.phase(f"replaying steps {checkpoint.step}-{last}, one stage per rank", last - checkpoint.step + 1)
+    progress.phase(f"replaying {span(checkpoint.step, last)}, one stage per rank", last - checkpoint.step + 1)
     spread: list[StepRecord] = []
     events: list[Event] = []
     origin_item: tuple[tuple, Event] | None = None
@@ -508,13 +509,13 @@ def replay_pipeline(run: Any, code: Any, start: Callable[[], Any], device: torch
         batch = dp_rank(wrapping, rank)  # whose batch the pipeline ran
         first = stage_rank(wrapping, 0, pipeline)  # the rank that holds this pipeline's inputs
         rows = _rows(_batch_rows(run, event.step, first), n, mb) if mb is not None else []
-        span = f" (rows {rows[0]}-{rows[-1]})" if rows else ""
+        rows_text = f" (rows {rows[0]}-{rows[-1]})" if rows else ""
         at = f" ({coordinate_text(wrapping, rank)})" if width > 1 else ""
         report.pipeline = PipelineOrigin(
             stage_index, rank, mb, n, wrapping["schedule"], [rows[0], rows[-1] + 1] if rows else [],
             logged_mb[batch].get(event.step, []), replayed_mb.get(event.step, [[]] * dp)[batch],
             text=f"stage {stage_index}{at}, " + (f"micro-batch {mb} of {n}" if mb is not None else "the update"),
-            batch_text=f", micro-batch {mb} of {n}{span}, stage 0's inputs{at}" if mb is not None else "",
+            batch_text=f", micro-batch {mb} of {n}{rows_text}, stage 0's inputs{at}" if mb is not None else "",
             mesh=coordinate(wrapping, rank) if width > 1 else {})
         if mb is not None and opts.explain and event.stage != "param":
             s.restore(before)

@@ -50,6 +50,7 @@ from ..runs.run import Run, UserCode
 from ..runs.source import StartPoint, StepCode, StepSource
 from ..runs.stages import PIPELINE
 from ..runs.steplog import first_nonfinite
+from ..words import span
 from . import whatif
 from .amp import AmpLog
 from .amp import findings as amp_findings
@@ -168,7 +169,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     # Logged batches are checked over the whole window before replaying; batches a function computes (no logged
     # end, a --max-steps bound) where the replay ran them, not up to a bound the failure may lie far before.
     if run.last_step is not None:
-        progress.phase(f"checking the batches of steps {checkpoint.step}-{last}", None)
+        progress.phase(f"checking the batches of {span(checkpoint.step, last)}", None)
     data_defects = check_batches(run, range(checkpoint.step, last + 1), opts.data_max_abs) \
         if run.last_step is not None else []
     stop = _expected_stop(logged_nan, last, opts.after)
@@ -198,7 +199,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         hooks = ExitStack()
         monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.proof))
         probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
-        progress.phase(f"replaying steps {checkpoint.step}-{stop}", stop - checkpoint.step + 1)
+        progress.phase(f"replaying {span(checkpoint.step, stop)}", stop - checkpoint.step + 1)
         first = checkpoint.step  # of the phase under way, for its count
         try:
             while r.step <= last:
@@ -234,7 +235,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                         kept.clear()
                         precursors.clear()
                         r = open_session(run, code, start, device)
-                        progress.phase(f"locating: re-running steps {r.step}-{step - 1} with precursor probes",
+                        progress.phase(f"locating: re-running {span(r.step, step - 1)} with precursor probes",
                                        step - r.step)
                         with PrecursorProbe(r.model, r.optimizer) as warmup:
                             first = r.step
@@ -247,7 +248,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                         monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.proof))
                         probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
                     stop = stop if stop >= step else last
-                    progress.phase(f"locating: steps {step}-{stop}, reading each first non-finite value",
+                    progress.phase(f"locating: {span(step, stop)}, reading each first non-finite value",
                                    stop - step + 1, at_most=True)
                     first = step
                     located_from = step
@@ -324,7 +325,7 @@ def _explain(session: Session, origin: Event, before: dict | None = None, progre
         else:
             focused.reset()
             if focused.step < origin.step:
-                progress.phase(f"re-running steps {focused.step}-{origin.step - 1} to the responsible one", None)
+                progress.phase(f"re-running {span(focused.step, origin.step - 1)} to the responsible one", None)
             focused.advance_to(origin.step)
             before = focused.snapshot()
         progress.phase(f"tracing the operation behind {origin.stage} at step {origin.step}", None)

@@ -24,6 +24,7 @@ from ..report import ReplayReport, WhatIfResult, write_json
 from ..runs.checkpoint import Checkpoint, save_checkpoint
 from ..runs.files import make_build_dir, publish_dir_atomic, write_json_atomic
 from ..runs.run import MANIFEST, Run, UserCode
+from ..words import span
 from .engine import ReplayOptions, replay_run
 from .session import pinned_threads, resolve_device
 from .whatif import DropBatch, DropSamples, Intervention, ResetState, nonfinite_in, replay_with
@@ -111,7 +112,7 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
         with pinned_threads(run.manifest.num_threads if device.type == "cpu" else None):
             with open_session(run, code, checkpoint, device).focused(diagnosis.origin.rank) as session:
                 assert session is not None  # one process: it explains, and repairs
-                progress.phase(f"repairing: steps {checkpoint.step}-{t - 1} re-run, step {t} with {change.spec}",
+                progress.phase(f"repairing: {span(checkpoint.step, t - 1)} re-run, step {t} with {change.spec}",
                                None)
                 session.advance_to(t)
                 changed = replay_with(session, change, t)
@@ -120,7 +121,7 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
                     written = save_checkpoint(build / "checkpoints", t + 1, session.model, session.optimizer,
                                               scaler=session.scaler, scheduler=session.scheduler,
                                               rank_rng=getattr(session, "rank_rng", None))
-            progress.phase(f"verifying: the written checkpoint loaded afresh, steps {t + 1}-{last} replayed", None)
+            progress.phase(f"verifying: the written checkpoint loaded afresh, {span(t + 1, last)} replayed", None)
             resumed = open_session(run, code, Checkpoint(written, t + 1), device)  # through the format, from disk
             loaded_bad = nonfinite_in(resumed, None)
             verification = dataclasses.replace(
@@ -143,7 +144,7 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
 
 
 def findings(r: RepairReport) -> list[str]:
-    before = (f"steps {r.from_checkpoint}-{r.responsible_step - 1} re-run as recorded from checkpoint "
+    before = (f"{span(r.from_checkpoint, r.responsible_step - 1)} re-run as recorded from checkpoint "
               f"{r.from_checkpoint}" if r.from_checkpoint < r.responsible_step - 1 else
               f"step {r.from_checkpoint} re-run as recorded from checkpoint {r.from_checkpoint}"
               if r.from_checkpoint == r.responsible_step - 1 else

@@ -20,6 +20,7 @@ from ..progress import SILENT, Progress
 from ..report import ReplayReport, SpreadMap, TensorSpread
 from ..runs.checkpoint import optimizer_params, param_names
 from ..runs.run import Run, UserCode
+from ..words import span
 from .session import pinned_threads
 
 CONTEXT_STEPS = 2  # clean steps shown before the responsible one
@@ -52,12 +53,12 @@ def trace(run: Run, code: UserCode, replay: ReplayReport, progress: Progress = S
     with pinned_threads(s.num_threads if device.type == "cpu" else None):
         session = open_session(run, code, checkpoint, device)
         if session.step < first:
-            progress.phase(f"re-running steps {session.step}-{first - 1} from the checkpoint", None)
+            progress.phase(f"re-running {span(session.step, first - 1)} from the checkpoint", None)
         session.advance_to(first)
         params = optimizer_params(session.optimizer)
         names = param_names(session.model, session.optimizer)
         counts: list[tuple[list[int], list[int]]] = [([], []) for _ in params]
-        progress.phase(f"counting non-finite values per tensor, steps {first}-{s.last_step}", len(steps))
+        progress.phase(f"counting non-finite values per tensor, {span(first, s.last_step)}", len(steps))
         for done, _ in enumerate(steps, 1):
             session.run_step()
             progress.update(done)

@@ -26,7 +26,7 @@ from ..rootcause.samples import batch_size, named_whole, select
 from ..runs.checkpoint import optimizer_params
 from ..runs.optimizers import OptimizerSet
 from ..runs.source import StartPoint, StepCode, StepSource
-from ..words import count, numbered
+from ..words import count, numbered, span
 from .monitor import StepMonitor
 from .session import Session
 
@@ -324,7 +324,7 @@ def what_if_replays(run: StepSource, code: StepCode, checkpoint: StartPoint, dev
             return []
         for i, change in enumerate([None, *changes]):
             progress.phase(f"what-if {i + 1} of {len(changes) + 1}: {change.spec if change else 'as recorded'}, "
-                           f"steps {checkpoint.step}-{last}", None)
+                           f"{span(checkpoint.step, last)}", None)
             if i:
                 session.reset()  # each from the checkpoint files again: nothing mutable shared with the one before
             started = change.at_start(session.optimizer) if change is not None else None

@@ -258,8 +258,8 @@ def _window(r: ReplayReport) -> list[str]:
     if shown is None or shown <= r.setup.last_step:
         return []
     return [f"The replay ended at step {r.setup.last_step}, before the logged loss first shows NaN (step {shown}): "
-            f"the replayed loss, the optimizer state and the reproduction are judged over steps {r.setup.first_step}-"
-            f"{r.setup.last_step} only."]
+            f"the replayed loss, the optimizer state and the reproduction are judged over "
+            f"{span(r.setup.first_step, r.setup.last_step)} only."]
 
 
 def first_shown(r: ReplayReport) -> int | None:

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ..report import SpreadMap
-from ..words import count
+from ..words import count, span
 from .escaping import visible
 
 SHADES = ("··", "░░", "▒▒", "▓▓", "██")
@@ -65,7 +65,7 @@ def lines(m: SpreadMap, width: int | None = None) -> list[list[tuple[str, str]]]
             line += [(gap, "")] + cells_of(r.state_nonfinite, r.state_total, bool(r.state_total))
         out.append(line)
     marked = f", ▼ the responsible step {m.responsible_step}" if at is not None and at in shown else ""
-    out.append([(f"non-finite values after each of steps {m.steps[0]}-{m.steps[-1]}{marked}", "dim")])
+    out.append([(f"non-finite values after each of {span(m.steps[0], m.steps[-1])}{marked}", "dim")])
     if None in shown:
         out.append([(f"… {count(len(m.steps) - len(shown) + 1, 'step')} in the middle left out (every one in the "
                      "JSON report)", "dim")])

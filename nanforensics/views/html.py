@@ -16,9 +16,9 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from ..checkpoints.bisect import BisectReport, CheckpointRef
 from ..finite import Located
-from ..postmortem import DONE, FAILED, SKIPPED, PostmortemReport, span
+from ..postmortem import DONE, FAILED, SKIPPED, PostmortemReport, where
 from ..report import ReplayReport, SpreadMap
-from ..words import count, sample_positions
+from ..words import count, sample_positions, span
 from . import heatmap
 from .escaping import visible
 from .postmortem import VERDICT, spread_map
@@ -74,7 +74,7 @@ def _postmortem(r: PostmortemReport) -> str:
     kind = "a run recorded by nanforensics" if r.kind == "run" else "checkpoints only"
     facts: list[tuple[str, Cell]] = [("directory", [(r.directory, "code"), (f" ({kind})", None)])]
     if r.window is not None:
-        facts.append(("origin window", _text(f"{span(r.window)}: " + "; ".join(r.window.basis))))
+        facts.append(("origin window", _text(f"{where(r.window)}: " + "; ".join(r.window.basis))))
     analyses = [[("", _text(a.name.replace("_", " "))), (_STATUS_CLASS.get(a.status, ""), _text(a.status)),
                  ("", _text(a.detail))] for a in r.analyses]
     sections = [_facts(facts), _table("Analyses", None, analyses), _list("Post-mortem findings", r.findings)]
@@ -98,7 +98,7 @@ def _postmortem(r: PostmortemReport) -> str:
 
 def _replay_sections(r: ReplayReport, spread: SpreadMap | None, loss_chart: Section | None) -> list[Section]:
     facts: list[tuple[str, Cell]] = [("replayed", [(r.setup.run, "code"), (
-        f": steps {r.setup.first_step}-{r.setup.last_step} from the checkpoint at step {r.setup.from_checkpoint}, "
+        f": {span(r.setup.first_step, r.setup.last_step)} from the checkpoint at step {r.setup.from_checkpoint}, "
         f"{r.setup.device}{world_text(r)}", None)])]  # a path in <code>, which wraps anywhere (report.css)
     if r.responsible_batch is not None:
         facts.append((batch_label(r), [(f"step {r.responsible_batch.step}, ", None),
@@ -317,7 +317,7 @@ def _chart(title: str, series: list[tuple[str, list[int], list[float | None]]], 
         a, b = px(max(band[0], x_lo)), px(min(band[1], x_hi))
         parts.append(_el("rect", {"x": f"{a:.1f}", "y": top, "width": f"{max(b - a, 2):.1f}",
                                   "height": height - top - bottom, "fill": "#fee2e2"},
-                         title=f"the origin lies in steps {band[0]}-{band[1]}"))
+                         title=f"the origin lies in {span(*band)}"))
     for step, label, color in marks:
         if x_lo <= step <= x_hi:
             parts.append(_el("line", {"x1": sx(step), "x2": sx(step), "y1": top, "y2": height - bottom, "stroke": color,
@@ -350,7 +350,7 @@ def _chart(title: str, series: list[tuple[str, list[int], list[float | None]]], 
         legend.append(("cross", "#dc2626", "where a curve goes non-finite (in its colour)"))
     legend += [("mark", color, f"{label} {step}") for step, label, color in marks if x_lo <= step <= x_hi]
     if band is not None:
-        legend.append(("swatch", "#fee2e2", f"origin window, steps {band[0]}-{band[1]}"))
+        legend.append(("swatch", "#fee2e2", f"origin window, {span(*band)}"))
     return _svg(title, width, height, parts, legend)
 
 

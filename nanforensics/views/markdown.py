@@ -21,6 +21,7 @@ from ..checkpoints.scan import ScanReport
 from ..postmortem import PostmortemReport
 from ..report import Event, ReplayReport
 from ..saved import SavedReport
+from ..words import span
 from . import checkpoints, heatmap, postmortem, replay
 from .escaping import Markdown, code, fenced, md_text
 
@@ -34,6 +35,7 @@ def _environment() -> Environment:
     env = Environment(loader=PackageLoader("nanforensics.views", "templates"), autoescape=False, finalize=_finalize,
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters.update(code=code, fenced=fenced, row=row, rule=rule)
+    env.globals.update(span=span)
     return env
 
 

@@ -14,7 +14,7 @@ from rich.tree import Tree
 from ..finite import worst
 from ..report import AmpReport, DataDefect, Event, ReplayReport, StepRecord, WhatIfResult
 from ..rootcause.findings import step_not_data
-from ..words import count, numbered, sample_positions
+from ..words import count, numbered, sample_positions, span
 from .escaping import markup, visible
 from .layout import print_whole
 
@@ -237,11 +237,11 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     facts.add_column(style="dim")
     facts.add_column()
     if r.loaded is None:
-        facts.add_row("run", Text(visible(f"{s.run}  (checkpoint step {s.from_checkpoint}, steps {s.first_step}-"
-                                          f"{s.last_step}, {s.device}, {count(s.num_threads, 'thread')}"
+        facts.add_row("run", Text(visible(f"{s.run}  (checkpoint step {s.from_checkpoint}, "
+                                          f"{span(s.first_step, s.last_step)}, {s.device}, {count(s.num_threads, 'thread')}"
                                           f"{world_text(r)})")))
     else:
-        facts.add_row("replayed", Text(visible(f"steps {s.first_step}-{s.last_step}, {s.device}, "
+        facts.add_row("replayed", Text(visible(f"{span(s.first_step, s.last_step)}, {s.device}, "
                                                f"{count(s.num_threads, 'thread')}")))
     for label, text in loaded_rows(r):
         facts.add_row(label, Text(visible(text)))
@@ -301,11 +301,11 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
             table.add_row(*spread_cells(x, buffers, grouped=True), style=mark)
         parts += [Text(), table]
     if r.precursors:
-        steps = f"{r.precursors[0].step}-{r.precursors[-1].step}"
+        steps = span(r.precursors[0].step, r.precursors[-1].step)
         rows = [(name, values, last_finite(values)) for name, values in precursor_rows(r)]
         per = math.ceil(len(r.precursors) / _trend_width(console, rows))
         scale = f", a character per {per} steps" if per > 1 else ""
-        table = Table(title=f"precursors, steps {steps} (log scale, ! = non-finite{scale})", title_justify="left",
+        table = Table(title=f"precursors, {steps} (log scale, ! = non-finite{scale})", title_justify="left",
                       show_edge=False)
         for col, justify in (("metric", "left"), ("trend", "left"), ("last finite", "right")):
             table.add_column(col, justify=justify)  # type: ignore[arg-type]

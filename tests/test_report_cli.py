@@ -22,7 +22,7 @@ from nanforensics.views.markdown import render as render_markdown
 from nanforensics.views.report import render_terminal
 from rich.console import Console
 
-from conftest import assert_one_line_error, run_cli
+from conftest import ROOT, assert_one_line_error, run_cli
 from postmortem_cases import examined
 
 
@@ -59,6 +59,14 @@ def test_a_replay_report_rerenders_with_its_whole_model_spread(runs):
     assert "responsible step 17" in text and "whole model" in text and "▼" in text
     assert render_markdown(replay).startswith("## nanforensics replay: non-finite")
     assert "whole model" in render_html(replay)
+
+
+def test_report_prints_what_replay_printed(tmp_path):
+    """The saved report re-rendered is the command's own terminal view, the spread heatmap included."""
+    shown = run_cli("replay", ROOT / "sample_runs" / "seed_adam", "--json", tmp_path / "r.json")
+    again = run_cli("report", tmp_path / "r.json")
+    assert shown.code == 1 and again.code == 0, (shown.stderr, again.stderr)
+    assert again.stdout == shown.stdout and "spread of non-finite values" in shown.stdout
 
 
 @pytest.mark.parametrize("edit, needle", [

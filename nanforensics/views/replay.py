@@ -15,6 +15,7 @@ from ..finite import worst
 from ..report import AmpReport, DataDefect, Event, ReplayReport, StepRecord, WhatIfResult
 from ..rootcause.findings import step_not_data
 from ..words import count, numbered, sample_positions, span
+from . import heatmap
 from .escaping import markup, visible
 from .layout import print_whole
 
@@ -324,6 +325,8 @@ def render_terminal(r: ReplayReport, console: Console) -> None:
     if r.findings:
         parts += [Text(), Text("\n".join(f"- {visible(f)}" for f in r.findings))]
     print_whole(console, Panel(Group(*parts), title=title, title_align="left", border_style=style.split()[-1]))
+    if r.spread_map is not None and r.responsible_step is not None:
+        heatmap.render_terminal(r.spread_map, console)
 
 
 def _trend_width(console: Console, rows: list[tuple[str, list[float | None], str]]) -> int:

@@ -1,5 +1,5 @@
-"""Any saved report to the terminal: ``nanforensics report`` re-renders with the commands' own views (Markdown:
-views/markdown.py)."""
+"""Any saved report to the terminal: ``nanforensics report`` re-renders with the commands' own views, so it prints
+what the command printed (Markdown: views/markdown.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rich.console import Console
 from ..postmortem import PostmortemReport
 from ..report import ReplayReport
 from ..saved import SavedReport
-from . import checkpoints, heatmap, postmortem, replay
+from . import checkpoints, postmortem, replay
 
 
 def render_terminal(r: SavedReport, console: Console) -> None:
@@ -16,7 +16,5 @@ def render_terminal(r: SavedReport, console: Console) -> None:
         postmortem.render_terminal(r, console)
     elif isinstance(r, ReplayReport):
         replay.render_terminal(r, console)
-        if r.spread_map is not None and r.responsible_step is not None:
-            heatmap.render_terminal(r.spread_map, console)
     else:
         checkpoints.render_bisect_terminal(r, console)

@@ -394,8 +394,10 @@ class Recorder:
         what it skipped (a summary line, and in ``incidents/guard.jsonl``)."""
         if self.guard is not None:
             self.guard.close()
-        self._writer.close()
-        self._copies.clear()
+        try:
+            self._writer.close()
+        finally:
+            self._copies.clear()  # the copy of the state the checkpoints were written from
 
     def __enter__(self) -> "Recorder":
         return self

@@ -22,8 +22,10 @@ Then a checkpoint's cost on the training thread, its variants interleaved round 
 - after, until written: the same, timed until the writer has written it (the copy's price on top of the write).
 Then the recorder's parts, each timed alone with the thread CPU clock (median of 7 timings of ``--calls`` calls): on the
 training thread the batch copy, the loss read (``.item()``: a host sync on an accelerator), the queue and a
-checkpoint's state copy; on the writer thread the serialisation (safetensors), the file written under a temporary
-name and renamed, the step line, and a checkpoint written; the checkpoint's per step at ``checkpoint_every`` 50.
+checkpoint's state copy (its tensors' copy into the buffers kept from the checkpoint before, and for comparison
+the tensors cloned instead); on the writer thread the serialisation
+(safetensors), the file written under a temporary name and renamed, the step line, and a checkpoint written; the
+checkpoint's per step at ``checkpoint_every`` 50.
 Targets (issue 37): recorder <= 1.03x a plain step on the MLP, <= 1.01x on the decoder.
 """
 
@@ -141,13 +143,18 @@ def parts(m: Model, folder: Path, plain_step: float, calls: int) -> None:
     rows["training thread: checkpoint's state copy, per step at 50"] = cpu_us(  # the wait for the write is not CPU
         lambda: (recorder._checkpoint(next(steps)), recorder._writer._queue.join()), 1) / 50
     recorder.close()
+    state = checkpoint_state(0, model, optimizer)
+    live = [t for part in (state.model, state.optimizer) for t in part.values()]
+    kept = [torch.empty_like(t) for t in live]
+    rows["  of which its tensors copied into kept buffers"] = cpu_us(
+        lambda: [b.copy_(t) for b, t in zip(kept, live)], 1) / 50
+    rows["  or instead cloned (allocated each time)"] = cpu_us(lambda: [t.clone() for t in live], 1) / 50
     start, wall = time.thread_time(), time.perf_counter()
     save_checkpoint(folder / "checkpoints", 0, model, optimizer)
     checkpoint, wall = (time.thread_time() - start) * 1e6, time.perf_counter() - wall
     rows["writer: checkpoint written, per step at 50"] = checkpoint / 50
     size = sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data)  # before: bytes
-    state = checkpoint_state(0, model, optimizer)
-    nbytes = sum(t.nbytes for part in (state.model, state.optimizer) for t in part.values())
+    nbytes = sum(t.nbytes for t in live)
     print(f"\n{m.name}: the recorder's parts, thread CPU time, per step ({size / 1e3:.0f} KB batch file; "
           f"a checkpoint {nbytes / 1e6:.0f} MB, written in {checkpoint / 1e3:.0f} ms of CPU, {wall * 1e3:.0f} ms wall "
           "with its fsyncs)")

@@ -22,8 +22,11 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int, per_call: int = 1,
-                clock: str = "wall") -> dict[str, list[float]]:
+                clock: str = "wall", settle: dict[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
     """Seconds per unit (a call does ``per_call`` units: steps) of each variant, one entry per round.
+
+    ``settle``: for a variant that leaves work behind (a background thread's), what waits for it after each timing,
+    untimed, so that it does not land in the next variant's.
 
     Each round starts one variant later than the one before: the variant that runs first in a round runs after the
     previous round's last, on caches and an allocator another variant left, and measured 5% slower than the same
@@ -37,6 +40,8 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, per_call
             start = now()
             fn()
             times[name].append((now() - start) / per_call)
+            if settle and name in settle:
+                settle[name]()
     return times
 
 

@@ -13,7 +13,11 @@
 3. Replays each on the CPU and reports whether the answer is the same (responsible step, stage,
    tensor, coordinate) and the losses agree within the cross-device tolerance (1e-3 relative).
    These replays skip the root-cause passes; one more replay on CUDA runs them (samples, operation).
-4. Runs bench_replay.py and bench_transformer.py with ``--device cuda``.
+4. Issue 37's GPU path of the recorder (``check_batch_copy``): a CUDA batch copied into pinned host memory on a side
+   stream, the writer thread waiting for it. Checks that the recorded batch files hold the values the batch had
+   at ``log`` even though the loop overwrites the batch in place right after, and times ``log``'s copy on the
+   training thread against a blocking ``.cpu()`` copy behind the same queued kernels.
+5. Runs bench_replay.py and bench_transformer.py with ``--device cuda``.
 Without a CUDA device it says so and exits 0 (skipped). Exit 1 when a check fails.
 """
 
@@ -36,7 +40,8 @@ import torch  # noqa: E402
 from nanforensics import Recorder  # noqa: E402
 from nanforensics.replay.engine import ReplayOptions, replay_run  # noqa: E402
 from nanforensics.report import ReplayReport  # noqa: E402
-from nanforensics.runs.batches import map_tensors  # noqa: E402
+from nanforensics.runs.batches import map_tensors, read_batch, snapshot  # noqa: E402
+from nanforensics.runs.run import batch_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -100,6 +105,48 @@ def check_case(label: str, name: str, device: torch.device, folder: Path) -> lis
     return outcomes
 
 
+def check_batch_copy(device: torch.device, folder: Path, steps: int = 20) -> list[Outcome]:
+    """The recorder's copy of a batch on ``device`` (runs/batches.py, ``_arriving``): right, and off the training
+    thread's critical path. Each step queues a matrix product chain first (the step's kernels, not yet run when
+    ``log`` is called); on the CPU dry run the copy is the plain one."""
+    model = scenarios.build_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    n = 2048 if device.type == "cuda" else 128  # the dry run's kernels are the CPU's, run before log is called
+    work = torch.randn(n, n, device=device)
+    expected = []
+    with Recorder(folder / "batch_copy", model, optimizer, model_factory=scenarios.build_model,
+                  step_fn=scenarios.train_step, checkpoint_every=10**6) as rec:
+        for step in range(steps):
+            batch = {"x": torch.randn(64, 1024, device=device), "ids": torch.arange(64, device=device) + step}
+            expected.append(map_tensors(batch, lambda t: t.to("cpu", copy=True)))
+            for _ in range(10):
+                work = work @ work / n
+            rec.log(step, batch, 0.0)
+            batch["x"].fill_(float("nan"))  # the loop reuses its batch tensors: the recorded ones must not change
+    exact = all(torch.equal(read_batch(batch_path(folder / "batch_copy", s))[k], expected[s][k])
+                for s in range(steps) for k in ("x", "ids"))
+    blocking = "blocking .to('cpu')"
+
+    def copied(b: dict[str, torch.Tensor]) -> object:
+        return map_tensors(b, lambda t: t.to("cpu", copy=True))
+    timings: dict[str, list[float]] = {"log's copy (snapshot)": [], blocking: []}
+    big = {"x": torch.randn(1024, 4096, device=device)}  # 16 MB: a copy long enough to time
+    for _ in range(steps):
+        for name, copy in (("log's copy (snapshot)", snapshot), (blocking, copied)):
+            for _ in range(10):
+                work = work @ work / n
+            started = time.perf_counter()
+            copy(big)
+            timings[name].append(time.perf_counter() - started)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    median = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in timings.items()}
+    return [Outcome("recorder: CUDA batch copied exactly, the loop overwriting it right after log", exact,
+                    f"{steps} batch files {'equal to' if exact else 'DIFFER from'} the batches as logged"),
+            Outcome("recorder: the batch copy's time on the training thread", True,
+                    ", ".join(f"{k} {v:.2f} ms" for k, v in median.items()) + " (median; 16 MB behind queued kernels)")]
+
+
 def bench(script: str, args: list[str], timeout: int) -> Outcome:
     started = time.perf_counter()
     try:
@@ -141,6 +188,11 @@ def main() -> int:
                 outcomes += check_case(label, name, device, Path(tmp))
             except Exception as e:  # noqa: BLE001 - one case failing must not hide the others
                 outcomes.append(Outcome(f"{label}: record and replay", False, f"{e.__class__.__name__}: {e}"))
+    with tempfile.TemporaryDirectory(prefix="nf-gpu-check-copy-") as tmp:
+        try:
+            outcomes += check_batch_copy(device, Path(tmp))
+        except Exception as e:  # noqa: BLE001 - reported as a failed check
+            outcomes.append(Outcome("recorder: CUDA batch copy", False, f"{e.__class__.__name__}: {e}"))
     for script, bench_args, timeout in benches:
         outcomes.append(bench(script, bench_args, timeout))
     print(f"\nsummary ({time.perf_counter() - started:.0f} s in all)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -77,13 +78,56 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor], used: set[str] | None = 
 
 def snapshot(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The batch's structure and private CPU copies of its tensors: what a background writer may keep while
-    the training loop reuses or mutates the originals. Refuses what cannot be recorded, here and now."""
+    the training loop reuses or mutates the originals. Refuses what cannot be recorded, here and now.
+
+    A batch on a CUDA device is copied without waiting for the step (``_arriving``)."""
     tensors, tree = encode(batch)
+    cuda = next((t.device for t in tensors.values() if t.is_cuda), None)
+    if cuda is not None:
+        return _arriving(tensors, cuda), tree
     return {k: t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format) for k, t in tensors.items()}, tree
+
+
+class Arriving(dict[str, torch.Tensor]):
+    """Host copies a side stream is still making: ``encoded`` waits for ``ready`` before it reads them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], ready: torch.cuda.Event) -> None:
+        super().__init__(tensors)
+        self.ready = ready
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _arriving(tensors: dict[str, torch.Tensor], device: torch.device) -> Arriving:
+    """``device``'s tensors copied into pinned host memory on a side stream, once the kernels queued before (the
+    step's) are done; the training thread queues the copies and goes on, the writer thread waits for them. Unchecked
+    on a device in the session that wrote it: bench/gpu_check.py checks it where one is lent. A tensor on another
+    device is copied as on the CPU."""
+    stream = _side_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    copies = {}
+    with torch.cuda.stream(stream):
+        for k, t in tensors.items():
+            t = t.detach()
+            if t.device != device:
+                copies[k] = t.to("cpu", copy=True, memory_format=torch.contiguous_format)
+                continue
+            copies[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    # what the loop queues next (a step writing the batch in place, its memory freed and reused) waits on the
+    # device for the copies, as it would after a blocking copy; the training thread does not
+    torch.cuda.current_stream(device).wait_event(ready)
+    return Arriving(copies, ready)
 
 
 def encoded(step: int, tensors: dict[str, torch.Tensor], tree: dict[str, Any]) -> list[bytes | memoryview]:
     """A batch file's parts, for ``write_bytes_atomic`` (files.safetensors_parts)."""
+    if isinstance(tensors, Arriving):
+        tensors.ready.synchronize()
     return safetensors_parts(tensors, {"format": BATCH_FORMAT, "step": str(step), "tree": json.dumps(tree)})
 
 

@@ -18,7 +18,7 @@ from ..errors import BadInput
 from ..finite import decode_float, encode_float
 from ..inputs import TensorFile, load_json, one_line
 from ..schema import load
-from .files import make_build_dir, publish_dir_atomic, safetensors_parts, write_bytes_atomic, write_json_atomic
+from .files import json_bytes, make_build_dir, publish_dir_atomic, safetensors_parts, write_bytes_atomic
 from .optimizers import group_owners, loose_params, optimizer_params, optimizer_set
 
 CHECKPOINT_FORMAT = "nanforensics.checkpoint/1"
@@ -202,20 +202,25 @@ def loose_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
             if p.grad is not None and p.grad.layout == torch.strided}
 
 
-def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    scaler: Any = None, scheduler: Any = None, rank_rng: list[dict[str, Any]] | None = None,
-                    write_tensors: TensorWriter | None = None,
-                    merge_meta: Callable[[dict[str, Any]], None] | None = None,
-                    grads: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact.
+@dataclass
+class CheckpointState:
+    """What a checkpoint's files hold, taken from the live model and optimizer (``checkpoint_state``): meta.json's
+    bytes, already encoded (a value JSON cannot hold is refused while the loop can still be told), and the tensors of
+    each file. ``write_checkpoint`` writes it, now or on the recorder's writer thread from private copies."""
 
-    A GradScaler's and an LR scheduler's state, when given, go to meta.json under ``scaler`` and ``scheduler``; the
-    gradients of the parameters no optimizer holds (``loose_grads``) to ``EXTRAS_FILE``.
-    A distributed run adds every rank's RNG state (``rank_rng``) and may write the tensors its own way
-    (``write_tensors``: FSDP2's shards through torch.distributed.checkpoint); ``merge_meta`` adds the other ranks'
-    names to meta.json (pipeline stages, each holding other parameters); ``grads`` are every rank's loose gradients,
-    gathered by the ranks together before.
-    """
+    step: int
+    meta: bytes
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    extras: dict[str, torch.Tensor]  # the scaler's and scheduler's tensors and the loose gradients (EXTRAS_FILE)
+
+
+def checkpoint_state(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any = None,
+                     scheduler: Any = None, rank_rng: list[dict[str, Any]] | None = None,
+                     merge_meta: Callable[[dict[str, Any]], None] | None = None,
+                     grads: dict[str, torch.Tensor] | None = None) -> CheckpointState:
+    """The state before step ``step`` as ``save_checkpoint`` writes it. Its tensors are the live ones (the model's
+    parameters, the optimizer's state): the next step changes them in place."""
     names, model_sd, tensors = state_meta(model, optimizer)
     meta = {"format": CHECKPOINT_FORMAT, "step": step, **{k: names[k] for k in ("param_names", "param_groups",
             "state_scalars")}, "rng": rng_state(), "buffer_names": names["buffer_names"]}  # the shipped files' order
@@ -234,15 +239,20 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
     if grads:
         meta[LOOSE_GRADS] = list(grads)
         extras.update({f"{LOOSE_GRADS}/{name}": grad for name, grad in grads.items()})
-    file_meta = {"format": CHECKPOINT_FORMAT, "step": str(step)}
+    return CheckpointState(step, json_bytes(meta, indent=None), model_sd, tensors, extras)
+
+
+def write_checkpoint(folder: Path, state: CheckpointState, write_tensors: TensorWriter | None = None) -> Path:
+    """Write ``folder/step_XXXXXXXX`` atomically: a killed writer leaves the older checkpoints intact."""
+    file_meta = {"format": CHECKPOINT_FORMAT, "step": str(state.step)}
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / checkpoint_name(step)
+    final = folder / checkpoint_name(state.step)
     build = make_build_dir(final)
     try:
-        (write_tensors or _write_safetensors)(build, model_sd, tensors, file_meta)
-        if extras:
-            write_bytes_atomic(build / EXTRAS_FILE, safetensors_parts(extras, file_meta))
-        write_json_atomic(build / "meta.json", meta, indent=None)
+        (write_tensors or _write_safetensors)(build, state.model, state.optimizer, file_meta)
+        if state.extras:
+            write_bytes_atomic(build / EXTRAS_FILE, safetensors_parts(state.extras, file_meta))
+        write_bytes_atomic(build / "meta.json", state.meta)
         publish_dir_atomic(build, final)
     except OSError as e:  # no hidden half-built folder left behind; the error names the file as it would be
         shutil.rmtree(build, ignore_errors=True)
@@ -252,6 +262,25 @@ def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: 
         shutil.rmtree(build, ignore_errors=True)
         raise
     return final
+
+
+def save_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                    scaler: Any = None, scheduler: Any = None, rank_rng: list[dict[str, Any]] | None = None,
+                    write_tensors: TensorWriter | None = None,
+                    merge_meta: Callable[[dict[str, Any]], None] | None = None,
+                    grads: dict[str, torch.Tensor] | None = None) -> Path:
+    """Take the state (``checkpoint_state``) and write it (``write_checkpoint``), here and now.
+
+    A GradScaler's and an LR scheduler's state, when given, go to meta.json under ``scaler`` and ``scheduler``; the
+    gradients of the parameters no optimizer holds (``loose_grads``) to ``EXTRAS_FILE``.
+    A distributed run adds every rank's RNG state (``rank_rng``) and may write the tensors its own way
+    (``write_tensors``: FSDP2's shards through torch.distributed.checkpoint); ``merge_meta`` adds the other ranks'
+    names to meta.json (pipeline stages, each holding other parameters); ``grads`` are every rank's loose gradients,
+    gathered by the ranks together before.
+    """
+    state = checkpoint_state(step, model, optimizer, scaler=scaler, scheduler=scheduler, rank_rng=rank_rng,
+                             merge_meta=merge_meta, grads=grads)
+    return write_checkpoint(folder, state, write_tensors)
 
 
 _PARTS = {"model": 2, "optim": 4}  # path length of a model tensor ("model", fqn) and a state tensor ("optim", ...)

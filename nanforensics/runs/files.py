@@ -76,8 +76,13 @@ def make_build_dir(final: Path) -> Path:
     return build
 
 
+def json_bytes(obj: Any, *, indent: int | None = 2) -> bytes:
+    """A JSON file's bytes as the project writes them (no NaN, which JSON lacks; a newline at the end)."""
+    return (json.dumps(obj, indent=indent, allow_nan=False) + "\n").encode()
+
+
 def write_json_atomic(path: Path, obj: Any, *, durable: bool = True, indent: int | None = 2) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=indent, allow_nan=False) + "\n").encode(), durable=durable)
+    write_bytes_atomic(path, json_bytes(obj, indent=indent), durable=durable)
 
 
 def publish_dir_atomic(build: Path, final: Path) -> None:
@@ -127,6 +132,12 @@ def _dtype_names() -> dict[torch.dtype, str]:
     return {getattr(torch, dtype): name for name, dtype in _SAFETENSORS_DTYPES if hasattr(torch, dtype)}
 
 
+def refuse_unstorable(name: str, dtype: torch.dtype) -> None:
+    """A tensor safetensors has no dtype for is refused in one line, naming it."""
+    if dtype not in _dtype_names():
+        raise ValueError(f"tensor {name!r}: safetensors cannot store dtype {str(dtype).removeprefix('torch.')}")
+
+
 def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[bytes | memoryview]:
     """A safetensors file as its header and the tensors' own memory, for ``write_bytes_atomic`` to write in turn.
 
@@ -143,8 +154,7 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     stored = {k: _storable(v, seen) for k, v in tensors.items()}
     rank = {dtype: i for i, dtype in enumerate(names)}
     for k, t in stored.items():
-        if t.dtype not in rank:
-            raise ValueError(f"tensor {k!r}: safetensors cannot store dtype {str(t.dtype).removeprefix('torch.')}")
+        refuse_unstorable(k, t.dtype)
     order = sorted(stored, key=lambda k: (rank[stored[k].dtype], k))
     header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0

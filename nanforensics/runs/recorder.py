@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import os
 import queue
@@ -18,10 +19,10 @@ import torch
 from ..distributed.pipeline import pipeline_world
 from ..distributed.record import recording_world
 from .batches import encoded, snapshot
-from .checkpoint import checkpoint_name, save_checkpoint
+from .checkpoint import CheckpointState, checkpoint_name, checkpoint_state, write_checkpoint
 from .compiled import compiled_backend, unwrapped
 from .cpu import this_cpu
-from .files import write_bytes_atomic, write_json_atomic
+from .files import refuse_unstorable, write_bytes_atomic, write_json_atomic
 from .guard import Guard, GuardPolicy, ring_nbytes
 from .imports import import_string_of
 from .layout import DISTRIBUTED_FORMAT
@@ -29,19 +30,24 @@ from .optimizers import OptimizerSet, matched, optimizer_set, scheduler_set, uns
 from .run import MANIFEST, RUN_FORMAT, SEVERAL_OPTIMIZERS_FORMAT, STEPS, batch_path
 from .steplog import step_line
 
+# A job for the writer thread, the file a failure of it is charged to unless its error names one, and whether it
+# writes a checkpoint (the steps logged before it are then made durable first, and the checkpoint slot freed after).
+_Job = tuple[Callable[[], None], "Path | None", bool]
+
 
 class _StepWriter:
-    """Writes batches and step lines on a background thread, so the training loop does not wait on the disk.
+    """Writes batches, step lines and checkpoints on a background thread, so the training loop does not wait on the disk.
 
-    The queue is bounded (back-pressure instead of unbounded memory); a write error is raised in the
-    training loop at the next ``put``, ``drain`` or ``close`` rather than batches being dropped silently.
+    The queue is bounded (back-pressure instead of unbounded memory), and so are checkpoints: one at a time is in
+    flight, the next waits until it is written (``checkpoint``). A write error is raised in the training loop at the
+    next ``put``, ``checkpoint``, ``drain`` or ``close`` rather than anything being dropped silently.
     """
 
     def __init__(self, run_dir: Path, depth: int = 8) -> None:
         self.run_dir = run_dir
         self._steps = open(run_dir / STEPS, "a", encoding="utf-8")
-        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor] | None, dict[str, Any] | None, str] | None] = \
-            queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=depth)
+        self._checkpoint_slot = threading.Semaphore(1)
         self._error: BaseException | None = None
         self._failed: Path | None = None  # the file a write error struck
         self._thread = threading.Thread(target=self._work, name="nanforensics-recorder", daemon=True)
@@ -50,32 +56,61 @@ class _StepWriter:
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
+            job, where, checkpoint = item
             try:
                 if self._error is None:
-                    step, tensors, tree, line = item
-                    # The batch is on disk before the line that announces it: a reader never meets a step without one.
-                    # (None: a guard keeps the batches in memory, for its incidents.)
-                    if tensors is not None:
-                        self._failed = batch_path(self.run_dir, step)
-                        write_bytes_atomic(self._failed, encoded(step, tensors, tree), durable=False)
-                    self._failed = self.run_dir / STEPS
-                    self._steps.write(line)
-                    self._steps.flush()
+                    if checkpoint:  # a reader never meets a checkpoint the steps before it could outlive
+                        self._sync_steps()
+                    self._failed = where
+                    job()
             except BaseException as e:  # noqa: BLE001 - handed to the training loop
                 self._error = e
             finally:
+                if checkpoint:
+                    self._checkpoint_slot.release()
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise _write_error(self._failed or self.run_dir, self._error) from self._error
+    def _write_step(self, step: int, tensors: dict[str, torch.Tensor] | None, tree: dict[str, Any] | None,
+                    line: str) -> None:
+        # The batch is on disk before the line that announces it: a reader never meets a step without one.
+        # (None: a guard keeps the batches in memory, for its incidents.)
+        if tensors is not None and tree is not None:
+            self._failed = batch_path(self.run_dir, step)
+            write_bytes_atomic(self._failed, encoded(step, tensors, tree), durable=False)
+        self._failed = self.run_dir / STEPS
+        self._steps.write(line)
+        self._steps.flush()
 
-    def put(self, step: int, batch: tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None], line: str) -> None:
+    def _sync_steps(self) -> None:
+        self._failed = self.run_dir / STEPS
+        os.fsync(self._steps.fileno())
+
+    def _usable(self) -> None:
         if self._steps.closed:
             raise RuntimeError("Recorder.log called after close()")
         self._raise()
-        self._queue.put((step, *batch, line))
+
+    def _raise(self) -> None:
+        if (e := self._error) is not None:
+            named = Path(e.filename) if isinstance(e, OSError) and e.filename else None  # a checkpoint's own file
+            raise _write_error(named or self._failed or self.run_dir, e) from e
+
+    def put(self, step: int, batch: tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None], line: str) -> None:
+        self._usable()
+        self._queue.put((functools.partial(self._write_step, step, *batch, line), None, False))
+
+    def checkpoint(self, take: Callable[[], Any], write: Callable[[Any], None], where: Path) -> None:
+        """``take()`` here, on the training thread, once the checkpoint before is written (its copies are reused),
+        then ``write(taken)`` on the writer thread, in order with the steps; a failure is charged to ``where``."""
+        self._usable()
+        self._checkpoint_slot.acquire()
+        try:
+            taken = take()
+        except BaseException:
+            self._checkpoint_slot.release()
+            raise
+        self._queue.put((functools.partial(write, taken), where, True))
 
     def drain(self) -> None:
         """Everything queued is written and the step log is on stable storage."""
@@ -93,6 +128,32 @@ class _StepWriter:
             self._thread.join()
             self._steps.close()
             atexit.unregister(self.close)
+
+
+class _HostCopies:
+    """Host buffers a checkpoint's tensors are copied into on the training thread, to be written from on the writer's
+    while the next steps change the originals in place. Reused from one checkpoint to the next (one is in flight at a
+    time): no allocation and no page faults per checkpoint, for one copy of the state held until ``close``."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def of(self, state: CheckpointState) -> CheckpointState:
+        kept, self._buffers = self._buffers, {}
+        return dataclasses.replace(state, **{part: {name: self._copy(kept, part, name, t)
+                                                    for name, t in getattr(state, part).items()}
+                                             for part in ("model", "optimizer", "extras")})
+
+    def _copy(self, kept: dict[tuple[str, str], torch.Tensor], part: str, name: str, t: torch.Tensor) -> torch.Tensor:
+        refuse_unstorable(name, t.dtype)  # here, where the loop can be told, not on the writer thread
+        buffer = kept.get((part, name))
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = torch.empty(t.shape, dtype=t.dtype)
+        self._buffers[part, name] = buffer
+        return buffer.copy_(t.detach())  # as the file holds it: contiguous, conjugate and negative views resolved
+
+    def clear(self) -> None:
+        self._buffers = {}
 
 
 def _write_error(path: Path, error: BaseException) -> OSError:
@@ -255,6 +316,7 @@ class Recorder:
         self.manifest = manifest
         self.batches = batches
         self._writer = _StepWriter(self._data)
+        self._copies = _HostCopies()
         self.guard = Guard(self, guard if isinstance(guard, GuardPolicy) else GuardPolicy()) if guard else None
         if self.guard is not None:
             self.guard.checkpoint(start_step)
@@ -283,24 +345,43 @@ class Recorder:
             self._checkpoint(self._next_step)
 
     def _checkpoint(self, step: int) -> None:
+        """The state before ``step``: copied here, written on the writer thread (a distributed run's ranks write
+        theirs together, here)."""
+        folder = self.path / "checkpoints"
+        if self.world is None:
+            self._writer.checkpoint(lambda: (self._copies.of(checkpoint_state(
+                step, self.model, self.optimizer, scaler=self.scaler, scheduler=self.scheduler)), self._retained(step)),
+                lambda taken: self._write_checkpoint(folder, *taken), folder / checkpoint_name(step))
+            return
         self._writer.drain()
         try:
-            if self.world is not None:
-                self.world.checkpoint(self.path / "checkpoints", step, self.optimizer, scaler=self.scaler,
-                                      scheduler=self.scheduler)
-            else:
-                save_checkpoint(self.path / "checkpoints", step, self.model, self.optimizer, scaler=self.scaler,
-                                scheduler=self.scheduler)
+            self.world.checkpoint(folder, step, self.optimizer, scaler=self.scaler, scheduler=self.scheduler)
         except OSError as e:
-            raise _write_error(Path(e.filename) if e.filename else self.path / "checkpoints", e) from e
+            raise _write_error(Path(e.filename) if e.filename else folder, e) from e
+        self._drop(*self._retained(step))
+
+    def _retained(self, step: int) -> tuple[list[int], int]:
+        """Count ``step``'s checkpoint in; the checkpoints ``keep_checkpoints`` drops with it, and the oldest step
+        whose batch is still needed."""
         self._checkpoints.append(step)
-        if self.keep_checkpoints is not None and len(self._checkpoints) > self.keep_checkpoints:
-            dropped, self._checkpoints = self._checkpoints[:-self.keep_checkpoints], self._checkpoints[-self.keep_checkpoints:]
-            if self.world is None or self.world.leads:
-                for old in dropped:
-                    shutil.rmtree(self.path / "checkpoints" / checkpoint_name(old), ignore_errors=True)
-            for old_step in range(dropped[0], self._checkpoints[0]):
-                batch_path(self._data, old_step).unlink(missing_ok=True)
+        if self.keep_checkpoints is None or len(self._checkpoints) <= self.keep_checkpoints:
+            return [], 0
+        dropped, self._checkpoints = self._checkpoints[:-self.keep_checkpoints], self._checkpoints[-self.keep_checkpoints:]
+        return dropped, self._checkpoints[0]
+
+    def _drop(self, dropped: list[int], keep_from: int) -> None:
+        """Delete what ``_retained`` dropped, once the checkpoint that replaces it is written."""
+        if not dropped:
+            return
+        if self.world is None or self.world.leads:
+            for old in dropped:
+                shutil.rmtree(self.path / "checkpoints" / checkpoint_name(old), ignore_errors=True)
+        for old_step in range(dropped[0], keep_from):
+            batch_path(self._data, old_step).unlink(missing_ok=True)
+
+    def _write_checkpoint(self, folder: Path, state: CheckpointState, dropped: tuple[list[int], int]) -> None:
+        write_checkpoint(folder, state)
+        self._drop(*dropped)
 
     def flush(self) -> None:
         """Wait for every logged step to reach the disk and go on recording: the run so far is complete there,
@@ -313,7 +394,10 @@ class Recorder:
         what it skipped (a summary line, and in ``incidents/guard.jsonl``)."""
         if self.guard is not None:
             self.guard.close()
-        self._writer.close()
+        try:
+            self._writer.close()
+        finally:
+            self._copies.clear()  # the copy of the state the checkpoints were written from
 
     def __enter__(self) -> "Recorder":
         return self

@@ -109,7 +109,7 @@ def append_output(destination: str | Path, text: str, option: str | None = None)
     with os.fdopen(fd, "a", encoding="utf-8") as f:
         problem = not_regular(os.fstat(fd).st_mode)  # replaced since the check
         if problem is not None:
-            raise BadInput(option or destination, f"{destination} is {problem.removeprefix('not a regular file ')}")
+            raise BadInput(option or destination, f"{destination} {_is(problem)}")
         f.write(text)
 
 
@@ -146,8 +146,7 @@ def _checked(path: Path, option: str | None, folder: bool = False, create: bool 
     elif mode is not None:
         problem = not_regular(mode)
         if problem is not None:
-            raise BadInput(where, f"{named}is {problem.removeprefix('not a regular file ')[1:-1]}, not a regular file: "
-                                  "reports replace only regular files")
+            raise BadInput(where, f"{named}{_is(problem)}: reports replace only regular files")
         if not mode & 0o222 or not os.access(real, os.W_OK):  # no write bit: read-only even to root
             raise BadInput(where, f"{named}is read-only: not replaced")
     parent = real.parent
@@ -162,6 +161,11 @@ def _checked(path: Path, option: str | None, folder: bool = False, create: bool 
     if not os.access(parent, os.W_OK | os.X_OK):
         raise BadInput(where, f"{named}cannot be written: {path.parent} is not writable")
     return real
+
+
+def _is(problem: str) -> str:
+    """``not_regular``'s words as the writer's refusals say them: "is a FIFO, not a regular file"."""
+    return f"is {problem.removeprefix('not a regular file (').removesuffix(')')}, not a regular file"
 
 
 def _same_file(a: Path, b: Path) -> bool:

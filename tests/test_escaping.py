@@ -26,7 +26,18 @@ from nanforensics.errors import BadInput
 from nanforensics.formats import open_checkpoint
 from nanforensics.saved import load_report
 from nanforensics.views.checkpoints import render_scan_terminal
-from nanforensics.views.escaping import code, fenced, markup, md_text, visible, xml_document, xml_text
+from nanforensics.views.escaping import (
+    MAX_SHOWN,
+    code,
+    cut,
+    fenced,
+    markup,
+    md_text,
+    unencodable_escaped,
+    visible,
+    xml_document,
+    xml_text,
+)
 from nanforensics.views.html import render_html
 from nanforensics.views.markdown import render, render_scan
 from nanforensics.views.postmortem import render_junit
@@ -96,6 +107,56 @@ def test_xml_text_keeps_every_printable_character_and_escapes_the_rest():
         assert (body == f"x{ch}y") == keep, (hex(cp), unicodedata.category(ch), body)
     kept = "".join(chr(cp) for cp in CODE_POINTS if chr(cp) in "\t\n" or unicodedata.category(chr(cp))[0] in "LMNPS")
     assert xml_text(kept) == kept  # characters in a row: nothing between them
+
+
+
+# What an escape looks like at each of its widths' edges: the last code points of two and four hex digits and the
+# first past them that are escaped at all (U+0100 and U+10000 are letters, kept).
+ESCAPES = {"\x00": "\\x00", "\x9f": "\\x9f", "\xad": "\\xad", "\u0378": "\\u0378", "\u200e": "\\u200e",
+           "\ufeff": "\\ufeff", "\uffff": "\\uffff", "\U0001000c": "\\U0001000c", "\U000e0001": "\\U000e0001",
+           "\U0010ffff": "\\U0010ffff", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def test_an_escape_has_the_width_of_its_code_point():
+    for ch, escape in ESCAPES.items():
+        assert visible(f"a{ch}b") == f"a{escape}b"
+        assert xml_text(ch) == (ch if ch in "\t\n" else escape)
+
+
+@pytest.mark.parametrize("n", [0, 1, MAX_SHOWN - 1, MAX_SHOWN, MAX_SHOWN + 1, 5000])
+def test_a_text_is_shown_whole_up_to_its_limit_and_cut_past_it_with_its_count(n):
+    text = "x" * n
+    assert cut(text) == (text if n <= MAX_SHOWN else f"{'x' * MAX_SHOWN}... ({n - MAX_SHOWN} more characters)")
+
+
+def test_markup_of_every_short_text_of_brackets_and_backslashes_stays_text():
+    """Every text of one to four characters over two brackets, a backslash, a slash and two letters (1,554), enumerated: a
+    tag's opening, a backslash before one or before the end, in rich's own markup around it, reads as itself."""
+    for n in range(1, 5):
+        for chars in itertools.product("[]\\/ab", repeat=n):
+            text = "".join(chars)
+            rendered = Text.from_markup(f"[dim]{markup(text)}[/dim]", emoji=False)
+            assert rendered.plain == text and [span.style for span in rendered.spans] == ["dim"], repr(text)
+
+
+def test_the_xml_writer_escapes_the_text_after_an_element_too():
+    root = ET.Element("testsuite")
+    ET.SubElement(root, "testcase").tail = "after\x1b[2J\u202e"
+    ET.SubElement(root, "testcase")
+    parsed = ET.fromstring(xml_document(root).encode())
+    assert [(case.tail or "").strip() for case in parsed] == ["after\\x1b[2J\\u202e", ""]
+
+
+def test_a_stream_that_cannot_encode_a_character_writes_its_escape():
+    """``LANG=C``: each stream given (a terminal's, a log's) writes what its encoding lacks as an escape; a stream
+    without ``reconfigure`` is left as it is."""
+    raw = [io.BytesIO(), io.BytesIO()]
+    streams = [io.TextIOWrapper(b, encoding="ascii") for b in raw]
+    unencodable_escaped(streams[0], io.StringIO(), streams[1])
+    for stream, written in zip(streams, raw):
+        stream.write("r\u00e9sum\u00e9 \u202e\U0001f600")
+        stream.flush()
+        assert written.getvalue() == b"r\\xe9sum\\xe9 \\u202e\\U0001f600"
 
 
 @EXAMPLES

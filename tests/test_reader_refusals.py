@@ -6,10 +6,14 @@ in milliseconds."""
 from __future__ import annotations
 
 import errno
+import gc
 import json
+import math
 import os
 import socket
 import stat
+import struct
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,8 +22,10 @@ from nanforensics import inputs
 from nanforensics.errors import BadInput
 from nanforensics.inputs import (
     MAX_EXPANDED_BYTES,
+    MAX_HEADER_BYTES,
     MAX_NESTING,
     MAX_STRIDE,
+    SafetensorsFile,
     check_regular,
     check_tensors,
     nesting_exceeds,
@@ -29,6 +35,8 @@ from nanforensics.inputs import (
     read_input,
     shape_problem,
 )
+
+from test_faults import time_limit
 
 WHERE = Path("run/meta.json")
 try:
@@ -271,6 +279,9 @@ class _Unreadable:
     def fileno(self) -> int:
         return self._f.fileno()  # type: ignore[attr-defined]
 
+    def close(self) -> None:
+        self._f.close()  # type: ignore[attr-defined]
+
     def read(self, n: int) -> bytes:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
@@ -282,3 +293,316 @@ def test_a_regular_file_that_cannot_be_read_is_refused_in_one_line(tmp_path, mon
     real_open = inputs.open_input
     monkeypatch.setattr(inputs, "open_input", lambda path: _Unreadable(real_open(path)))
     assert refusal(read_input, broken) == f"{broken}: cannot read (Input/output error)"
+
+
+# ---- opening: the tree, the kind of file, the handle -----------------------------------------------------------
+
+
+def test_a_symlink_inside_an_examined_tree_is_followed_only_while_it_stays_inside(tmp_path):
+    """A link in the tree to a file outside it is refused unread, naming the tree as it was given; a link inside it,
+    a link out of a tree not examined, and the root itself given as a link (to a folder or a file) are read."""
+    real, outside = tmp_path / "real", tmp_path / "secret"
+    real.mkdir()
+    outside.write_bytes(b"SECRET")
+    (real / "data").write_bytes(b"inner")
+    (real / "out").symlink_to(outside)
+    (real / "in").symlink_to(real / "data")
+    (tmp_path / "run").symlink_to(real)  # the run named through a link: its own links judged against where it leads
+    (tmp_path / "ck").symlink_to(outside)  # a checkpoint file named through a link: the root, read
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "out").symlink_to(outside)
+    inputs.examine(tmp_path / "run")
+    inputs.examine(tmp_path / "run")  # twice: one tree
+    inputs.examine(os.path.relpath(tmp_path / "ck"))
+    assert inputs.examined().count(real) == 1 and outside in inputs.examined()
+    assert refusal(read_input, tmp_path / "run" / "out") == \
+        f"{tmp_path / 'run' / 'out'}: leads outside {tmp_path / 'run'}, the tree being examined (a symlink): not read"
+    for path in (tmp_path / "run" / "in", tmp_path / "run" / "data", real / "out", tmp_path / "elsewhere" / "out"):
+        assert read_input(path) in (b"inner", b"SECRET")
+    assert read_input(tmp_path / "ck") == b"SECRET"
+
+
+def test_a_file_replaced_between_its_check_and_its_open_is_refused_and_closed(tmp_path, monkeypatch):
+    """A FIFO put where a regular file was checked: opened without waiting for a writer, found out by fstat, closed,
+    refused; a regular file's handle reads as any file does (blocking)."""
+    os.mkfifo(fifo := tmp_path / "fifo")
+    (regular := tmp_path / "regular").write_bytes(b"{}")
+    with inputs.open_input(regular) as f:
+        assert os.get_blocking(f.fileno()) and f.read() == b"{}" and "b" in f.mode
+    monkeypatch.setattr(inputs, "check_regular", lambda path: None)  # the check passed: the path changed since
+    gc.collect()  # the files of the tests before, closed first
+    before = len(os.listdir("/proc/self/fd"))
+    with time_limit(10):
+        assert refusal(inputs.open_input, fifo) == f"{fifo}: not a regular file (a FIFO)"
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert refusal(inputs.open_input, tmp_path / "gone") == f"{tmp_path / 'gone'}: file is missing"
+    (tmp_path / "folder").mkdir()
+    assert refusal(inputs.open_input, tmp_path / "folder" / "x" / "y") == f"{tmp_path / 'folder' / 'x' / 'y'}: file is missing"
+    assert refusal(inputs.open_input, regular / "x") == f"{regular / 'x'}: cannot read (Not a directory)"
+
+
+def test_a_json_file_is_refused_naming_itself_and_an_excerpt_is_short_and_escaped(tmp_path):
+    (path := tmp_path / "manifest.json").write_text('{"a": [1, 2]}')
+    assert inputs.load_json(path) == {"a": [1, 2]}
+    path.write_text('{"a": ')
+    assert refusal(inputs.load_json, path) == f"{path}: not valid JSON (Expecting value at line 1)"
+    assert inputs.excerpt(b"\x1b[2J" + b"x" * 40) == repr(b"\x1b[2J" + b"x" * 20)
+    assert inputs.excerpt("a\nb" * 20, limit=4) == repr("a\nba")
+    assert inputs.excerpt("\n" * 40, limit=30) == repr("\n" * 30)[:57] + "..."
+    assert inputs.one_line(ValueError("a\n  b\tc ")) == "a b c" and inputs.one_line(ValueError()) == "ValueError"
+
+
+# ---- safetensors: every claim of a header at its edge ----------------------------------------------------------
+
+
+def _st(path: Path, header: object, data: bytes = b"", raw: bytes | None = None) -> Path:
+    """A safetensors file: its 8-byte header length, its header (``raw`` as given, else ``header`` as JSON), ``data``."""
+    raw = json.dumps(header).encode() if raw is None else raw
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def _f32(name: str, shape: list[int], begin: int) -> dict:
+    return {name: {"dtype": "F32", "shape": shape, "data_offsets": [begin, begin + 4 * math.prod(shape)]}}
+
+
+@pytest.mark.parametrize("size", range(9))
+def test_a_file_too_short_for_its_header_length_says_its_size(tmp_path, size):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"\0" * size)
+    if size < 8:
+        assert refusal(SafetensorsFile, path) == f"{path}: truncated: {size} bytes, too short for a safetensors header"
+    else:
+        assert refusal(SafetensorsFile, path) == f"{path}: not a safetensors file (its header is not JSON)"
+
+
+@pytest.mark.parametrize("n, size, said", [
+    (MAX_HEADER_BYTES + 1, 8, f"not a safetensors file (header length {MAX_HEADER_BYTES + 1})"),
+    (MAX_HEADER_BYTES, 8, f"truncated: the header needs {MAX_HEADER_BYTES + 8} bytes, the file has 8"),
+    (2 ** 64 - 1, 8, f"not a safetensors file (header length {2 ** 64 - 1})"),
+    (3, 10, "truncated: the header needs 11 bytes, the file has 10"),
+    (2, 10, None), (2, 11, None)])
+def test_a_header_length_is_checked_against_its_limit_and_the_files_size(tmp_path, n, size, said):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", n) + (b"{}" + b"\0" * size)[:size - 8])
+    if said is None:
+        f = SafetensorsFile(path)
+        assert f.entries == [] and f.metadata == {}
+    else:
+        assert refusal(SafetensorsFile, path) == f"{path}: {said}"
+
+
+@pytest.mark.parametrize("raw, said", [
+    (b"[" * 100_000, "not a safetensors file (its header is JSON nested too deeply)"),
+    (b"{", "not a safetensors file (its header is not JSON)"),
+    (b'{"\xff": 1}', "not a safetensors file (its header is not JSON)"),
+    (b"1" * 5000, "not a safetensors file (its header is not JSON)"),
+    (b"[]", "not a safetensors file (its header is not a JSON object)"),
+    (b'"x"', "not a safetensors file (its header is not a JSON object)"),
+    (b'{"__metadata__": ["a"]}', "malformed safetensors header (__metadata__ is not an object of strings)"),
+    (b'{"__metadata__": "x"}', "malformed safetensors header (__metadata__ is not an object of strings)"),
+    (b'{"__metadata__": {"a": {}}}', "malformed safetensors header (__metadata__ is not an object of strings)"),
+    (b'{"__metadata__": {"a": [1]}}', "malformed safetensors header (__metadata__ is not an object of strings)"),
+])
+def test_a_header_that_is_no_safetensors_header_says_why(tmp_path, raw, said):
+    assert refusal(SafetensorsFile, path := _st(tmp_path / "x.safetensors", None, raw=raw)) == f"{path}: {said}"
+
+
+@pytest.mark.parametrize("meta, kept", [(None, {}), ({}, {}), ([], {}), ("", {}), (0, {}),
+                                        ({"format": "pt", "n": 1, "x": None}, {"format": "pt", "n": "1", "x": "None"})])
+def test_a_headers_metadata_is_read_as_strings(tmp_path, meta, kept):
+    f = SafetensorsFile(_st(tmp_path / "x.safetensors", {"__metadata__": meta, **_f32("w", [1], 0)}, b"\0" * 4))
+    assert f.metadata == kept and [e.name for e in f.entries] == ["w"]
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+@pytest.mark.parametrize("count", range(5))
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_header_lists_at_most_its_limit_of_tensors(tmp_path, monkeypatch, limit, count, meta):
+    """Counted while the JSON is parsed (each entry an object), then as entries: one past the limit is refused by
+    one or the other, with or without __metadata__ (itself an object)."""
+    monkeypatch.setattr(inputs, "MAX_TENSORS", limit)
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
+    path = _st(tmp_path / "x.safetensors", {**({"__metadata__": {"a": "b"}} if meta else {}), **header})
+    if count <= limit:
+        assert [e.name for e in SafetensorsFile(path).entries] == list(header)
+    else:
+        assert refusal(SafetensorsFile, path) == f"{path}: its header lists more than {limit} tensors"
+
+
+MALFORMED = "malformed safetensors header entry for tensor 'w'"
+
+
+@pytest.mark.parametrize("spec, said", [
+    ([], MALFORMED), ("F32", MALFORMED), (None, MALFORMED), ({"shape": [1], "data_offsets": [0, 4]}, MALFORMED),
+    ({"dtype": "F32", "data_offsets": [0, 4]}, MALFORMED), ({"dtype": "F32", "shape": [1]}, MALFORMED),
+    ({"dtype": "F32", "shape": 1, "data_offsets": [0, 4]}, MALFORMED),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}, MALFORMED),
+    ({"dtype": "F32", "shape": [1], "data_offsets": 4}, MALFORMED),
+    ({"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]},
+     "tensor 'w': shape [1.0] is not a list of integers from 0 to 2^63-1"),
+    ({"dtype": "F32", "shape": [True], "data_offsets": [0, 4]},
+     "tensor 'w': shape [True] is not a list of integers from 0 to 2^63-1"),
+    ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]},
+     "tensor 'w': shape [-1] is not a list of integers from 0 to 2^63-1"),
+    ({"dtype": "F32", "shape": [1, MAX_STRIDE + 1], "data_offsets": [0, 4]},
+     f"tensor 'w': shape [1, {MAX_STRIDE + 1}] is not a list of integers from 0 to 2^63-1"),
+    ({"dtype": "U8", "shape": [MAX_STRIDE], "data_offsets": [0, 8]},
+     "truncated: tensor 'w' ends at data byte 8, the file holds 4 data bytes"),
+    ({"dtype": "F32", "shape": [MAX_STRIDE], "data_offsets": [0, 4]},
+     f"tensor 'w': shape [{MAX_STRIDE}] has strides beyond 2^63 bytes"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [0, 4.0]},
+     "tensor 'w': data_offsets [0, 4.0] is not a list of integers from 0 to 2^63-1"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [-1, 4]},
+     "tensor 'w': data_offsets [-1, 4] is not a list of integers from 0 to 2^63-1"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [0, MAX_STRIDE + 1]},
+     f"tensor 'w': data_offsets [0, {MAX_STRIDE + 1}] is not a list of integers from 0 to 2^63-1"),
+    ({"dtype": "F128", "shape": [1], "data_offsets": [0, 4]},
+     "tensor 'w' has dtype 'F128', which this nanforensics cannot read"),
+    ({"dtype": 32, "shape": [1], "data_offsets": [0, 4]}, "tensor 'w' has dtype 32, which this nanforensics cannot read"),
+    ({"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]},
+     "tensor 'w' has dtype ['F32'], which this nanforensics cannot read"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}, MALFORMED),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}, "truncated: tensor 'w' ends at data byte 8, the file holds 4 "
+                                                              "data bytes"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}, "tensor 'w' spans 4 bytes, its shape [2] of F32 needs 8"),
+    ({"dtype": "I64", "shape": [], "data_offsets": [0, 4]}, "tensor 'w' spans 4 bytes, its shape [] of I64 needs 8"),
+    ({"dtype": "F16", "shape": [1], "data_offsets": [1, 4]}, "tensor 'w' spans 3 bytes, its shape [1] of F16 needs 2"),
+])
+def test_a_header_entry_that_cannot_be_laid_out_in_the_file_says_why(tmp_path, spec, said):
+    """Each field of an entry at its edge, against a file of 4 data bytes."""
+    path = _st(tmp_path / "x.safetensors", {"w": spec}, b"\0" * 4)
+    assert refusal(SafetensorsFile, path) == f"{path}: {said}"
+
+
+def test_a_header_entry_at_its_edges_is_taken(tmp_path):
+    """Each limit reached, not passed: an offset at the data's end, a tensor of no bytes at it, every dtype."""
+    header: dict = {"e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [12, 12]}}
+    begin = 0
+    for name, dtype in inputs._dtypes().items():
+        header[name] = {"dtype": name, "shape": [1, 1], "data_offsets": [begin, begin + dtype.itemsize]}
+        begin += dtype.itemsize
+    f = SafetensorsFile(_st(tmp_path / "x.safetensors", header, b"\1" * begin))
+    base = 8 + len(json.dumps(header))
+    assert [(e.name, e.dtype, e.shape, e.start, e.end) for e in f.entries] == sorted(
+        [(name, inputs._dtypes().get(s["dtype"], torch.float32), tuple(s["shape"]), base + s["data_offsets"][0],
+          base + s["data_offsets"][1]) for name, s in header.items()], key=lambda e: e[3])
+    assert f.entries[-1].end == base + begin
+
+
+def test_tensors_are_read_from_any_offset_as_they_were_written(tmp_path):
+    """Tensors before, across and past a page's edge (the map starts on one), empty ones, one of each shape: their
+    values exactly; read twice, from the file whose header was checked."""
+    tensors = {"a": torch.arange(3, dtype=torch.float32), "b": torch.arange(2000, dtype=torch.float32).view(40, 50),
+               "c": torch.tensor([7, -8], dtype=torch.int64), "d": torch.zeros(0, 4), "e": torch.tensor(2.5),
+               "f": torch.arange(5000, dtype=torch.int16), "g": torch.zeros(2, 0, dtype=torch.int64)}
+    header, data = {}, b""
+    for name, t in tensors.items():
+        raw = t.numpy().tobytes()
+        header[name] = {"dtype": {torch.float32: "F32", torch.int64: "I64", torch.int16: "I16"}[t.dtype],
+                        "shape": list(t.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    f = SafetensorsFile(_st(tmp_path / "x.safetensors", header, data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's warning about a read-only buffer is the reader's to silence
+        torch.set_warn_always(True)  # torch says it once a process: here, each time
+        try:
+            reads = [{e.name: f.read(e) for e in f.entries} for _ in range(2)]
+        finally:
+            torch.set_warn_always(False)
+        for read in reads:
+            assert read.keys() == tensors.keys()
+            for name, t in tensors.items():
+                assert read[name].dtype == t.dtype and read[name].shape == t.shape and torch.equal(read[name], t), name
+
+
+def test_a_file_cut_short_after_its_header_was_checked_is_refused_at_the_tensor_past_its_end(tmp_path):
+    path = _st(tmp_path / "x.safetensors", {**_f32("a", [2], 0), **_f32("b", [2], 8)}, b"\0" * 16)
+    f = SafetensorsFile(path)
+    a, b = f.entries
+    os.truncate(path, b.end - 1)
+    assert f.read(a).tolist() == [0.0, 0.0]
+    assert refusal(f.read, b) == f"{path}: truncated while being read: tensor 'b' is past its end"
+    os.truncate(path, b.end)
+    assert f.read(b).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("error, said", [(errno.ENOMEM, "tensor 'w': 8 bytes claimed, more memory than this process may take"),
+                                         (errno.ENODEV, "cannot map tensor 'w' (No such device)")])
+def test_a_tensor_the_system_will_not_map_is_refused_in_one_line(tmp_path, monkeypatch, error, said):
+    f = SafetensorsFile(path := _st(tmp_path / "x.safetensors", _f32("w", [2], 0), b"\0" * 8))
+
+    def refuse(*args, **kwargs):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(inputs.mmap, "mmap", refuse)
+    assert refusal(f.read, f.entries[0]) == f"{path}: {said}"
+
+
+def test_a_header_that_cannot_be_read_is_refused_in_one_line(tmp_path, monkeypatch):
+    path = _st(tmp_path / "x.safetensors", {}, b"")
+    real_open = inputs.open_input
+    monkeypatch.setattr(inputs, "open_input", lambda p: _Unreadable(real_open(p)))
+    assert refusal(SafetensorsFile, path) == f"{path}: cannot read (Input/output error)"
+
+
+def test_a_tensor_file_reads_what_its_header_lists_and_refuses_what_safetensors_cannot(tmp_path):
+    """TensorFile: the checked header first (a truncated file named by its tensor), then safetensors' own reading;
+    what safetensors refuses (overlapping tensors, bytes no tensor covers, a name not in the file) in one line."""
+    good = _st(tmp_path / "good.safetensors", {"__metadata__": {"format": "pt"}, **_f32("a", [2], 0), **_f32("b", [1], 8)},
+               struct.pack("<3f", 1.0, 2.0, 3.0))
+    f = inputs.TensorFile(good)
+    assert f.keys() == ["a", "b"] and f.metadata() == {"format": "pt"}
+    assert {k: v.tolist() for k, v in f.items()} == {"a": [1.0, 2.0], "b": [3.0]}
+    assert {k: v.tolist() for k, v in f.load_all().items()} == {"a": [1.0, 2.0], "b": [3.0]}
+    assert inputs.TensorFile(_st(tmp_path / "bare.safetensors", _f32("a", [1], 0), b"\0" * 4)).metadata() == {}
+    assert refusal(f.get, "zz") == f"{good}: tensor 'zz' is unreadable (File does not contain tensor zz)"
+    short = _st(tmp_path / "short.safetensors", _f32("a", [2], 0), b"\0" * 4)
+    assert refusal(inputs.TensorFile, short) == f"{short}: truncated: tensor 'a' ends at data byte 8, the file holds 4 " \
+        "data bytes"
+    overlap = _st(tmp_path / "overlap.safetensors", {**_f32("a", [2], 0), **_f32("b", [2], 0)}, b"\0" * 8)
+    assert refusal(inputs.TensorFile, overlap).startswith(f"{overlap}: not a readable safetensors file (Error while "
+                                                          "deserializing header: invalid offset for tensor `")
+    gap = _st(tmp_path / "gap.safetensors", _f32("a", [2], 0), b"\0" * 12)
+    assert refusal(inputs.TensorFile, gap) == f"{gap}: not a readable safetensors file (Error while deserializing " \
+        "header: incomplete metadata, file not fully covered)"
+
+
+def test_a_safetensors_file_freed_closes_its_file_quietly(tmp_path):
+    path = _st(tmp_path / "x.safetensors", _f32("w", [1], 0), b"\0" * 4)
+    gc.collect()  # the files of the tests before, closed first
+    before = len(os.listdir("/proc/self/fd"))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        f = SafetensorsFile(path)
+        assert len(os.listdir("/proc/self/fd")) == before + 1
+        del f
+        gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before and not [w for w in said if w.category is ResourceWarning]
+
+
+def test_memory_refused_to_a_tensor_file_names_the_file_and_its_claim(tmp_path, monkeypatch):
+    """The system refusing memory (an address-space limit) when safetensors maps the file, or reads a tensor: one
+    line naming the file, what was read and the bytes its header claims for it."""
+    import safetensors
+
+    path = _st(tmp_path / "x.safetensors", {**_f32("a", [2], 0), **_f32("b", [1], 8)}, b"\0" * 12)
+    real = safetensors.safe_open
+
+    class Refusing:
+        def __init__(self, *args, **kwargs) -> None:
+            self._handle = real(*args, **kwargs)
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            raise MemoryError
+
+    monkeypatch.setattr(safetensors, "safe_open", Refusing)
+    f = inputs.TensorFile(path)
+    for key, claimed in (("a", 8), ("b", 4)):
+        assert refusal(f.get, key) == f"{path}: tensor {key!r}: {claimed} bytes claimed, more memory than this process may take"
+
+    def no_map(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(safetensors, "safe_open", no_map)
+    assert refusal(inputs.TensorFile, path) == f"{path}: its tensors: 12 bytes claimed, more memory than this process may take"

@@ -331,10 +331,11 @@ def test_a_file_replaced_between_its_check_and_its_open_is_refused_and_closed(tm
         assert os.get_blocking(f.fileno()) and f.read() == b"{}" and "b" in f.mode
     monkeypatch.setattr(inputs, "check_regular", lambda path: None)  # the check passed: the path changed since
     gc.collect()  # the files of the tests before, closed first
-    before = len(os.listdir("/proc/self/fd"))
+    os.close(lowest := os.open(regular, os.O_RDONLY))  # POSIX: open takes the lowest free descriptor
     with time_limit(10):
         assert refusal(inputs.open_input, fifo) == f"{fifo}: not a regular file (a FIFO)"
-    assert len(os.listdir("/proc/self/fd")) == before
+    os.close(again := os.open(regular, os.O_RDONLY))
+    assert again == lowest  # the FIFO's descriptor was closed, not left holding the lowest one
     assert refusal(inputs.open_input, tmp_path / "gone") == f"{tmp_path / 'gone'}: file is missing"
     (tmp_path / "folder").mkdir()
     assert refusal(inputs.open_input, tmp_path / "folder" / "x" / "y") == f"{tmp_path / 'folder' / 'x' / 'y'}: file is missing"
@@ -571,14 +572,19 @@ def test_a_tensor_file_reads_what_its_header_lists_and_refuses_what_safetensors_
 def test_a_safetensors_file_freed_closes_its_file_quietly(tmp_path):
     path = _st(tmp_path / "x.safetensors", _f32("w", [1], 0), b"\0" * 4)
     gc.collect()  # the files of the tests before, closed first
-    before = len(os.listdir("/proc/self/fd"))
+
+    def lowest_free() -> int:  # POSIX: open takes the lowest free descriptor
+        os.close(fd := os.open(path, os.O_RDONLY))
+        return fd
+
+    before = lowest_free()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         f = SafetensorsFile(path)
-        assert len(os.listdir("/proc/self/fd")) == before + 1
+        assert lowest_free() != before  # the file holds it
         del f
         gc.collect()
-    assert len(os.listdir("/proc/self/fd")) == before and not [w for w in said if w.category is ResourceWarning]
+    assert lowest_free() == before and not [w for w in said if w.category is ResourceWarning]
 
 
 def test_memory_refused_to_a_tensor_file_names_the_file_and_its_claim(tmp_path, monkeypatch):

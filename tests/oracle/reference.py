@@ -13,6 +13,7 @@ step that fail alone (the step re-run from a snapshot on each single sample).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -119,6 +120,11 @@ class StepWatch:
         self.found: dict[str, Found] = {}
         self.stepped_by: set[int] = set()  # the optimizers whose step() ran, by id
         self.handles: list[Any] = []
+        # the op of the step (counted inside optimizers' steps) after which each state tensor, (id(param), key), was
+        # first seen non-finite: the state is read in that order, the order the update made it non-finite
+        self.ops = 0
+        self.became: dict[tuple[int, str], int] = {}
+        self.watching: StateOrder | None = None
 
     def see(self, stage: str, name: str, t: Any, key: str | None = None) -> None:
         if stage in self.found:
@@ -140,6 +146,7 @@ class StepWatch:
                 self.handles.append(p.register_post_accumulate_grad_hook(
                     lambda p, name=name: self.see("grad", name, p.grad)))
         self.handles += [o.register_step_pre_hook(self._before_update) for o in each(self.optimizer)]
+        self.handles += [o.register_step_post_hook(lambda *a: self._stop_watching()) for o in each(self.optimizer)]
         return self
 
     def _module(self, name: str) -> Callable[..., None]:
@@ -159,18 +166,25 @@ class StepWatch:
             for p in group["params"]:
                 if p.grad is not None:
                     self.see("optimizer_grad", self.names.get(p, "?"), p.grad)
+        self.watching = StateOrder(self, optimizer)
+        self.watching.__enter__()
+
+    def _stop_watching(self) -> None:
+        if self.watching is not None:
+            self.watching.__exit__(None, None, None)
+            self.watching = None
 
     def __exit__(self, *exc: object) -> None:
+        self._stop_watching()
         for h in self.handles:
             h.remove()
 
     def finish(self, batch: Any, loss: Any) -> list[Found]:
         """The checks after the step, then every stage's first non-finite value in stage order."""
-        for o in each(self.optimizer):
-            for group in o.param_groups:
-                for p in group["params"]:
-                    for key, t in o.state.get(p, {}).items():
-                        self.see("optimizer_state", self.names.get(p, "?"), t, key)
+        held = [(p, key, t) for o in each(self.optimizer) for group in o.param_groups for p in group["params"]
+                for key, t in o.state.get(p, {}).items()]
+        for p, key, t in sorted(held, key=lambda h: self.became.get((id(h[0]), h[1]), math.inf)):
+            self.see("optimizer_state", self.names.get(p, "?"), t, key)
         for o in each(self.optimizer):
             for group in o.param_groups:
                 for p in group["params"]:
@@ -183,6 +197,26 @@ class StepWatch:
         for path, t in tree_flatten_with_path(batch)[0]:
             self.see("batch", "batch" + keystr(path), t)
         return [self.found[s] for s in ORDER if s in self.found]
+
+
+class StateOrder(TorchDispatchMode):
+    """Inside one optimizer's ``step()``: after every op, each of its state tensors is read whole, and the first op
+    after which one holds a non-finite value noted (``StepWatch.became``)."""
+
+    def __init__(self, watch: StepWatch, optimizer: Any) -> None:
+        super().__init__()
+        self.watch, self.optimizer = watch, optimizer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.watch.ops += 1
+        with _disable_current_modes():  # read unseen by a mode watching the step (Births)
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    for key, t in self.optimizer.state.get(p, {}).items():
+                        if (id(p), key) not in self.watch.became and _checkable(t) and first_bad(t.detach()):
+                            self.watch.became[(id(p), key)] = self.watch.ops
+        return out
 
 
 def loss_only(found: list[Found]) -> bool:

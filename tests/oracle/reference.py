@@ -1,13 +1,14 @@
 """The reference monitor: deliberately simple and slow, sharing no code with the replay (no proofs, no locate mode,
 no skipped reads). Every step runs from the program's start with hooks on every module, every gradient, the optimizer
-(before and after its step) and, for the origin step, a ``TorchDispatchMode`` over every op; every checked tensor is
-read whole with ``torch.isfinite``.
+(before and after its step), a ``TorchDispatchMode`` over each optimizer's step that reads the state each op was given
+after the op, and, for the origin step, one over every op; every checked tensor is read whole with ``torch.isfinite``.
 
 What it reports (``Reference``): per step the first non-finite value of each stage in program order (stage, tensor,
-coordinate, value); the origin, the first step with a non-finite value that is not loss-only; the loss-only steps
-(a non-finite loss, nothing but forward activations non-finite with it); the op of that step that first made a
-non-finite value from finite inputs, of those whose value reaches the origin, with its phase; and the samples of that
-step that fail alone (the step re-run from a snapshot on each single sample).
+coordinate, value; of the optimizer state, the tensor the update made non-finite first); the origin, the first step
+with a non-finite value that is not loss-only; the loss-only steps (a non-finite loss, nothing but forward activations
+non-finite with it); the op of that step that first made a non-finite value from finite inputs, of those whose value
+reaches the origin, with its phase; and the samples of that step that fail alone (the step re-run from a snapshot on
+each single sample).
 """
 
 from __future__ import annotations
@@ -200,23 +201,47 @@ class StepWatch:
 
 
 class StateOrder(TorchDispatchMode):
-    """Inside one optimizer's ``step()``: after every op, each of its state tensors is read whole, and the first op
-    after which one holds a non-finite value noted (``StepWatch.became``)."""
+    """Inside one optimizer's ``step()``: after every op, each of its state tensors that shares memory with a tensor the
+    op was given is read whole (an op changes no tensor it is not given), and the first op after which one holds a
+    non-finite value noted (``StepWatch.became``)."""
 
     def __init__(self, watch: StepWatch, optimizer: Any) -> None:
         super().__init__()
         self.watch, self.optimizer = watch, optimizer
+        self.entries = -1
+        self.held: dict[int | None, list[tuple[tuple[int, str], torch.Tensor]]] = {}  # memory -> state tensors there
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.watch.ops += 1
         with _disable_current_modes():  # read unseen by a mode watching the step (Births)
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    for key, t in self.optimizer.state.get(p, {}).items():
-                        if (id(p), key) not in self.watch.became and _checkable(t) and first_bad(t.detach()):
-                            self.watch.became[(id(p), key)] = self.watch.ops
+            entries = sum(map(len, self.optimizer.state.values()))
+            if entries != self.entries:  # state created in this step (the first): where each tensor lies, again
+                self.entries, self.held = entries, {}
+                for group in self.optimizer.param_groups:
+                    for p in group["params"]:
+                        for key, t in self.optimizer.state.get(p, {}).items():
+                            if _checkable(t):
+                                self.held.setdefault(_memory(t), []).append(((id(p), key), t))
+            given = {_memory(t) for t in _tensors([*args, *(kwargs or {}).values()])} | {None}
+            for memory in given & self.held.keys():
+                for where, t in self.held[memory]:
+                    if where not in self.watch.became and (first_bad(t) if t.is_sparse else not torch.isfinite(t).all()):
+                        self.watch.became[where] = self.watch.ops
         return out
+
+
+def _tensors(values: list[Any]) -> list[torch.Tensor]:
+    """The tensors among an op's arguments, each of a list (a foreach op's) too."""
+    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
+
+
+def _memory(t: torch.Tensor) -> int | None:
+    """Where a tensor's values lie; None for one with no storage of its own (sparse)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def loss_only(found: list[Found]) -> bool:

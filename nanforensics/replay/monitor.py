@@ -5,8 +5,10 @@ to run on every replayed step. A CPU tensor's verdict is read on the spot (``fin
 CPU reduction has finished when it returns, so there is nothing to wait for); on an accelerator each
 tensor's ``aminmax`` stays on the device and the step ends with one host sync. *Locate* checks each
 tensor the moment a hook sees it and, when one is bad, records its first coordinate and value before
-later code mutates it (gradient clipping turns inf into NaN in place). Replay runs a step in locate
-mode only after detect mode has flagged it.
+later code mutates it (gradient clipping turns inf into NaN in place); inside ``optimizer.step()`` it
+notes the write that first left each tensor non-finite (``StateWrites``), so that of the optimizer state
+the one the update made non-finite first is named. Replay runs a step in locate mode only after detect
+mode has flagged it.
 
 What detect mode guarantees: a step is flagged iff a non-finite value is in the batch, in any tensor
 of any module's forward output (every module, not only the root: a later module can absorb a NaN, a

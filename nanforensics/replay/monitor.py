@@ -84,7 +84,10 @@ class StateWrites(TorchDispatchMode):
             if a.alias_info is None or not a.alias_info.is_write:
                 continue
             for t in tree_flatten(args[i] if i < len(args) else kwargs.get(a.name))[0]:
-                if finite.checkable(t) and _owner(t) not in self.bad and not finite.is_finite(t):
+                if not isinstance(t, torch.Tensor) or _owner(t) in self.bad:
+                    continue
+                local, _ = local_part(t)  # a sharded tensor in this rank's shard, as ``check`` reads it
+                if finite.checkable(local) and not finite.is_finite(local):
                     self.bad[_owner(t)] = self.ops
         return out
 

@@ -3,6 +3,7 @@ construction, both sides; the up-front refusal; and the property over a fixed se
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,15 +12,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from nanforensics import finite
 from nanforensics.replay import support
 from nanforensics.replay.engine import ReplayOptions, replay_run
+from nanforensics.replay.monitor import StepMonitor
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from conftest import assert_one_line_error, run_cli
 from oracle import programs
 from oracle.check import check, compare
-from oracle.reference import first_bad, reference, single_samples
+from oracle.reference import StepWatch, first_bad, reference, single_samples
 
 # ---- the reference monitor on hand-made steps ----------------------------------------------------------------------
 
@@ -251,6 +254,65 @@ def test_a_nan_made_and_dropped_inside_a_transform_is_not_the_op() -> None:
     assert _run(nn.Linear(3, 2), [batch], _per_sample_cross_entropy, optimizer=adam).verdict == "clean"
 
 
+# Each state tensor an optimizer can keep: AMSGrad's maximum, a centred RMSprop's mean and momentum, SGD's momentum.
+ALL_STATE = {"Adam": {"amsgrad": True}, "AdamW": {"amsgrad": True}, "RMSprop": {"momentum": 0.9, "centered": True},
+             "SGD": {"momentum": 0.9}}
+
+
+def _first_state(name: str, foreach: bool, monitor: bool) -> tuple[tuple[str, str], list[tuple[str, str]]]:
+    """One finite step of optimizer ``name`` on three weight matrices, then one where the first's gradient holds a
+    finite 3e38, whose square overflows, and the others' a NaN: the first non-finite optimizer state (tensor, key) the
+    replay's monitor in locate mode (``monitor``) or the reference names, and every (tensor, key) non-finite after the
+    step, in parameter and state dict order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))  # 2-d: Muon's, Adafactor's rows
+    cls = getattr(torch.optim, name)
+    kwargs = {**ALL_STATE.get(name, {}), **({"foreach": foreach} if "foreach" in inspect.signature(cls).parameters
+                                             else {})}
+    optimizer = cls(model.parameters(), lr=0.01, **kwargs)
+
+    def step(poisoned: bool) -> None:
+        for i, p in enumerate(model.parameters()):
+            g = torch.randn_like(p)
+            if poisoned:
+                g[1, 2] = 3e38 if i == 0 else math.nan
+            p.grad = g.to_sparse() if name == "SparseAdam" else g
+        optimizer.step()
+
+    step(False)
+    if monitor:
+        with StepMonitor(model, optimizer) as watch:
+            watch.begin(1, {}, locate=True)
+            step(True)
+            first = next(e for e in watch.end(None) if e.stage == "optimizer_state")
+    else:
+        with StepWatch(model, optimizer, 1, set()) as ref:
+            step(True)
+        first = next(f for f in ref.finish({}, None) if f.stage == "optimizer_state")
+    bad = [(n, k) for n, p in model.named_parameters() for k, t in optimizer.state[p].items()
+           if finite.checkable(t) and not finite.is_finite(t)]
+    return (first.tensor, first.state_key), bad
+
+
+def test_the_first_optimizer_state_to_go_non_finite_is_the_first_the_update_wrote() -> None:
+    """Every optimizer torch.optim has (LBFGS, refused up front, aside), each per-parameter and foreach where it has
+    both, with several state tensors made non-finite in one step: the replay names the state the update wrote
+    non-finite first, as the reference observes it op by op. Neither the keys' names (seed 1278: Adafactor writes
+    row_var before col_var) nor the parameters' and state dict's order (a foreach update writes one key of every
+    parameter before the next key) is that order."""
+    by_name, by_dict = [], []
+    for name in (n for n in programs.OPTIMIZERS if n not in support.REFUSED_OPTIMIZERS):
+        for foreach in (False, True):
+            replayed, bad = _first_state(name, foreach, monitor=True)
+            observed, _ = _first_state(name, foreach, monitor=False)
+            assert len(bad) >= 2 and replayed in bad, (name, foreach, bad)
+            assert replayed == observed, (name, foreach)
+            first_key = min(k for _, k in bad)  # the first by name, and the first parameter with that key
+            by_name.append(replayed == (next(n for n, k in bad if k == first_key), first_key))
+            by_dict.append(replayed == bad[0])
+    assert not all(by_name) and not all(by_dict)  # either order names other state
+
+
 # A linear model under SGD: the start of the hand-written programs below.
 LINEAR = '''
 import torch
@@ -434,6 +496,70 @@ def test_a_micro_batch_s_overflow_that_never_reaches_the_origin_is_not_its_op(fi
         ["forward", "loss", "grad"], "aten::addmm", "forward", [2])
     report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
     assert report.operation.site.op.split(".")[0] == "aten::addmm"
+    assert compare(ref, report) == []
+
+
+# A bias no optimizer holds, under a GradScaler: the NaN of step 2's batch reaches both gradients, the scaler skips the
+# step, and the bias keeps its NaN gradient (nothing zeroes it). At step 3 the scaled gradients of rows 0.5 from their
+# target sum to 2 * (out - target) * 32768 in float16: past 65504 at a target of -1.5 (the bias's sum overflows, the
+# weight's, half of it, does not, so the scaler steps), within it at -1.0.
+HELD_NAN = '''
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Linear(2, 1)
+
+
+def make_optimizer(model):
+    return torch.optim.SGD([model.weight], lr=1e-3)
+
+
+make_scheduler = None
+
+
+def make_batch(step):
+    x = torch.full((4, 2), 0.5)
+    y = torch.zeros(4, 1)
+    if step == 2:
+        x[1, 0] = math.nan
+    if step == 3:
+        y[:] = {target}
+    return {{"x": x, "y": y}}
+
+
+def train_step(model, optimizer, batch, *, scaler):
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(batch["x"])
+    loss = F.mse_loss(out.float(), batch["y"])
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach()
+'''
+
+
+@pytest.mark.parametrize("target, op", [("-1.5", "aten::sum"), ("-1.0", None)])
+def test_a_nan_held_from_before_the_step_is_named_by_the_step_s_own_overflow_that_meets_it(target: str, op: str | None,
+                                                                                            tmp_path: Path) -> None:
+    """The origin, step 3's bias gradient, is NaN only because the NaN it held since step 2 came in: no op of the step
+    made a NaN. Where the step's own float16 sum overflowed into it (inf + NaN), that overflow reaches the origin and is
+    named by the reference and the replay (seed 20026), which followed the NaN alone back out of the step and named
+    none; with no overflow no op of the step made anything, and none is named."""
+    module = programs.load(f"held_nan_{target.replace('.', '_').replace('-', 'm')}", HELD_NAN.format(target=target),
+                           tmp_path)
+    programs.record(module, tmp_path / "run")
+    ref = reference(module, programs.extras, programs.STEPS)
+    assert (ref.origin.step, ref.origin.stage, ref.origin.tensor, ref.origin.value) == (3, "grad", "bias", "nan")
+    assert (ref.op, ref.phase) == ((op, "backward") if op else (None, None))
+    report = replay_run(tmp_path / "run", ReplayOptions(code_paths=[tmp_path]))
+    assert (report.operation.site.op.split(".")[0] if report.operation else None) == op
     assert compare(ref, report) == []
 
 
@@ -659,8 +785,18 @@ def test_a_supported_run_is_not_refused(tmp_path: Path) -> None:
 # head overflows on its own (the origin, first in stage order); the reference named the step's first birth, which never
 # reaches the origin (the parameters do not change between micro-batches). The reference now names the first birth
 # that reaches the origin, as the replay does (tests/oracle/reference.py, Births.reach).
-FIXED = [28, 65, 91, 107, 170, 171, 179, 185, 191, 201, 311, 353, 354, 372, 409, 437, 474, 574, 1149, 1266, 1298, 1540,
-         2207, 4020, 4254, 6015, 6106, 6426, 10107, 10170, 10582, 20072, 20276, 20415, 40321, 41965,
+# 1278: Adafactor stepped by two optimizers after an LR spike turns row_var and col_var non-finite in the same step; the
+# replay ordered a stage's state keys by name (col_var), the reference read them in the state dict's order, and neither
+# is the order the update writes them in (a foreach update writes one key of every parameter before the next). Both
+# now name the state the update made non-finite first: the replay's monitor records in locate mode the op that first
+# left each written tensor non-finite (replay/monitor.py, StateWrites) and checks the state in that order, the
+# reference reads every state tensor after each op of the update (StateOrder).
+# 20026: under a GradScaler a bias no optimizer holds keeps the NaN gradient of a step the scaler skipped; at the next
+# step the origin is that gradient, its NaN from before the step, and the trace, following the NaN alone, left the step
+# and named no op, where the reference names the step's float16 sum whose overflow was accumulated into it; the trace
+# now follows the other kind where no op of the step made the origin's own (rootcause/operations.py, _culprit).
+FIXED = [28, 65, 91, 107, 170, 171, 179, 185, 191, 201, 311, 353, 354, 372, 409, 437, 474, 574, 1149, 1266, 1278, 1298,
+         1540, 2207, 4020, 4254, 6015, 6106, 6426, 10107, 10170, 10582, 20026, 20072, 20276, 20415, 40321, 41965,
          70390]
 # Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
 # join FIXED.
@@ -668,16 +804,6 @@ KNOWN: dict[int, str] = {
     120400: "samples, BatchNorm under two optimizers and a slow overflow (found by the 1000-program run 120000-120999 on "
             "main): the reference finds 8 of 10 samples failing alone through the whole step, the replay none alone "
             "and no coupled group",
-    1278: "origin.state_key, Adafactor stepped by two optimizers after an LR spike (found by accum31's run of the two-"
-          "optimizer programs 1000-1099, on main too): row_var and col_var turn non-finite in the same step; the "
-          "reference names the one written first (row_var), the replay orders a stage's state keys by name (col_var)",
-    20026: "operation, under a GradScaler: a parameter no optimizer holds accumulates gradients the scaler never "
-           "unscales until they overflow; the trace names no op for the NaN of that accumulation (the reference names "
-           "the backward's sum). The NaN came in from step 3, which the scaler skipped (log(0)) and both call caught "
-           "though it left that gradient NaN for good; counting such a gradient as state in the one rule for caught "
-           "(replay.amp.scaler_caught and the reference's) makes 20026 agree at step 3, but moves 20072, 20276 and "
-           "20415 to step 0 (the scaler's first skip leaves Muon's biases inf), where group testing misses samples: "
-           "fp16 sums of scaled per-sample gradients overflow alone and cancel in pairs",
 }
 LOSS_ONLY = [101, 132]  # every label of a step ignored: the fault seeds 0-99 draw only where it is refused
 SEEDS = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[s])) if s in KNOWN else s

@@ -5,8 +5,10 @@ to run on every replayed step. A CPU tensor's verdict is read on the spot (``fin
 CPU reduction has finished when it returns, so there is nothing to wait for); on an accelerator each
 tensor's ``aminmax`` stays on the device and the step ends with one host sync. *Locate* checks each
 tensor the moment a hook sees it and, when one is bad, records its first coordinate and value before
-later code mutates it (gradient clipping turns inf into NaN in place). Replay runs a step in locate
-mode only after detect mode has flagged it.
+later code mutates it (gradient clipping turns inf into NaN in place); inside ``optimizer.step()`` it
+notes the write that first left each tensor non-finite (``StateWrites``), so that of the optimizer state
+the one the update made non-finite first is named. Replay runs a step in locate mode only after detect
+mode has flagged it.
 
 What detect mode guarantees: a step is flagged iff a non-finite value is in the batch, in any tensor
 of any module's forward output (every module, not only the root: a later module can absorb a NaN, a
@@ -24,7 +26,9 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import finite
 from ..distributed.tensors import local_part
@@ -57,6 +61,62 @@ def output_module(model: torch.nn.Module, label: str) -> tuple[str, torch.nn.Mod
     return (max(named, key=len), modules[max(named, key=len)]) if named else None
 
 
+class StateWrites(TorchDispatchMode):
+    """Inside ``optimizer.step()``, in locate mode: the position, among the step's operations, of the write that first
+    left each tensor non-finite (one written through a view counts for the tensor viewed).
+
+    The first optimizer state to go non-finite is the first in the program order the update writes its state in, which
+    neither the state's names nor their order in the state dict follow: Adafactor writes row_var then col_var, RMSprop
+    square_avg, grad_avg, then momentum_buffer, foreach Rprop copies the gradients into prev before step_size and again
+    after. Only the writes an operation's schema declares (in place, ``out=``) are read, once a tensor is found."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.bad: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the operation that made it non-finite
+        self.active = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops += 1
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            for t in tree_flatten(args[i] if i < len(args) else kwargs.get(a.name))[0]:
+                if not isinstance(t, torch.Tensor) or _owner(t) in self.bad:
+                    continue
+                local, _ = local_part(t)  # a sharded tensor in this rank's shard, as ``check`` reads it
+                if finite.checkable(local) and not finite.is_finite(local):
+                    self.bad[_owner(t)] = self.ops
+        return out
+
+    def clear(self) -> None:
+        """A new step: nothing written yet."""
+        self.ops = 0
+        self.bad.clear()
+
+    def start(self) -> None:
+        """Watch from here (an optimizer's ``step()`` begins), until ``stop``."""
+        if not self.active:
+            self.active = True
+            self.__enter__()
+
+    def stop(self) -> None:
+        if self.active:
+            self.active = False
+            self.__exit__(None, None, None)
+
+    def when(self, t: Any) -> float:
+        """The operation of the step that made ``t`` non-finite; inf for one no watched write left non-finite."""
+        return self.bad.get(_owner(t), math.inf) if isinstance(t, torch.Tensor) else math.inf
+
+
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a write to ``t`` changes: the one it views, if it is a view."""
+    return t if t._base is None else t._base
+
+
 class StepMonitor:
     """Hooks on one model and its optimizer; ``begin`` and ``end`` bracket each step."""
 
@@ -84,6 +144,7 @@ class StepMonitor:
         self._pass_of: dict[tuple[str, str | None], int] = {}
         self._updated: dict[tuple[torch.Tensor, str | None], tuple[torch.Tensor, int]] = {}
         self._handles: list[Any] = []
+        self._writes = StateWrites()  # locate mode: the order the update made its state non-finite in
         self.step = -1
         self.locate = False
         # detect-mode verdicts kept on the device until ``end``: (stage, name, state key, order, pass, min and max)
@@ -107,6 +168,7 @@ class StepMonitor:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
         self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre_hook))
+        self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._writes.stop()))  # before a pass ends
         if self.proof is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
         if self._owners:
@@ -114,6 +176,7 @@ class StepMonitor:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._writes.stop()  # a step that raised inside the update
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -157,6 +220,8 @@ class StepMonitor:
                 self.check("optimizer_grad", self._name(p), p.grad)
         if self.proof is not None and self._proving():
             self.proof.before_step(self._grad_max)
+        if self.locate:
+            self._writes.start()
 
     def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.proof is not None and self._proving():
@@ -174,6 +239,8 @@ class StepMonitor:
 
     def begin(self, step: int, batch: Any, locate: bool) -> None:
         self.step, self.locate = step, locate
+        self._writes.stop()
+        self._writes.clear()
         self._pending.clear()
         self._grad_seen.clear()
         self._rewritten = 0
@@ -212,28 +279,31 @@ class StepMonitor:
         if ("optimizer_grad", None) in self._events:
             self._events[("optimizer_grad", None)].rewritten = self._rewritten
         return sorted(self._events.values(),
-                      key=lambda e: (self._pass_of.get((e.stage, e.state_key), 0), _RANK[e.stage], e.state_key or ""))
+                      key=lambda e: (self._pass_of.get((e.stage, e.state_key), 0), _RANK[e.stage], e.order or 0))
 
     def _check_updated(self, params: list[torch.Tensor], state: Any) -> None:
-        """Each parameter's optimizer state, then the parameter itself, after the update. Of several optimizers, a
-        tensor a pass already checked is read again at the step's end only if something wrote it since (a clamp after
-        ``step()``)."""
-        for p in params:
-            for key, t in [*state.get(p, {}).items(), (None, p)]:  # its state, then p itself
-                stage = "param" if key is None else "optimizer_state"
-                if self._owners and isinstance(t, torch.Tensor):
-                    seen = self._updated.get((p, key))
-                    if seen is not None and seen[0] is t and seen[1] == t._version:
-                        continue
-                    self._updated[(p, key)] = (t, t._version)
-                if self.proof is None or not self._proving() or not finite.checkable(t):
-                    self.check(stage, self._name(p), t, state_key=key)
-                elif self.proof.proven(p, key, t):
-                    self.proven[stage] += 1
-                else:
-                    bound = self._max_abs(stage, self._name(p), t, key)
-                    if math.isfinite(bound):
-                        self.proof.learn(p, key, t, bound)
+        """The optimizer state, then the parameters, after the update; in locate mode the state in the order the update
+        made it non-finite (``StateWrites``), so that a stage's first event is the first state to go non-finite and names
+        the first parameter whose state did. Of several optimizers, a tensor a pass already checked is read again at the
+        step's end only if something wrote it since (a clamp after ``step()``)."""
+        held = [(p, key, t) for p in params for key, t in state.get(p, {}).items()]
+        if self.locate:
+            held.sort(key=lambda item: self._writes.when(item[2]))
+        for p, key, t in [*held, *((p, None, p) for p in params)]:
+            stage = "param" if key is None else "optimizer_state"
+            if self._owners and isinstance(t, torch.Tensor):
+                seen = self._updated.get((p, key))
+                if seen is not None and seen[0] is t and seen[1] == t._version:
+                    continue
+                self._updated[(p, key)] = (t, t._version)
+            if self.proof is None or not self._proving() or not finite.checkable(t):
+                self.check(stage, self._name(p), t, state_key=key)
+            elif self.proof.proven(p, key, t):
+                self.proven[stage] += 1
+            else:
+                bound = self._max_abs(stage, self._name(p), t, key)
+                if math.isfinite(bound):
+                    self.proof.learn(p, key, t, bound)
 
     def check(self, stage: str, name: str, t: Any, state_key: str | None = None) -> None:
         # a sharded tensor (a DTensor at world size) is checked in this rank's shard, its coordinates the whole one's

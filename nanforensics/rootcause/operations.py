@@ -702,11 +702,15 @@ def _traced(origin: _Value, kind: str) -> _Trace | None:
 def _culprit(origin: _Value, kind: str, traced_from: str) -> OperationCulprit | None:
     """``_traced`` from the origin's own kind; where the origin's tensor carries the other kind too and an operation
     computed it earlier in the step (an inf that NaN surrounds: the rows around the origin's inf hold the NaN an
-    earlier overflow made), that earlier operation: of the births that reach the origin, the step's first. A value
-    written on purpose (a mask's -inf) is never taken from the other kind: it reaches the origin, it made nothing."""
+    earlier overflow made), that earlier operation: of the births that reach the origin, the step's first. So too where
+    no operation of the step made the origin's own kind, which came in from before the step (a NaN gradient that no
+    optimizer holds, so nothing zeroes, kept from a step the GradScaler skipped): an operation that made the other kind
+    and whose value the origin's was computed from (a float16 sum that overflowed, accumulated into that NaN) is the
+    step's birth that reaches it. A value written on purpose (a mask's -inf) is never taken from the other kind: it
+    reaches the origin, it made nothing."""
     t = _traced(origin, kind)
     other = INF if kind == NAN else NAN
-    earlier = _traced(origin, other) if origin.carries(other) else None
+    earlier = _traced(origin, other) if origin.carries(other) or t is None else None
     if earlier is not None and not earlier.culprit.constant and (t is None or earlier.culprit.seq < t.culprit.seq):
         t = earlier
     if t is None:

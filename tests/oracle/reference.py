@@ -1,18 +1,20 @@
 """The reference monitor: deliberately simple and slow, sharing no code with the replay (no proofs, no locate mode,
 no skipped reads). Every step runs from the program's start with hooks on every module, every gradient, the optimizer
-(before and after its step) and, for the origin step, a ``TorchDispatchMode`` over every op; every checked tensor is
-read whole with ``torch.isfinite``.
+(before and after its step), a ``TorchDispatchMode`` over each optimizer's step that reads the state each op was given
+after the op, and, for the origin step, one over every op; every checked tensor is read whole with ``torch.isfinite``.
 
 What it reports (``Reference``): per step the first non-finite value of each stage in program order (stage, tensor,
-coordinate, value); the origin, the first step with a non-finite value that is not loss-only; the loss-only steps
-(a non-finite loss, nothing but forward activations non-finite with it); the op of that step that first made a
-non-finite value from finite inputs, of those whose value reaches the origin, with its phase; and the samples of that
-step that fail alone (the step re-run from a snapshot on each single sample).
+coordinate, value; of the optimizer state, the tensor the update made non-finite first); the origin, the first step
+with a non-finite value that is not loss-only; the loss-only steps (a non-finite loss, nothing but forward activations
+non-finite with it); the op of that step that first made a non-finite value from finite inputs, of those whose value
+reaches the origin, with its phase; and the samples of that step that fail alone (the step re-run from a snapshot on
+each single sample).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -119,6 +121,11 @@ class StepWatch:
         self.found: dict[str, Found] = {}
         self.stepped_by: set[int] = set()  # the optimizers whose step() ran, by id
         self.handles: list[Any] = []
+        # the op of the step (counted inside optimizers' steps) after which each state tensor, (id(param), key), was
+        # first seen non-finite: the state is read in that order, the order the update made it non-finite
+        self.ops = 0
+        self.became: dict[tuple[int, str], int] = {}
+        self.watching: StateOrder | None = None
 
     def see(self, stage: str, name: str, t: Any, key: str | None = None) -> None:
         if stage in self.found:
@@ -140,6 +147,7 @@ class StepWatch:
                 self.handles.append(p.register_post_accumulate_grad_hook(
                     lambda p, name=name: self.see("grad", name, p.grad)))
         self.handles += [o.register_step_pre_hook(self._before_update) for o in each(self.optimizer)]
+        self.handles += [o.register_step_post_hook(lambda *a: self._stop_watching()) for o in each(self.optimizer)]
         return self
 
     def _module(self, name: str) -> Callable[..., None]:
@@ -159,18 +167,25 @@ class StepWatch:
             for p in group["params"]:
                 if p.grad is not None:
                     self.see("optimizer_grad", self.names.get(p, "?"), p.grad)
+        self.watching = StateOrder(self, optimizer)
+        self.watching.__enter__()
+
+    def _stop_watching(self) -> None:
+        if self.watching is not None:
+            self.watching.__exit__(None, None, None)
+            self.watching = None
 
     def __exit__(self, *exc: object) -> None:
+        self._stop_watching()
         for h in self.handles:
             h.remove()
 
     def finish(self, batch: Any, loss: Any) -> list[Found]:
         """The checks after the step, then every stage's first non-finite value in stage order."""
-        for o in each(self.optimizer):
-            for group in o.param_groups:
-                for p in group["params"]:
-                    for key, t in o.state.get(p, {}).items():
-                        self.see("optimizer_state", self.names.get(p, "?"), t, key)
+        held = [(p, key, t) for o in each(self.optimizer) for group in o.param_groups for p in group["params"]
+                for key, t in o.state.get(p, {}).items()]
+        for p, key, t in sorted(held, key=lambda h: self.became.get((id(h[0]), h[1]), math.inf)):
+            self.see("optimizer_state", self.names.get(p, "?"), t, key)
         for o in each(self.optimizer):
             for group in o.param_groups:
                 for p in group["params"]:
@@ -183,6 +198,50 @@ class StepWatch:
         for path, t in tree_flatten_with_path(batch)[0]:
             self.see("batch", "batch" + keystr(path), t)
         return [self.found[s] for s in ORDER if s in self.found]
+
+
+class StateOrder(TorchDispatchMode):
+    """Inside one optimizer's ``step()``: after every op, each of its state tensors that shares memory with a tensor the
+    op was given is read whole (an op changes no tensor it is not given), and the first op after which one holds a
+    non-finite value noted (``StepWatch.became``)."""
+
+    def __init__(self, watch: StepWatch, optimizer: Any) -> None:
+        super().__init__()
+        self.watch, self.optimizer = watch, optimizer
+        self.entries = -1
+        self.held: dict[int | None, list[tuple[tuple[int, str], torch.Tensor]]] = {}  # memory -> state tensors there
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.watch.ops += 1
+        with _disable_current_modes():  # read unseen by a mode watching the step (Births)
+            entries = sum(map(len, self.optimizer.state.values()))
+            if entries != self.entries:  # state created in this step (the first): where each tensor lies, again
+                self.entries, self.held = entries, {}
+                for group in self.optimizer.param_groups:
+                    for p in group["params"]:
+                        for key, t in self.optimizer.state.get(p, {}).items():
+                            if _checkable(t):
+                                self.held.setdefault(_memory(t), []).append(((id(p), key), t))
+            given = {_memory(t) for t in _tensors([*args, *(kwargs or {}).values()])} | {None}
+            for memory in given & self.held.keys():
+                for where, t in self.held[memory]:
+                    if where not in self.watch.became and (first_bad(t) if t.is_sparse else not torch.isfinite(t).all()):
+                        self.watch.became[where] = self.watch.ops
+        return out
+
+
+def _tensors(values: list[Any]) -> list[torch.Tensor]:
+    """The tensors among an op's arguments, each of a list (a foreach op's) too."""
+    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
+
+
+def _memory(t: torch.Tensor) -> int | None:
+    """Where a tensor's values lie; None for one with no storage of its own (sparse)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def loss_only(found: list[Found]) -> bool:

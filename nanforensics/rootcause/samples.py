@@ -9,7 +9,10 @@ samples whose forward stays finite and whose update overflows (an LR spike, a la
 overflows Adam's moments): judged on forward and backward alone they would pass.
 k bad samples cost O(k log B) passes instead of B. A failing set
 whose halves both pass is *coupled* (BatchNorm statistics, a loss normalised over the batch): it
-is reported as such, never narrowed down by guessing.
+is reported as such, never narrowed down by guessing. Halving assumes a set holding a sample that fails alone fails
+too; a coupled set disproves that for the step (BatchNorm normalises a sample among the others: it can fail alone and
+pass in a half), so once one is found every sample is judged alone, and a group is coupled only when none of its
+samples fails alone.
 
 A failure is *batch-wide* when most samples fail alone: the step (its learning rate, loss scale, or
 weights grown over many steps), not its data, is then responsible. Deciding that must not cost a
@@ -273,6 +276,11 @@ def split_batch(size: int, fails: Callable[[list[int]], bool | None], probes: in
     else:
         return Split("batch_wide", sorted(failing), [], tried, named=False)
     bad, coupled = group_test(size, once)
+    if coupled:  # a failing set whose halves pass: the step couples its samples (BatchNorm's batch statistics), so a
+        # set that passes can hold a sample that fails alone, normalised among the others; halving proves nothing then,
+        # and every sample is judged alone. A group holding one that fails alone is not coupled: that sample reproduces it
+        bad = [i for i in range(size) if once([i])]
+        coupled = [g for g in coupled if not set(g) & set(bad)]
     if 2 * len(bad) > size:
         return Split("batch_wide", bad, [], tried, named=True)
     return Split("coupled" if coupled else "attributed", bad, coupled, tried, named=True)
@@ -311,9 +319,10 @@ def batch_wide_message(split: Split, size: int) -> str:
     return f"{found}: the failure is not in particular samples"
 
 
-def max_passes(size: int, probes: int = PROBES) -> int:
-    """The most passes attribution can take: the whole batch, the probes, two per halving of the batch."""
-    return 1 + len(probe_order(size, probes)) + 2 * (size - 1)
+def max_passes(size: int) -> int:
+    """The most passes attribution can take: the whole batch, two per halving of the batch, every sample alone (the
+    probes, and each sample once halving finds samples coupled)."""
+    return 1 + 2 * (size - 1) + size
 
 
 def attribute_samples(session: Session, hint: int | None = None, progress: Progress = SILENT,

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
@@ -177,7 +178,7 @@ class _Tester:
         self.snapshot = session.snapshot()
         self.passes = 0
         self.errors: list[str] = []
-        self.batch_statistics = False  # a pass normalised over the batch: its samples are not independent
+        self.batch_statistics = False  # the first pass (the whole batch) normalised over it: samples not independent
 
     def fails(self, indices: list[int]) -> bool | None:
         """One pass on the subset; True when it fails as the step did. None when a GradScaler caught the subset's
@@ -197,7 +198,8 @@ class _Tester:
         s.restore(self.snapshot)
         stepped: list[torch.optim.Optimizer] = []  # the optimizers whose step() was called (a GradScaler skips one
         # whose own gradients overflowed)
-        with StepMonitor(s.model, s.optimizer, prove=False) as monitor, _BatchStatistics() as statistics:
+        first = _BatchStatistics() if self.passes == 1 else nullcontext()  # read once: the others pay nothing
+        with StepMonitor(s.model, s.optimizer, prove=False) as monitor, first as statistics:
             handle = s.optimizer.register_step_post_hook(lambda o, *_: stepped.append(o))
             monitor.begin(s.step, subset, locate=False)
             try:
@@ -208,7 +210,8 @@ class _Tester:
             finally:
                 handle.remove()
             events = monitor.end(loss)
-        self.batch_statistics = self.batch_statistics or statistics.read
+        if statistics is not None:
+            self.batch_statistics = statistics.read
         if scaler_caught(s.scaler, s.optimizer, stepped, events):
             return None  # the scaler caught this subset's overflow: benign, as the replay judges a step
         # it fails as the step did: loss-only as a loss-only step, else with an origin (a subset whose only fault is a

@@ -573,6 +573,21 @@ def test_group_testing_under_batch_coupling_names_exactly_the_samples_that_fail_
             assert found.status == ("coupled" if found.coupled else "attributed"), kinds
 
 
+@pytest.mark.parametrize("norm, train, reads", [
+    (lambda: nn.BatchNorm2d(2), True, True), (lambda: nn.BatchNorm2d(2), False, False),
+    (lambda: nn.BatchNorm2d(2, track_running_stats=False), False, True), (lambda: nn.GroupNorm(1, 2), True, False),
+    (lambda: nn.InstanceNorm2d(2), True, False)])
+def test_batch_statistics_are_read_where_a_norm_normalises_over_the_batch(norm: Any, train: bool, reads: bool) -> None:
+    """BatchNorm in training, or without running statistics, reads every sample into every other's value; in eval
+    with running statistics, GroupNorm and InstanceNorm normalise each sample alone."""
+    from nanforensics.rootcause.samples import _BatchStatistics
+
+    module = norm().train(train)
+    with _BatchStatistics() as statistics:
+        module(torch.ones(3, 2, 2, 2))
+    assert statistics.read is reads
+
+
 # Sample 1's forward overflows at step 3 (its loss is inf); sample 2's reading of 1e12 gives a large finite gradient,
 # harmless at the plain learning rate and an inf parameter at the spiked one: it fails alone only through the update.
 LR_SPIKE = LINEAR + '''

@@ -19,6 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nanforensics.replay.engine import ReplayOptions, replay_run
 from nanforensics.replay.monitor import StepMonitor
+from nanforensics.report import Event
+from nanforensics.rootcause.operations import trace_step
 from nanforensics.runs.checkpoint import Checkpoint
 from nanforensics.runs.compiled import compiled_backend, eager
 from torch.nn.utils.rnn import pack_padded_sequence
@@ -100,10 +102,54 @@ def test_packed_lstm_replay_names_step_weight_coordinate_and_sample(packed_repor
     assert r.samples.samples == [sm.EMPTY_SAMPLE]
 
 
-@pytest.mark.xfail(strict=True, reason="the operation trace loses the NaN's record in the backward of a packed LSTM "
-                                       "(its gradient buffers rewritten through CopySlices): no operation is named")
 def test_packed_lstm_replay_names_the_operation(packed_report):
-    assert packed_report.operation is not None
+    """Packing's backward copies each time step's gradient into a slice of a buffer that already holds the whole
+    sequence's NaN (autograd's CopySlices): the record of that NaN outlives the finite slices written over it, so the
+    trace reaches the division the unpacked run names."""
+    op = packed_report.operation
+    assert (op.site.op, op.site.phase, op.nan_node) == ("aten::div.Tensor", "forward", "DivBackward0")
+    assert op.site.source.endswith(f"sequence_models.py:{_line_of('total / n')} in forward")
+
+
+class _Patched(torch.nn.Module):
+    """log of the readings, then ``write`` over columns [a, b) of the result in place: the -inf of a zero reading
+    outside them stays in the storage the partial write touched."""
+
+    def __init__(self, a: int, b: int, write: str) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(4))
+        self.a, self.b, self.write = a, b, write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.log(self.gain * x)
+        part = h[:, self.a:self.b]
+        with torch.no_grad():
+            {"fill": lambda: part.fill_(0.5), "copy": lambda: part.copy_(torch.ones_like(part)),
+             "mul": lambda: part.mul_(2.0)}[self.write]()
+        return h
+
+
+@pytest.mark.parametrize("write", ["fill", "copy", "mul"])
+def test_a_write_into_part_of_a_storage_keeps_the_record_of_the_rest(write: str) -> None:
+    """Every zero column and every slice written: a -inf the write leaves (outside the slice, or doubled inside it) is
+    traced to the log that made it; one a fill or a copy overwrote is gone, and nothing is traced."""
+    for zero in range(4):
+        for a in range(4):
+            for b in range(a + 1, 5):
+                model = _Patched(a, b, write)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                x = torch.ones(2, 4)
+                x[1, zero] = 0.0
+
+                def step() -> torch.Tensor:
+                    return model(x).sum()
+
+                op = trace_step(model, optimizer, step, Event(0, "forward", "<root>", [1, zero], "-inf"))
+                if write == "mul" or not a <= zero < b:  # the -inf is left, or doubled where it was
+                    assert op is not None and (op.site.op, op.output_index) == ("aten::log.default", [1, zero]), (
+                        zero, a, b)
+                else:
+                    assert op is None, (zero, a, b)
 
 
 # -- a module's nested output: every leaf checked, named by its place -------------------------------------------

@@ -373,7 +373,9 @@ class _Provenance(TorchDispatchMode):
         super().__init__()
         self.modules, self.names = modules, names
         self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> _Value; the tensor is not kept alive
-        self.storages: dict[int, tuple[int, _Value]] = {}  # storage address -> (write seq, what was last written)
+        self.storages: dict[int, int] = {}  # storage address -> the seq of the last write to it
+        # storage address -> the last operation that wrote a non-finite value into it, until a write covers it all
+        self.held: dict[int, _Record] = {}
         self.forwards: dict[Any, _Forward] = {}  # autograd node -> the forward op that created it
         self.infos: dict[Any, _OpInfo] = {}
         self.in_optimizer = False
@@ -414,7 +416,7 @@ class _Provenance(TorchDispatchMode):
         if v is None:
             return False
         last = self.storages.get(v.storage) if v.storage is not None else None
-        return last is None or last[0] <= v.seq
+        return last is None or last <= v.seq
 
     def lookup(self, t: torch.Tensor) -> _Value:
         """What ``t`` holds now: its summary while no write has changed it, else checked here and linked to the
@@ -426,15 +428,15 @@ class _Provenance(TorchDispatchMode):
 
     def check(self, tensors: list[torch.Tensor]) -> list[_Value]:
         """Summarise tensors whose summary is missing or stale; a non-finite one is linked to the last operation
-        that wrote its storage in this step (an alias autograd made of a saved output), else to none (from outside
-        the step: a parameter, a buffer, the batch)."""
+        that wrote a non-finite value into its storage in this step (an alias autograd made of a saved output; a
+        buffer a later finite write into a slice of it left holding NaN: ``_wrote``), else to none (from outside the
+        step: a parameter, a buffer, the batch)."""
         out = []
         for t, (lo, hi, nan, inf) in zip(tensors, self._summaries(tensors)):
             record, name = None, None
             key = _storage_key(t)
-            if nan or inf:  # the last operation that wrote its storage, if any did in this step
-                last = self.storages.get(key) if key is not None else None
-                record = last[1].record if last is not None else None
+            if nan or inf:  # the last operation that wrote a non-finite value into its storage, if any did
+                record = self.held.get(key) if key is not None else None
                 name = self.names.get(key) if key is not None else None
             v = _Value(self.seq, key, lo, hi, nan, bool(inf), _dtype(t), record, name)
             self.values[t] = v
@@ -489,7 +491,7 @@ class _Provenance(TorchDispatchMode):
                     v = self.values[t] = _Value(self.seq, _storage_key(t), math.nan, math.nan, False, False,
                                                 _dtype(t), uninitialised=True)
                     if v.storage is not None:
-                        self.storages[v.storage] = (self.seq, v)
+                        self._wrote(v.storage, t, v)
             return
         out_groups = _output_groups(info, bound, out, n)
         flat = [t for g in out_groups for t in g]
@@ -516,7 +518,17 @@ class _Provenance(TorchDispatchMode):
             for t, v in zip(tensors, outs):
                 self.values[t] = v
                 if v.storage is not None and (id(t) in written or v.storage not in aliased):
-                    self.storages[v.storage] = (self.seq, v)
+                    self._wrote(v.storage, t, v)
+
+    def _wrote(self, key: int, t: torch.Tensor, v: _Value) -> None:
+        """``t``'s storage (``key``) was written, ``v`` what ``t`` holds now. A write into part of it (autograd's CopySlices
+        copies a slice's gradient into a buffer that already holds the whole's NaN) leaves the rest as it was: the
+        record of the non-finite values there stays, unless this write made some of its own."""
+        self.storages[key] = self.seq
+        if v.record is not None:
+            self.held[key] = v.record
+        elif t.numel() * t.element_size() >= finite.plain(t).untyped_storage().nbytes():
+            self.held.pop(key, None)
 
     def _phase(self, inputs: list[torch.Tensor]) -> str:
         """Outside autograd's backward: the optimizer's step, a module's forward, the step function's own code after

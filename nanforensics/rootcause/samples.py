@@ -9,7 +9,10 @@ samples whose forward stays finite and whose update overflows (an LR spike, a la
 overflows Adam's moments): judged on forward and backward alone they would pass.
 k bad samples cost O(k log B) passes instead of B. A failing set
 whose halves both pass is *coupled* (BatchNorm statistics, a loss normalised over the batch): it
-is reported as such, never narrowed down by guessing.
+is reported as such, never narrowed down by guessing. Halving assumes a set holding a sample that fails alone fails
+too; a step that normalises over the batch breaks that (BatchNorm in training: a sample can fail alone and pass in a
+half), and so does one where a coupled set is found: every sample is then judged alone (B passes more, at most), and
+a group is coupled only when none of its samples fails alone.
 
 A failure is *batch-wide* when most samples fail alone: the step (its learning rate, loss scale, or
 weights grown over many steps), not its data, is then responsible. Deciding that must not cost a
@@ -44,10 +47,13 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ..errors import BadInput
 from ..progress import SILENT, Progress
@@ -172,6 +178,7 @@ class _Tester:
         self.snapshot = session.snapshot()
         self.passes = 0
         self.errors: list[str] = []
+        self.batch_statistics = False  # the first pass (the whole batch) normalised over it: samples not independent
 
     def fails(self, indices: list[int]) -> bool | None:
         """One pass on the subset; True when it fails as the step did. None when a GradScaler caught the subset's
@@ -191,7 +198,8 @@ class _Tester:
         s.restore(self.snapshot)
         stepped: list[torch.optim.Optimizer] = []  # the optimizers whose step() was called (a GradScaler skips one
         # whose own gradients overflowed)
-        with StepMonitor(s.model, s.optimizer, prove=False) as monitor:
+        first = _BatchStatistics() if self.passes == 1 else nullcontext()  # read once: the others pay nothing
+        with StepMonitor(s.model, s.optimizer, prove=False) as monitor, first as statistics:
             handle = s.optimizer.register_step_post_hook(lambda o, *_: stepped.append(o))
             monitor.begin(s.step, subset, locate=False)
             try:
@@ -202,12 +210,27 @@ class _Tester:
             finally:
                 handle.remove()
             events = monitor.end(loss)
+        if statistics is not None:
+            self.batch_statistics = statistics.read
         if scaler_caught(s.scaler, s.optimizer, stepped, events):
             return None  # the scaler caught this subset's overflow: benign, as the replay judges a step
         # it fails as the step did: loss-only as a loss-only step, else with an origin (a subset whose only fault is a
         # loss over no target is not the origin's failure)
         stages = {e.stage for e in events}
         return loss_only(stages) if self.loss_only else bool(stages) and not loss_only(stages)
+
+
+class _BatchStatistics(TorchFunctionMode):
+    """Whether the step normalised over the batch: ``batch_norm`` with ``training`` set (BatchNorm in training, or
+    without running statistics), which reads every sample's values into every other's."""
+
+    read = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (F.batch_norm, torch.batch_norm):  # training is the sixth argument of both
+            self.read = self.read or bool(args[5] if len(args) > 5 else kwargs.get("training", False))
+        return func(*args, **kwargs)
 
 
 def group_test(size: int, fails: Callable[[list[int]], bool | None]) -> tuple[list[int], list[list[int]]]:
@@ -248,12 +271,15 @@ class Split:
 
 
 def split_batch(size: int, fails: Callable[[list[int]], bool | None], probes: int = PROBES,
-                hint: int | None = None) -> Split:
+                hint: int | None = None, batch_statistics: bool = False) -> Split:
     """Probe single samples, then halve: see the module's docstring. ``fails`` is asked each subset once.
 
     ``hint``: the sample the failure's own coordinates point at. When it fails alone and the rest of the batch does
     not fail, it is the only sample that fails alone (a set holding one that does fails too): two passes, not
-    probing and halving; otherwise those go on as without it."""
+    probing and halving; otherwise those go on as without it.
+
+    ``batch_statistics``: the step normalised over the batch, so a sample can fail alone and pass among others (a
+    set that passes says nothing of its samples): every sample is judged alone, the hint's shortcut not taken."""
     known: dict[tuple[int, ...], bool | None] = {}
 
     def once(indices: list[int]) -> bool | None:
@@ -262,7 +288,8 @@ def split_batch(size: int, fails: Callable[[list[int]], bool | None], probes: in
             known[key] = fails(indices)
         return known[key]
 
-    if hint is not None and 0 <= hint < size and once([hint]) and once([i for i in range(size) if i != hint]) is False:
+    rest = [i for i in range(size) if i != hint]
+    if hint is not None and not batch_statistics and 0 <= hint < size and once([hint]) and once(rest) is False:
         return Split("attributed", [hint], [], [hint], named=True)
     tried = probe_order(size, probes)
     failing: list[int] = []
@@ -273,6 +300,11 @@ def split_batch(size: int, fails: Callable[[list[int]], bool | None], probes: in
     else:
         return Split("batch_wide", sorted(failing), [], tried, named=False)
     bad, coupled = group_test(size, once)
+    if coupled or batch_statistics:  # a failing set whose halves pass proves the step couples its samples too: a set
+        # that passes can hold a sample that fails alone, normalised among the others; halving proves nothing then, and
+        # every sample is judged alone. A group holding one that fails alone is not coupled: that sample reproduces it
+        bad = [i for i in range(size) if once([i])]
+        coupled = [g for g in coupled if not set(g) & set(bad)]
     if 2 * len(bad) > size:
         return Split("batch_wide", bad, [], tried, named=True)
     return Split("coupled" if coupled else "attributed", bad, coupled, tried, named=True)
@@ -311,9 +343,10 @@ def batch_wide_message(split: Split, size: int) -> str:
     return f"{found}: the failure is not in particular samples"
 
 
-def max_passes(size: int, probes: int = PROBES) -> int:
-    """The most passes attribution can take: the whole batch, the probes, two per halving of the batch."""
-    return 1 + len(probe_order(size, probes)) + 2 * (size - 1)
+def max_passes(size: int) -> int:
+    """The most passes attribution can take: the whole batch, two per halving of the batch, every sample alone (the
+    probes, and each sample once halving finds samples coupled)."""
+    return 1 + 2 * (size - 1) + size
 
 
 def attribute_samples(session: Session, hint: int | None = None, progress: Progress = SILENT,
@@ -338,7 +371,7 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
         if not tester.fails(list(range(size))):
             return SampleAttribution("not_reproduced", size, [], {}, tester.passes, [],
                                      "the whole step on the whole batch, run again, stays finite", whole_leaves=kept)
-        found = split_batch(size, tester.fails, hint=hint)
+        found = split_batch(size, tester.fails, hint=hint, batch_statistics=tester.batch_statistics)
         # "the step, not its data": tested, with the step before's batch run from this step's state; and each
         # per-batch tensor, with the step before's in its place
         before = session.step - 1

@@ -90,6 +90,10 @@ def draw(seed: int) -> Program:
     fault = rng.choice(faults)
     if loss == "cross_entropy" and fault == "none" and random.Random(-seed - 1).random() < 0.8:
         fault = "no_target"  # drawn apart, so the draws above stay those of the seeds kept as regression cases
+    if arch == "conv_bn" and fault == "none" and random.Random(-seed - 6).random() < 0.75:
+        # BatchNorm under an overflow the schedule makes: a sample fails alone and passes among others, in a half that
+        # passes (120400, 200032); drawn apart as well
+        fault = random.Random(-seed - 7).choice(SCHEDULED)
     if arch == "lstm" and step == "fp16_scaler":  # torch's CPU LSTM has no float16 kernel (oneDNN: no primitive)
         step = random.Random(-seed - 4).choice([s for s in shapes if s != "fp16_scaler"])
     if optimizer in CLOSURE:

@@ -58,8 +58,9 @@ def import_string_of(fn: Callable[..., Any] | str, what: str) -> str:
     if "<locals>" in qualname:
         raise ValueError(f"{what} {qualname!r} is defined inside a function; move it to module level")
     if module == "__main__":
+        # a program given as text (``python -c``, the REPL, stdin) names its code ``<string>``, ``<stdin>``: no file
         source = inspect.getsourcefile(fn)
-        if source is None:
+        if source is None or not os.path.isfile(source):
             raise ValueError(f"{what} {qualname!r} was defined interactively; put it in a file")
         return f"{Path(source).resolve()}:{qualname}"
     return f"{module}:{qualname}"

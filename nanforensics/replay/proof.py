@@ -124,15 +124,14 @@ def _sgd(group: dict[str, Any], fresh: bool, g: float, old: Old, decoupled: bool
     if momentum == 0:
         return Update({}, lr * g, 1.0, lr * g)
     if fresh:
-        buf, peak = g, g
+        buf = g
     else:
         held = old("momentum_buffer")
         if held is None:
             return None
-        damped = abs(1 - dampening) * g
-        buf, peak = momentum * held + damped, max(momentum * held, damped)
+        buf = momentum * held + abs(1 - dampening) * g  # its intermediates, each at most buf, are bounded with it
     direction = g + momentum * _up(buf, dtype) if group.get("nesterov") else _up(buf, dtype)
-    return Update({"momentum_buffer": buf}, max(peak, direction, lr * direction), 1.0, lr * direction)
+    return Update({"momentum_buffer": buf}, max(direction, lr * direction), 1.0, lr * direction)
 
 
 _RULES = {torch.optim.Adam: _adam, torch.optim.AdamW: _adam, torch.optim.SGD: _sgd}

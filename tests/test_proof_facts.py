@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from nanforensics.replay import proof
-from nanforensics.replay.proof import StepProof, Update
+from nanforensics.replay.proof import Hazard, StepProof, Update, UpdateCheck, max_abs
 
 F64 = torch.float64
 G, M, V, TOP, P, B = 3.0, 2.0, 5.0, 11.0, 7.0, 2.0  # the gradient's, the old state's and the parameter's magnitudes
@@ -222,3 +222,157 @@ def test_a_step_rounds_up_by_four_roundings_and_a_subnormal():
                 up = up * (1 + info.eps)
             low, high = float(up) + 4 * info.tiny, proof._up(x, dtype)
             assert low * (1 - 1e-15) <= high <= low * (1 + 1e-15), (dtype, x)
+
+
+def _all_proven(check: StepProof, opt: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+    return bool(opt.state[p]) and all(check.proven(p, key, t) for key, t in opt.state[p].items())
+
+
+def test_what_the_proof_keeps_from_step_to_step_and_what_it_forgets():
+    """A step proves what it writes where the rule bounds it; the parameter from a bound read before; nothing of a
+    parameter while its step runs; a parameter the step skips (no gradient) keeps what was known; a tensor replaced
+    or written in place, or a bound past the limit, is not proven; ``forget`` drops everything."""
+    p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([p, q], lr=1e-3)
+    check = StepProof(opt)
+    assert check.rule is proof._adam and not check.decoupled
+
+    def step(grads: dict[torch.Tensor, float], *, before: Any = None) -> list[torch.Tensor]:
+        for t in (p, q):
+            t.grad = torch.full((2,), grads[t]) if t in grads else None
+        check.before_step({t: abs(g) for t, g in grads.items()})
+        if before is not None:
+            before()
+        opt.step()
+        check.after_step()
+        return [next(n for n, t in (("p", p), ("q", q)) if t is u) for u in check.unproven]
+
+    check.learn(q, None, q, 1.0)
+    assert step({p: 1.0}) == ["p"]  # its state proven from zeros; the parameter never read: not
+    assert _all_proven(check, opt, p) and not check.proven(p, None, p)
+    assert check.proven(q, None, q) and not opt.state[q]  # skipped: as it was
+    check.learn(p, None, p, float(p.detach().abs().max()))
+    assert check.proven(p, None, p)
+    assert step({p: 1.0}, before=lambda: check.proven(p, None, p) and pytest.fail("proven while its step runs")) == []
+    assert _all_proven(check, opt, p) and check.proven(p, None, p)
+    with torch.no_grad():
+        p.add_(0.0)  # written in place by something else: its version moved
+    assert not check.proven(p, None, p) and _all_proven(check, opt, p)
+    assert step({p: 1.0}) == ["p"] and _all_proven(check, opt, p) and not check.proven(p, None, p)
+    check.learn(p, None, p, float(p.detach().abs().max()))
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].clone()  # replaced
+    assert not check.proven(p, "exp_avg", opt.state[p]["exp_avg"]) and check.proven(p, "exp_avg_sq", opt.state[p]["exp_avg_sq"])
+    assert step({p: 1.0}) == ["p"] and not _all_proven(check, opt, p)  # its old bound unknown: no proof of the step
+    for key, t in opt.state[p].items():
+        check.learn(p, key, t, float(t.abs().max()))
+    check.learn(p, None, p, float(p.detach().abs().max()))
+    opt.state[p]["exp_avg_sq"].add_(0.0)  # written in place
+    assert step({p: 1.0}) == ["p"]
+    for key, t in opt.state[p].items():
+        check.learn(p, key, t, float(t.abs().max()))
+    check.learn(p, None, p, float(p.detach().abs().max()))
+    assert step({p: 1.0, q: 2.0}) == [] and _all_proven(check, opt, q) and check.proven(q, None, q)  # q's first
+    for grads in ({p: math.inf, q: 1.0}, {p: math.nan, q: 1.0}, {p: 1e30, q: 1.0}):  # g^2 past float32's largest
+        assert step(grads) == ["p"], grads
+    assert not check.proven(p, "exp_avg", opt.state[p]["exp_avg"])
+    p.grad, q.grad = torch.ones(2), torch.ones(2)
+    check.before_step({q: 1.0})  # no gradient magnitude given for p: nothing proves it
+    assert [u is p for u in check.unproven] == [True]
+    check.learn(p, None, p, L32 * 2)
+    assert not check.proven(p, None, p)  # a bound past the limit proves nothing
+    check.learn(p, None, p, L32)
+    assert check.proven(p, None, p)
+    check.forget()
+    assert not check.proven(p, None, p) and not _all_proven(check, opt, q)
+    opt.step()
+    check.after_step()  # forgotten: the step's expected bounds too
+    assert not _all_proven(check, opt, q)
+
+
+def test_the_parameter_bound_past_the_limit_is_read():
+    """A parameter whose known bound, decayed and moved, passes the limit is read (its state still proven)."""
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    check = StepProof(opt)
+    for bound, proven in ((L32 / 2, True), (L32, False)):
+        check.learn(p, None, p, bound)
+        p.grad = torch.ones(1)
+        check.before_step({p: 1.0})
+        assert (not check.unproven) == proven, bound
+
+
+def test_the_groups_each_rule_covers():
+    """L2 weight decay, fused and the rest leave a group uncovered; decoupled decay (AdamW's, or Adam's
+    ``decoupled_weight_decay``) does not."""
+    p = torch.nn.Parameter(torch.ones(1))
+    cases = [(torch.optim.Adam, {}, True), (torch.optim.Adam, {"weight_decay": 0.1}, False),
+             (torch.optim.Adam, {"weight_decay": 0.1, "decoupled_weight_decay": True}, True),
+             (torch.optim.AdamW, {"weight_decay": 0.1}, True), (torch.optim.Adam, {"amsgrad": True}, True),
+             (torch.optim.SGD, {"momentum": 0.9}, True), (torch.optim.SGD, {"weight_decay": 0.1}, False)]
+    for cls, settings, covered in cases:
+        check = StepProof(cls([p], lr=1e-3, **settings))
+        assert check.covers(check.optimizer.param_groups[0]) == covered, (cls, settings)
+        assert check.decoupled == (cls is torch.optim.AdamW)
+        assert check.rule is (proof._sgd if cls is torch.optim.SGD else proof._adam)
+    check = StepProof(torch.optim.Adam([p], lr=1e-3))
+    assert not check.covers({**check.optimizer.param_groups[0], "fused": True})
+    assert check.covers({**check.optimizer.param_groups[0], "weight_decay": 0.1, "decoupled_weight_decay": True})
+
+
+def test_the_largest_magnitude_of_each_tensor():
+    """Exact, NaN and infinities kept, any dtype, a sparse tensor by its stored values; none for none."""
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([-5.0, 2.0]), (6,), check_invariants=True)
+    values = max_abs([torch.tensor([1.0, -3.0]), torch.tensor([math.nan, 1.0]), torch.tensor([-math.inf], dtype=torch.float16),
+                      torch.tensor([0.5], dtype=torch.bfloat16), sparse, torch.tensor([2.0**-140])])
+    assert values[0] == 3.0 and math.isnan(values[1]) and values[2:] == [math.inf, 0.5, 5.0, 2.0**-140]
+    assert max_abs([]) == []
+
+
+def _guarded(*groups: dict[str, Any]) -> tuple[torch.optim.Optimizer, UpdateCheck]:
+    opt = torch.optim.Adam(list(groups), lr=1e-3)
+    return opt, UpdateCheck(opt)
+
+
+def test_the_guard_names_the_first_hazard_by_its_position_in_the_optimizers_order():
+    """Positions count every parameter of every group (those without a gradient, those of uncovered groups); the
+    hazard is the real step's first non-finite value (state before the parameter), tried on a copy that writes
+    nothing; what nothing bounds yet is read first and learnt; a group the rule does not cover is not tried."""
+    a, b, c, d, e = (torch.nn.Parameter(torch.zeros(3)) for _ in range(5))
+    opt, check = _guarded({"params": [a, b]}, {"params": [c], "weight_decay": 0.1}, {"params": [d, e]})
+    assert check.uncovered() == [1]
+    # d's square passes the proof's limit but not float32's largest (a trial finds it finite), e's passes both
+    b.grad, c.grad, d.grad = torch.ones(3), torch.full((3,), 4e37), torch.full((3,), 1e19)
+    e.grad = torch.tensor([1.0, -4e37, 4e37])
+    found = check.hazard({b: 1.0, c: 4e37, d: 1e19, e: 4e37})
+    assert found == Hazard(4, "exp_avg_sq", [1], "inf")
+    assert check.trials == 2 and not opt.state and float(e.detach().abs().max()) == 0  # d and e tried, on copies
+    assert not check.proof.proven(a, None, a)  # no gradient: not read
+    e.grad = torch.ones(3)
+    assert check.hazard({b: 1.0, c: 4e37, d: 1e19, e: 1.0}) is None and check.trials == 3  # d's again
+    d.grad = torch.ones(3)
+    assert check.hazard({b: 1.0, c: 4e37, d: 1.0, e: 1.0}) is None and check.trials == 3
+    opt.step()
+    check.after_step()
+    assert all(check.proof.proven(t, None, t) for t in (b, d, e))
+
+
+def test_the_guards_trial_reads_the_real_step():
+    """The parameter itself, or a state value, by its coordinate and value; a setting the copy's step cannot take is
+    the real step's to meet; only floating state is read (an integer step count is not)."""
+    p = torch.nn.Parameter(torch.tensor([0.0, 1.0]))
+    opt = torch.optim.SGD([p], lr=1e38)
+    check = UpdateCheck(opt)
+    p.grad = torch.tensor([1.0, -4.0])
+    assert check.hazard({p: 4.0}) == Hazard(0, "param", [1], "inf")
+    p.grad = torch.tensor([4.0, 1.0])
+    assert check.hazard({p: 4.0}) == Hazard(0, "param", [0], "-inf")
+    opt.param_groups[0]["lr"] = "1e38"  # no number: the copy's step raises, and the real step meets it itself
+    assert check.hazard({p: 4.0}) is None
+    nan = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.Adam([nan], lr=1e-3, eps=0.0, betas=(0.0, 0.0))
+    opt.state[nan] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2),
+                      "count": torch.tensor([7])}
+    check = UpdateCheck(opt)
+    assert [key for key, _ in check._tensors(nan)] == [None, "step", "exp_avg", "exp_avg_sq"]
+    nan.grad = torch.tensor([1.0, 0.0])
+    assert check.hazard({nan: 1.0}) == Hazard(0, "param", [1], "nan")  # 0 / 0 where eps is 0

@@ -87,12 +87,13 @@ def test_the_import_string_of_each_kind_of_callable():
     each saying why."""
     script = Path(__file__)
     taken = {"pkg.mod:fn": "pkg.mod:fn", "dir/train.py:Net.build": "dir/train.py:Net.build", "a:b:c": "a:b:c",
+             "c:/dir/train.py:fn": "c:/dir/train.py:fn",
              words.count: "nanforensics.words:count", torch.nn.Linear: "torch.nn.modules.linear:Linear",
              torch.nn.Linear.forward: "torch.nn.modules.linear:Linear.forward",
              _as_main("def main():\n    pass\n", str(script)): f"{script.resolve()}:main"}
     for fn, expected in taken.items():
         assert import_string_of(fn, "step_fn") == expected, fn
-    for fn in ("mod", ":fn", "mod:", ":", ""):
+    for fn in ("mod", ":fn", "mod:", ":", "", "mod::"):  # the name is what the last colon leaves
         with pytest.raises(ValueError) as error:
             import_string_of(fn, "step_fn")
         assert str(error.value) == f"step_fn {fn!r} is not an import string of the form module:name or file.py:name"
@@ -315,12 +316,15 @@ def test_a_script_by_each_path_that_reaches_it(tmp_path):
     run.mkdir(parents=True)
     code.mkdir()
     for folder in (code, cwd, run):
-        (folder / "train.py").write_text(f"RUNS = []\nRUNS.append(1)\nWHERE = {str(folder)!r}\n{STEP}")
+        (folder / "train.py").write_text(f"RUNS = []\nRUNS.append(1)\nWHERE = {str(folder)!r}\n{STEP}\n"
+                                         "def typed(x: int) -> None:\n    pass\n")
     where = tmp_path / "manifest.json"
     with project(cwd):
         step = load_callable("step_fn", f"{code / 'train.py'}:step", where=where, search_paths=[code])
         module = sys.modules[step.__module__]
         assert module.WHERE == str(code) and module.__file__ == str(code / "train.py")
+        assert step.__code__.co_filename == str(code / "train.py")  # its tracebacks name the script
+        assert module.typed.__annotations__ == {"x": int, "return": None}  # compiled as itself, not with our future
         assert load_callable("step_fn", f"{code / 'train.py'}:RUNS", where=where, search_paths=[code],
                              trust_code=True) == [1]  # ran once
         assert load_callable("step_fn", "train.py:WHERE", where=where, trust_code=True) == str(cwd)
@@ -359,14 +363,20 @@ def test_a_script_that_fails_is_left_unloaded(tmp_path):
 
 def test_a_module_by_each_path_that_reaches_it(tmp_path):
     """A module of the project, a package's module (set on its package, as the import system does), one loaded
-    already, one that puts another in its place; a module that fails at import is refused naming the error and is
-    not left half-imported (nor when it exits); a name found nowhere says where to look."""
+    already, one that puts another in its place (then no module: refused after); a module that fails at import is
+    refused naming the error and is not left half-imported (nor when it exits, nor when it took itself out first); a
+    module below one that is no package, and a name found nowhere, say so."""
     pkg = tmp_path / "proj_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "sub.py").write_text(STEP)
     (tmp_path / "proj_swap.py").write_text("import sys, types\nsys.modules[__name__] = types.SimpleNamespace(step=len)\n")
     (tmp_path / "proj_boom.py").write_text("raise RuntimeError('boom')\n")
+    (tmp_path / "proj_gone.py").write_text("import sys\ndel sys.modules[__name__]\nraise RuntimeError('gone')\n")
+    (pkg / "inner").mkdir()
+    (pkg / "inner" / "__init__.py").write_text("")
+    (pkg / "inner" / "leaf.py").write_text(STEP)
+    (pkg / "flat.py").write_text(STEP)
     (tmp_path / "proj_missing.py").write_text("import proj_no_such_module\n")
     (tmp_path / "proj_exit.py").write_text("raise SystemExit(3)\n")
     (tmp_path / "proj_flat.py").write_text(STEP)
@@ -376,7 +386,14 @@ def test_a_module_by_each_path_that_reaches_it(tmp_path):
         assert step() == 0 and sys.modules["proj_pkg"].sub is sys.modules["proj_pkg.sub"]
         assert load_callable("step_fn", "proj_pkg.sub:step", where=where) is step  # loaded already
         assert imports.resolve("proj_swap:step", role="step_fn", where=where, places=Places.chosen()) is len
+        assert refused("step_fn", "proj_swap:step", where) == (  # in its place: no module, nothing to decide by
+            f"step_fn 'proj_swap:step' is refused: proj_swap has no file to decide by; {TRUST_HINT}")
         assert refused("step_fn", "proj_boom:step", where) == "importing proj_boom for 'proj_boom:step' raised RuntimeError: boom"
+        assert refused("step_fn", "proj_gone:step", where) == "importing proj_gone for 'proj_gone:step' raised RuntimeError: gone"
+        assert load_callable("step_fn", "proj_pkg.inner.leaf:step", where=where)() == 0
+        assert sys.modules["proj_pkg.inner"].leaf is sys.modules["proj_pkg.inner.leaf"]
+        assert refused("step_fn", "proj_pkg.flat.sub:step", where) == (
+            "'proj_pkg.flat.sub:step' is not importable here (proj_pkg.flat is not a package)")
         assert refused("step_fn", "proj_missing:step", where) == (
             "'proj_missing:step' is not importable here (No module named 'proj_no_such_module'); pass --code-path DIR to "
             "name where the user's code lives")
@@ -465,3 +482,50 @@ def test_a_module_in_a_folder_kept_off_the_path_is_refused_by_where_it_lies(tmp_
                 f"--trust-run-dir to allow code shipped with the run; {TRUST_HINT}")
             assert sys.path == path
         assert load_callable("step_fn", "proj_coded:step", where=where, search_paths=[run / "code"])() == 0
+
+
+def _fake_distribution(site: Path, name: str, module: str) -> None:
+    """An installed distribution ``name`` whose top-level package ``module`` it installed no file of (as an editable
+    install points at its source), and a module file ``{module}_file.py`` it did."""
+    (site / module).mkdir()
+    (site / module / "__init__.py").write_text(STEP)
+    (site / f"{module}_file.py").write_text(STEP)
+    info = site / f"{module}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text(f"{module}\n{module}_file\n")
+    (info / "RECORD").write_text(f"{module}_file.py,,\n{info.name}/METADATA,,\n")
+
+
+def test_each_trusted_distribution_adds_its_places(tmp_path, monkeypatch):
+    """Every distribution --trust-package names adds its modules, files and folders to the others'."""
+    for name, module in (("proj-one", "proj_one"), ("proj-two", "proj_two")):
+        _fake_distribution(tmp_path, name, module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    places = Places.chosen(packages=["proj-one", "proj_two"])
+    assert places.package_tops == {"proj_one", "proj_one_file", "proj_two", "proj_two_file"}
+    assert places.package_files == {tmp_path / "proj_one_file.py", tmp_path / "proj_two_file.py",
+                                    tmp_path / "proj_one-1.0.dist-info" / "METADATA",
+                                    tmp_path / "proj_two-1.0.dist-info" / "METADATA"}
+    assert places.package_folders == (tmp_path / "proj_one", tmp_path / "proj_two")
+
+
+def test_the_program_running_under_trust_code(tmp_path):
+    """--trust-code lifts the refusal of the program running before the import too (``__main__`` is whatever runs
+    the tests here: its name is the one attribute it surely has)."""
+    assert load_callable("step_fn", "__main__:__name__", where=tmp_path / "m.json", trust_code=True) == "__main__"
+    assert "the program running" in refused("step_fn", "__main__:__name__", tmp_path / "m.json")
+
+
+def test_an_object_whose_module_is_no_name_is_refused_not_raised(tmp_path):
+    """``__module__`` is what an object says it is: a list or a dict there is refused in one line, as an object
+    defined in no file, never a traceback (it was a TypeError: neither can be looked up)."""
+    (tmp_path / "proj_claims.py").write_text("class Claims:\n    __module__ = ['x']\n\nthing = Claims()\n"
+                                             "class Listed:\n    __module__ = ['y']\n\n"
+                                             "def step():\n    pass\n\nstep.__module__ = {'z': 1}\n")
+    where = tmp_path / "manifest.json"
+    with project(tmp_path):
+        for spec, problem in (("proj_claims:thing", "it is a Claims object, not a function or class defined in a module"),
+                              ("proj_claims:Listed", "it is None.Listed, defined in no file"),
+                              ("proj_claims:step", "it is None.step, defined in no file")):
+            assert refused("model_factory", spec, where) == f"model_factory {spec!r} is refused: {problem}; {TRUST_HINT}"

@@ -499,6 +499,7 @@ def _fake_distribution(site: Path, name: str, module: str) -> None:
 
 def test_each_trusted_distribution_adds_its_places(tmp_path, monkeypatch):
     """Every distribution --trust-package names adds its modules, files and folders to the others'."""
+    imports._distribution.cache_clear()  # looked up once a process: a run of the tests before this one made others
     for name, module in (("proj-one", "proj_one"), ("proj-two", "proj_two")):
         _fake_distribution(tmp_path, name, module)
     monkeypatch.syspath_prepend(str(tmp_path))

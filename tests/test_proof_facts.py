@@ -143,13 +143,14 @@ def test_each_condition_that_leaves_a_rule_without_a_proof():
             update = proof._adam({**adam, "amsgrad": amsgrad}, fresh, 1.0, unknown, False, torch.float32)
             assert (update is None) == (not fresh and (key != "max_exp_avg_sq" or amsgrad)), (key, fresh, amsgrad)
     read = [({"eps": 0.0}, torch.float32), ({"eps": 1e-8}, torch.float16), ({"betas": (1.0, 0.5)}, torch.float32),
-            ({"betas": (0.5, 1.0)}, torch.float32), ({"betas": (0.5, 1 - 1e-9)}, torch.float16),
+            ({"betas": (0.5, 1.0)}, torch.float32), ({"betas": (0.5, 1 - 2**-29), "eps": 1e-3}, torch.float16),
             ({"lr": math.inf}, torch.float32), ({"lr": 1e300, "weight_decay": 1e300}, torch.float32)]
     for change, dtype in read:
         update = proof._adam({**adam, **change}, False, 1.0, known.get, True, dtype)
         assert update is not None and update.scale is None and set(update.state) == {"exp_avg", "exp_avg_sq", "step"}, \
             change
-    for change, dtype in (({"eps": 1e-8}, torch.float32), ({"betas": (0.5, 1 - 1e-9)}, torch.float32),
+    # sqrt(1 - beta2) at float16's smallest normal, 2^-14, exactly
+    for change, dtype in (({"eps": 1e-8}, torch.float32), ({"betas": (0.5, 1 - 2**-28), "eps": 1e-3}, torch.float16),
                           ({"lr": 1e300, "weight_decay": 1e-300}, torch.float32), ({"betas": (0.0, 0.0)}, torch.float32)):
         assert proof._adam({**adam, **change}, False, 1.0, known.get, True, dtype).scale is not None, change  # the edges
     sgd = {"lr": 1e-3, "momentum": 0.9, "dampening": 0.0}
@@ -208,6 +209,7 @@ def test_each_intermediate_the_rule_bounds_decides_alone():
     assert _proven_state(torch.optim.SGD, nesterov, 1.0, {"momentum_buffer": L32 / 32})
     assert not _proven_state(torch.optim.SGD, nesterov, 1.0, {"momentum_buffer": L32 / 8})
     assert _proven_state(torch.optim.SGD, {"lr": 1e37, "momentum": 0.5}, 1.0)
+    assert _proven_state(torch.optim.SGD, {"lr": 10.0, "momentum": 0.5}, 0.0)  # a zero gradient moves nothing
     assert not _proven_state(torch.optim.SGD, {"lr": 1e38, "momentum": 0.5}, 1.0)
 
 
@@ -376,3 +378,98 @@ def test_the_guards_trial_reads_the_real_step():
     assert [key for key, _ in check._tensors(nan)] == [None, "step", "exp_avg", "exp_avg_sq"]
     nan.grad = torch.tensor([1.0, 0.0])
     assert check.hazard({nan: 1.0}) == Hazard(0, "param", [1], "nan")  # 0 / 0 where eps is 0
+
+
+def test_before_the_first_step_and_after_the_last():
+    """Nothing is unproven before a step; a step's bounds are kept once: a second post-hook with no step between (the
+    state written in place meanwhile) proves nothing of what was written."""
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=1e-3, momentum=0.9)
+    check = StepProof(opt)
+    assert check.unproven == []
+    check.after_step()  # a post-hook with no step before it
+    assert not opt.state
+    p.grad = torch.ones(1)
+    check.before_step({p: 1.0})
+    opt.step()
+    check.after_step()
+    buf = opt.state[p]["momentum_buffer"]
+    assert check.proven(p, "momentum_buffer", buf)
+    buf.fill_(math.inf)
+    check.after_step()
+    assert not check.proven(p, "momentum_buffer", buf)
+
+
+def test_adams_decoupled_weight_decay_is_proven_as_adamws_and_a_complex_parameter_is_read():
+    for make, proven in ((lambda ps: torch.optim.Adam(ps, weight_decay=0.1, decoupled_weight_decay=True), True),
+                         (lambda ps: torch.optim.Adam(ps, weight_decay=0.1), False)):
+        p = torch.nn.Parameter(torch.ones(1))
+        opt = make([p])
+        check = StepProof(opt)
+        p.grad = torch.ones(1)
+        check.before_step({p: 1.0})
+        opt.step()
+        check.after_step()
+        assert _all_proven(check, opt, p) == proven
+    z = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    opt = torch.optim.Adam([z])
+    check = StepProof(opt)
+    z.grad = torch.ones(2, dtype=torch.complex64)
+    check.before_step({z: 1.0})
+    assert [u is z for u in check.unproven] == [True]
+    opt.step()
+    check.after_step()
+    assert not _all_proven(check, opt, z)
+
+
+def test_the_parameter_bound_decays_by_the_learning_rate_times_the_weight_decay():
+    """AdamW's ``p (1 - lr wd)``: a parameter at 0.6 of the limit halves, and stays proven."""
+    p = torch.nn.Parameter(torch.full((1,), 0.6 * L32))
+    opt = torch.optim.AdamW([p], lr=0.5, weight_decay=1.0)
+    check = StepProof(opt)
+    check.learn(p, None, p, 0.6 * L32)
+    p.grad = torch.ones(1)
+    check.before_step({p: 1.0})
+    assert check.unproven == []
+    opt.step()
+    check.after_step()
+    assert check.proven(p, None, p)
+
+
+def test_the_guard_reads_only_what_nothing_proves(monkeypatch):
+    """The first check reads the parameter and its state; once a step proved them, nothing is read again until
+    something writes them."""
+    reads: list[int] = []
+    real = proof.max_abs
+    monkeypatch.setattr(proof, "max_abs", lambda tensors: reads.append(len(tensors)) or real(tensors))
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p], lr=1e-3)
+    check = UpdateCheck(opt)
+    for _ in range(3):
+        p.grad = torch.ones(3)
+        assert check.hazard({p: 1.0}) is None
+        opt.step()
+        check.after_step()
+    with torch.no_grad():
+        p.add_(0.0)
+    p.grad = torch.ones(3)
+    check.hazard({p: 1.0})
+    assert reads == [1, 0, 0, 1]  # the parameter (its state, from zeros, proven by the step); nothing; it again
+
+
+def test_the_guards_trial_leaves_the_real_state_as_it_was():
+    """The trial steps copies: the real optimizer's state tensors are not written, and a state value that is no
+    tensor goes to the copy as it is."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p], lr=1e-3)
+    p.grad = torch.ones(3)
+    opt.step()
+    opt.state[p]["note"] = 3  # some optimizers keep a number beside their tensors
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+    param = p.detach().clone()
+    check = UpdateCheck(opt)
+    p.grad = torch.full((3,), 1e19)  # past the proof's limit, not float32's: tried, and finite
+    assert check.hazard({p: 1e19}) is None and check.trials == 1
+    assert all(torch.equal(v, before[k]) if isinstance(v, torch.Tensor) else v == before[k]
+               for k, v in opt.state[p].items())
+    assert torch.equal(p.detach(), param)

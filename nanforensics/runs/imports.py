@@ -361,7 +361,7 @@ def _module_of(obj: Any) -> str | None:
 
 
 def _file_of(module: str | None) -> str | None:
-    return None if module is None else getattr(sys.modules.get(module), "__file__", None)
+    return getattr(sys.modules.get(module), "__file__", None)  # type: ignore[arg-type]  # None names no module
 
 
 def _refusal(role: Role, spec: str, obj: Any, places: Places) -> str | None:

@@ -243,6 +243,31 @@ def test_grad_scaler_skips_stay_the_scalers(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_a_step_logged_before_the_scaler_scaled_anything_is_no_scaler_skip(tmp_path):
+    """A GradScaler has no scale until it first scales a loss: a step logged before that reads the scale as 1, so
+    a scaler that starts at 1 has not backed off."""
+    model = gt.build_model()
+    optimizer = gt.make_optimizer(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    rec = Recorder(tmp_path / "run", model, optimizer, model_factory=gt.build_model, step_fn=gt.train_step,
+                   scaler=scaler, guard=True)
+    for step in range(3):
+        b = gt.make_batch(step, {})
+        optimizer.zero_grad(set_to_none=True)
+        loss = (model(b["x"]) - b["y"]).pow(2).mean()
+        if step == 0:  # a step of its own, unscaled
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        rec.log(step, b, loss)
+    rec.close()
+    summary = events(tmp_path / "run")[-1]
+    assert summary["skipped"] == 0 and summary["scaler_skips"] == 0
+
+
 KINDS = ["adamw", "adamw_fused", "sgd", "sgd_fused"]
 # every case of the class, listed (72: a huge gradient only for SGD, Adam's square of one overflows its state), the
 # poisoned coordinate walking over the parameters from case to case

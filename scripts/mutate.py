@@ -34,13 +34,15 @@ EQUIVALENTS = ROOT / "tests" / "mutation_equivalents.toml"
 
 # module -> the test files that exercise it (a mutant runs those of them whose tests reached its function)
 MODULES: dict[str, tuple[str, ...]] = {
-    "nanforensics/runs/imports.py": ("tests/test_import_policy.py", "tests/test_untrusted_code.py", "tests/test_startup.py"),
+    "nanforensics/runs/imports.py": ("tests/test_import_strings.py", "tests/test_import_policy.py",
+                                     "tests/test_untrusted_code.py", "tests/test_startup.py"),
     "nanforensics/inputs.py": ("tests/test_reader_refusals.py", "tests/test_trust_io.py", "tests/test_faults.py",
                                "tests/test_buffers.py"),
     "nanforensics/outputs.py": ("tests/test_trust_io.py", "tests/test_faults.py"),
     "nanforensics/views/escaping.py": ("tests/test_escaping.py",),
     "nanforensics/runs/guard.py": ("tests/test_guard.py", "tests/test_guard_reasons.py", "tests/test_guard_proof.py"),
-    "nanforensics/replay/proof.py": ("tests/test_proof.py", "tests/test_mesh.py::test_an_optimizer_over_a_dtensor_is_not_proven"),
+    "nanforensics/replay/proof.py": ("tests/test_proof_facts.py", "tests/test_proof.py", "tests/test_guard_proof.py",
+                                     "tests/test_mesh.py::test_an_optimizer_over_a_dtensor_is_not_proven"),
     "nanforensics/checkpoints/soundness.py": ("tests/test_soundness.py", "tests/test_soundness_order.py"),
     "nanforensics/rootcause/findings.py": ("tests/test_findings_facts.py", "tests/test_findings.py", "tests/test_rootcause.py"),
     "nanforensics/replay/engine.py": ("tests/test_engine_verdicts.py", "tests/test_loss_only.py", "tests/test_replay.py",

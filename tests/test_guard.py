@@ -223,24 +223,40 @@ def test_fused_adam_skips_on_the_device_and_keeps_its_step_count(tmp_path):
     assert [e["step"] for e in events(tmp_path / "run") if e["event"] == "skip"] == [7, 12]
 
 
-def test_grad_scaler_skips_stay_the_scalers(tmp_path):
+def _scaled(tmp: Path, steps: int, bad: dict[int, str], init_scale: float, unscaled: tuple[int, ...] = ()) -> dict:
+    """A guarded run under a GradScaler, its step taken plainly at the steps ``unscaled``; the guard's summary."""
     model = gt.build_model()
     optimizer = gt.make_optimizer(model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    rec = Recorder(tmp_path / "run", model, optimizer, model_factory=gt.build_model, step_fn=gt.train_step,
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    rec = Recorder(tmp / "run", model, optimizer, model_factory=gt.build_model, step_fn=gt.train_step,
                    scaler=scaler, guard=True)
-    for step in range(8):
-        b = gt.make_batch(step, {3: "inf_input"})  # the scaler finds it, skips the step and backs off
+    for step in range(steps):
+        b = gt.make_batch(step, bad)
         optimizer.zero_grad(set_to_none=True)
         loss = (model(b["x"]) - b["y"]).pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        if step in unscaled:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         rec.log(step, b, loss)
     rec.close()
-    summary = events(tmp_path / "run")[-1]
-    assert summary["skipped"] == 0 and summary["scaler_skips"] == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    return events(tmp / "run")[-1]
+
+
+def test_grad_scaler_skips_stay_the_scalers(tmp_path):
+    summary = _scaled(tmp_path, 8, {3: "inf_input", 6: "inf_input"}, 2.0**16)  # the scaler finds each, skips, backs off
+    assert summary["skipped"] == 0 and summary["scaler_skips"] == 2  # each back-off counted
+
+
+def test_a_step_logged_before_the_scaler_scaled_anything_is_no_scaler_skip(tmp_path):
+    """A GradScaler has no scale until it first scales a loss: a step logged before that reads the scale as 1, so
+    a scaler that starts at 1 has not backed off."""
+    summary = _scaled(tmp_path, 3, {}, 1.0, unscaled=(0,))
+    assert summary["skipped"] == 0 and summary["scaler_skips"] == 0
 
 
 KINDS = ["adamw", "adamw_fused", "sgd", "sgd_fused"]

@@ -106,7 +106,7 @@ def _adam(group: dict[str, Any], fresh: bool, g: float, old: Old, decoupled: boo
         new["max_exp_avg_sq"] = max(top, new["exp_avg_sq"])
     peak = max(g + m, g * g, v)
     eps = _as_held(eps, dtype)  # the denominator's floor
-    if not (eps > 0 and b1 < 1 and b2 < 1 and math.sqrt(1 - b2) >= _limits(dtype)[3]
+    if not (eps > 0 and b1 < 1 and math.sqrt(1 - b2) >= _limits(dtype)[3]  # beta2 = 1 too: sqrt(0) is no normal
             and math.isfinite(lr) and math.isfinite(lr * wd)):
         return Update(new, peak, None)
     ratio = _up(new["exp_avg"], dtype) / eps  # |m' / denominator|, with m' as large as its rounded-up bound
@@ -124,15 +124,14 @@ def _sgd(group: dict[str, Any], fresh: bool, g: float, old: Old, decoupled: bool
     if momentum == 0:
         return Update({}, lr * g, 1.0, lr * g)
     if fresh:
-        buf, peak = g, g
+        buf = g
     else:
         held = old("momentum_buffer")
         if held is None:
             return None
-        damped = abs(1 - dampening) * g
-        buf, peak = momentum * held + damped, max(momentum * held, damped)
+        buf = momentum * held + abs(1 - dampening) * g  # its intermediates, each at most buf, are bounded with it
     direction = g + momentum * _up(buf, dtype) if group.get("nesterov") else _up(buf, dtype)
-    return Update({"momentum_buffer": buf}, max(peak, direction, lr * direction), 1.0, lr * direction)
+    return Update({"momentum_buffer": buf}, max(direction, lr * direction), 1.0, lr * direction)
 
 
 _RULES = {torch.optim.Adam: _adam, torch.optim.AdamW: _adam, torch.optim.SGD: _sgd}
@@ -244,7 +243,7 @@ def max_abs(tensors: list[torch.Tensor]) -> list[float]:
     order inf takes 7x)."""
     out = []
     for t in tensors:
-        lo, hi = min_max(t._values() if t.is_sparse else t)
+        lo, hi = min_max(t)  # a sparse tensor's stored values
         out.append(torch.maximum(hi, -lo).float())
     return torch.stack([m.to(out[0].device) for m in out]).tolist() if out else []  # .tolist(): the one wait
 
@@ -307,8 +306,8 @@ class UpdateCheck:
         except (ValueError, TypeError, RuntimeError):
             return None  # settings the constructor refuses now: the real step meets them itself, as unguarded
         for key, t in [*copy.state[q].items(), ("param", q)]:
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                where = locate(t)
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                where = locate(t)  # None where it is finite
                 if where is not None:
                     return key, list(where.index), where.value
         return None

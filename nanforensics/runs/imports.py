@@ -58,8 +58,9 @@ def import_string_of(fn: Callable[..., Any] | str, what: str) -> str:
     if "<locals>" in qualname:
         raise ValueError(f"{what} {qualname!r} is defined inside a function; move it to module level")
     if module == "__main__":
+        # a program given as text (``python -c``, the REPL, stdin) names its code ``<string>``, ``<stdin>``: no file
         source = inspect.getsourcefile(fn)
-        if source is None:
+        if source is None or not os.path.isfile(source):
             raise ValueError(f"{what} {qualname!r} was defined interactively; put it in a file")
         return f"{Path(source).resolve()}:{qualname}"
     return f"{module}:{qualname}"
@@ -344,18 +345,23 @@ class Places:
         return None if self.trust_code else f"{spec.name} has no file to decide by"
 
 
-def _top(module: object) -> str:
-    return module.partition(".")[0] if isinstance(module, str) else ""
+def _top(module: str) -> str:
+    return module.partition(".")[0]
 
 
 def _under(module: str, prefixes: Sequence[str]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
-def _file_of(obj: Any) -> str | None:
-    """The file of the module that defines ``obj`` (by its ``__module__``, as a decorated function keeps it)."""
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
-    return getattr(module, "__file__", None)
+def _module_of(obj: Any) -> str | None:
+    """The name of the module that defines ``obj`` (its ``__module__``, as a decorated function keeps it); None where
+    it names none: an object may set ``__module__`` to anything, a list or a dict too."""
+    module = getattr(obj, "__module__", None)
+    return module if isinstance(module, str) else None
+
+
+def _file_of(module: str | None) -> str | None:
+    return getattr(sys.modules.get(module), "__file__", None)  # type: ignore[arg-type]  # None names no module
 
 
 def _refusal(role: Role, spec: str, obj: Any, places: Places) -> str | None:
@@ -363,12 +369,12 @@ def _refusal(role: Role, spec: str, obj: Any, places: Places) -> str | None:
     target = spec.rpartition(":")[0]
     if obj is NOT_IMPORTED:
         return f"{target} is the program running, not the run's code" if _under(target, RUNNING) else None
-    module = getattr(obj, "__module__", None)
+    module = _module_of(obj)
     name = f"{module}.{getattr(obj, '__qualname__', '?')}"
-    where = _file_of(obj)
+    where = _file_of(module)
     located = f"it is {name}, defined in no file" if where is None else places.refusal(where, f"it is {name}, whose file")
     if inspect.isclass(obj):
-        if isinstance(module, str) and _under(module, TOOL_CLASSES) and role.classes is not None and role.classes(obj):
+        if module is not None and _under(module, TOOL_CLASSES) and role.classes is not None and role.classes(obj):
             return None
         if located is not None:
             return located
@@ -387,7 +393,7 @@ def _refusal(role: Role, spec: str, obj: Any, places: Places) -> str | None:
         return f"it is a function, and {role.wants} is wanted"
     kind = "a built-in function" if inspect.isbuiltin(obj) else "a module" if inspect.ismodule(obj) else \
         "a bound method" if inspect.ismethod(obj) else f"a {type(obj).__name__} object"
-    if isinstance(module, str) and not inspect.ismodule(obj):
+    if module is not None and not inspect.ismodule(obj):
         standard = _top(module) in sys.stdlib_module_names or _top(module) in sys.builtin_module_names
         kind += f" of Python's standard library ({module})" if standard else f" of {module}"
     return f"it is {kind}, not a function or class defined in a module"
@@ -512,7 +518,7 @@ def _load_module(name: str, role: str, spec: str, where: Path | str, places: Pla
             if found is None and not places.trust_code:
                 _refuse(role, spec, where, f"{full} has no file to decide by")
         else:
-            locations = None if module is None else getattr(module, "__path__", None)
+            locations = getattr(module, "__path__", None)  # None for a top-level module (module None)
             if module is not None and locations is None:
                 raise BadInput(where, f"{spec!r} is not importable here ({'.'.join(parts[:i - 1])} is not a package)")
             try:
@@ -566,8 +572,7 @@ def _import(name: str, spec: str, where: Path | str) -> Any:
 
 def _load_file(target: str, role: str, spec: str, where: Path | str, places: Places) -> Any:
     path = Path(target)
-    candidates = [path] if path.is_absolute() else [Path.cwd() / path]
-    candidates += [folder / path.name for folder in places.folders]
+    candidates = [Path.cwd() / path] + [folder / path.name for folder in places.folders]  # an absolute path as it is
     # a FIFO or a folder in its place is refused on reading, not passed over
     existing = [c for c in candidates if os.path.lexists(c)]
     if not existing:

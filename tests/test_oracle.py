@@ -851,7 +851,13 @@ FIXED = [28, 65, 91, 107, 170, 171, 179, 185, 191, 201, 311, 353, 354, 372, 409,
          70390, 120400, 150646, 200032]
 # Disagreements found and not fixed yet, by class: strict, so the fix of a class flips its seeds and fails until they
 # join FIXED.
-KNOWN: dict[int, str] = {}
+KNOWN: dict[int, str] = {
+    250601: "samples.attributed, group testing under a loss averaged over the batch (found by the final 1000-program run "
+            "250000-250999 on main): attention, KL (batchmean), Adagrad and a slow overflow; a sample alone weighs 8 "
+            "times what it weighs in the batch and 4 times what it weighs in a half, so samples 2 and 6 overflow alone "
+            "and pass in the halves that held them: the reference names [2, 4, 5, 6], the replay [4, 5]. No coupled "
+            "set shows it (each failing set holds one that fails alone), so halving's trust in a passing half stands",
+}
 LOSS_ONLY = [101, 132]  # every label of a step ignored: the fault seeds 0-99 draw only where it is refused
 SEEDS = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN[s])) if s in KNOWN else s
          for s in sorted({*range(100), *FIXED, *KNOWN, *LOSS_ONLY})]

@@ -163,3 +163,93 @@ def test_each_groups_hyperparameters_are_judged_as_that_group(tmp_path, fmt):
         _, unsound = soundness.check(open_checkpoint(ck))
         assert [(u.check, u.tensor, u.group) for u in unsound] == [
             (soundness.HYPERPARAMETER, f"param_groups[{g}].lr", g)], g
+
+
+# ---- naming the state by the model's order (a checkpoint whose optimizer state names no parameters) -----------------
+
+SHAPES = {"A": (2,), "B": (3,), "C": (4,)}  # C: a shape no model tensor has; "-": a parameter without state
+
+
+def _by_order(model: list[str], state: str, groups: int = 1) -> dict[str, Any]:
+    """A plain checkpoint: the model's tensors of these shapes (a BatchNorm buffer after the first, skipped by its
+    name), the optimizer's state for parameters of these shapes, in one group or two; an unknown key first in each
+    state (it fits any parameter), the step a 0-d tensor (no shape to verify)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, s in enumerate(model):
+        tensors[f"t{i}.weight"] = torch.zeros(SHAPES[s])
+        if i == 0:
+            tensors["norm.running_mean"] = torch.zeros(5)
+    states = {i: {"foo": torch.zeros(7), "exp_avg": torch.zeros(SHAPES[s]), "step": torch.tensor(1.0)}
+              for i, s in enumerate(state) if s != "-"}
+    ids = list(range(len(state)))
+    param_groups = [{"params": ids, "lr": 0.1}] if groups == 1 else [{"params": ids[:1]}, {"params": ids[1:]}]
+    return {"model": tensors, "optimizer": {"state": states, "param_groups": param_groups}}
+
+
+def _fit(state: str, param: str) -> bool:
+    return state == "-" or state == param
+
+
+def _expected_order(model: list[str], state: str, groups: int) -> tuple[list[str], bool, str, Any]:
+    """Labels, named, why not, misfit, by brute force over every way to skip model tensors: named where exactly one
+    way fits; where none does, the longest prefix some way fits, against the tensor its leftmost way reaches next."""
+    n = len(state)
+    ways = [c for c in itertools.combinations(range(len(model)), n) if all(_fit(s, model[j]) for s, j in zip(state, c))]
+    if len(ways) == 1:
+        return [f"t{j}.weight" for j in ways[0]], True, "", None
+    unnamed = [f"#{i}" for i in range(n)]
+    if ways:
+        return unnamed, False, (f"the model's state dict holds {len(model) - n} tensors beyond the optimizer's "
+                                "parameters, and more than one choice of them as buffers fits the state's shapes"), None
+    surplus = len(model) - n  # a prefix's way leaves the rest of the state room: at most surplus skipped
+    prefixes = [(p, c) for p in range(n, -1, -1) for c in itertools.combinations(range(len(model)), p)
+                if all(_fit(s, model[j]) and j - i <= surplus for i, (s, j) in enumerate(zip(state, c)))]
+    p = prefixes[0][0]
+    skipped = min((c[-1] - (p - 1) for q, c in prefixes if q == p and c), default=0)
+    name, shape = f"t{p + skipped}.weight", list(SHAPES[model[p + skipped]])
+    misfit = soundness.Misfit(p, "exp_avg", list(SHAPES[state[p]]), name, shape) if groups == 1 else None
+    why = (f"matched by order to the model's state dict, position {p}'s exp_avg {list(SHAPES[state[p]])} does not fit "
+           f"{name} {shape}" + ("" if groups == 1 else ", and with several groups their order need not be the model's"))
+    return unnamed, False, why, misfit
+
+
+def test_the_state_is_named_by_the_models_order_only_where_one_alignment_fits():
+    """Every model of three tensors of two shapes against every state of up to three parameters of those shapes, a
+    shape the model lacks, or none: named as the one alignment names them, else left #i with why (several fit; none
+    does: the misfit, a finding with one group, a note with two)."""
+    for model in itertools.product("AB", repeat=3):
+        for n in range(4):
+            for state in map("".join, itertools.product("ABC-", repeat=n)):
+                for groups in (1, 2) if n > 1 else (1,):
+                    layout = soundness._of_object(_by_order(list(model), state, groups), None)
+                    labels, named, why, misfit = _expected_order(list(model), state, groups)
+                    got = ([p.label for p in layout.params.values()], layout.named, layout.why_unnamed, layout.misfit)
+                    assert got == (labels, named, why, misfit), (model, state, groups)
+                    assert layout.by_order == named and [p.group for p in layout.params.values()] == (
+                        [0] * n if groups == 1 else [0] + [1] * (n - 1))
+
+
+@pytest.mark.parametrize("size", [0, soundness.MAX_SKIPPED + 1, soundness.MAX_SKIPPED + 2])
+def test_a_model_too_small_or_too_large_to_match_by_order_says_so(size):
+    """Up to MAX_SKIPPED tensors beyond the optimizer's parameters are told apart by shape (here the last alone fits);
+    more, or fewer tensors than parameters (BatchNorm's buffers not counted), are not matched at all."""
+    model = {"norm.running_var": torch.zeros(2)} | {f"t{i}.weight": torch.zeros(2 if i == size - 1 else 3)
+                                                     for i in range(size)}
+    obj = {"model": model, "optimizer": {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"params": [0]}]}}
+    layout = soundness._of_object(obj, None)
+    labels = [p.label for p in layout.params.values()]
+    if size <= soundness.MAX_SKIPPED + 1 and size:
+        assert layout.named and labels == [f"t{size - 1}.weight"] and layout.why_unnamed == ""
+        return
+    assert not layout.named and labels == ["#0"]
+    assert layout.why_unnamed == (f"the optimizer holds 1 parameters, the model's state dict {size} tensors besides "
+                                  f"BatchNorm's buffers: too {'many others' if size else 'few'} to match them by order")
+
+
+def test_without_a_model_beside_it_the_state_keeps_its_positions():
+    """No model state dict (none, an empty one, one holding something else than tensors): positions, and why."""
+    for model in ({}, {"t.weight": torch.zeros(2), "t.note": "text"}, None):
+        obj = {"optimizer": {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"params": [0]}]}}
+        layout = soundness._of_object(obj | ({"model": model} if model is not None else {}), None)
+        assert not layout.named and [p.label for p in layout.params.values()] == ["#0"]
+        assert layout.why_unnamed == "the checkpoint holds no model state dict beside it to match them with"

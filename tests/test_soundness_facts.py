@@ -253,3 +253,66 @@ def test_without_a_model_beside_it_the_state_keeps_its_positions():
         layout = soundness._of_object(obj | ({"model": model} if model is not None else {}), None)
         assert not layout.named and [p.label for p in layout.params.values()] == ["#0"]
         assert layout.why_unnamed == "the checkpoint holds no model state dict beside it to match them with"
+
+
+# ---- the layout of a loaded checkpoint's one optimizer state dict -------------------------------------------------
+
+
+def _sd(ids: list[Any], names: list[str] | None = None, state: dict[Any, Any] | None = None, **hyper: Any) -> dict:
+    group: dict[str, Any] = {"params": ids, **hyper} | ({"param_names": names} if names is not None else {})
+    return {"state": {0: {"step": 3, "exp_avg": torch.zeros(2)}} if state is None else state, "param_groups": [group]}
+
+
+LIGHTNING = {"pytorch-lightning_version": "2.5", "state_dict": {"t.weight": torch.zeros(2), "t.tag": "x"}}
+LAYOUTS: dict[str, tuple[Any, list[str] | None, Any]] = {  # object, order names: labels by key, named, scaler
+    "named": ({"optimizer": _sd([0, 1], ["a.w", "b.w"], lr=0.5)}, None,
+              ({"optimizer.state.a.w": ("a.w", {"step": 3}), "optimizer.state.b.w": ("b.w", {})}, True, None)),
+    "names short": ({"optimizer": _sd([0, 1], ["a.w"])}, None,
+                    ({"optimizer.state.a.w": ("a.w", {"step": 3}), "optimizer.state.1": ("1", {})}, False, None)),
+    "names not a list": ({"optimizer": _sd([0], "a.w")}, None, ({"optimizer.state.0": ("#0", {"step": 3})}, False, None)),
+    "by order given": ({"optimizer": _sd([0, 1, 2])}, ["p", "q"],
+                       ({"optimizer.state.0": ("p", {"step": 3}), "optimizer.state.1": ("q", {}),
+                         "optimizer.state.2": ("#2", {})}, False, None)),
+    "ids of every kind": ({"optimizer": _sd([0, "k", 1.5], state={0: "junk", "k": {"step": 1, "lr": "x"},
+                                                                 1.5: {"step": 9}})}, None,
+                          ({"optimizer.state.0": ("#0", {}), "optimizer.state.k": ("#1", {"step": 1, "lr": "x"}),
+                            "optimizer.state.1.5": ("#2", {})}, False, None)),
+    "lightning": (LIGHTNING | {"optimizer_states": [_sd([0])]}, None,
+                  ({"optimizer_states.0.state.0": ("t.weight", {"step": 3})}, True, None)),
+    "nested, with a scaler": ({"scaler": 3.0, "grad_scaler": {"scale": 2.0}, "amp_scaler": {"scale": 1.0},
+                               "train": [{"optimizer": _sd([0])}]}, None,
+                              ({"train.0.optimizer.state.0": ("#0", {"step": 3})}, False, {"scale": 2.0})),
+    "two optimizers": ({"a": _sd([0]), "b": _sd([0])}, None, None),
+    "lightning, two optimizers": (LIGHTNING | {"optimizer_states": [_sd([0]), _sd([1])]}, None, None),
+    "none": ({"model": {"t.weight": torch.zeros(2)}}, None, None),
+    "groups not lists of params": ({"optimizer": {"state": {}, "param_groups": [{"params": 0}]}}, None, None),
+    "a group not a dict": ({"optimizer": {"state": {}, "param_groups": [[0]]}}, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_the_layout_of_one_optimizer_state_dict(case):
+    """Labels by the group's names where every group names every parameter, else the order names given, else #i
+    (each kept where the model cannot name them: no model here but Lightning's, whose one tensor fits); state
+    looked up only by an int or str id and only where it is a dict, its non-tensors kept as scalars; the first
+    scaler dict; None where there is no one optimizer state dict, or its groups are not lists of parameters."""
+    obj, order_names, expected = LAYOUTS[case]
+    layout = soundness._of_object(obj, order_names)
+    if expected is None:
+        assert layout is None
+        return
+    params, named, scaler = expected
+    assert {k: (p.label, p.scalars) for k, p in layout.params.items()} == params
+    assert [list(p.scalars) for p in layout.params.values()] == [list(s) for _, s in params.values()]
+    assert all(p.group == 0 for p in layout.params.values())
+    assert (layout.named, layout.scaler, layout.exact_step) == (named, scaler, False)
+    assert layout.groups == [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                             for g in next(soundness._optimizer_dicts(obj))[1]["param_groups"]]
+
+
+def test_a_group_without_names_leaves_every_group_unnamed():
+    """Names in one group and not in the other: the state is matched by order (here: nothing to match with)."""
+    sd = {"state": {}, "param_groups": [{"params": [0], "param_names": ["a.w"], "lr": 1.0}, {"params": [1], "lr": 2.0}]}
+    layout = soundness._of_object({"optimizer": sd}, None)
+    assert not layout.named and layout.groups == [{"lr": 1.0}, {"lr": 2.0}]
+    assert [(p.label, p.group) for p in layout.params.values()] == [("a.w", 0), ("#1", 1)]

@@ -316,3 +316,47 @@ def test_a_group_without_names_leaves_every_group_unnamed():
     layout = soundness._of_object({"optimizer": sd}, None)
     assert not layout.named and layout.groups == [{"lr": 1.0}, {"lr": 2.0}]
     assert [(p.label, p.group) for p in layout.params.values()] == [("a.w", 0), ("#1", 1)]
+
+
+# ---- the words of an elementwise finding --------------------------------------------------------------------------
+
+BOUND_WORDS = ("these moments did not come from the same gradients (one restored without the other, rescaled or "
+               "corrupted), unless the run changed its betas; the next update there is m/(sqrt(v)+eps) = ")
+NEGATIVE_WORDS = ("a second moment is an average of squares and cannot be negative; the next update takes its square "
+                  "root there: NaN, unless that step's gradient outweighs it")
+# check, key, hyperparameters, values at the first coordinate, count: the message, its numbers worked by hand
+MESSAGES = [
+    # k(0.9, 0.999) = 0.1 / sqrt(0.001 * (1 - 0.81 / 0.999)) = 7.27; the update |m| / max(eps, sqrt v) = 2 / 0.1 = 20
+    (soundness.BOUND, "exp_avg", {"betas": (0.9, 0.999), "lr": 0.01, "eps": 1e-8}, {"exp_avg": -2.0, "exp_avg_sq": 0.01},
+     3, "exp_avg of w breaks Adam's bound at [1, 2] (3 coordinates in all): |m| = 2 > 7.27 * sqrt(v) = 0.727 (v = 0.01, "
+        f"betas 0.9, 0.999): {BOUND_WORDS}20 times lr (about 0.2 from this pair alone; a sound pair moves it at most "
+        "about 0.0727)"),
+    # no eps, v = 0: divided by the smallest positive float32 (1e-45); no lr: no distance
+    (soundness.BOUND, "exp_avg", {"betas": (0.9, 0.999)}, {"exp_avg": 3.0, "exp_avg_sq": 0.0}, 1,
+     "exp_avg of w breaks Adam's bound at [1, 2]: |m| = 3 > 7.27 * sqrt(v) = 0 (v = 0, betas 0.9, 0.999): "
+     f"{BOUND_WORDS}3e+45 times lr"),
+    # k(0.5, 0.5) = 0.5 / sqrt(0.5 * 0.5) = 1; eps 0.5 above sqrt(v) = 0.2 divides; an lr of inf: no distance
+    (soundness.BOUND, "exp_avg", {"betas": (0.5, 0.5), "lr": math.inf, "eps": 0.5}, {"exp_avg": 1.0, "exp_avg_sq": 0.04},
+     2, "exp_avg of w breaks Adam's bound at [1, 2] (2 coordinates in all): |m| = 1 > 1 * sqrt(v) = 0.2 (v = 0.04, "
+        f"betas 0.5, 0.5): {BOUND_WORDS}2 times lr"),
+    # k(0, 0.25) = 1 / sqrt(0.75) = 1.15; a negative v counts as 0 (its own finding), eps 0: 1 / 1e-45
+    (soundness.BOUND, "exp_avg", {"betas": (0.0, 0.25), "lr": 2.0, "eps": 0.0}, {"exp_avg": 1.0, "exp_avg_sq": -0.25},
+     2, "exp_avg of w breaks Adam's bound at [1, 2] (2 coordinates in all): |m| = 1 > 1.15 * sqrt(v) = 0 (v = -0.25, "
+        f"betas 0, 0.25): {BOUND_WORDS}1e+45 times lr (about 2e+45 from this pair alone; a sound pair moves it at most "
+        "about 2.31)"),
+    (soundness.NEGATIVE, "square_avg", {}, {"square_avg": -0.123456}, 1,
+     f"square_avg of w is -0.1235 at [1, 2]: {NEGATIVE_WORDS}"),
+    (soundness.NEGATIVE, "exp_avg_sq", {}, {"exp_avg_sq": -2.5, "exp_avg": 1.0}, 2,
+     f"exp_avg_sq of w is -2.5 at [1, 2] (2 coordinates in all): {NEGATIVE_WORDS}"),
+    (soundness.AMSGRAD, "max_exp_avg_sq", {}, {"max_exp_avg_sq": 0.25, "exp_avg_sq": 0.5}, 4,
+     "max_exp_avg_sq of w is 0.25 at [1, 2] (4 coordinates in all), below exp_avg_sq 0.5: amsgrad keeps the running "
+     "maximum, so these were not saved together; the next update takes the larger and goes on, from a state training "
+     "did not produce"),
+]
+
+
+@pytest.mark.parametrize("check, key, hyper, values, n, message", MESSAGES, ids=range(len(MESSAGES)))
+def test_each_elementwise_finding_says_its_values_and_what_the_next_update_does(check, key, hyper, values, n, message):
+    """The message of each elementwise check: the value(s) at the first flagged coordinate, how many in all (where
+    more than one), and for Adam's bound the update those moments make, and how far it moves the parameter."""
+    assert soundness._message(check, key, "w", [1, 2], soundness._Tally(n, 5, values), hyper) == message

@@ -360,3 +360,60 @@ def test_each_elementwise_finding_says_its_values_and_what_the_next_update_does(
     """The message of each elementwise check: the value(s) at the first flagged coordinate, how many in all (where
     more than one), and for Adam's bound the update those moments make, and how far it moves the parameter."""
     assert soundness._message(check, key, "w", [1, 2], soundness._Tally(n, 5, values), hyper) == message
+
+
+# ---- a state tensor against its parameter, where the checkpoint names them ----------------------------------------
+
+PARAM = (3, 2)
+DTYPE_WORDS = {  # state dtype, parameter dtype: rounding and flushing of the state's dtype, worked by hand
+    (torch.bfloat16, torch.float32): "(relative rounding up to 0.004)", (torch.float16, torch.float32):
+    "(relative rounding up to 0.0005, values below 6e-05 flushed towards 0)", (torch.bfloat16, torch.float16):
+    "(relative rounding up to 0.004)", (torch.float16, torch.bfloat16): "(relative rounding up to 0.0005, values "
+    "below 6e-05 flushed towards 0)"}
+
+
+def _layout_findings(tmp_path: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype, param_dtype: torch.dtype,
+                     model_names: tuple[str, ...] = ("weight",)) -> list[Any]:
+    """A checkpoint whose parameter ``weight`` (in the model under these names) holds one state tensor."""
+    torch.save({"model": {n: torch.zeros(PARAM, dtype=param_dtype) for n in model_names},
+                "optimizer": {"state": {0: {"step": torch.tensor(1.0), key: torch.zeros(shape, dtype=dtype)}},
+                              "param_groups": [{"params": [0], "param_names": ["weight"], "lr": 0.1}]}, "step": 1},
+               tmp_path / "ck.pt")
+    return [u for u in soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1] if u.check != soundness.STEP]
+
+
+def test_each_state_tensor_is_checked_against_its_parameters_shape_and_dtype(tmp_path):
+    """Per-element state (exp_avg) has the parameter's shape, a factored moment (row_var) its rank with dims of 1 or
+    the parameter's; an unknown key and integer tensors are not judged; a dtype with a larger rounding or a smaller
+    range than the parameter's is a finding, with what the conversion lost."""
+    fits = {"exp_avg": {PARAM}, "row_var": {PARAM, (1, 2), (3, 1), (1, 1)}}
+    for key, shape, dtype, param_dtype in itertools.product(
+            ("exp_avg", "row_var", "foo"), (PARAM, (2, 3), (1, 2), (6,)),
+            (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64), (torch.float32, torch.float16)):
+        found = _layout_findings(tmp_path, key, shape, dtype, param_dtype)
+        judged = key in fits and dtype.is_floating_point
+        expected = []
+        if judged and shape not in fits[key]:
+            expected.append((soundness.SHAPE, {"state_shape": list(shape), "param_shape": list(PARAM)},
+                             f"{key} of weight is {list(shape)}, its parameter {list(PARAM)}: it belongs to another "
+                             "parameter (or another model); torch's load_state_dict takes it unchecked, and the next "
+                             "update fails to broadcast it or broadcasts it into a wrong update"))
+        if judged and (dtype, param_dtype) in DTYPE_WORDS:
+            dt, pt = str(dtype)[6:], str(param_dtype)[6:]
+            expected.append((soundness.DTYPE, {"state_dtype": dt, "param_dtype": pt},
+                             f"{key} of weight is {dt}, its parameter {pt}: torch keeps state in the parameter's dtype, "
+                             "so this was converted on the way (on saving, or by a tool since) and lost precision "
+                             f"{DTYPE_WORDS[dtype, param_dtype]}; load_state_dict casts it back, and the next update "
+                             "runs on the rounded moments"))
+        assert [(u.check, u.values, u.message) for u in found] == expected, (key, shape, dtype, param_dtype)
+        assert all((u.tensor, u.param, u.group, u.index) == (f"optimizer.state.weight.{key}", "weight", 0, None)
+                   for u in found)
+
+
+@pytest.mark.parametrize("names, checked", [(("weight",), True), (("module.weight",), True), (("a.weight", "b.weight"), False), (("weights",), False),
+                         (("module.xweight",), False)], ids=str)
+def test_a_parameter_is_found_in_the_model_by_its_name_or_one_suffix(tmp_path, names, checked):
+    """The model's tensor of the state's name, or else the one whose name ends in ``.`` and it (a wrapper's prefix);
+    two such, or none: nothing to check against."""
+    found = _layout_findings(tmp_path, "exp_avg", (2, 3), torch.float32, torch.float32, names)
+    assert [u.check for u in found] == ([soundness.SHAPE] if checked else [])

@@ -410,8 +410,9 @@ def test_each_state_tensor_is_checked_against_its_parameters_shape_and_dtype(tmp
                    for u in found)
 
 
-@pytest.mark.parametrize("names, checked", [(("weight",), True), (("module.weight",), True), (("a.weight", "b.weight"), False), (("weights",), False),
-                         (("module.xweight",), False)], ids=str)
+@pytest.mark.parametrize("names, checked", [(("weight",), True), (("module.weight",), True),
+                                            (("a.weight", "b.weight"), False), (("weights",), False),
+                                            (("module.xweight",), False)], ids=str)
 def test_a_parameter_is_found_in_the_model_by_its_name_or_one_suffix(tmp_path, names, checked):
     """The model's tensor of the state's name, or else the one whose name ends in ``.`` and it (a wrapper's prefix);
     two such, or none: nothing to check against."""

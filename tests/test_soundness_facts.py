@@ -418,3 +418,48 @@ def test_a_parameter_is_found_in_the_model_by_its_name_or_one_suffix(tmp_path, n
     two such, or none: nothing to check against."""
     found = _layout_findings(tmp_path, "exp_avg", (2, 3), torch.float32, torch.float32, names)
     assert [u.check for u in found] == ([soundness.SHAPE] if checked else [])
+
+
+# ---- what the check says of the whole checkpoint ------------------------------------------------------------------
+
+UNNAMED = ("the optimizer state names no parameters (matched to them by order): shapes and dtypes are not checked "
+           "against the parameters, and a parameter is named by its position (#i)")
+WHOLE = {  # object saved: optimizers, notes, matched by order
+    "named": ({"optimizer": _sd([0], ["t0.weight"], {0: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}},
+                                         betas=(0.9, 0.999))}, ["Adam-family (Adam, AdamW, NAdam, RAdam)"],
+              [], False),
+    "by order": (_by_order(["A"], "A"), ["other (checked: non-negative second moments, shapes, dtypes, step, "
+                                         "hyperparameters)"],
+                 ["the optimizer state names no parameters: their names come from the model's state dict by order (as "
+                  "optimizer.load_state_dict matches them), verified by the shapes of every state tensor"], True),
+    "no model": ({"optimizer": _sd([0, 1], None, {0: {"momentum_buffer": torch.zeros(2)}}, momentum=0.9)}, ["SGD with momentum"],
+                 [UNNAMED + ": the checkpoint holds no model state dict beside it to match them with"], True),
+    "two optimizers": ({"a": _sd([0]), "b": _sd([0])}, [],
+                       ["the checkpoint records no parameter groups: Adam's bound, the step and the hyperparameters are "
+                        "not checked, only non-negative second moments and amsgrad's maximum"], False),
+}
+
+
+@pytest.mark.parametrize("case", list(WHOLE))
+def test_what_was_checked_and_how_the_state_was_named(tmp_path, case):
+    """Each group's kind (by its state, else its hyperparameters), the notes on what was not checked and why, and
+    whether the state was matched by order."""
+    obj, kinds, notes, by_order = WHOLE[case]
+    torch.save(obj | {"step": 3}, tmp_path / "ck.pt")
+    summary, _ = soundness.check(open_checkpoint(tmp_path / "ck.pt"))
+    assert (summary.optimizers, summary.notes, summary.matched_by_order) == (kinds, notes, by_order)
+
+
+def test_a_misfit_by_order_is_a_finding_at_its_position(tmp_path):
+    """One group, position 1's state fits no model tensor the order leaves it: a shape finding naming both."""
+    torch.save(_by_order(["A", "B", "A"], "AC") | {"step": 3}, tmp_path / "ck.pt")
+    summary, unsound = soundness.check(open_checkpoint(tmp_path / "ck.pt"))
+    assert [(u.check, u.tensor, u.param, u.group, u.index, u.values, u.message) for u in unsound] == [(
+        soundness.SHAPE, "optimizer.state.1.exp_avg", "#1", 0, None,
+        {"position": 1, "state_shape": [4], "param": "t1.weight", "param_shape": [3]},
+        "the optimizer state at position 1 (exp_avg [4]) does not fit the model's parameter at that position, "
+        "t1.weight [3]: optimizer.load_state_dict matches state to parameters by order, so a resume hands it a state of "
+        "another shape (an error at the next update, or a wrong broadcast); the state belongs to another model, or "
+        "parameters were added, removed or reordered since it was saved")]
+    assert summary.notes == [UNNAMED + ": matched by order to the model's state dict, position 1's exp_avg [4] does "
+                                       "not fit t1.weight [3]"]

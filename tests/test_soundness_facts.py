@@ -167,19 +167,19 @@ def test_each_groups_hyperparameters_are_judged_as_that_group(tmp_path, fmt):
 
 # ---- naming the state by the model's order (a checkpoint whose optimizer state names no parameters) -----------------
 
-SHAPES = {"A": (2,), "B": (3,), "C": (4,)}  # C: a shape no model tensor has; "-": a parameter without state
+SHAPES = {"A": (2,), "B": (3,), "S": (), "C": (4,)}  # S: a scalar; C: no model tensor's; "-": a parameter without state
 
 
 def _by_order(model: list[str], state: str, groups: int = 1) -> dict[str, Any]:
-    """A plain checkpoint: the model's tensors of these shapes (a BatchNorm buffer after the first, skipped by its
-    name), the optimizer's state for parameters of these shapes, in one group or two; an unknown key first in each
-    state (it fits any parameter), the step a 0-d tensor (no shape to verify)."""
+    """A plain checkpoint: the model's tensors of these shapes (a nested BatchNorm buffer after the first, skipped by
+    its name), the optimizer's state for parameters of these shapes, in one group or two; an unknown key first in
+    each state (it fits any parameter), the step an int (older torch) or a 0-d tensor, which fits any."""
     tensors: dict[str, torch.Tensor] = {}
     for i, s in enumerate(model):
         tensors[f"t{i}.weight"] = torch.zeros(SHAPES[s])
         if i == 0:
-            tensors["norm.running_mean"] = torch.zeros(5)
-    states = {i: {"foo": torch.zeros(7), "exp_avg": torch.zeros(SHAPES[s]), "step": torch.tensor(1.0)}
+            tensors["net.norm.running_mean"] = torch.zeros(5)
+    states = {i: {"foo": torch.zeros(7), "exp_avg": torch.zeros(SHAPES[s]), "step": torch.tensor(1.0) if i else 1}
               for i, s in enumerate(state) if s != "-"}
     ids = list(range(len(state)))
     param_groups = [{"params": ids, "lr": 0.1}] if groups == 1 else [{"params": ids[:1]}, {"params": ids[1:]}]
@@ -214,12 +214,12 @@ def _expected_order(model: list[str], state: str, groups: int) -> tuple[list[str
 
 
 def test_the_state_is_named_by_the_models_order_only_where_one_alignment_fits():
-    """Every model of three tensors of two shapes against every state of up to three parameters of those shapes, a
-    shape the model lacks, or none: named as the one alignment names them, else left #i with why (several fit; none
-    does: the misfit, a finding with one group, a note with two)."""
-    for model in itertools.product("AB", repeat=3):
+    """Every model of three tensors of three shapes (one a scalar's) against every state of up to three parameters
+    of those shapes, a shape the model lacks, or none: named as the one alignment names them, else left #i with why
+    (several fit; none does: the misfit, a finding with one group, a note with two)."""
+    for model in itertools.product("ABS", repeat=3):
         for n in range(4):
-            for state in map("".join, itertools.product("ABC-", repeat=n)):
+            for state in map("".join, itertools.product("ABSC-", repeat=n)):
                 for groups in (1, 2) if n > 1 else (1,):
                     layout = soundness._of_object(_by_order(list(model), state, groups), None)
                     labels, named, why, misfit = _expected_order(list(model), state, groups)
@@ -463,3 +463,12 @@ def test_a_misfit_by_order_is_a_finding_at_its_position(tmp_path):
         "parameters were added, removed or reordered since it was saved")]
     assert summary.notes == [UNNAMED + ": matched by order to the model's state dict, position 1's exp_avg [4] does "
                                        "not fit t1.weight [3]"]
+
+
+def test_a_misfit_names_the_first_state_tensor_that_does_not_fit():
+    """exp_avg fits the parameter and exp_avg_sq does not (a factored row_var fits, and comes first): the misfit names
+    exp_avg_sq, against the model's tensor at that position."""
+    obj = {"model": {"t0.weight": torch.zeros(2)}, "optimizer": {"param_groups": [{"params": [0]}], "state": {0: {
+        "row_var": torch.zeros(1), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(3)}}}}
+    layout = soundness._of_object(obj, None)
+    assert layout.misfit == soundness.Misfit(0, "exp_avg_sq", [3], "t0.weight", [2])

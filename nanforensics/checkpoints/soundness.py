@@ -271,8 +271,7 @@ def _name_by_order(layout: _Layout, states: list[dict[str, Any]], model: dict[st
                               "tensors besides BatchNorm's buffers: too " + ("few" if surplus < 0 else "many others")
                               + " to match them by order")
         return
-    shapes = [{k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-              for state in states]
+    shapes = [{k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)} for state in states]
 
     def fit(i: int, skipped: int) -> bool:
         return all(fits(k, shape, candidates[i + skipped][1]) for k, shape in shapes[i].items())

@@ -472,3 +472,56 @@ def test_a_misfit_names_the_first_state_tensor_that_does_not_fit():
         "row_var": torch.zeros(1), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(3)}}}}
     layout = soundness._of_object(obj, None)
     assert layout.misfit == soundness.Misfit(0, "exp_avg_sq", [3], "t0.weight", [2])
+
+
+# ---- the elementwise findings of one parameter: where, how many, the values there ---------------------------------
+
+CELLS = [(i, j) for i in range(3) for j in range(2)]  # a (3, 2) parameter's coordinates, in storage order
+
+
+def _elementwise(tmp_path: Path, v: torch.Tensor, m: torch.Tensor, eps: float, amsgrad: bool) -> list[Any]:
+    state = {"step": torch.tensor(2.0), "exp_avg": m, "exp_avg_sq": v} | ({"max_exp_avg_sq": v.clone()} if amsgrad else {})
+    torch.save({"model": {"weight": torch.zeros(PARAM)}, "step": 2, "optimizer": {"state": {0: state}, "param_groups": [
+        {"params": [0], "param_names": ["weight"], "betas": (0.9, 0.999), "eps": eps, "amsgrad": amsgrad}]}},
+        tmp_path / "ck.pt")
+    return soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1]
+
+
+def test_each_set_of_flagged_coordinates_is_one_finding_at_the_first(tmp_path):
+    """Every one or two coordinates of a (3, 2) second moment negative: one finding per tensor, at the first of them
+    (row-major), with every moment's value there and the count; amsgrad's maximum, a copy, negative alike."""
+    for cells in itertools.chain(itertools.combinations(CELLS, 1), itertools.combinations(CELLS, 2)):
+        v = torch.ones(PARAM)
+        for c in cells:
+            v[c] = -float(CELLS.index(c) + 1)
+        m = torch.full(PARAM, 0.5)
+        for amsgrad in (False, True):
+            found = _elementwise(tmp_path, v, m, 1e-8, amsgrad)
+            first = list(cells[0])
+            values = {"exp_avg": 0.5, "exp_avg_sq": v[cells[0]].item()} | (
+                {"max_exp_avg_sq": v[cells[0]].item()} if amsgrad else {})
+            more = f" ({len(cells)} coordinates in all)" if len(cells) > 1 else ""
+            keys = ["exp_avg_sq", "max_exp_avg_sq"] if amsgrad else ["exp_avg_sq"]
+            assert [(u.check, u.tensor, u.index, u.values, u.message) for u in found] == [
+                (soundness.NEGATIVE, f"optimizer.state.weight.{k}", first, values,
+                 f"{k} of weight is {v[cells[0]].item():.4g} at {first}{more}: {NEGATIVE_WORDS}") for k in keys], cells
+
+
+def test_eps_zero_beside_exact_zeros_is_one_finding_at_the_first(tmp_path):
+    """eps = 0 and second moments holding exact zeros (amsgrad: its maximum, the denominator): at the first zero,
+    the count, and 0/0 where exp_avg is 0 there too; eps > 0, or no zero, is none."""
+    for cells in [(c, CELLS[-1]) for c in CELLS[:-1]]:  # each first zero, the last coordinate a second
+        v = torch.ones(PARAM)
+        for c in cells:
+            v[c] = 0.0
+        for m0, amsgrad, eps in itertools.product((0.0, 0.5), (False, True), (0.0, 1e-8)):
+            m = torch.zeros(PARAM)
+            m[cells[0]] = m0
+            found = [u for u in _elementwise(tmp_path, v, m, eps, amsgrad) if u.check == soundness.EPS_ZERO]
+            key = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
+            values = {"exp_avg": m0, "exp_avg_sq": 0.0} | ({"max_exp_avg_sq": 0.0} if amsgrad else {})
+            effect = "0/0 = NaN" if m0 == 0 else "inf (and 0/0 = NaN where exp_avg is 0)"
+            assert [(u.tensor, u.index, u.values, u.message) for u in found] == ([] if eps else [(
+                f"optimizer.state.weight.{key}", list(cells[0]), values,
+                f"{key} of weight holds 2 exact zeros (first at {list(cells[0])}) and the group's eps is 0: the update "
+                f"divides by sqrt(v)+eps = 0 there, so the first zero gradient at such a coordinate makes it {effect}")])

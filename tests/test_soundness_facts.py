@@ -434,6 +434,12 @@ WHOLE = {  # object saved: optimizers, notes, matched by order
                   "optimizer.load_state_dict matches them), verified by the shapes of every state tensor"], True),
     "no model": ({"optimizer": _sd([0, 1], None, {0: {"momentum_buffer": torch.zeros(2)}}, momentum=0.9)}, ["SGD with momentum"],
                  [UNNAMED + ": the checkpoint holds no model state dict beside it to match them with"], True),
+    "kinds by state, else by hyperparameters": ({"optimizer": {"state": {0: {"momentum_buffer": torch.zeros(2)}},
+                                                               "param_groups": [{"params": [0], "betas": (0.9, 0.999)},
+                                                                                {"params": [1], "momentum": 0.9}]}},
+                                                ["SGD with momentum"] * 2, [UNNAMED + ": the checkpoint holds no model "
+                                                                             "state dict beside it to match them with"],
+                                                True),
     "two optimizers": ({"a": _sd([0]), "b": _sd([0])}, [],
                        ["the checkpoint records no parameter groups: Adam's bound, the step and the hyperparameters are "
                         "not checked, only non-negative second moments and amsgrad's maximum"], False),
@@ -525,3 +531,11 @@ def test_eps_zero_beside_exact_zeros_is_one_finding_at_the_first(tmp_path):
                 f"optimizer.state.weight.{key}", list(cells[0]), values,
                 f"{key} of weight holds 2 exact zeros (first at {list(cells[0])}) and the group's eps is 0: the update "
                 f"divides by sqrt(v)+eps = 0 there, so the first zero gradient at such a coordinate makes it {effect}")])
+
+
+def test_names_given_by_order_say_no_more_than_that(tmp_path):
+    """The replay's order names the state (``start_soundness``): no reason to add, the findings under those names."""
+    torch.save({"optimizer": _sd([0], None, {0: {"exp_avg_sq": -torch.ones(2)}})}, tmp_path / "ck.pt")
+    summary, unsound = soundness.check(open_checkpoint(tmp_path / "ck.pt"), ["net.w"])
+    assert summary.notes == [UNNAMED] and summary.matched_by_order
+    assert [(u.check, u.param) for u in unsound] == [(soundness.NEGATIVE, "net.w")]

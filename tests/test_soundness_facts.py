@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from nanforensics.checkpoints import soundness
+from nanforensics.checkpoints import chunks, soundness
 from nanforensics.formats import open_checkpoint
 from nanforensics.numbers import root
 from nanforensics.runs.checkpoint import save_checkpoint
@@ -493,9 +493,12 @@ def _elementwise(tmp_path: Path, v: torch.Tensor, m: torch.Tensor, eps: float, a
     return soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1]
 
 
-def test_each_set_of_flagged_coordinates_is_one_finding_at_the_first(tmp_path):
+@pytest.mark.parametrize("chunk", [chunks.CHUNK_BYTES, 8], ids=["one chunk", "two values a chunk"])
+def test_each_set_of_flagged_coordinates_is_one_finding_at_the_first(tmp_path, monkeypatch, chunk):
     """Every one or two coordinates of a (3, 2) second moment negative: one finding per tensor, at the first of them
-    (row-major), with every moment's value there and the count; amsgrad's maximum, a copy, negative alike."""
+    (row-major), with every moment's value there and the count over every chunk; amsgrad's maximum, a copy, negative
+    alike."""
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", chunk)
     for cells in itertools.chain(itertools.combinations(CELLS, 1), itertools.combinations(CELLS, 2)):
         v = torch.ones(PARAM)
         for c in cells:
@@ -539,3 +542,17 @@ def test_names_given_by_order_say_no_more_than_that(tmp_path):
     summary, unsound = soundness.check(open_checkpoint(tmp_path / "ck.pt"), ["net.w"])
     assert summary.notes == [UNNAMED] and summary.matched_by_order
     assert [(u.check, u.param) for u in unsound] == [(soundness.NEGATIVE, "net.w")]
+
+
+@pytest.mark.parametrize("m, flagged", [(7.5625, False), (7.625, True)])
+def test_bfloat16_moments_are_judged_at_bfloat16s_slack(tmp_path, m, flagged):
+    """Adam's bound at betas 0.9, 0.999 is 7.27 sqrt(v); bfloat16 moments get its slack for their dtype, 4.13% (five
+    units in their last place, and the check's own rounding): beside v = 1, |m| = 7.5625 (4.02% past the bound) is
+    rounding, the next bfloat16 above it, 7.625 (4.88%), is not. At float32's slack both would be flagged."""
+    state = {"step": torch.tensor(2.0), "exp_avg": torch.full(PARAM, m, dtype=torch.bfloat16),
+             "exp_avg_sq": torch.ones(PARAM, dtype=torch.bfloat16)}
+    torch.save({"model": {"weight": torch.zeros(PARAM, dtype=torch.bfloat16)}, "step": 2, "optimizer": {
+        "state": {0: state}, "param_groups": [{"params": [0], "param_names": ["weight"], "betas": (0.9, 0.999)}]}},
+        tmp_path / "ck.pt")
+    found = soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1]
+    assert [(u.check, u.index) for u in found] == ([(soundness.BOUND, [0, 0])] if flagged else [])

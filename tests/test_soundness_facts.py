@@ -556,3 +556,17 @@ def test_bfloat16_moments_are_judged_at_bfloat16s_slack(tmp_path, m, flagged):
         tmp_path / "ck.pt")
     found = soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1]
     assert [(u.check, u.index) for u in found] == ([(soundness.BOUND, [0, 0])] if flagged else [])
+
+
+@pytest.mark.parametrize("maximum, flagged", [(1.0, False), (0.99, True)])
+def test_moments_of_different_dtypes_are_compared_at_the_coarsest(tmp_path, maximum, flagged):
+    """amsgrad's maximum saved in bfloat16 beside a float32 exp_avg_sq 2^-20 above 1 (and a float64 exp_avg): the
+    order is judged after rounding both to bfloat16, where 1 is not below it; 0.99 (0.988 in bfloat16) is."""
+    state = {"step": torch.tensor(2.0), "exp_avg": torch.zeros(PARAM, dtype=torch.float64),
+             "exp_avg_sq": torch.full(PARAM, 1 + 2.0 ** -20), "max_exp_avg_sq": torch.full(PARAM, maximum,
+                                                                                          dtype=torch.bfloat16)}
+    torch.save({"optimizer": {"state": {0: state}, "param_groups": [{"params": [0], "betas": (0.9, 0.999),
+                                                                     "amsgrad": True}]}}, tmp_path / "ck.pt")
+    found = soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1]
+    assert [(u.check, u.index, u.values) for u in found] == ([(soundness.AMSGRAD, [0, 0], {
+        "exp_avg": 0.0, "exp_avg_sq": 1.0, "max_exp_avg_sq": 0.98828125})] if flagged else [])

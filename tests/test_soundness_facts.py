@@ -558,13 +558,18 @@ def test_bfloat16_moments_are_judged_at_bfloat16s_slack(tmp_path, m, flagged):
     assert [(u.check, u.index) for u in found] == ([(soundness.BOUND, [0, 0])] if flagged else [])
 
 
-@pytest.mark.parametrize("maximum, flagged", [(1.0, False), (0.99, True)])
-def test_moments_of_different_dtypes_are_compared_at_the_coarsest(tmp_path, maximum, flagged):
-    """amsgrad's maximum saved in bfloat16 beside a float32 exp_avg_sq 2^-20 above 1 (and a float64 exp_avg): the
-    order is judged after rounding both to bfloat16, where 1 is not below it; 0.99 (0.988 in bfloat16) is."""
+@pytest.mark.parametrize("v, maximum, flagged", [
+    ((torch.float32, 1 + 2.0 ** -20), (torch.bfloat16, 1.0), False), ((torch.float32, 1 + 2.0 ** -20),
+                                                                      (torch.bfloat16, 0.99), True),
+    ((torch.float64, 1 + 2.0 ** -40), (torch.float32, 1.0), False)], ids=["bfloat16, equal", "bfloat16, below",
+                                                                          "float32, equal"])
+def test_moments_of_different_dtypes_are_compared_at_the_coarsest(tmp_path, v, maximum, flagged):
+    """amsgrad's maximum saved in a coarser dtype than exp_avg_sq (a float64 exp_avg beside them): the order is
+    judged after rounding both to the coarsest, where 1 is not below 1 + 2^-20 (bfloat16) or 1 + 2^-40 (float32);
+    0.99 (0.988 in bfloat16) is."""
     state = {"step": torch.tensor(2.0), "exp_avg": torch.zeros(PARAM, dtype=torch.float64),
-             "exp_avg_sq": torch.full(PARAM, 1 + 2.0 ** -20), "max_exp_avg_sq": torch.full(PARAM, maximum,
-                                                                                          dtype=torch.bfloat16)}
+             "exp_avg_sq": torch.full(PARAM, v[1], dtype=v[0]),
+             "max_exp_avg_sq": torch.full(PARAM, maximum[1], dtype=maximum[0])}
     torch.save({"optimizer": {"state": {0: state}, "param_groups": [{"params": [0], "betas": (0.9, 0.999),
                                                                      "amsgrad": True}]}}, tmp_path / "ck.pt")
     found = soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1]

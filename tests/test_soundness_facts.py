@@ -575,3 +575,19 @@ def test_moments_of_different_dtypes_are_compared_at_the_coarsest(tmp_path, v, m
     found = soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1]
     assert [(u.check, u.index, u.values) for u in found] == ([(soundness.AMSGRAD, [0, 0], {
         "exp_avg": 0.0, "exp_avg_sq": 1.0, "max_exp_avg_sq": 0.98828125})] if flagged else [])
+
+
+def test_each_kind_of_state_is_read_in_its_own_pass(tmp_path):
+    """An int step (older torch) judged like a tensor's; a factored moment read apart from the larger state beside it;
+    a one-element parameter's moments without its 0-d step among their values; a state of a step alone, nothing."""
+    state = {0: {"step": 7, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)},
+             1: {"step": torch.tensor(1.0), "row_var": torch.tensor([[-1.0], [1.0]]), "col_var": torch.ones(1, 3)},
+             2: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([-9.0]), "exp_avg_sq": torch.tensor([-1.0])},
+             3: {"step": torch.tensor(1.0)}}
+    torch.save({"step": CK_STEP, "optimizer": {"state": state, "param_groups": [
+        {"params": [0, 1, 2, 3], "param_names": ["a", "b", "c", "d"], "lr": 0.1}]}}, tmp_path / "ck.pt")
+    found = [u for u in soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1] if u.tensor[:12] != "param_groups"]
+    assert [(u.check, u.param, u.index, u.values) for u in found] == [
+        (soundness.STEP, "a", None, {"step": 7.0, "checkpoint_step": CK_STEP}),
+        (soundness.NEGATIVE, "b", [0, 0], {"row_var": -1.0}),
+        (soundness.NEGATIVE, "c", [0], {"exp_avg": -9.0, "exp_avg_sq": -1.0})]

@@ -591,3 +591,14 @@ def test_each_kind_of_state_is_read_in_its_own_pass(tmp_path):
         (soundness.STEP, "a", None, {"step": 7.0, "checkpoint_step": CK_STEP}),
         (soundness.NEGATIVE, "b", [0, 0], {"row_var": -1.0}),
         (soundness.NEGATIVE, "c", [0], {"exp_avg": -9.0, "exp_avg_sq": -1.0})]
+
+
+def test_without_amsgrad_its_maximum_is_not_the_denominator(tmp_path):
+    """A max_exp_avg_sq kept from an amsgrad run by a group that no longer uses it: eps = 0 divides by exp_avg_sq,
+    so its zeros are the finding, and the maximum's zeros (where exp_avg_sq holds values) are none."""
+    state = {"step": torch.tensor(2.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.tensor([1.0, 0.0, 1.0]),
+             "max_exp_avg_sq": torch.tensor([0.0, 1.0, 1.0])}
+    torch.save({"optimizer": {"state": {0: state}, "param_groups": [{"params": [0], "betas": (0.9, 0.999), "eps": 0.0,
+                                                                     "amsgrad": False}]}}, tmp_path / "ck.pt")
+    found = [u for u in soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1] if u.check == soundness.EPS_ZERO]
+    assert [(u.tensor, u.index) for u in found] == [("optimizer.state.0.exp_avg_sq", [1])]

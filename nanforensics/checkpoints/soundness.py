@@ -271,8 +271,7 @@ def _name_by_order(layout: _Layout, states: list[dict[str, Any]], model: dict[st
                               "tensors besides BatchNorm's buffers: too " + ("few" if surplus < 0 else "many others")
                               + " to match them by order")
         return
-    shapes = [{k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-              for state in states]
+    shapes = [{k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)} for state in states]
 
     def fit(i: int, skipped: int) -> bool:
         return all(fits(k, shape, candidates[i + skipped][1]) for k, shape in shapes[i].items())
@@ -590,7 +589,7 @@ class Checker:
 
     def _step(self, found: Found, step: float, nonzero: bool, hyper: Mapping[str, Any]) -> None:
         ck_step = self.source.meta_step
-        if not math.isfinite(step) or step < 0 or step != int(step):
+        if not _is_count(step):
             found.add(STEP, "step", None, {"step": step},
                       f"step of {found.label} is {step}: not a count of updates; the next update's bias correction "
                       "1 - beta^step is then meaningless (NaN or a negative divisor)")
@@ -618,7 +617,7 @@ class Checker:
             if betas is not None and self.kinds.get(g, "").startswith("Adam-family") and adam_bound(*betas) is None:
                 self.notes.append(f"group {g}: betas {betas[0]:g}, {betas[1]:g} give no bound on |exp_avg| "
                                   "(it needs 0 <= b1 < 1, 0 < b2 < 1 and b1^2 < b2): Adam's bound not checked")
-            steps = self.steps.get(g, [])
+            steps = [(s, param) for s, param in self.steps.get(g, []) if _is_count(s)]  # the others: their own finding
             if steps and min(s for s, _ in steps) != max(s for s, _ in steps):
                 lo, hi = min(steps), max(steps)
                 self.unsound.append(Unsound(
@@ -700,6 +699,12 @@ class ParamState:
         if self.step is not None and group is not None:
             checker._step(found, self.step, nonzero, hyper)
             checker.steps.setdefault(group, []).append((self.step, self.label))
+
+
+def _is_count(step: float) -> bool:
+    """Whether a step counter counts updates: one that does not is a finding of its own, and compares with nothing
+    (a NaN differs even from itself)."""
+    return math.isfinite(step) and step >= 0 and step == int(step)
 
 
 def _range(lo: float, hi: float, closed: bool) -> str:

@@ -14,7 +14,7 @@ from nanforensics.errors import BadInput
 from safetensors.torch import save_file
 
 from checkpoint_formats import ALL_STEPS, FIRST_POISONED, FORMATS, LAST_CLEAN, Checkpoints, build
-from conftest import assert_one_line_error, run_cli, tree_digest
+from conftest import ROOT, assert_one_line_error, run_cli, tree_digest
 
 N = len(ALL_STEPS)
 
@@ -188,3 +188,13 @@ def test_cli_damaged_checkpoint_in_a_folder(ck, tmp_path):
     before = tree_digest(folder)
     assert_one_line_error(run_cli("bisect", folder), str(victim), "truncated")
     assert tree_digest(folder) == before
+
+
+def test_a_checkpoint_read_again_to_complete_it_is_said_to_be_its_rest(tmp_path):
+    """bisect completes the first poisoned checkpoint's early-stopped read: its progress says it reads the rest, not
+    the same checkpoint twice; every other checkpoint is read once."""
+    shown = run_cli("bisect", ROOT / "sample_runs" / "seed_adam" / "checkpoints", "--json", tmp_path / "b.json")
+    assert shown.code == 1, shown.stderr
+    reads = [line.split("] ", 1)[1].rsplit(" (", 1)[0] for line in shown.stderr.splitlines() if "[bisect] reading" in line]
+    assert reads == ["reading step_00000030", "reading step_00000000", "reading step_00000010", "reading step_00000020",
+                     "reading the rest of step_00000030"]

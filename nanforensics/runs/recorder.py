@@ -93,8 +93,7 @@ class _StepWriter:
 
     def _raise(self) -> None:
         if (e := self._error) is not None:
-            named = Path(e.filename) if isinstance(e, OSError) and e.filename else None  # a checkpoint's own file
-            raise _write_error(named or self._failed or self.run_dir, e) from e
+            raise _write_error(self._failed or self.run_dir, e) from e
 
     def put(self, step: int, batch: tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None], line: str) -> None:
         self._usable()
@@ -156,10 +155,12 @@ class _HostCopies:
         self._buffers = {}
 
 
-def _write_error(path: Path, error: BaseException) -> OSError:
-    """What the training loop is told when a write failed: the file, and why (a full disk: no space left)."""
+def _write_error(fallback: Path, error: BaseException) -> OSError:
+    """What the training loop is told when a write failed: the file (the one the error names, a checkpoint's own,
+    else ``fallback``), and why (a full disk: no space left)."""
+    named = Path(error.filename) if isinstance(error, OSError) and error.filename else fallback
     why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-    return OSError(f"nanforensics recorder could not write {path}: {why}")
+    return OSError(f"nanforensics recorder could not write {named}: {why}")
 
 
 def _optimizer_entry(optimizer: torch.optim.Optimizer, factory: Any) -> dict[str, Any]:
@@ -357,7 +358,7 @@ class Recorder:
         try:
             self.world.checkpoint(folder, step, self.optimizer, scaler=self.scaler, scheduler=self.scheduler)
         except OSError as e:
-            raise _write_error(Path(e.filename) if e.filename else folder, e) from e
+            raise _write_error(folder, e) from e
         self._drop(*self._retained(step))
 
     def _retained(self, step: int) -> tuple[list[int], int]:

@@ -123,8 +123,8 @@ def scan_checkpoint(source: CheckpointSource, *, full: bool = False, margin: flo
     results = _InOrder(list(resume.tensors) if resume else [], resume.bytes_read if resume else 0, source, progress,
                        full)
     if progress:
-        progress.start(f"the rest of {source.path.name}" if resume else source.path.name, stream.nbytes)  # resumed: the
-        # tensors after the ones an early-stopping read already checked
+        # resumed: the tensors after the ones an early-stopping read already checked
+        progress.start(f"the rest of {source.path.name}" if resume else source.path.name, stream.nbytes)
         progress.advance(results.bytes_read)
     checker = Checker(source, stream.infos) if soundness and resume is None else None
     for info, tensor, release in stream.tensors(len(results.done)):

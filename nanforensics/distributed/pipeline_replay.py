@@ -51,7 +51,7 @@ from ..report import (
     StepRecord,
 )
 from ..rootcause.data import check_batches
-from ..rootcause.samples import select, split_batch
+from ..rootcause.samples import judged_text, select, split_batch
 from ..runs.batches import data_leaves, map_tensors, per_sample
 from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state, state_from_json
 from ..runs.layout import mean_loss, rank_dir
@@ -72,7 +72,7 @@ from ..runs.stages import (
     stage_width,
     tp_size,
 )
-from ..words import span
+from ..words import count, span
 from .checkpoint import restore_rank_rng
 from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, SCALER_WHY, prune, step_loss
 from .tensors import local_part, shard_like, speaks_for
@@ -616,11 +616,12 @@ def _attribute(run: Run, s: _Stage, origin: Event, mb: int, rows: list[int], cap
     listed = ", ".join(map(str, found.samples))
     if found.status == "attributed":
         message = (f"{'samples' if len(found.samples) > 1 else 'sample'} {listed} of micro-batch {mb} ({size} samples) "
-                   f"{'produce' if len(found.samples) > 1 else 'produces'} the non-finite value alone ({passes[0]} "
-                   "passes through the stages)")
+                   f"{'produce' if len(found.samples) > 1 else 'produces'} the non-finite value alone "
+                   f"({judged_text(found, size, count(passes[0], 'pass', 'passes') + ' through the stages')})")
     else:
         message = f"{found.status}: samples {listed} of micro-batch {mb} ({passes[0]} passes through the stages)"
-    return SampleAttribution(found.status, size, found.samples, leaves, passes[0], found.coupled, message, located)
+    return SampleAttribution(found.status, size, found.samples, leaves, passes[0], found.coupled, message, located,
+                             judged=found.judged)
 
 
 def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:

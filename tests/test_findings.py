@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nanforensics import Recorder
-from nanforensics.rootcause.samples import ALONE_UP_TO, PROBES, probe_order, select, split_batch
+from nanforensics.rootcause.samples import ALONE_UP_TO, PROBES, select, split_batch
 
 import scenarios
 from conftest import DEFECT_STEP, STEPS, run_cli
@@ -94,10 +94,12 @@ def test_lr_finder_blow_up_is_batch_wide_and_blames_the_step(replayed):
     assert r["verdict"] == "nonfinite" and r["origin"]["stage"] == "forward" and r["origin"]["tensor"].endswith("ln2")
     s = r["samples"]
     assert (s["status"], s["samples"], s["batch_size"]) == ("batch_wide", [], scenarios.TOKEN_BATCH)
-    # the whole batch, the sample the origin's coordinate points at and the rest without it, the probes, the step
-    # before's batch from the same state (it fails too); the samples tried alone are fewer than one per sample
-    assert r["origin"]["index"][0] == 0 and s["passes"] == 1 + 2 + len(probe_order(scenarios.TOKEN_BATCH)) + 1
-    assert 1 + len(probe_order(scenarios.TOKEN_BATCH)) < scenarios.TOKEN_BATCH
+    # the whole batch, single samples (each judged alone: 8 <= ALONE_UP_TO) until more than half fail, the step before's
+    # batch from the same state (it fails too); the samples tried alone are fewer than one per sample, and the hint the
+    # origin's coordinate gives is not used
+    assert s["judged"] == "each_alone" and scenarios.TOKEN_BATCH <= ALONE_UP_TO
+    assert r["origin"]["index"][0] == 0 and s["passes"] == 1 + scenarios.TOKEN_BATCH // 2 + 1 + 1
+    assert 1 + scenarios.TOKEN_BATCH // 2 < scenarios.TOKEN_BATCH
     assert (s["compared_step"], s["compared_fails"]) == (t - 1, True)
     assert "5 of the 8 samples, more than half, were tried alone and each fails" in s["message"]
     step = one(r["findings"], f"Step {t}, not its data, is responsible")

@@ -466,9 +466,9 @@ def judged_text(split: Split, size: int, passes: str) -> str:
     which passed held."""
     if split.judged == "each_alone":
         return f"each of the {size} samples run alone: {passes}"
-    return (f"found by group testing: {passes}; it trusts that a set of samples that passes holds none that fails "
-            f"alone, which a loss averaged over the batch can break, so another sample may fail alone; batches of up "
-            f"to {ALONE_UP_TO} samples have each sample run alone")
+    return (f"found by group testing: {passes}; a sample that fails alone but passes among others, as a loss averaged "
+            f"over the batch allows, may go unnamed: only a batch of up to {ALONE_UP_TO} samples has each sample run "
+            "alone")
 
 
 def _unsplittable(batch: Any, whole: Collection[str]) -> str:

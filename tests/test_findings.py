@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nanforensics import Recorder
-from nanforensics.rootcause.samples import ALONE_UP_TO, PROBES, select, split_batch
+from nanforensics.rootcause.samples import ALONE_UP_TO, PROBES, max_passes, select, split_batch
 
 import scenarios
 from conftest import DEFECT_STEP, STEPS, run_cli
@@ -191,6 +191,7 @@ def test_a_hint_changes_the_passes_never_the_answer(case):
     hinted = split_batch(size, fails, hint=hint)
     assert (hinted.status, hinted.samples, hinted.coupled) == (plain.status, plain.samples, plain.coupled)
     assert len(asked) == len({tuple(a) for a in asked})  # no subset asked twice
+    assert 1 + max(len(asked), len(unhinted)) <= max_passes(size)  # the whole batch, then these: within the bound
     if size <= ALONE_UP_TO:
         assert asked == unhinted and hinted.judged == "each_alone"
     if bad == {hint}:

@@ -34,7 +34,7 @@ a failure that needs samples together is found by one more pass, the batch witho
 A failure is *batch-wide* when most samples fail alone: the step (its learning rate, loss scale, or
 weights grown over many steps), not its data, is then responsible. Deciding that must not cost a
 pass per sample: single samples are tried first in an order drawn at random, and as soon as more than half the
-batch fails alone the batch is batch-wide, exactly (a batch of 8 that all fail: 5 passes). Above ``ALONE_UP_TO``,
+batch fails alone the batch is batch-wide, exactly (a batch of 8 that all fail: 5 samples run alone). Above ``ALONE_UP_TO``,
 up to ``PROBES`` and one more than half the batch are tried before halving, stopping at the first that passes;
 when all of them fail, the batch is batch-wide, wrong with a chance below 2**-PROBES when at most half fail.
 Otherwise halving names the samples, and a batch whose named samples are more than half of it is batch-wide as
@@ -83,9 +83,9 @@ from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, pe
 from ..words import count, sample_positions
 
 PROBES = 8  # single samples tried, at most, before a larger batch is called batch-wide
-ALONE_UP_TO = 32  # a batch of up to this many samples has every sample judged alone (the module's docstring): at most
-# 34 passes where halving one bad sample in 32 takes about 11; the cost grows with the batch, and above it halving's
-# O(k log B) is kept (one bad sample in 64: 14 passes, judged alone 66, 2.9 times as long on tests/scenarios.py's MLP)
+ALONE_UP_TO = 32  # a batch of up to this many samples has every sample judged alone (the module's docstring): a pass
+# per sample, and one more; the cost grows with the batch, so above it halving's O(k log B) is kept (one bad sample in
+# 64: 14 passes by halving, 66 judged alone, 2.9 times as long on tests/scenarios.py's MLP)
 
 
 def named_whole(step_fn: Any) -> list[str]:

@@ -6,9 +6,10 @@ micro-batch, each parameter's gradient after each micro-batch's backward (the ac
 micro-batch that made it so), each micro-batch's loss on the last stage, and the parameters and optimizer state after
 the step. The events of every rank are gathered and ordered as the pipeline computes them (a micro-batch's forward
 stage by stage, its loss, its backward from the last stage back; micro-batch by micro-batch, as both schedules
-accumulate the gradients); the first names the step, the stage, the micro-batch and the coordinate. Group testing then
-runs that micro-batch's subsets through the stages again, from the state before the step, handing activations and
-gradients from rank to rank, and names the sample within the micro-batch.
+accumulate the gradients); the first names the step, the stage, the micro-batch and the coordinate. Sample attribution
+then runs that micro-batch's subsets through the stages again (each sample alone, up to ``ALONE_UP_TO``; above, group
+testing), from the state before the step, handing activations and gradients from rank to rank, and names the sample
+within the micro-batch.
 
 With data parallelism the (pp, dp) mesh is made again and each stage wrapped as recorded (DDP or FSDP2 over its dp
 ranks): every pipeline replays its own batch side by side, the gradients are watched before they are averaged (under

@@ -147,12 +147,12 @@ def test_a_wholly_corrupt_batch_is_batch_wide_but_blamed_on_its_data(tmp_path):
     assert f"subnormal ({scenarios.BATCH} such values)" in terminal
 
 
-@pytest.mark.parametrize("alone_up_to", [ALONE_UP_TO, 0])
-@pytest.mark.parametrize("size", [*range(2, 11), 2 * PROBES - 1])
+@pytest.mark.parametrize("size, alone_up_to", [*((n, limit) for n in range(2, 11) for limit in (ALONE_UP_TO, 0)),
+                                                (2 * PROBES - 1, 0)])
 def test_batch_wide_exactly_when_more_than_half_fail_alone(size, alone_up_to):
     """Up to 2*PROBES-1 samples the decision is exact: every set of failing samples (around half, for the largest),
     with a real subset test; judging each sample alone (the batches below ALONE_UP_TO) and probing then halving (the
-    larger ones, here with the limit at 0)."""
+    larger ones, here with the limit at 0: the probes' bound, 2*PROBES-1, is tried there alone)."""
     for k in range(1, size + 1) if size <= 10 else (size // 2, size // 2 + 1, size):
         for bad in itertools.combinations(range(size), k):
             asked: list[list[int]] = []

@@ -671,8 +671,7 @@ def test_group_testing_under_a_scaler_names_exactly_the_samples_that_fail_alone(
             assert (found.status, found.samples) == ("attributed", alone), kinds
 
 
-@pytest.mark.parametrize("alone_up_to", [ALONE_UP_TO, 0])
-@pytest.mark.parametrize("size", [4, 5, 7])
+@pytest.mark.parametrize("size, alone_up_to", [(4, ALONE_UP_TO), (5, ALONE_UP_TO), (4, 0), (5, 0), (7, 0)])
 def test_group_testing_under_batch_coupling_names_exactly_the_samples_that_fail_alone(size: int,
                                                                                      alone_up_to: int) -> None:
     """Every batch of ``size`` samples, each clean, failing wherever it is, failing only alone (BatchNorm normalises it

@@ -3,10 +3,11 @@
     python bench/bench_samples.py
 
 For each batch size B and number k of bad samples (spread over the batch), the seed scenario's
-model runs real forward and backward passes on the subsets sample attribution asks for (single
-samples probed, then halving); a subset fails when a gradient is non-finite. Printed: passes used,
-the bound 1 + 2·k·log2(B) of halving, and B (what testing each sample alone would cost), with the
-verdict checked: the spoiled samples named for k <= B/2, batch-wide for k = B.
+model runs real forward and backward passes on the subsets sample attribution asks for (every sample
+alone up to ALONE_UP_TO samples; above it single samples probed, then halving); a subset fails when a
+gradient is non-finite. Printed: passes used, the bound 1 + 2·k·log2(B) of halving, and B (what
+testing each sample alone costs), how the samples were judged, with the verdict checked: the
+spoiled samples named for k <= B/2, batch-wide for k = B.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import scenarios  # noqa: E402 - the test scenarios, outside the installed packa
 def main() -> None:
     torch.set_num_threads(2)
     model = scenarios.build_model()
-    print(f"{'B':>6}{'k':>5}{'passes':>8}{'1+2k*log2(B)':>14}{'B (one by one)':>16}  verdict")
+    print(f"{'B':>6}{'k':>5}{'passes':>8}{'1+2k*log2(B)':>14}{'B (one by one)':>16}  {'judged':<14}verdict")
     for size in (16, 64, 256, 1024):
         for k in (1, 2, 4, size // 2, size):
             batch = scenarios.make_batch(0, batch_size=size)
@@ -48,7 +49,7 @@ def main() -> None:
             bound = 1 + 2 * k * math.ceil(math.log2(size))
             named = found.status == "attributed" and found.samples == spoiled
             ok = "ok" if (found.status == "batch_wide" if k == size else named) else f"MISMATCH {found.samples}"
-            print(f"{size:>6}{k:>5}{passes:>8}{bound:>14}{size:>16}  {found.status} {ok}")
+            print(f"{size:>6}{k:>5}{passes:>8}{bound:>14}{size:>16}  {found.judged:<14}{found.status} {ok}")
 
 
 if __name__ == "__main__":

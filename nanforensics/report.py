@@ -223,6 +223,10 @@ class SampleAttribution:
     # them, those that make a batch-wide failure: with the step before's in their place the batch stays finite
     whole_leaves: list[str] = field(default_factory=list)
     cause_leaves: list[str] = field(default_factory=list)
+    # how the samples were judged (rootcause/samples.py): "each_alone" (every sample run alone: exactly those that fail
+    # alone), "group_testing" (halving, which trusts a set that passes: a sample that fails alone can hide in one),
+    # "probes" (batch-wide from single samples drawn at random); None where the batch was not split
+    judged: str | None = None
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nanforensics import Recorder
-from nanforensics.rootcause.samples import PROBES, probe_order, select, split_batch
+from nanforensics.rootcause.samples import ALONE_UP_TO, PROBES, max_passes, select, split_batch
 
 import scenarios
 from conftest import DEFECT_STEP, STEPS, run_cli
@@ -94,10 +94,12 @@ def test_lr_finder_blow_up_is_batch_wide_and_blames_the_step(replayed):
     assert r["verdict"] == "nonfinite" and r["origin"]["stage"] == "forward" and r["origin"]["tensor"].endswith("ln2")
     s = r["samples"]
     assert (s["status"], s["samples"], s["batch_size"]) == ("batch_wide", [], scenarios.TOKEN_BATCH)
-    # the whole batch, the sample the origin's coordinate points at and the rest without it, the probes, the step
-    # before's batch from the same state (it fails too); the samples tried alone are fewer than one per sample
-    assert r["origin"]["index"][0] == 0 and s["passes"] == 1 + 2 + len(probe_order(scenarios.TOKEN_BATCH)) + 1
-    assert 1 + len(probe_order(scenarios.TOKEN_BATCH)) < scenarios.TOKEN_BATCH
+    # the whole batch, single samples (each judged alone: 8 <= ALONE_UP_TO) until more than half fail, the step before's
+    # batch from the same state (it fails too); the samples tried alone are fewer than one per sample, and the hint the
+    # origin's coordinate gives is not used
+    assert s["judged"] == "each_alone" and scenarios.TOKEN_BATCH <= ALONE_UP_TO
+    assert r["origin"]["index"][0] == 0 and s["passes"] == 1 + scenarios.TOKEN_BATCH // 2 + 1 + 1
+    assert 1 + scenarios.TOKEN_BATCH // 2 < scenarios.TOKEN_BATCH
     assert (s["compared_step"], s["compared_fails"]) == (t - 1, True)
     assert "5 of the 8 samples, more than half, were tried alone and each fails" in s["message"]
     step = one(r["findings"], f"Step {t}, not its data, is responsible")
@@ -145,10 +147,12 @@ def test_a_wholly_corrupt_batch_is_batch_wide_but_blamed_on_its_data(tmp_path):
     assert f"subnormal ({scenarios.BATCH} such values)" in terminal
 
 
-@pytest.mark.parametrize("size", [*range(2, 11), 2 * PROBES - 1])
-def test_batch_wide_exactly_when_more_than_half_fail_alone(size):
+@pytest.mark.parametrize("size, alone_up_to", [*((n, limit) for n in range(2, 11) for limit in (ALONE_UP_TO, 0)),
+                                                (2 * PROBES - 1, 0)])
+def test_batch_wide_exactly_when_more_than_half_fail_alone(size, alone_up_to):
     """Up to 2*PROBES-1 samples the decision is exact: every set of failing samples (around half, for the largest),
-    with a real subset test."""
+    with a real subset test; judging each sample alone (the batches below ALONE_UP_TO) and probing then halving (the
+    larger ones, here with the limit at 0: the probes' bound, 2*PROBES-1, is tried there alone)."""
     for k in range(1, size + 1) if size <= 10 else (size // 2, size // 2 + 1, size):
         for bad in itertools.combinations(range(size), k):
             asked: list[list[int]] = []
@@ -157,22 +161,24 @@ def test_batch_wide_exactly_when_more_than_half_fail_alone(size):
                 asked.append(indices)
                 return any(i in bad for i in indices)
 
-            found = split_batch(size, fails)
+            found = split_batch(size, fails, alone_up_to=alone_up_to)
             if 2 * k > size:
                 assert found.status == "batch_wide", (size, bad)
             else:
                 assert (found.status, found.samples) == ("attributed", list(bad)), (size, bad)
+            assert found.judged == ("each_alone" if alone_up_to else "probes" if not found.named else "group_testing")
             assert len(asked) == len({tuple(a) for a in asked})  # no subset asked twice
             if k == size:
                 assert len(asked) == size // 2 + 1  # all fail: decided on one more than half, not every sample
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(2, 64).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1), min_size=1),
-                                                      st.integers(0, n - 1), st.booleans())))
+@given(st.integers(2, 2 * ALONE_UP_TO).flatmap(lambda n: st.tuples(
+    st.just(n), st.sets(st.integers(0, n - 1), min_size=1), st.integers(0, n - 1), st.booleans())))
 def test_a_hint_changes_the_passes_never_the_answer(case):
-    """Whatever the hint, right or wrong, halving's answer stands; a right hint for the one failing sample costs two
-    passes. ``coupled``: the samples fail only all together (BatchNorm), not each alone."""
+    """Whatever the hint, right or wrong, the answer stands; above ALONE_UP_TO a right hint for the one failing sample
+    costs two passes, below it the hint changes nothing (every sample is run alone, and the batch without the one
+    that fails where that is not one of them). ``coupled``: the samples fail only all together (BatchNorm), not each alone."""
     size, bad, hint, coupled = case
 
     def fails(indices: list[int]) -> bool:
@@ -181,12 +187,15 @@ def test_a_hint_changes_the_passes_never_the_answer(case):
 
     asked: list[list[int]] = []
     plain = split_batch(size, fails)
-    asked = []
+    unhinted, asked = asked, []
     hinted = split_batch(size, fails, hint=hint)
     assert (hinted.status, hinted.samples, hinted.coupled) == (plain.status, plain.samples, plain.coupled)
     assert len(asked) == len({tuple(a) for a in asked})  # no subset asked twice
+    assert 1 + max(len(asked), len(unhinted)) <= max_passes(size)  # the whole batch, then these: within the bound
+    if size <= ALONE_UP_TO:
+        assert asked == unhinted and hinted.judged == "each_alone"
     if bad == {hint}:
-        assert len(asked) == 2
+        assert len(asked) == (size + (size > 2) if size <= ALONE_UP_TO else 2)  # the rest is a sample run already
 
 
 # ---- 4. sample ids anywhere in the batch -------------------------------------------------------------------

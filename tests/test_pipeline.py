@@ -194,6 +194,7 @@ def check_origin(report: dict[str, Any], step: int, grad: tuple[str, list[int]],
     ident = f"sample-{(step * job.DP + mesh['dp']) * job.BATCH + job.defect_row():05d}"
     assert (report["samples"]["status"], report["samples"]["samples"], report["samples"]["sample_leaves"]) == (
         "attributed", [job.DEFECT_SAMPLE], {"batch['id']": [ident]})
+    assert report["samples"]["judged"] == "each_alone" and "samples run alone: " in report["samples"]["message"]
     assert report["responsible_batch"]["file"].endswith(f"ranks/rank_{rank:05d}/batches/step_{step:08d}.safetensors")
     assert report["reproduced"] is True and [(c["step"], c["exact"]) for c in report["checkpoints_compared"]] == [
         (compared, True)]

@@ -16,7 +16,7 @@ from nanforensics.replay.session import Session, pinned_threads
 from nanforensics.report import Event, OperationCulprit, ReplayReport
 from nanforensics.rootcause.findings import operation_sentence
 from nanforensics.rootcause.operations import trace_step
-from nanforensics.rootcause.samples import attribute_samples
+from nanforensics.rootcause.samples import ALONE_UP_TO, attribute_samples
 from nanforensics.runs.run import Run, UserCode
 
 import scenarios
@@ -108,6 +108,12 @@ def test_one_bad_sample_among_64_in_logarithmic_passes(reports):
     assert (s.status, s.batch_size, s.samples) == ("attributed", 64, [S])
     assert s.sample_leaves == {"batch['ids']": [f"s{DEFECT_STEP:05d}-{S:02d}"]}
     assert s.passes <= 2 + 2 * math.ceil(math.log2(64))  # the whole batch, one sample probed alone, the halving
+    # above ALONE_UP_TO: found by group testing, and the message says how far that goes
+    assert s.judged == "group_testing" and 64 > ALONE_UP_TO
+    assert s.message == (f"sample {S} of 64 produces the non-finite value alone (found by group testing: {s.passes} "
+                         "passes of the whole step, each through optimizer.step(); a sample that fails alone but passes "
+                         "among others, as a loss averaged over the batch allows, may go unnamed: only a batch of up to "
+                         f"{ALONE_UP_TO} samples has each sample run alone)")
 
 
 def test_batchnorm_failure_is_reported_as_coupled_not_guessed(reports):
@@ -388,8 +394,10 @@ def test_gpt2_exp_overflow_is_the_root_of_the_nan_downstream(gpt2_reports):
 @pytest.mark.parametrize("name", ["adam_near_zero", "masked_log_zero", "fp16_activation_overflow", "nan_in_data",
                                   "batchnorm_near_zero", "decoder_fully_padded"])
 def test_samples_read_off_the_coordinates_are_those_halving_names(reports, runs, name):
-    """The replay starts group testing from the sample the origin's (or its operation's) coordinates point at: the
-    same samples as probing and halving alone, in three passes where one sample fails alone."""
+    """Above ALONE_UP_TO the replay starts group testing from the sample the origin's (or its operation's) coordinates
+    point at: the same samples as probing and halving alone, in three passes where one sample fails alone. Up to it
+    (the decoder's batch of 8) every sample is run alone and the hint changes nothing: the batch, each sample, and the
+    batch without the one that fails."""
     r = reports[name]
     run = Run(runs[name])
     with pinned_threads(run.num_threads):
@@ -399,8 +407,12 @@ def test_samples_read_off_the_coordinates_are_those_halving_names(reports, runs,
         plain = attribute_samples(session)
     assert (r.samples.status, r.samples.samples, r.samples.coupled_groups) == (
         plain.status, plain.samples, plain.coupled_groups)
-    if r.samples.status == "attributed" and len(r.samples.samples) == 1:
-        assert r.samples.passes == 3 < plain.passes
+    if r.samples.batch_size <= ALONE_UP_TO:
+        assert (r.samples.judged, r.samples.passes, plain.passes) == ("each_alone", 10, 10) and name.startswith("decoder")
+        assert r.samples.message == (f"sample {S} of 8 produces the non-finite value alone (each of the 8 samples run "
+                                     "alone: 10 passes of the whole step, each through optimizer.step())")
+    elif r.samples.status == "attributed" and len(r.samples.samples) == 1:
+        assert r.samples.passes == 3 < plain.passes and r.samples.judged == "group_testing"
     else:
         assert r.samples.passes <= plain.passes + 2
 

@@ -6,9 +6,10 @@ micro-batch, each parameter's gradient after each micro-batch's backward (the ac
 micro-batch that made it so), each micro-batch's loss on the last stage, and the parameters and optimizer state after
 the step. The events of every rank are gathered and ordered as the pipeline computes them (a micro-batch's forward
 stage by stage, its loss, its backward from the last stage back; micro-batch by micro-batch, as both schedules
-accumulate the gradients); the first names the step, the stage, the micro-batch and the coordinate. Group testing then
-runs that micro-batch's subsets through the stages again, from the state before the step, handing activations and
-gradients from rank to rank, and names the sample within the micro-batch.
+accumulate the gradients); the first names the step, the stage, the micro-batch and the coordinate. Sample attribution
+then runs that micro-batch's subsets through the stages again (each sample alone, up to ``ALONE_UP_TO``; above, group
+testing), from the state before the step, handing activations and gradients from rank to rank, and names the sample
+within the micro-batch.
 
 With data parallelism the (pp, dp) mesh is made again and each stage wrapped as recorded (DDP or FSDP2 over its dp
 ranks): every pipeline replays its own batch side by side, the gradients are watched before they are averaged (under
@@ -51,7 +52,7 @@ from ..report import (
     StepRecord,
 )
 from ..rootcause.data import check_batches
-from ..rootcause.samples import select, split_batch
+from ..rootcause.samples import judged_text, select, split_batch
 from ..runs.batches import data_leaves, map_tensors, per_sample
 from ..runs.checkpoint import Checkpoint, optimizer_params, restore_rng, rng_state, state_from_json
 from ..runs.layout import mean_loss, rank_dir
@@ -72,7 +73,7 @@ from ..runs.stages import (
     stage_width,
     tp_size,
 )
-from ..words import span
+from ..words import count, span
 from .checkpoint import restore_rank_rng
 from .pipeline import MICROBATCH_LOSSES, RANK_SCHEDULERS, SCALER_WHY, prune, step_loss
 from .tensors import local_part, shard_like, speaks_for
@@ -616,11 +617,12 @@ def _attribute(run: Run, s: _Stage, origin: Event, mb: int, rows: list[int], cap
     listed = ", ".join(map(str, found.samples))
     if found.status == "attributed":
         message = (f"{'samples' if len(found.samples) > 1 else 'sample'} {listed} of micro-batch {mb} ({size} samples) "
-                   f"{'produce' if len(found.samples) > 1 else 'produces'} the non-finite value alone ({passes[0]} "
-                   "passes through the stages)")
+                   f"{'produce' if len(found.samples) > 1 else 'produces'} the non-finite value alone "
+                   f"({judged_text(found, size, count(passes[0], 'pass', 'passes') + ' through the stages')})")
     else:
         message = f"{found.status}: samples {listed} of micro-batch {mb} ({passes[0]} passes through the stages)"
-    return SampleAttribution(found.status, size, found.samples, leaves, passes[0], found.coupled, message, located)
+    return SampleAttribution(found.status, size, found.samples, leaves, passes[0], found.coupled, message, located,
+                             judged=found.judged)
 
 
 def _subset_pass(s: _Stage, origin: Event, args: Any, target: Any) -> bool:

@@ -331,7 +331,7 @@ def _explain(session: Session, origin: Event, before: dict | None = None, progre
         progress.phase(f"tracing the operation behind {origin.stage} at step {origin.step}", None)
         operation = trace_step(focused.model, focused.optimizer, lambda: focused.traced_pass(origin), origin)
         focused.restore(before)  # the traced pass stepped the optimizer
-        # the operation's output may say which sample it is: then group testing starts from it
+        # the operation's output may say which sample it is: then group testing (above ALONE_UP_TO) starts from it
         samples = attribute_samples(focused, sample_hint(focused.batch(origin.step), origin, operation), progress,
                                     no_origin)
     return operation, samples

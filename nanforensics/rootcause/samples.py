@@ -1,31 +1,49 @@
 """Sample level: which samples of the responsible batch produce the non-finite gradient.
 
-Group testing: the whole step on halves of the batch (forward, backward, clipping, scaler and accumulation as the
-step function does them, ``optimizer.step()`` and the code after it), recursing into the halves that still fail,
-with the model, gradients, optimizer, scaler, scheduler and RNG restored before every pass, so nothing is touched.
-A subset fails when anything the replay watches goes non-finite, the update's writes included: the one predicate
-"this sample fails alone" means, whatever stage the step's own failure is in. A step whose forward fails can hold
-samples whose forward stays finite and whose update overflows (an LR spike, a large finite gradient whose square
-overflows Adam's moments): judged on forward and backward alone they would pass.
-k bad samples cost O(k log B) passes instead of B. A failing set
-whose halves both pass is *coupled* (BatchNorm statistics, a loss normalised over the batch): it
-is reported as such, never narrowed down by guessing. Halving assumes a set holding a sample that fails alone fails
-too; a step that normalises over the batch breaks that (BatchNorm in training: a sample can fail alone and pass in a
-half), and so does one where a coupled set is found: every sample is then judged alone (B passes more, at most), and
-a group is coupled only when none of its samples fails alone.
+Every pass is the whole step on a subset of the batch (forward, backward, clipping, scaler and accumulation as the
+step function does them, ``optimizer.step()`` and the code after it), with the model, gradients, optimizer, scaler,
+scheduler and RNG restored before every pass, so nothing is touched. A subset fails when anything the replay watches
+goes non-finite, the update's writes included: the one predicate "this sample fails alone" means, whatever stage the
+step's own failure is in. A step whose forward fails can hold samples whose forward stays finite and whose update
+overflows (an LR spike, a large finite gradient whose square overflows Adam's moments): judged on forward and
+backward alone they would pass.
+
+How the samples are judged (``Split.judged``, the report's ``judged``, and its message says which):
+
+- ``each_alone``: a batch of up to ``ALONE_UP_TO`` samples has every sample run alone (one pass each, after the whole
+  batch): the samples named are exactly those that fail alone, whatever the step does with the batch. Group testing
+  cannot promise that: it trusts that a set holding a sample that fails alone fails too, and a step that couples its
+  samples breaks it. BatchNorm in training normalises a sample among the others; a loss averaged over the batch
+  (``reduction="mean"``, PyTorch's default, or KL's ``batchmean``) weighs a sample alone B times what it weighs in the
+  batch, so under a slow overflow it fails alone and passes in the half that held it (the oracle's seed 250601). A
+  mean over the batch leaves no trace a pass could read (a sum divided by a count is one), so no cheap check says
+  when halving is sound: below the limit it is not used, nor the hint's shortcut, which trusts the same.
+- ``group_testing``: a larger batch is halved, recursing into the halves that still fail: k bad samples cost
+  O(k log B) passes instead of B. Each sample named failed alone; a sample that fails alone may still hide in a half
+  that passed, and the message says that halving trusted the halves that passed.
+- ``probes``: a larger batch found batch-wide by the probes below, before any halving.
+
+Halving turns to every sample alone (B passes more, at most, ``each_alone`` again) when it finds a failing set whose
+halves both pass (*coupled*: BatchNorm statistics, a loss normalised over the batch), when a sample found failing
+alone (a probe, the hint) is one halving did not name (a set that passed held it), or when the step called
+``batch_norm`` in training: each shows a passing set can hold a sample that fails alone. A group is coupled only when
+none of its samples fails alone; it is reported as such, never narrowed down by guessing. Judging each sample alone,
+a failure that needs samples together is found by one more pass, the batch without the samples that fail alone
+(when some do): where it still fails, halving it names the coupled group.
 
 A failure is *batch-wide* when most samples fail alone: the step (its learning rate, loss scale, or
 weights grown over many steps), not its data, is then responsible. Deciding that must not cost a
-pass per sample: before halving, single samples drawn at random are tried, up to ``PROBES`` and one
-more than half the batch, stopping at the first that passes. When all of them fail, the batch is
-batch-wide: exactly so for batches of up to ``2 * PROBES - 1`` samples (more than half were tried),
-and for larger ones wrong with a chance below 2**-PROBES when at most half fail. Otherwise halving
-names the samples, and a batch whose named samples are more than half of it is batch-wide as well;
-exactly half is not.
+pass per sample: single samples are tried first in an order drawn at random, and as soon as more than half the
+batch fails alone the batch is batch-wide, exactly (a batch of 8 that all fail: 5 samples run alone). Above ``ALONE_UP_TO``,
+up to ``PROBES`` and one more than half the batch are tried before halving, stopping at the first that passes;
+when all of them fail, the batch is batch-wide, wrong with a chance below 2**-PROBES when at most half fail.
+Otherwise halving names the samples, and a batch whose named samples are more than half of it is batch-wide as
+well; exactly half is not.
 
-Before any of that, the sample the failure's own coordinates point at (the origin's first coordinate, or that of
-the operation the trace found, when the tensor's first dimension is the batch's) is tried alone and the rest of
-the batch without it: when only it fails, three passes in all (the whole batch, the sample, the rest) name it.
+Above ``ALONE_UP_TO``, before any of that, the sample the failure's own coordinates point at (the origin's first
+coordinate, or that of the operation the trace found, when the tensor's first dimension is the batch's) is tried
+alone and the rest of the batch without it: when only it fails, three passes in all (the whole batch, the sample,
+the rest) name it, trusting the rest's pass as halving trusts a half's.
 
 Which leaves are the samples' rows (``batch_size``, ``whole_leaves``): the batch size is the first dimension shared
 by the most tensors of the batch (of one dimension at least); a tie is broken by the length of the batch's per-sample
@@ -64,7 +82,10 @@ from ..report import Event, OperationCulprit, SampleAttribution, loss_only
 from ..runs.batches import MICRO_BATCHES, data_leaves, leaves, micro_batches, per_sample
 from ..words import count, sample_positions
 
-PROBES = 8  # single samples tried, at most, before a batch is called batch-wide
+PROBES = 8  # single samples tried, at most, before a larger batch is called batch-wide
+ALONE_UP_TO = 32  # a batch of up to this many samples has every sample judged alone (the module's docstring): a pass
+# per sample, and one more; the cost grows with the batch, so above it halving's O(k log B) is kept (one bad sample in
+# 64: 14 passes by halving, 66 judged alone, 2.9 times as long on tests/scenarios.py's MLP)
 
 
 def named_whole(step_fn: Any) -> list[str]:
@@ -233,12 +254,14 @@ class _BatchStatistics(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def group_test(size: int, fails: Callable[[list[int]], bool | None]) -> tuple[list[int], list[list[int]]]:
-    """Adaptive halving over a batch known to fail as a whole: (failing samples, coupled groups). A half whose verdict
-    is None (inconclusive, see ``_Tester.fails``) is halved as a failing one is, and is never coupled."""
+def group_test(group: list[int], fails: Callable[[list[int]], bool | None],
+               verdict: bool | None = True) -> tuple[list[int], list[list[int]]]:
+    """Adaptive halving over ``group``, a set of the batch's samples whose own verdict is ``verdict`` (the whole batch:
+    known to fail): (failing samples, coupled groups). A half whose verdict is None (inconclusive, see
+    ``_Tester.fails``) is halved as a failing one is, and is never coupled."""
     bad: list[int] = []
     coupled: list[list[int]] = []
-    pending: list[tuple[list[int], bool | None]] = [(list(range(size)), True)]
+    pending: list[tuple[list[int], bool | None]] = [(group, verdict)] if verdict is not False else []
     while pending:
         group, verdict = pending.pop(0)
         if len(group) == 1:
@@ -266,17 +289,19 @@ class Split:
     status: str                # "attributed", "coupled" or "batch_wide"
     samples: list[int]         # failing alone: every one (attributed, coupled), or those found (batch_wide)
     coupled: list[list[int]]
-    tried: list[int]           # the single samples probed before halving
-    named: bool                # every failing sample was named by halving (not only probed)
+    tried: list[int]           # the single samples tried before halving (every one, judged each alone)
+    named: bool                # every failing sample was named (not only those tried until the batch was batch-wide)
+    judged: str                # how: "each_alone", "group_testing" or "probes" (the module's docstring)
 
 
 def split_batch(size: int, fails: Callable[[list[int]], bool | None], probes: int = PROBES,
-                hint: int | None = None, batch_statistics: bool = False) -> Split:
-    """Probe single samples, then halve: see the module's docstring. ``fails`` is asked each subset once.
+                hint: int | None = None, batch_statistics: bool = False, alone_up_to: int = ALONE_UP_TO) -> Split:
+    """Judge each sample alone (a batch of up to ``alone_up_to`` samples), else probe single samples, then halve: see
+    the module's docstring. ``fails`` is asked each subset once.
 
-    ``hint``: the sample the failure's own coordinates point at. When it fails alone and the rest of the batch does
-    not fail, it is the only sample that fails alone (a set holding one that does fails too): two passes, not
-    probing and halving; otherwise those go on as without it.
+    ``hint``: the sample the failure's own coordinates point at. Above ``alone_up_to``, when it fails alone and the
+    rest of the batch does not fail, it is taken as the only sample that fails alone (a set holding one that does
+    fails too, as halving trusts): two passes, not probing and halving; otherwise those go on as without it.
 
     ``batch_statistics``: the step normalised over the batch, so a sample can fail alone and pass among others (a
     set that passes says nothing of its samples): every sample is judged alone, the hint's shortcut not taken."""
@@ -288,9 +313,11 @@ def split_batch(size: int, fails: Callable[[list[int]], bool | None], probes: in
             known[key] = fails(indices)
         return known[key]
 
+    if size <= alone_up_to:
+        return _each_alone(size, once, probes)
     rest = [i for i in range(size) if i != hint]
     if hint is not None and not batch_statistics and 0 <= hint < size and once([hint]) and once(rest) is False:
-        return Split("attributed", [hint], [], [hint], named=True)
+        return Split("attributed", [hint], [], [hint], named=True, judged="group_testing")
     tried = probe_order(size, probes)
     failing: list[int] = []
     for i in tried:
@@ -298,16 +325,38 @@ def split_batch(size: int, fails: Callable[[list[int]], bool | None], probes: in
             break
         failing.append(i)
     else:
-        return Split("batch_wide", sorted(failing), [], tried, named=False)
-    bad, coupled = group_test(size, once)
-    if coupled or batch_statistics:  # a failing set whose halves pass proves the step couples its samples too: a set
-        # that passes can hold a sample that fails alone, normalised among the others; halving proves nothing then, and
-        # every sample is judged alone. A group holding one that fails alone is not coupled: that sample reproduces it
+        return Split("batch_wide", sorted(failing), [], tried, named=False, judged="probes")
+    bad, coupled = group_test(list(range(size)), once)
+    judged = "group_testing"
+    hidden = {k[0] for k, v in known.items() if len(k) == 1 and v} - set(bad)  # failed alone (a probe, the hint),
+    # yet halving never named it: a set that passed held it
+    if coupled or batch_statistics or hidden:  # a failing set whose halves pass proves the step couples its samples
+        # too, as a sample that fails alone in a set that passes does: a set that passes can hold a sample that fails
+        # alone, normalised among the others; halving proves nothing then, and every sample is judged alone. A group
+        # holding one that fails alone is not coupled: that sample reproduces it
         bad = [i for i in range(size) if once([i])]
         coupled = [g for g in coupled if not set(g) & set(bad)]
+        judged = "each_alone"
     if 2 * len(bad) > size:
-        return Split("batch_wide", bad, [], tried, named=True)
-    return Split("coupled" if coupled else "attributed", bad, coupled, tried, named=True)
+        return Split("batch_wide", bad, [], tried, named=True, judged=judged)
+    return Split("coupled" if coupled else "attributed", bad, coupled, tried, named=True, judged=judged)
+
+
+def _each_alone(size: int, once: Callable[[list[int]], bool | None], probes: int) -> Split:
+    """Every sample run alone, the probes first, until more than half fail (batch-wide, exactly); then, where some
+    fail alone, the batch without them, halved where it still fails: a failure that needs samples together."""
+    first = probe_order(size, probes)
+    order = first + [i for i in range(size) if i not in first]
+    failing: list[int] = []
+    for n, i in enumerate(order, 1):
+        if once([i]):
+            failing.append(i)
+            if 2 * len(failing) > size:
+                return Split("batch_wide", sorted(failing), [], order[:n], named=False, judged="each_alone")
+    rest = [i for i in range(size) if i not in failing]
+    _, coupled = group_test(rest, once, once(rest) if failing else True)
+    return Split("coupled" if coupled else "attributed", sorted(failing), coupled, order, named=True,
+                 judged="each_alone")
 
 
 def sample_hint(batch: Any, origin: Event, culprit: OperationCulprit | None) -> int | None:
@@ -336,17 +385,19 @@ def batch_wide_message(split: Split, size: int) -> str:
     listed = _listed(split.samples)
     if split.named:
         found = f"{len(split.samples)} of the {size} samples, more than half, fail alone ({listed})"
-    elif 2 * len(split.tried) > size:
+    elif 2 * len(split.samples) > size:
         found = f"{len(split.samples)} of the {size} samples, more than half, were tried alone and each fails ({listed})"
     else:
         found = f"each of {len(split.samples)} samples drawn at random from the {size} fails alone ({listed})"
     return f"{found}: the failure is not in particular samples"
 
 
-def max_passes(size: int) -> int:
-    """The most passes attribution can take: the whole batch, two per halving of the batch, every sample alone (the
-    probes, and each sample once halving finds samples coupled)."""
-    return 1 + 2 * (size - 1) + size
+def max_passes(size: int, kept: int = 0) -> int:
+    """The most passes attribution can take: the whole batch; every sample alone; the sets of two or more that halving
+    runs (at most ``size - 2``, a halving tree's inner nodes but its root); one more set (the batch without the hinted
+    sample, or without the samples that fail alone); for a batch-wide failure, the step before's batch and the batch
+    with each of its ``kept`` per-batch tensors swapped."""
+    return 1 + size + (size - 2) + 1 + 1 + kept
 
 
 def attribute_samples(session: Session, hint: int | None = None, progress: Progress = SILENT,
@@ -364,7 +415,7 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
     if size is None or size < 2:
         return SampleAttribution("unsplittable", size, [], {}, 0, [], _unsplittable(batch, named))
     kept = whole_leaves(batch, size, named)
-    progress.phase(f"attributing samples of step {session.step}: passes of the whole step", max_passes(size),
+    progress.phase(f"attributing samples of step {session.step}: passes of the whole step", max_passes(size, len(kept)),
                    unit="pass", at_most=True)
     tester = _Tester(session, batch, size, named, progress, loss_only=loss_only)
     try:
@@ -389,7 +440,8 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
                    "batch's step stays finite") if causes else ""
         return SampleAttribution("batch_wide", size, [], {}, tester.passes, [],
                                  f"{batch_wide_message(found, size)}{follows} ({passes})", compared_step=compared,
-                                 compared_fails=compared_fails, whole_leaves=kept, cause_leaves=causes)
+                                 compared_fails=compared_fails, whole_leaves=kept, cause_leaves=causes,
+                                 judged=found.judged)
     samples = found.samples
     per_sample_leaves, located = _per_sample(logged, samples, size, named)
     alone = (f"{'samples' if len(samples) > 1 else 'sample'} {sample_positions(samples, located)} of {size} "
@@ -402,9 +454,21 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
                    f"(batch-coupled operations such as BatchNorm, or a loss normalised over the batch){why}"
                    + (f"; {alone}" if samples else ""))  # last, beside the ids the finding appends
         return SampleAttribution("coupled", size, samples, per_sample_leaves, tester.passes, found.coupled, message,
-                                 located, whole_leaves=kept)
-    return SampleAttribution("attributed", size, samples, per_sample_leaves, tester.passes, [], f"{alone} ({passes})",
-                             located, whole_leaves=kept)
+                                 located, whole_leaves=kept, judged=found.judged)
+    return SampleAttribution("attributed", size, samples, per_sample_leaves, tester.passes, [],
+                             f"{alone} ({judged_text(found, size, passes)})", located, whole_leaves=kept,
+                             judged=found.judged)
+
+
+def judged_text(split: Split, size: int, passes: str) -> str:
+    """How the samples named were found, and so how far the claim goes (``passes``: what it cost): every sample run
+    alone names exactly those that fail alone; group testing names only such samples, and may miss one that a set
+    which passed held."""
+    if split.judged == "each_alone":
+        return f"each of the {size} samples run alone: {passes}"
+    return (f"found by group testing: {passes}; a sample that fails alone but passes among others, as a loss averaged "
+            f"over the batch allows, may go unnamed: only a batch of up to {ALONE_UP_TO} samples has each sample run "
+            "alone")
 
 
 def _unsplittable(batch: Any, whole: Collection[str]) -> str:

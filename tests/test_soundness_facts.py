@@ -602,3 +602,194 @@ def test_without_amsgrad_its_maximum_is_not_the_denominator(tmp_path):
                                                                      "amsgrad": False}]}}, tmp_path / "ck.pt")
     found = [u for u in soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1] if u.check == soundness.EPS_ZERO]
     assert [(u.tensor, u.index) for u in found] == [("optimizer.state.0.exp_avg_sq", [1])]
+
+
+# ---- a replay from the checkpoint: where the origin lies, what a reset could zero ----------------------------------
+
+Unsound, Event = soundness.Unsound, soundness.Event
+TWINS = 5  # group 0: five Linear(2, 2) layers, so each weight has four twins of its shape; group 1: one more
+
+
+def _live() -> tuple[torch.nn.Module, torch.optim.Adam]:
+    """A live model and its Adam: group 0 the first five layers, group 1 the sixth (same shapes, another group)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(TWINS + 1)])
+    layers = list(model)
+    return model, torch.optim.Adam([{"params": [p for m in layers[:TWINS] for p in m.parameters()]},
+                                    {"params": list(layers[TWINS].parameters())}])
+
+
+def _u(check: str, param: str | None, group: int | None, index: list[int] | None = None, tensor: str = "t",
+       **values: Any) -> Any:
+    return Unsound(check, tensor, param, group, index, values, f"{check} says so")
+
+
+# a finding: the origins it lies under (each origin: its tensor and index)
+ORIGINS = [("0.weight", [0, 1]), ("0.weight", [1, 0]), ("1.weight", [0, 1]), ("5.weight", [0, 1]), ("other", [0, 1])]
+ON = [
+    (_u(soundness.NEGATIVE, "0.weight", 0, [0, 1]), {0}),  # its coordinate alone
+    (_u(soundness.SHAPE, "0.weight", 0), {0, 1}),  # a whole tensor: every coordinate of it
+    (_u(soundness.STEP, "1.weight", 0, min_param="0.weight"), {0, 1, 2}),  # a group's counters: either end
+    (_u(soundness.STEP, "1.weight", 0, step=0.0), {2}),
+    (_u(soundness.HYPERPARAMETER, None, 1, tensor="param_groups[1].lr"), {3}),  # a group: its parameters
+    (_u(soundness.HYPERPARAMETER, None, 0, tensor="param_groups[0].lr"), {0, 1, 2}),
+    (_u(soundness.LOSS_SCALE, None, None, tensor="scaler.scale"), {0, 1, 2, 3, 4}),  # anywhere
+]
+
+
+@pytest.mark.parametrize("i", range(len(ON)))
+def test_the_origin_lies_on_a_finding_at_its_coordinate_tensor_group_or_anywhere(i):
+    """Every kind of finding against every kind of origin: on its coordinate (a whole-tensor finding: any of its
+    coordinates; a group's step counters: either end), in its group (a hyperparameter), or anywhere (the loss scale)."""
+    u, on = ON[i]
+    params = soundness._params(*_live())
+    assert {j for j, (t, index) in enumerate(ORIGINS) if soundness._on(u, Event(7, "param", t, index, "nan"), params)} == on
+    assert (params["0.weight"], params["0.bias"], params["5.weight"]) == ((0, (2, 2)), (0, (2,)), (1, (2, 2)))
+
+
+LEAD = "The start checkpoint (step 4) is finite but its optimizer state is unsound: "
+TAIL = " (each under unsound, with what it does at the next update)."
+
+
+@pytest.mark.parametrize("n", range(7))
+def test_the_first_sentence_counts_the_findings_and_names_four_checks(n):
+    """n findings (the sixth alike the fifth: the same check on the same parameter, or tensor where no parameter): their
+    number, then up to four distinct checks in order, '...' past four; no origin: nothing more, nothing to reset."""
+    found = [_u(soundness.NEGATIVE, f"p{i // 2}", 0, [0]) if i % 3 else _u(soundness.HYPERPARAMETER, None, 0,
+                                                                             tensor=f"param_groups[{i}].lr")
+             for i in range(n)]
+    checks = sorted({f"negative_second_moment (p{i // 2})" if i % 3 else f"hyperparameter (param_groups[{i}].lr)"
+                     for i in range(n)})
+    words = [] if not n else [f"{LEAD}{n} finding{'s' if n > 1 else ''}, {', '.join(checks[:4])}"
+                              f"{' ...' if len(checks) > 4 else ''}{TAIL}"]
+    assert len(checks) == {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 5}[n]  # the sixth is the fifth's twin
+    assert soundness.resume_findings(found, None, 4, *_live(), True) == (words, False)
+
+
+def test_the_origin_names_at_most_three_findings_it_lies_on():
+    """Four findings on the origin's coordinate, one elsewhere: a sentence for each of the first three it lies on."""
+    here = [_u(c, "0.weight", 0, [0, 1]) for c in (soundness.SHAPE, soundness.DTYPE, soundness.NEGATIVE, soundness.BOUND)]
+    found = [_u(soundness.NEGATIVE, "0.bias", 0, [0])] + here
+    out, resettable = soundness.resume_findings(found, Event(9, "param", "0.weight", [0, 1], "nan"), 4, *_live(), False)
+    assert out[1:] == [f"The origin, 0.weight[0, 1] at step 9, lies on what the start checkpoint's {u.check} check "
+                       f"flagged: {u.check} says so." for u in here[:3]]
+    assert out[0].startswith(f"{LEAD}5 findings, ") and resettable
+
+
+# a finding on the origin: whether a reset could zero it
+RESETTABLE = [(_u(c, "0.weight", 0, [0, 1]), True) for c in soundness.ELEMENTWISE] + [
+    (_u(soundness.STEP, "0.weight", 0, step=0), True), (_u(soundness.STEP, "0.weight", 0, step=3), False),
+    (_u(soundness.STEP, "0.weight", 0), False), (_u(soundness.SHAPE, "0.weight", 0), False),
+    (_u(soundness.EPS_ZERO, "0.weight", 0, [0, 1]), False), (_u(soundness.NEGATIVE, "0.weight", 0, [1, 1]), False),
+    (_u(soundness.LOSS_SCALE, None, None), False)]
+
+
+@pytest.mark.parametrize("i", range(len(RESETTABLE)))
+def test_a_reset_could_save_the_run_only_where_the_origin_lies_on_what_it_zeroes(i):
+    """An elementwise check's coordinate, or a step of 0 beside moments (the reset zeroes them) under the origin: the
+    what-if reset-state is worth running; any other finding, or one elsewhere, is not."""
+    u, resettable = RESETTABLE[i]
+    assert soundness.resume_findings([u], Event(9, "param", "0.weight", [0, 1], "nan"), 4, *_live(), False)[1] == resettable
+
+
+TWIN_WORDS = ("The optimizer state was matched to the parameters by order (the checkpoint names none), and {} shares its "
+              "shape {} with {}: had training listed them in another order, the moments it was given would be one of "
+              "those's, and nothing in the checkpoint tells{}.")
+PAIR = ("; here they break Adam's bound against each other, so they may well belong to another parameter of the same "
+        "shape")
+
+
+@pytest.mark.parametrize("origin, by_order, bound, twins", [
+    ("0.weight", True, False, "1.weight, 2.weight, 3.weight (+more)"), ("0.weight", True, True,
+                                                                        "1.weight, 2.weight, 3.weight (+more)"),
+    ("0.weight", False, True, None), ("5.weight", True, False, None), ("other", True, False, None),
+    ("0.bias", True, False, "1.bias, 2.bias, 3.bias (+more)")], ids=str)
+def test_state_matched_by_order_names_the_origins_shape_twins_in_its_group(origin, by_order, bound, twins):
+    """Matched by order: the origin's parameter's twins (its shape, its group; up to three named), and where Adam's bound
+    breaks there, that the moments may be another's; a parameter alone of its shape in its group, an origin the model
+    does not hold, or state that names its parameters: no sentence."""
+    found = [_u(soundness.BOUND if bound else soundness.NEGATIVE, origin, 0, [0])]
+    out, _ = soundness.resume_findings(found, Event(9, "param", origin, [0], "nan"), 4, *_live(), by_order)
+    shape = [2, 2] if origin.endswith("weight") else [2]
+    assert out[2:] == ([] if twins is None else [TWIN_WORDS.format(origin, shape, twins, PAIR if bound else "")])
+
+
+def test_three_twins_are_named_without_more():
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)])
+    out, _ = soundness.resume_findings([], Event(9, "param", "3.weight", [0], "nan"), 4, model,
+                                       torch.optim.Adam(model.parameters()), True)
+    assert out == [TWIN_WORDS.format("3.weight", [2, 2], "0.weight, 1.weight, 2.weight", "")]
+
+
+def test_the_replays_start_names_the_state_by_the_replays_model(tmp_path):
+    """A checkpoint whose state names no parameters: the findings name them as the replay's model does, in its
+    optimizer's order."""
+    model, opt = _live()
+    sd = {"state": {3: {"exp_avg_sq": -torch.ones(2)}, 0: {"exp_avg_sq": torch.ones(2, 2)}},
+          "param_groups": [{"params": list(range(2 * TWINS))}, {"params": [10, 11]}]}
+    torch.save({"optimizer": sd}, tmp_path / "ck.pt")
+    found = soundness.start_soundness(open_checkpoint(tmp_path / "ck.pt"), model, opt)
+    assert [(u.check, u.param, u.group, u.index) for u in found] == [(soundness.NEGATIVE, "1.bias", 0, [0])]
+
+
+# ---- the what-if reset: a live optimizer's coordinates that break an elementwise check ------------------------------
+
+
+def _reset_masks(state: dict[str, Any], group: dict[str, Any] | None = None) -> dict[str, list]:
+    """The masks of a live Adam over a (2, 3) weight and a 2-element bias whose weight holds this state."""
+    w, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([w, b], betas=(0.9, 0.999))
+    opt.param_groups[0].update(group or {})
+    opt.state[w] = state
+    opt.state[b] = {"step": torch.tensor(3.0), "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}
+    return {("w" if p is w else "b"): m.int().tolist() for p, m in soundness.unsound_coordinates(opt).items()}
+
+
+ONE = [[0, 1, 0], [0, 0, 0]]  # coordinate [0, 1]
+ALL = [[1, 1, 1], [1, 1, 1]]
+
+
+def _at(value: float, dtype: torch.dtype = torch.float32, base: float = 0.0) -> torch.Tensor:
+    t = torch.full((2, 3), base, dtype=dtype)
+    t[0, 1] = value
+    return t
+
+
+RESETS = {  # the weight's state: its mask
+    "healthy": ({"step": torch.tensor(3.0), "exp_avg": _at(0.5), "exp_avg_sq": _at(1.0)}, None),
+    "negative v": ({"step": torch.tensor(3.0), "exp_avg": _at(0.0), "exp_avg_sq": _at(-1.0)}, ONE),
+    "past the bound": ({"step": torch.tensor(3.0), "exp_avg": _at(8.0), "exp_avg_sq": _at(1.0)}, ONE),
+    "amsgrad's maximum below": ({"step": torch.tensor(3.0), "exp_avg": _at(0.0), "exp_avg_sq": _at(1.0),
+                                 "max_exp_avg_sq": _at(0.5)}, ONE),
+    "step 0 beside values": ({"step": torch.tensor(0.0), "exp_avg": _at(0.5), "exp_avg_sq": _at(1.0)}, ALL),
+    "step 0 beside zeros": ({"step": torch.tensor(0.0), "exp_avg": _at(0.0), "exp_avg_sq": _at(0.0)}, None),
+    "int step 0": ({"step": 0, "exp_avg": _at(0.5), "exp_avg_sq": _at(1.0)}, ALL),
+    "momentum alone, step 0": ({"step": 0, "momentum_buffer": _at(0.5)}, ALL),
+    "momentum alone": ({"step": 1, "momentum_buffer": _at(-0.5)}, None),
+    # within bfloat16's slack (4.02% past the bound), past float32's
+    "bfloat16 at the slack": ({"step": torch.tensor(3.0), "exp_avg": _at(7.5625, torch.bfloat16, 0.0),
+                               "exp_avg_sq": _at(1.0, torch.bfloat16, 1.0)}, None),
+    "bfloat16 past the slack": ({"step": torch.tensor(3.0), "exp_avg": _at(7.625, torch.bfloat16, 0.0),
+                                 "exp_avg_sq": _at(1.0, torch.bfloat16, 1.0)}, ONE),
+    "float32 past its slack": ({"step": torch.tensor(3.0), "exp_avg": _at(7.5625), "exp_avg_sq": _at(1.0, base=1.0)}, ONE),
+    # not laid out like the parameter, not floating point, or 0-d: not judged
+    "factored": ({"step": torch.tensor(0.0), "row_var": -torch.ones(2, 1), "exp_avg": _at(0.0)}, None),
+    "integers": ({"step": torch.tensor(0.0), "exp_avg_sq": _at(-1, torch.int64)}, None),
+    "0-d": ({"step": torch.tensor(0.0), "exp_avg_sq": torch.tensor(-1.0)}, None),
+    "nothing": ({}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(RESETS))
+def test_a_reset_zeroes_exactly_the_coordinates_that_break_a_check(case):
+    """Each kind of state: the coordinates an elementwise check flags (Adam's bound at the slack of exp_avg_sq's dtype),
+    every coordinate where a step of 0 sits beside moments that hold values, nothing for state the checks do not read;
+    the healthy bias beside it never."""
+    state, mask = RESETS[case]
+    assert _reset_masks(state) == ({} if mask is None else {"w": mask})
+
+
+def test_a_reset_judges_each_group_by_its_betas():
+    """|m| = 3 sqrt(v): past the bound of betas (0.5, 0.5) (1), within the defaults' (7.27)."""
+    state = {"step": torch.tensor(3.0), "exp_avg": _at(3.0), "exp_avg_sq": _at(1.0, base=1.0)}
+    assert _reset_masks(dict(state), {"betas": (0.5, 0.5)}) == {"w": ONE}
+    assert _reset_masks(dict(state)) == {}

@@ -793,3 +793,78 @@ def test_a_reset_judges_each_group_by_its_betas():
     state = {"step": torch.tensor(3.0), "exp_avg": _at(3.0), "exp_avg_sq": _at(1.0, base=1.0)}
     assert _reset_masks(dict(state), {"betas": (0.5, 0.5)}) == {"w": ONE}
     assert _reset_masks(dict(state)) == {}
+
+
+# ---- what a group's state is checked as --------------------------------------------------------------------------
+
+KINDS = {"adafactor": "Adafactor (factored second moments)", "adamax": "Adamax",
+         "adam": "Adam-family (Adam, AdamW, NAdam, RAdam)", "sgd": "SGD with momentum",
+         "other": "other (checked: non-negative second moments, shapes, dtypes, step, hyperparameters)"}
+KIND_KEYS = ("exp_avg_sq_row", "row_var", "exp_inf", "exp_avg", "exp_avg_sq", "momentum_buffer", "step")
+KIND_HYPERS = [{}, {"betas": (0.9, 0.999)}, {"betas": (0.9, 0.999), "amsgrad": True}, {"betas": (0.9, 0.999),
+               "amsgrad": False}, {"betas": "x"}, {"beta2_decay": -0.8}, {"decay_rate": -0.8}, {"momentum": 0.9},
+               {"momentum": 0.0}, {"momentum": "x"}, {"momentum": 0.9, "betas": (0.9, 0.999)}]
+
+
+def _kind(hyper: dict[str, Any], keys: set[str]) -> str:
+    """The docstring's order: factored moments (by state, or Adafactor's hyperparameters), Adamax's exp_inf, Adam's two
+    moments (or no state but a step) with betas, SGD's buffer (or no state and a momentum), else other."""
+    if keys & {"exp_avg_sq_row", "row_var"} or {"beta2_decay", "decay_rate"} & set(hyper):
+        return KINDS["adafactor"]
+    if "exp_inf" in keys:
+        return KINDS["adamax"]
+    if isinstance(hyper.get("betas"), tuple) and ({"exp_avg", "exp_avg_sq"} <= keys or keys <= {"step"}):
+        return KINDS["adam"] + (" with amsgrad" if hyper.get("amsgrad") else "")
+    if "momentum_buffer" in keys or (not keys and hyper.get("momentum") == 0.9):
+        return KINDS["sgd"]
+    return KINDS["other"]
+
+
+def test_each_groups_kind_comes_from_its_state_keys_else_its_hyperparameters():
+    """Every set of the keys that tell the kinds apart, against hyperparameters of each kind (and none, and junk)."""
+    for n in range(len(KIND_KEYS) + 1):
+        for keys in itertools.combinations(KIND_KEYS, n):
+            for hyper in KIND_HYPERS:
+                assert soundness.optimizer_kind(hyper, keys) == _kind(hyper, set(keys)), (keys, hyper)
+
+
+# ---- a hyperparameter out of range: the range, and what the next update does ---------------------------------------
+
+RANGE_WORDS = {"lr": ", outside [0, inf)", "initial_lr": ", outside [0, inf)", "eps": ", outside [0, inf)",
+               "weight_decay": ", outside [0, inf)", "momentum": ", outside [0, 1]", "dampening": ", not finite",
+               "alpha": ", outside [0, inf)", "rho": ", outside [0, 1]", "beta2_decay": ", outside (-inf, 0]",
+               "d": ", outside [0, inf)", "lr_decay": ", outside [0, inf)", "lambd": ", outside [0, inf)",
+               "betas": ", outside [0, 1)"}
+OTHER_EFFECT = "the optimizer's averages no longer average (torch's constructor refuses it); the next update is not " \
+               "the optimizer's"
+EFFECTS = {  # (key, infinite): the words; NaN's are every key's, and any other key's are OTHER_EFFECT
+    ("lr", True): "the next update moves every parameter of the group by inf times its step direction: inf, and NaN "
+                  "(inf * 0) where the direction is 0", ("lr", False): "a negative learning rate climbs the loss",
+    ("eps", True): "the update m/(sqrt(v)+eps) is 0: the group stops learning",
+    ("eps", False): "a negative eps can make the denominator sqrt(v)+eps 0 or negative: inf or a step uphill",
+    ("weight_decay", True): "decoupled decay multiplies the parameters by 1 - lr*wd = -inf: they turn inf or NaN at the "
+                            "next step",
+    ("weight_decay", False): "negative weight decay grows the weights every step (torch's constructor refuses it)"}
+EFFECTS |= {("initial_lr", inf): words for (key, inf), words in EFFECTS.items() if key == "lr"}
+NAN_EFFECT = "every update of the group computes with NaN: its parameters turn NaN at the next step"
+
+
+def test_each_hyperparameter_out_of_range_says_its_range_and_its_effect(tmp_path):
+    """Each known key at NaN, +-inf and a finite value past each finite end (one group each, in one checkpoint): the
+    range it left and what the next update does with it; the finite ends themselves, where included, are no finding."""
+    cases = []
+    for key in RANGE_WORDS:
+        lo, hi, closed = (0.0, 1.0, False) if key == "betas" else soundness._RANGES[key]
+        bad = [math.nan, math.inf, -math.inf] + ([lo - 0.5] if math.isfinite(lo) else []) + (
+            [hi + 0.5] if math.isfinite(hi) else [])
+        good = ([lo] if math.isfinite(lo) else []) + ([hi] if math.isfinite(hi) and closed else [])
+        cases += [(key, x, True) for x in bad] + [(key, x, False) for x in good]
+    groups = [{"params": [g], key: (x, 0.5) if key == "betas" else x} for g, (key, x, _) in enumerate(cases)]
+    torch.save({"optimizer": {"state": {}, "param_groups": groups}}, tmp_path / "ck.pt")
+    found = soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1]
+    expected = []
+    for g, (key, x, flagged) in enumerate(cases):
+        name = "betas[0]" if key == "betas" else key
+        effect = NAN_EFFECT if math.isnan(x) else EFFECTS.get((key, math.isinf(x)), OTHER_EFFECT)
+        expected += [(f"param_groups[{g}].{name}", f"group {g}'s {name} is {x:g}{RANGE_WORDS[key]}: {effect}")] * flagged
+    assert [(u.tensor, u.message) for u in found] == expected

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -868,3 +869,122 @@ def test_each_hyperparameter_out_of_range_says_its_range_and_its_effect(tmp_path
         effect = NAN_EFFECT if math.isnan(x) else EFFECTS.get((key, math.isinf(x)), OTHER_EFFECT)
         expected += [(f"param_groups[{g}].{name}", f"group {g}'s {name} is {x:g}{RANGE_WORDS[key]}: {effect}")] * flagged
     assert [(u.tensor, u.message) for u in found] == expected
+
+
+# ---- the layout of every format the reader knows, from checkpoints written as each tool writes them -----------------
+
+
+def _two_groups() -> tuple[torch.nn.Module, torch.optim.Adam]:
+    """Adam after one real step over two groups (lr 0.1, 0.2); 1.weight's exp_avg_sq negative at [0, 2]; 0.bias's
+    step an int (older torch: a state scalar)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam([{"params": list(model[0].parameters()), "lr": 0.1},
+                            {"params": list(model[1].parameters()), "lr": 0.2}])
+    model(torch.randn(4, 2)).pow(2).mean().backward()
+    opt.step()
+    opt.state[model[1].weight]["exp_avg_sq"][0, 2] = -1.0
+    opt.state[model[0].bias]["step"] = 1
+    return model, opt
+
+
+def _dcp_save(obj: dict[str, Any], folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp  # seconds to import: only where a test writes with it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process"
+        dcp.save(obj, checkpoint_id=folder)
+
+
+def _write(fmt: str, folder: Path) -> Path:
+    """The two groups' checkpoint as ``fmt`` writes it (the run format, and its sharded variant, by the recorder)."""
+    from nanforensics.distributed.checkpoint import save_shards
+
+    model, opt = _two_groups()
+    scaler = torch.amp.GradScaler("cpu", init_scale=0.0)
+    sd, osd = model.state_dict(), opt.state_dict()
+    folder.mkdir(parents=True)
+    if fmt == "run":
+        return save_checkpoint(folder, 5, model, opt, scaler=scaler)
+    if fmt == "run, sharded":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process"
+            return save_checkpoint(folder, 5, model, opt, scaler=scaler, write_tensors=lambda build, m, t, _: save_shards(
+                build, m, t, 5, None))
+    if fmt == "torch.save":
+        torch.save({"model": sd, "optimizer": osd, "step": 5}, folder / "ck.pt")
+        return folder / "ck.pt"
+    if fmt == "lightning":
+        torch.save({"pytorch-lightning_version": "2.5", "global_step": 5, "state_dict": sd, "optimizer_states": [osd],
+                    "native_amp_scaling_state": scaler.state_dict()}, folder / "epoch=0-step=5.ckpt")
+        return folder / "epoch=0-step=5.ckpt"
+    if fmt == "hf trainer":  # model.safetensors, optimizer.pt, trainer_state.json
+        from safetensors.torch import save_file
+        save_file(sd, folder / "model.safetensors")
+        torch.save(osd, folder / "optimizer.pt")
+        (folder / "trainer_state.json").write_text('{"global_step": 5}')
+    elif fmt == "accelerate":  # save_state: pytorch_model.bin and optimizer.bin
+        torch.save(sd, folder / "pytorch_model.bin")
+        torch.save(osd, folder / "optimizer.bin")
+    elif fmt == "dcp":  # another tool's torch.distributed.checkpoint folder: no meta.json
+        _dcp_save({"model": sd, "optim": osd}, folder)
+    elif fmt == "safetensors":
+        from safetensors.torch import save_file
+        save_file(sd, folder / "model.safetensors")
+    return folder
+
+
+SCALER = {"scale": 0.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 0}
+NAMES2 = ["0.weight", "0.bias", "1.weight", "1.bias"]
+ID_KEYS = [f"state.{i}" for i in range(4)]
+FORMAT_LAYOUTS = {  # format: its param keys (the state tensors' prefix), labels, named, by order, exact step, scaler
+    "run": (NAMES2, NAMES2, True, False, True, SCALER),
+    "run, sharded": ([f"optim.state.{n}" for n in NAMES2], NAMES2, True, False, True, SCALER),
+    "torch.save": ([f"optimizer.{k}" for k in ID_KEYS], NAMES2, True, True, False, None),
+    "lightning": ([f"optimizer_states.0.{k}" for k in ID_KEYS], NAMES2, True, True, False, SCALER),
+    "hf trainer": (ID_KEYS, ["#0", "#1", "#2", "#3"], False, False, False, None),
+    "accelerate": (ID_KEYS, ["#0", "#1", "#2", "#3"], False, False, False, None),
+    "dcp": None, "safetensors": None,  # no groups: the signs of second moments alone, named by the state's path
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_LAYOUTS))
+def test_each_format_lays_out_its_groups_names_and_scalars(tmp_path, fmt):
+    """The same state in each format: the groups' hyperparameters, each parameter under its state tensors' prefix with
+    its name (recorded, matched by the model's order, or #i), its group and its non-tensor state, the loss scaler, and
+    whether the checkpoint's step counts the updates; none where the checkpoint records no groups. The planted
+    negative second moment is found under that name, and the loss scale of 0 where the scaler was saved."""
+    source = open_checkpoint(_write(fmt, tmp_path / "ck"))
+    layout = soundness._layout(source, None)
+    _, unsound = soundness.check(source)
+    expected = FORMAT_LAYOUTS[fmt]
+    if expected is None:
+        assert layout is None and [(u.check, u.param, u.group, u.index) for u in unsound] == (
+            [(soundness.NEGATIVE, "optim.state.2", None, [0, 2])] if fmt == "dcp" else [])
+        return
+    keys, labels, named, by_order, exact, scaler = expected
+    assert list(layout.params) == keys and [p.label for p in layout.params.values()] == labels
+    assert [(p.group, p.scalars) for p in layout.params.values()] == [(0, {}), (0, {"step": 1}), (1, {}), (1, {})]
+    assert [g["lr"] for g in layout.groups] == [0.1, 0.2] and not {"params", "param_names"} & {*layout.groups[0]}
+    assert (layout.named, layout.by_order, layout.exact_step, layout.scaler) == (named, by_order, exact, scaler)
+    assert [(u.check, u.param, u.group, u.index) for u in unsound] == [(soundness.NEGATIVE, labels[2], 1, [0, 2])] + (
+        [(soundness.LOSS_SCALE, None, None, None)] if scaler else [])
+
+
+def test_a_zero_checkpoint_names_each_parameter_with_its_partitions_step():
+    """DeepSpeed ZeRO (formats.zero's reading of it): the base optimizer's groups, each parameter by its name in
+    ``param_shapes``, in its group, with the step of the flat partition its first piece lies in (none where it has no
+    piece), and the loss scaler's scale."""
+    from nanforensics.formats import zero
+
+    slots = [zero.Slot("fc1.weight", (7, 5), 0, [zero._Piece(0, 1, 0, 35)]), zero.Slot("fc2.bias", (3,), 1, [
+        zero._Piece(0, 2, 0, 2), zero._Piece(0, 0, 2, 1)]), zero.Slot("fc2.weight", (3, 7), 1, [])]
+    scaler = zero.Record()
+    scaler.state = {"cur_scale": 0.0}
+    z = zero.Layout(stage=1, files=[], optims=[{"loss_scaler": scaler}], base=[], flats=[], releases=[], model={},
+                    slots=slots, hyper=[{"lr": 0.1}, {"lr": 0.2}], steps={0: 3, 1: 4, 2: 5}, frozen={})
+    layout = soundness._zero(z)
+    assert {k: (p.label, p.group, p.scalars) for k, p in layout.params.items()} == {
+        "fc1.weight": ("fc1.weight", 0, {"step": 4}), "fc2.bias": ("fc2.bias", 1, {"step": 5}),
+        "fc2.weight": ("fc2.weight", 1, {"step": None})}
+    assert (layout.groups, layout.named, layout.scaler, layout.exact_step, layout.by_order) == (
+        [{"lr": 0.1}, {"lr": 0.2}], True, {"scale": 0.0}, False, False)

@@ -988,3 +988,56 @@ def test_a_zero_checkpoint_names_each_parameter_with_its_partitions_step():
         "fc2.weight": ("fc2.weight", 1, {"step": None})}
     assert (layout.groups, layout.named, layout.scaler, layout.exact_step, layout.by_order) == (
         [{"lr": 0.1}, {"lr": 0.2}], True, {"scale": 0.0}, False, False)
+
+
+def test_the_shipped_zero_checkpoint_is_laid_out_as_deepspeed_saved_it():
+    """sample_runs/zero2's clean global_step2 (DeepSpeed's own engine, two ranks, stage 2), read, never written: its two
+    groups (weight decay on the weights alone), each parameter by name with its partition's step, the scaler's scale of
+    1; nothing unsound, both groups Adam's."""
+    source = open_checkpoint(Path(__file__).parent.parent / "sample_runs" / "zero2" / "global_step2")
+    layout = soundness._layout(source, None)
+    assert {k: (p.label, p.group, float(p.scalars["step"])) for k, p in layout.params.items()} == {
+        n: (n, int(n not in ("fc1.weight", "fc2.weight")), 2.0)
+        for n in ("fc1.weight", "fc2.weight", "fc1.bias", "bn.weight", "bn.bias", "fc2.bias")}
+    assert [g["weight_decay"] for g in layout.groups] == [0.1, 0.0] and (layout.named, layout.scaler) == (True, {"scale": 1.0})
+    summary, unsound = soundness.check(source)
+    assert (summary.optimizers, summary.notes, unsound) == (["Adam-family (Adam, AdamW, NAdam, RAdam)"] * 2, [], [])
+
+
+# ---- one parameter's state: what the scan reads of it, and which checks judge it ------------------------------------
+
+
+def test_each_state_tensor_is_read_once_for_its_extremes_beside_the_checks(tmp_path):
+    """What the scan's finiteness takes from a parameter's state: each tensor's min and max, the per-element moments
+    in one pass, a factored moment in its own; none for what the checks do not read (the 0-d step, integers)."""
+    state = {"step": torch.tensor(2.0), "exp_avg": torch.tensor([[0.5, -3.0, 1.0]]), "row_var": torch.tensor([[2.0]]),
+             "exp_avg_sq": torch.tensor([[4.0, 0.25, 9.0]]), "count": torch.tensor([[1, 2, 3]])}
+    torch.save({"optimizer": {"state": {0: state}, "param_groups": [{"params": [0], "betas": (0.9, 0.999)}]}},
+               tmp_path / "ck.pt")
+    source = open_checkpoint(tmp_path / "ck.pt")
+    stream = source.open()
+    checker = soundness.Checker(source, stream.infos)
+    read = [(info.name.rpartition(".")[2], extremes) for info, tensor, release in stream.tensors()
+            if (param := checker.feed(info, tensor, release)) is not None for info, extremes in param.read()]
+    assert sorted(read) == [("count", None), ("exp_avg", (-3.0, 1.0)), ("exp_avg_sq", (0.25, 9.0)),
+                            ("row_var", (2.0, 2.0)), ("step", None)]
+
+
+def test_state_the_groups_do_not_list_is_judged_alone_and_names_given_by_order_are_not_judged_against_the_model(
+        tmp_path):
+    """A state entry no group lists (a named layout): its own elementwise checks, named by its path, in no group.
+    Names the replay gave by order: the state is not judged against the model's tensor of that name (a bfloat16 moment
+    beside a float32 parameter is then no finding), as the notes say."""
+    model = {"weight": torch.zeros(2)}
+    state = {0: {"exp_avg": torch.zeros(2, dtype=torch.bfloat16)}, 7: {"exp_avg_sq": torch.tensor([1.0, -2.0])}}
+    torch.save({"model": model, "optimizer": {"state": state, "param_groups": [{"params": [0], "param_names": ["w"]}]}},
+               tmp_path / "named.pt")
+    found = soundness.check(open_checkpoint(tmp_path / "named.pt"))[1]
+    assert [(u.check, u.param, u.group, u.index) for u in found] == [
+        (soundness.NEGATIVE, "optimizer.state.7", None, [1])]
+    torch.save({"model": model, "optimizer": {"state": {0: state[0]}, "param_groups": [{"params": [0]}]}},
+               tmp_path / "unnamed.pt")
+    assert soundness.check(open_checkpoint(tmp_path / "unnamed.pt"), ["weight"])[1] == []
+    torch.save({"model": model, "optimizer": {"state": {0: state[0]}, "param_groups": [{"params": [0], "param_names": [
+        "weight"]}]}}, tmp_path / "both.pt")  # the same state, named: judged
+    assert [u.check for u in soundness.check(open_checkpoint(tmp_path / "both.pt"))[1]] == [soundness.DTYPE]

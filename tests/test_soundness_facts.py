@@ -411,14 +411,38 @@ def test_each_state_tensor_is_checked_against_its_parameters_shape_and_dtype(tmp
                    for u in found)
 
 
-@pytest.mark.parametrize("names, checked", [(("weight",), True), (("module.weight",), True),
-                                            (("a.weight", "b.weight"), False), (("weights",), False),
-                                            (("module.xweight",), False)], ids=str)
-def test_a_parameter_is_found_in_the_model_by_its_name_or_one_suffix(tmp_path, names, checked):
-    """The model's tensor of the state's name, or else the one whose name ends in ``.`` and it (a wrapper's prefix);
-    two such, or none: nothing to check against."""
+MISSING = "shapes and dtypes not checked for 1 parameter the model's state dict holds no tensor of: weight"
+SEVERAL = "shapes and dtypes not checked for 1 parameter whose name several model tensors end in: weight ({})"
+
+
+@pytest.mark.parametrize("names, note", [(("weight",), None), (("module.weight",), None),
+                                         (("a.weight", "weight", "b.weight"), None),
+                                         (("a.weight", "b.weight"), SEVERAL.format("model.a.weight, model.b.weight")),
+                                         (("a.weight", "x.a.weight", "b.weight"),
+                                          SEVERAL.format("model.a.weight, model.b.weight")),
+                                         (("weights",), MISSING), (("module.xweight",), MISSING)], ids=str)
+def test_a_parameter_is_found_in_the_model_by_its_name_or_one_suffix_and_the_notes_say_where_not(tmp_path, names, note):
+    """The model's tensor of the state's name, or else the one of the fewest parts whose name ends in ``.`` and it (the
+    checkpoint's ``model.`` prefix, a wrapper's; the top-level weight, not a's): checked against it. Two such, or none:
+    nothing to check against, and a note says which parameter was left out and why (the tensors its name could be)."""
     found = _layout_findings(tmp_path, "exp_avg", (2, 3), torch.float32, torch.float32, names)
-    assert [u.check for u in found] == ([soundness.SHAPE] if checked else [])
+    assert [u.check for u in found] == ([soundness.SHAPE] if note is None else [])
+    notes = soundness.check(open_checkpoint(tmp_path / "ck.pt"))[0].notes
+    assert notes == ([] if note is None else [note])
+
+
+def test_the_notes_name_three_parameters_left_out_and_count_them_all(tmp_path):
+    """Five named parameters: two the model holds no tensor of, three whose name two of its tensors end in, and one
+    more of each: each note counts its parameters and names the first three."""
+    names = ["p0", "p1", "q0", "q1", "q2", "q3", "p2", "p3"]
+    model = {f"{w}.{n}": torch.zeros(2) for n in names if n[0] == "q" for w in ("a", "b")} | {"ok": torch.zeros(2)}
+    torch.save({"model": model, "optimizer": {"state": {i: {"exp_avg": torch.zeros(2)} for i in range(len(names))},
+                                              "param_groups": [{"params": list(range(len(names))), "param_names": names}]}},
+               tmp_path / "ck.pt")
+    assert soundness.check(open_checkpoint(tmp_path / "ck.pt"))[0].notes == [
+        "shapes and dtypes not checked for 4 parameters the model's state dict holds no tensor of: p0, p1, p2 ...",
+        "shapes and dtypes not checked for 4 parameters whose name several model tensors end in: q0 (model.a.q0, model.b.q0); "
+        "q1 (model.a.q1, model.b.q1); q2 (model.a.q2, model.b.q2) ..."]
 
 
 # ---- what the check says of the whole checkpoint ------------------------------------------------------------------
@@ -428,7 +452,7 @@ UNNAMED = ("the optimizer state names no parameters (matched to them by order): 
 WHOLE = {  # object saved: optimizers, notes, matched by order
     "named": ({"optimizer": _sd([0], ["t0.weight"], {0: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}},
                                          betas=(0.9, 0.999))}, ["Adam-family (Adam, AdamW, NAdam, RAdam)"],
-              [], False),
+              ["the checkpoint holds no model tensors: shapes and dtypes are not checked against the parameters"], False),
     "by order": (_by_order(["A"], "A"), ["other (checked: non-negative second moments, shapes, dtypes, step, "
                                          "hyperparameters)"],
                  ["the optimizer state names no parameters: their names come from the model's state dict by order (as "

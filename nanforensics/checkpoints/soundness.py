@@ -503,6 +503,7 @@ class Checker:
         self.unsound: list[Unsound] = []
         self.steps: dict[int, list[tuple[float, str]]] = {}  # group: (step, param)
         self.kinds: dict[int, str] = {}
+        self.unmatched: dict[str, list[str]] = {}  # a named parameter without one model tensor: the tensors it could be
         self.notes: list[str] = []
         if self.layout is None:
             self.notes.append("the checkpoint records no parameter groups: Adam's bound, the step and the "
@@ -534,6 +535,7 @@ class Checker:
             self._groups()
             self._scaler()
             self._misfit()
+        self.notes += _unmatched_notes(self.unmatched, bool(self.model))
         kinds = [self.kinds.get(g, optimizer_kind(h, ())) for g, h in enumerate(self.layout.groups)] \
             if self.layout else []
         return Soundness(kinds, self.notes, matched_by_order=self.layout is not None and (
@@ -582,10 +584,17 @@ class Checker:
                           f"load_state_dict casts it back, and the next update runs on the rounded moments")
 
     def _model_tensor(self, label: str) -> TensorInfo | None:
+        """The model's tensor of a parameter's name, else the one of the fewest parts whose name ends in "." and it (a
+        wrapper's or the checkpoint's prefix: ``model.a.weight`` is a's, not the top-level ``weight``); None where none
+        or several such do, the parameter then kept for the notes (``finish``): never skipped silently."""
         if label in self.model:
             return self.model[label]
-        hits = [i for n, i in self.model.items() if n.endswith("." + label)]
-        return hits[0] if len(hits) == 1 else None
+        hits = [n for n in self.model if n.endswith("." + label)]
+        fewest = [n for n in hits if n.count(".") == min(h.count(".") for h in hits)]
+        if len(fewest) == 1:
+            return self.model[fewest[0]]
+        self.unmatched[label] = fewest
+        return None
 
     def _step(self, found: Found, step: float, nonzero: bool, hyper: Mapping[str, Any]) -> None:
         ck_step = self.source.meta_step
@@ -699,6 +708,25 @@ class ParamState:
         if self.step is not None and group is not None:
             checker._step(found, self.step, nonzero, hyper)
             checker.steps.setdefault(group, []).append((self.step, self.label))
+
+
+def _unmatched_notes(unmatched: Mapping[str, list[str]], model: bool) -> list[str]:
+    """What the shape and dtype checks left out: the parameters whose name no model tensor has, and those whose name
+    several end in (two wrapped copies of a module, say: which one is its parameter, the checkpoint does not tell)."""
+    if not model:
+        return ["the checkpoint holds no model tensors: shapes and dtypes are not checked against the parameters"] \
+            if unmatched else []
+    missing = [label for label, hits in unmatched.items() if not hits]
+    several = [f"{label} ({', '.join(hits)})" for label, hits in unmatched.items() if hits]
+    return ([f"shapes and dtypes not checked for {count(len(missing), 'parameter')} the model's state dict holds no "
+             f"tensor of: {_first(missing, ', ')}"] if missing else []) + (
+        [f"shapes and dtypes not checked for {count(len(several), 'parameter')} whose name several model tensors end "
+         f"in: {_first(several, '; ')}"] if several else [])
+
+
+def _first(items: list[str], sep: str) -> str:
+    """The first three, and "..." for the rest: a note stays one line however large the model."""
+    return sep.join(items[:3]) + (" ..." if len(items) > 3 else "")
 
 
 def _is_count(step: float) -> bool:

@@ -1065,3 +1065,32 @@ def test_state_the_groups_do_not_list_is_judged_alone_and_names_given_by_order_a
     torch.save({"model": model, "optimizer": {"state": {0: state[0]}, "param_groups": [{"params": [0], "param_names": [
         "weight"]}]}}, tmp_path / "both.pt")  # the same state, named: judged
     assert [u.check for u in soundness.check(open_checkpoint(tmp_path / "both.pt"))[1]] == [soundness.DTYPE]
+
+
+# ---- a scalar parameter (CLIP's logit_scale): its moments are 0-d like its step counter -----------------------------
+
+SCALAR_STATES = {  # exp_avg, exp_avg_sq: the finding at the parameter's one coordinate ([]), if any
+    "healthy": (0.5, 1.0, None), "negative": (0.0, -1.0, soundness.NEGATIVE), "past the bound": (8.0, 1.0, soundness.BOUND)}
+
+
+@pytest.mark.parametrize("case", list(SCALAR_STATES))
+def test_a_scalar_parameters_moments_are_checked_and_reset_like_any_others(tmp_path, case):
+    """A 0-d parameter's exp_avg and exp_avg_sq are judged (its step counter is not among their values), and a reset
+    zeroes exactly them where they break a check, leaving the step counter as it was."""
+    from nanforensics.replay.whatif import ResetState
+
+    m, v, check = SCALAR_STATES[case]
+    state = {"step": torch.tensor(3.0), "exp_avg": torch.tensor(m), "exp_avg_sq": torch.tensor(v)}
+    torch.save({"model": {"logit_scale": torch.tensor(1.0)}, "step": 3, "optimizer": {"state": {0: state}, "param_groups": [
+        {"params": [0], "param_names": ["logit_scale"], "betas": (0.9, 0.999), "lr": 0.1}]}}, tmp_path / "ck.pt")
+    found = soundness.check(open_checkpoint(tmp_path / "ck.pt"))[1]
+    assert [(u.check, u.param, u.index, u.values) for u in found] == ([] if check is None else [
+        (check, "logit_scale", [], {"exp_avg": m, "exp_avg_sq": v})])
+    p = torch.nn.Parameter(torch.tensor(1.0))
+    opt = torch.optim.Adam([p])
+    opt.state[p] = {k: t.clone() for k, t in state.items()}
+    done = ResetState().at_start(opt)
+    assert (done, {k: t.item() for k, t in opt.state[p].items()}) == (
+        (None, {"step": 3.0, "exp_avg": m, "exp_avg_sq": v}) if check is None else
+        ("at the resume, zeroed the unsound optimizer state of 1 coordinate", {"step": 3.0, "exp_avg": 0.0,
+                                                                               "exp_avg_sq": 0.0}))

@@ -239,6 +239,13 @@ def fits(key: str, state: tuple[int, ...], param: tuple[int, ...]) -> bool:
     return True
 
 
+def per_element(key: str, t: torch.Tensor) -> bool:
+    """Whether a state tensor is one the elementwise checks read and a reset zeroes: floating point, strided, laid out
+    like its parameter (of rank 1 or more, or a known per-element key: a scalar parameter's moments are 0-d like the
+    step counter beside them, which is not one)."""
+    return t.is_floating_point() and t.layout == torch.strided and (t.dim() > 0 or key in PER_ELEMENT or key in FACTORED)
+
+
 def _model_dict(obj: Any, parts: tuple[dict[str, Any], Any] | None) -> dict[str, torch.Tensor] | None:
     """The model's state dict beside the optimizer's in one ``torch.save`` object (Lightning's ``state_dict``), in
     the order ``state_dict()`` wrote it; None where there is none."""
@@ -678,8 +685,7 @@ class ParamState:
         self.label = self.entry.label if self.entry else prefix
         self.step = real(held["step"].tensor) if "step" in held else \
             real(self.entry.scalars.get("step")) if self.entry else None
-        tensors = {k: h for k, h in held.items()
-                   if h.tensor.is_floating_point() and h.tensor.dim() > 0 and h.tensor.layout == torch.strided}
+        tensors = {k: h for k, h in held.items() if per_element(k, h.tensor)}
         same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
             if tensors else {}
         # the same-sized tensors together; a factored moment on its own
@@ -829,7 +835,7 @@ def unsound_coordinates(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, 
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             tensors = {k: v.detach().float() for k, v in state.items()
-                       if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape and v.dim() > 0}
+                       if isinstance(v, torch.Tensor) and per_element(k, v) and v.shape == p.shape}
             if not tensors:
                 continue
             v_dtype = state["exp_avg_sq"].dtype if isinstance(state.get("exp_avg_sq"), torch.Tensor) else torch.float32

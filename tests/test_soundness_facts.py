@@ -283,6 +283,8 @@ LAYOUTS: dict[str, tuple[Any, list[str] | None, Any]] = {  # object, order names
     "nested, with a scaler": ({"scaler": 3.0, "grad_scaler": {"scale": 2.0}, "amp_scaler": {"scale": 1.0},
                                "train": [{"optimizer": _sd([0])}]}, None,
                               ({"train.0.optimizer.state.0": ("#0", {"step": 3})}, False, {"scale": 2.0})),
+    "in a list": ([{"model": {"t.weight": torch.zeros(2)}}, _sd([0])], None,
+                  ({"1.state.0": ("#0", {"step": 3})}, False, None)),  # no model beside it: one in the list is not
     "two optimizers": ({"a": _sd([0]), "b": _sd([0])}, None, None),
     "lightning, two optimizers": (LIGHTNING | {"optimizer_states": [_sd([0]), _sd([1])]}, None, None),
     "none": ({"model": {"t.weight": torch.zeros(2)}}, None, None),
@@ -705,7 +707,7 @@ RESETTABLE = [(_u(c, "0.weight", 0, [0, 1]), True) for c in soundness.ELEMENTWIS
     (_u(soundness.STEP, "0.weight", 0, step=0), True), (_u(soundness.STEP, "0.weight", 0, step=3), False),
     (_u(soundness.STEP, "0.weight", 0), False), (_u(soundness.SHAPE, "0.weight", 0), False),
     (_u(soundness.EPS_ZERO, "0.weight", 0, [0, 1]), False), (_u(soundness.NEGATIVE, "0.weight", 0, [1, 1]), False),
-    (_u(soundness.LOSS_SCALE, None, None), False)]
+    (_u(soundness.LOSS_SCALE, None, None), False), (_u(soundness.HYPERPARAMETER, None, 0), False)]
 
 
 @pytest.mark.parametrize("i", range(len(RESETTABLE)))
@@ -766,7 +768,9 @@ def _reset_masks(state: dict[str, Any], group: dict[str, Any] | None = None) -> 
     opt.param_groups[0].update(group or {})
     opt.state[w] = state
     opt.state[b] = {"step": torch.tensor(3.0), "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}
-    return {("w" if p is w else "b"): m.int().tolist() for p, m in soundness.unsound_coordinates(opt).items()}
+    masks = soundness.unsound_coordinates(opt)
+    assert all(m.dtype == torch.bool for m in masks.values())  # what masked_fill_ takes
+    return {("w" if p is w else "b"): m.int().tolist() for p, m in masks.items()}
 
 
 ONE = [[0, 1, 0], [0, 0, 0]]  # coordinate [0, 1]
@@ -1094,3 +1098,34 @@ def test_a_scalar_parameters_moments_are_checked_and_reset_like_any_others(tmp_p
         (None, {"step": 3.0, "exp_avg": m, "exp_avg_sq": v}) if check is None else
         ("at the resume, zeroed the unsound optimizer state of 1 coordinate", {"step": 3.0, "exp_avg": 0.0,
                                                                                "exp_avg_sq": 0.0}))
+
+
+def test_a_reset_passes_over_parameters_without_state_to_the_next():
+    """A parameter the optimizer never stepped (no state at all), one whose state holds no tensor the checks read, then
+    one whose state breaks a check: its mask alone."""
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    opt = torch.optim.Adam(params)
+    opt.state[params[1]] = {"step": torch.tensor(1.0)}
+    opt.state[params[2]] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.tensor([1.0, -1.0])}
+    masks = soundness.unsound_coordinates(opt)
+    assert list(masks) == [params[2]] and masks[params[2]].tolist() == [False, True]
+
+
+def test_the_run_formats_scaler_is_read_with_its_tensors_and_a_bad_tag_names_meta_json(tmp_path):
+    """A scaler whose state holds a tensor (the recorder keeps it in extras.safetensors): its scale read from there; a
+    tag in meta.json's scaler that does not decode: a one-line error naming meta.json."""
+    from nanforensics.errors import BadInput
+
+    class Scaler:
+        def state_dict(self) -> dict[str, Any]:
+            return {"scale": torch.tensor(0.0), "growth_factor": 2.0}
+
+    model, opt = _two_groups()
+    ck = save_checkpoint(tmp_path / "run", 5, model, opt, scaler=Scaler())
+    assert soundness._layout(open_checkpoint(ck), None).scaler["scale"].item() == 0.0
+    assert [u.check for u in soundness.check(open_checkpoint(ck))[1]][-1] == soundness.LOSS_SCALE
+    meta = (ck / "meta.json").read_text().replace('"growth_factor": 2.0', '"growth_factor": {"$float": "x"}')
+    (ck / "meta.json").write_text(meta)
+    with pytest.raises(BadInput) as e:
+        soundness.check(open_checkpoint(ck))
+    assert str(e.value).startswith(f"{ck / 'meta.json'}: holds ")

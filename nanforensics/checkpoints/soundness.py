@@ -160,16 +160,13 @@ def _layout(source: CheckpointSource, order_names: list[str] | None) -> _Layout 
     return found[0] if len(found) == 1 else None
 
 
-def _ours(source: CheckpointSource) -> _Layout | None:
-    """From ``meta.json``; None when its groups are not lists of named parameters (the checks that need them are
-    then left out, and said so)."""
+def _ours(source: CheckpointSource) -> _Layout:
+    """From ``meta.json`` (``Checkpoint.meta`` checked its schema: groups of named parameters, scalars by name)."""
     ck = Checkpoint(source.path, -1)
     meta = ck.meta()
     prefix = "optim.state." if source.format == "dcp" else ""
     groups, params = [], {}
-    scalars = meta["state_scalars"] if isinstance(meta["state_scalars"], dict) else {}
-    if not _groups_shaped(meta["param_groups"]):
-        return None
+    scalars = meta["state_scalars"]
     for g, group in enumerate(meta["param_groups"]):
         groups.append(_hyper(group))
         for name in group["params"]:
@@ -744,8 +741,8 @@ def _is_count(step: float) -> bool:
 def _range(lo: float, hi: float, closed: bool) -> str:
     if math.isinf(lo) and math.isinf(hi):
         return ", not finite"
-    high = "" if math.isinf(hi) else f", {hi:g}{']' if closed else ')'}"
-    return f", outside [{lo:g}{high or ', inf)'}" if not math.isinf(lo) else f", outside (-inf, {hi:g}]"
+    high = f", {hi:g}{']' if closed else ')'}"
+    return f", outside [{lo:g}{high}" if not math.isinf(lo) else f", outside (-inf{high}"
 
 
 def _hyper_effect(key: str, x: float) -> str:

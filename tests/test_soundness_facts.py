@@ -285,6 +285,8 @@ LAYOUTS: dict[str, tuple[Any, list[str] | None, Any]] = {  # object, order names
                               ({"train.0.optimizer.state.0": ("#0", {"step": 3})}, False, {"scale": 2.0})),
     "in a list": ([{"model": {"t.weight": torch.zeros(2)}}, _sd([0])], None,
                   ({"1.state.0": ("#0", {"step": 3})}, False, None)),  # no model beside it: one in the list is not
+    "a model kept under 'state'": ({"state": {"t.weight": torch.zeros(2)}, "optimizer": _sd([0])}, None,
+                                   ({"optimizer.state.0": ("#0", {"step": 3})}, False, None)),  # a dict, no groups
     "two optimizers": ({"a": _sd([0]), "b": _sd([0])}, None, None),
     "lightning, two optimizers": (LIGHTNING | {"optimizer_states": [_sd([0]), _sd([1])]}, None, None),
     "none": ({"model": {"t.weight": torch.zeros(2)}}, None, None),
@@ -955,9 +957,10 @@ def _write(fmt: str, folder: Path) -> Path:
         torch.save(osd, folder / "optimizer.bin")
     elif fmt == "dcp":  # another tool's torch.distributed.checkpoint folder: no meta.json
         _dcp_save({"model": sd, "optim": osd}, folder)
-    elif fmt == "safetensors":
+    elif fmt == "safetensors":  # a bare file
         from safetensors.torch import save_file
         save_file(sd, folder / "model.safetensors")
+        return folder / "model.safetensors"
     return folder
 
 
@@ -1129,3 +1132,16 @@ def test_the_run_formats_scaler_is_read_with_its_tensors_and_a_bad_tag_names_met
     with pytest.raises(BadInput) as e:
         soundness.check(open_checkpoint(ck))
     assert str(e.value).startswith(f"{ck / 'meta.json'}: holds ")
+
+
+def test_a_module_named_with_a_slash_keeps_it_in_its_parameters_names(tmp_path):
+    """``add_module`` takes any name without a dot: the run format's ``<name>/<key>`` is split at its last slash."""
+    model = torch.nn.Sequential()
+    model.add_module("a/b", torch.nn.Linear(2, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.state[model[0].weight]["exp_avg_sq"][0, 1] = -1.0
+    found = soundness.check(open_checkpoint(save_checkpoint(tmp_path / "run", 1, model, opt)))[1]
+    assert [(u.check, u.tensor, u.param, u.group, u.index) for u in found] == [
+        (soundness.NEGATIVE, "a/b.weight/exp_avg_sq", "a/b.weight", 0, [0, 1])]

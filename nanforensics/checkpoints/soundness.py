@@ -683,8 +683,7 @@ class ParamState:
         self.step = real(held["step"].tensor) if "step" in held else \
             real(self.entry.scalars.get("step")) if self.entry else None
         tensors = {k: h for k, h in held.items() if per_element(k, h.tensor)}
-        same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
-            if tensors else {}
+        same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())}
         # the same-sized tensors together; a factored moment on its own
         self.passes = ([_Elementwise(same, self.hyper, self.step)] if same else []) + [
             _Elementwise({k: h}, self.hyper, None) for k, h in tensors.items() if k not in same and k in NONNEGATIVE]

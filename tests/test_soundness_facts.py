@@ -3,7 +3,8 @@ each mutant of ``checkpoints/soundness.py`` costs about a second (docs/mutation.
 checkpoint's own step at both sides of each limit, in the run format (whose step counts the updates before it) and
 a plain ``torch.save`` (whose step may be the one being taken); a counter reset beside moments that hold values,
 with the bias correction's scale for each kind of betas; counters that differ inside a group; betas that bound
-nothing."""
+nothing; the layout of every format the reader knows; where a replay's origin lies on each kind of finding, and what
+a reset zeroes."""
 
 from __future__ import annotations
 

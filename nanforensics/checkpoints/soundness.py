@@ -160,16 +160,13 @@ def _layout(source: CheckpointSource, order_names: list[str] | None) -> _Layout 
     return found[0] if len(found) == 1 else None
 
 
-def _ours(source: CheckpointSource) -> _Layout | None:
-    """From ``meta.json``; None when its groups are not lists of named parameters (the checks that need them are
-    then left out, and said so)."""
+def _ours(source: CheckpointSource) -> _Layout:
+    """From ``meta.json`` (``Checkpoint.meta`` checked its schema: groups of named parameters, scalars by name)."""
     ck = Checkpoint(source.path, -1)
     meta = ck.meta()
     prefix = "optim.state." if source.format == "dcp" else ""
     groups, params = [], {}
-    scalars = meta["state_scalars"] if isinstance(meta["state_scalars"], dict) else {}
-    if not _groups_shaped(meta["param_groups"]):
-        return None
+    scalars = meta["state_scalars"]
     for g, group in enumerate(meta["param_groups"]):
         groups.append(_hyper(group))
         for name in group["params"]:
@@ -237,6 +234,13 @@ def fits(key: str, state: tuple[int, ...], param: tuple[int, ...]) -> bool:
     if key in FACTORED:
         return len(state) == len(param) and all(s in (1, p) for s, p in zip(state, param))
     return True
+
+
+def per_element(key: str, t: torch.Tensor) -> bool:
+    """Whether a state tensor is one the elementwise checks read and a reset zeroes: floating point, strided, laid out
+    like its parameter (of rank 1 or more, or a known per-element key: a scalar parameter's moments are 0-d like the
+    step counter beside them, which is not one)."""
+    return t.is_floating_point() and t.layout == torch.strided and (t.dim() > 0 or key in PER_ELEMENT or key in FACTORED)
 
 
 def _model_dict(obj: Any, parts: tuple[dict[str, Any], Any] | None) -> dict[str, torch.Tensor] | None:
@@ -503,6 +507,7 @@ class Checker:
         self.unsound: list[Unsound] = []
         self.steps: dict[int, list[tuple[float, str]]] = {}  # group: (step, param)
         self.kinds: dict[int, str] = {}
+        self.unmatched: dict[str, list[str]] = {}  # a named parameter without one model tensor: the tensors it could be
         self.notes: list[str] = []
         if self.layout is None:
             self.notes.append("the checkpoint records no parameter groups: Adam's bound, the step and the "
@@ -534,6 +539,7 @@ class Checker:
             self._groups()
             self._scaler()
             self._misfit()
+        self.notes += _unmatched_notes(self.unmatched, bool(self.model))
         kinds = [self.kinds.get(g, optimizer_kind(h, ())) for g, h in enumerate(self.layout.groups)] \
             if self.layout else []
         return Soundness(kinds, self.notes, matched_by_order=self.layout is not None and (
@@ -582,10 +588,17 @@ class Checker:
                           f"load_state_dict casts it back, and the next update runs on the rounded moments")
 
     def _model_tensor(self, label: str) -> TensorInfo | None:
+        """The model's tensor of a parameter's name, else the one of the fewest parts whose name ends in "." and it (a
+        wrapper's or the checkpoint's prefix: ``model.a.weight`` is a's, not the top-level ``weight``); None where none
+        or several such do, the parameter then kept for the notes (``finish``): never skipped silently."""
         if label in self.model:
             return self.model[label]
-        hits = [i for n, i in self.model.items() if n.endswith("." + label)]
-        return hits[0] if len(hits) == 1 else None
+        hits = [n for n in self.model if n.endswith("." + label)]
+        fewest = [n for n in hits if n.count(".") == min(h.count(".") for h in hits)]
+        if len(fewest) == 1:
+            return self.model[fewest[0]]
+        self.unmatched[label] = fewest
+        return None
 
     def _step(self, found: Found, step: float, nonzero: bool, hyper: Mapping[str, Any]) -> None:
         ck_step = self.source.meta_step
@@ -669,10 +682,8 @@ class ParamState:
         self.label = self.entry.label if self.entry else prefix
         self.step = real(held["step"].tensor) if "step" in held else \
             real(self.entry.scalars.get("step")) if self.entry else None
-        tensors = {k: h for k, h in held.items()
-                   if h.tensor.is_floating_point() and h.tensor.dim() > 0 and h.tensor.layout == torch.strided}
-        same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())} \
-            if tensors else {}
+        tensors = {k: h for k, h in held.items() if per_element(k, h.tensor)}
+        same = {k: h for k, h in tensors.items() if h.tensor.numel() == max(t.tensor.numel() for t in tensors.values())}
         # the same-sized tensors together; a factored moment on its own
         self.passes = ([_Elementwise(same, self.hyper, self.step)] if same else []) + [
             _Elementwise({k: h}, self.hyper, None) for k, h in tensors.items() if k not in same and k in NONNEGATIVE]
@@ -701,6 +712,25 @@ class ParamState:
             checker.steps.setdefault(group, []).append((self.step, self.label))
 
 
+def _unmatched_notes(unmatched: Mapping[str, list[str]], model: bool) -> list[str]:
+    """What the shape and dtype checks left out: the parameters whose name no model tensor has, and those whose name
+    several end in (two wrapped copies of a module, say: which one is its parameter, the checkpoint does not tell)."""
+    if not model:
+        return ["the checkpoint holds no model tensors: shapes and dtypes are not checked against the parameters"] \
+            if unmatched else []
+    missing = [label for label, hits in unmatched.items() if not hits]
+    several = [f"{label} ({', '.join(hits)})" for label, hits in unmatched.items() if hits]
+    return ([f"shapes and dtypes not checked for {count(len(missing), 'parameter')} the model's state dict holds no "
+             f"tensor of: {_first(missing, ', ')}"] if missing else []) + (
+        [f"shapes and dtypes not checked for {count(len(several), 'parameter')} whose name several model tensors end "
+         f"in: {_first(several, '; ')}"] if several else [])
+
+
+def _first(items: list[str], sep: str) -> str:
+    """The first three, and "..." for the rest: a note stays one line however large the model."""
+    return sep.join(items[:3]) + (" ..." if len(items) > 3 else "")
+
+
 def _is_count(step: float) -> bool:
     """Whether a step counter counts updates: one that does not is a finding of its own, and compares with nothing
     (a NaN differs even from itself)."""
@@ -710,8 +740,8 @@ def _is_count(step: float) -> bool:
 def _range(lo: float, hi: float, closed: bool) -> str:
     if math.isinf(lo) and math.isinf(hi):
         return ", not finite"
-    high = "" if math.isinf(hi) else f", {hi:g}{']' if closed else ')'}"
-    return f", outside [{lo:g}{high or ', inf)'}" if not math.isinf(lo) else f", outside (-inf, {hi:g}]"
+    high = f", {hi:g}{']' if closed else ')'}"
+    return f", outside [{lo:g}{high}" if not math.isinf(lo) else f", outside (-inf{high}"
 
 
 def _hyper_effect(key: str, x: float) -> str:
@@ -801,7 +831,7 @@ def unsound_coordinates(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, 
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             tensors = {k: v.detach().float() for k, v in state.items()
-                       if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape and v.dim() > 0}
+                       if isinstance(v, torch.Tensor) and per_element(k, v) and v.shape == p.shape}
             if not tensors:
                 continue
             v_dtype = state["exp_avg_sq"].dtype if isinstance(state.get("exp_avg_sq"), torch.Tensor) else torch.float32

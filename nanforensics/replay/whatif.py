@@ -16,7 +16,7 @@ from typing import Any, Collection, Sequence
 import torch
 
 from .. import finite
-from ..checkpoints.soundness import unsound_coordinates
+from ..checkpoints.soundness import per_element, unsound_coordinates
 from ..distributed.sessions import open_session
 from ..errors import BadInput
 from ..progress import SILENT, Progress
@@ -151,8 +151,8 @@ class ResetState(Intervention):
             return None
         with torch.no_grad():
             for p, mask in flagged.items():
-                for v in optimizer.state[p].values():
-                    if isinstance(v, torch.Tensor) and v.shape == p.shape and v.is_floating_point():
+                for k, v in optimizer.state[p].items():
+                    if isinstance(v, torch.Tensor) and per_element(k, v) and v.shape == p.shape:
                         v.masked_fill_(mask, 0)
         zeroed = sum(int(m.sum()) for m in flagged.values())
         return f"at the resume, zeroed the unsound optimizer state of {count(zeroed, 'coordinate')}"

@@ -327,14 +327,22 @@ def optimizer_problem(sd: dict[str, Any], name: str = "") -> str | None:
             if not isinstance(key, str) or not all(v is None or isinstance(v, (torch.Tensor, int, float)) for v in values):
                 return ("optimizer state is malformed: a parameter's state holds a key that is not a name or a value "
                         "that is neither a tensor nor a number")
-    for g, group in enumerate(sd["param_groups"]):
-        at = f"{name}.param_groups[{g}]" if name else f"param_groups[{g}]"
+    return hyperparameter_problem(sd["param_groups"], f"{name}.param_groups" if name else "param_groups")
+
+
+def hyperparameter_problem(groups: list[dict[str, Any]], at: str) -> str | None:
+    """The first hyperparameter of the param groups (dicts) at field path ``at`` of a type ``HYPERPARAMETERS`` does
+    not allow, named by its field path and said with the type it has and the one it needs; None when all are. The
+    readers take each as its type (``if group["amsgrad"]``, ``float(group["lr"])``): a complex tensor as a flag
+    would end in ``bool()``'s RuntimeError, a string as a rate in the replayed step's ValueError blamed on the step
+    function."""
+    for g, group in enumerate(groups):
         for key, value in group.items():
             if not isinstance(key, str):
-                return f"{at} holds a key {shown(key)}, not a name"
+                return f"{at}[{g}] holds a key {shown(key)}, not a name"
             kind = HYPERPARAMETERS.get(key, _OTHER)
             if key != "params" and not kind.holds(value):
-                return f"{at}{_step(key)} is {_what(value)}, not {kind.said}"
+                return f"{at}[{g}]{_step(key)} is {_what(value)}, not {kind.said}"
     return None
 
 

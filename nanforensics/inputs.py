@@ -31,7 +31,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator
 
 from .errors import BadInput, shown
 
@@ -247,6 +247,9 @@ def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
     return None
 
 
+_Trail = Any  # where a node lies in an unpickled tree: (its parent's trail, its key), None at the top
+
+
 def check_tensors(obj: Any, where: Path) -> None:
     """Refuse an unpickled object whose tensors claim what no storage holds, before anything reads them: more than
     ``MAX_TENSORS`` of them, more than ``MAX_JSON_OBJECTS`` objects walked as a tree (a pickle's memo makes one
@@ -257,9 +260,10 @@ def check_tensors(obj: Any, where: Path) -> None:
     values do not fit its claimed size."""
     import torch
 
-    stack, objects, tensors = [(obj, 0)], 0, 0
+    stack: list[tuple[Any, int, _Trail]] = [(obj, 0, None)]
+    objects, tensors = 0, 0
     while stack:
-        node, depth = stack.pop()
+        node, depth, trail = stack.pop()
         objects += 1  # every reference: the readers walk the object as a tree, a shared part once per reference
         if objects > MAX_JSON_OBJECTS:
             raise BadInput(where, f"holds more than {MAX_JSON_OBJECTS:,} objects, counting each reference to a shared one")
@@ -272,32 +276,151 @@ def check_tensors(obj: Any, where: Path) -> None:
             _check_claim(node, where)
         elif isinstance(node, (dict, list, tuple)):
             if isinstance(node, dict) and isinstance(node.get("state"), dict) and isinstance(node.get("param_groups"), list):
-                problem = optimizer_problem(node)
+                problem = optimizer_problem(node, field_path(trail))
                 if problem is not None:
-                    raise BadInput(where, f"optimizer state is malformed: {problem}")
-            children = node.values() if isinstance(node, dict) else node
-            stack += [(c, depth + 1) for c in children]
+                    raise BadInput(where, problem)
+            children = node.items() if isinstance(node, dict) else enumerate(node)
+            stack += [(c, depth + 1, (trail, k)) for k, c in children]
 
 
-def optimizer_problem(sd: dict[str, Any]) -> str | None:
-    """What makes an optimizer state dict (``state`` a dict, ``param_groups`` a list) unlike any torch writes, or
-    None. Every reader indexes it as torch lays it out (groups of hashable parameter ids or names; per parameter,
-    named tensors and numbers), so the gate after unpickling refuses any other shape, wherever it lies in the file."""
+def field_path(trail: _Trail) -> str:
+    """A node's place in an unpickled tree as an error names it: ``optimizer.param_groups[0]``."""
+    steps: list[str] = []
+    while trail is not None:
+        trail, key = trail
+        steps.append(_step(key))
+    return "".join(reversed(steps)).lstrip(".")
+
+
+def _step(key: Any) -> str:
+    """One key of a field path: ``.name``, ``[3]``, or an excerpt of a key that is neither (``[b'\\xff']``)."""
+    if isinstance(key, str) and key.isidentifier() and len(key) <= 40:
+        return f".{key}"
+    return f"[{key}]" if _count(key) else f"[{shown(key)}]"
+
+
+def _count(value: Any) -> bool:
+    from .numbers import is_count  # torch's import with it: not for the CLI's help and refusals
+
+    return is_count(value)
+
+
+def optimizer_problem(sd: dict[str, Any], name: str = "") -> str | None:
+    """What makes an optimizer state dict (``state`` a dict, ``param_groups`` a list) unlike any torch writes, as
+    the error says it after the file's name, or None. Every reader indexes it as torch lays it out (groups of
+    hashable parameter ids or names, and hyperparameters of the types ``HYPERPARAMETERS`` allows; per parameter,
+    named tensors and numbers), so the gate after unpickling refuses any other shape, wherever it lies in the file
+    (``name``: where, ``optimizer`` or ``optimizer_states[0]``; empty for a file that is the state dict)."""
     import torch
 
     for g in sd["param_groups"]:
         if not (isinstance(g, dict) and isinstance(g.get("params"), list)):
-            return "a parameter group without a 'params' list"
-        if not all(isinstance(p, (int, str)) and not isinstance(p, bool) for p in g["params"]):
-            return "a parameter group's 'params' holds something other than parameter ids or names"
+            return "optimizer state is malformed: a parameter group without a 'params' list"
+        if not all(_count(p) or isinstance(p, str) for p in g["params"]):
+            return ("optimizer state is malformed: a parameter group's 'params' holds something other than parameter "
+                    "ids or names")
     for entry in sd["state"].values():
         if not isinstance(entry, dict):
-            return f"a parameter's state is a {type(entry).__name__}, not a dict of named values"
+            return f"optimizer state is malformed: a parameter's state is a {type(entry).__name__}, not a dict of named values"
         for key, value in entry.items():
             values = value if isinstance(value, (list, tuple)) else [value]  # a list: LBFGS's history
             if not isinstance(key, str) or not all(v is None or isinstance(v, (torch.Tensor, int, float)) for v in values):
-                return "a parameter's state holds a key that is not a name or a value that is neither a tensor nor a number"
+                return ("optimizer state is malformed: a parameter's state holds a key that is not a name or a value "
+                        "that is neither a tensor nor a number")
+    return hyperparameter_problem(sd["param_groups"], f"{name}.param_groups" if name else "param_groups")
+
+
+def hyperparameter_problem(groups: list[dict[str, Any]], at: str) -> str | None:
+    """The first hyperparameter of the param groups (dicts) at field path ``at`` of a type ``HYPERPARAMETERS`` does
+    not allow, named by its field path and said with the type it has and the one it needs; None when all are. The
+    readers take each as its type (``if group["amsgrad"]``, ``float(group["lr"])``): a complex tensor as a flag
+    would end in ``bool()``'s RuntimeError, a string as a rate in the replayed step's ValueError blamed on the step
+    function."""
+    for g, group in enumerate(groups):
+        for key, value in group.items():
+            if not isinstance(key, str):
+                return f"{at}[{g}] holds a key {shown(key)}, not a name"
+            kind = HYPERPARAMETERS.get(key, _OTHER)
+            if key != "params" and not kind.holds(value):
+                return f"{at}[{g}]{_step(key)} is {_what(value)}, not {kind.said}"
     return None
+
+
+# ---- the hyperparameters of a param group: an allow-list of the types torch's optimizers give each -----------------
+
+
+@dataclass(frozen=True)
+class _Kind:
+    said: str  # what a value of the kind is, in an error: "a bool"
+    holds: Callable[[Any], bool]
+
+
+def _number(value: Any) -> bool:
+    """An int or a float, NaN and infinities included (their values are findings, ``scan``'s); not a bool, which
+    no optimizer writes where it means a number and which every check of the value would pass over."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _real_tensor(value: Any) -> bool:
+    """A one-element tensor of a real dtype on the CPU: what torch takes for ``lr`` (capturable and fused steps),
+    Adam's ``betas`` and SGD's ``weight_decay``, and reads with ``.item()``."""
+    import torch
+
+    return (isinstance(value, torch.Tensor) and value.layout == torch.strided and value.device.type == "cpu"
+            and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool)
+
+
+def _reals(n: int, each: Callable[[Any], bool] = _number) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, (list, tuple)) and len(v) == n and all(each(x) for x in v)
+
+
+def _scalar(value: Any) -> bool:
+    import torch
+
+    return value is None or isinstance(value, (bool, int, float, str)) or (
+        isinstance(value, torch.Tensor) and (_real_tensor(value) or value.dtype == torch.bool and value.numel() == 1))
+
+
+_FLAG = _Kind("a bool", lambda v: isinstance(v, bool))
+_REAL = _Kind("a real number", _number)
+_LR = _Kind("a real number or a one-element real tensor", lambda v: _number(v) or _real_tensor(v))
+_HYPERPARAMETER_KINDS: dict[_Kind, tuple[str, ...]] = {
+    _FLAG: ("amsgrad", "capturable", "centered", "decoupled_weight_decay", "differentiable", "maximize", "nesterov"),
+    _Kind("a bool or None", lambda v: v is None or isinstance(v, bool)): ("foreach", "fused"),
+    _REAL: ("alpha", "beta2_decay", "d", "dampening", "initial_accumulator_value", "lambd", "lr_decay", "momentum",
+            "momentum_decay", "rho", "t0", "tolerance_change", "tolerance_grad", "base_momentum", "max_momentum"),
+    _LR: ("lr", "weight_decay", "initial_lr", "max_lr", "min_lr", "swa_lr"),  # the last four: LR schedulers' own
+    _Kind("an int", _count): ("max_iter", "max_eval", "history_size", "ns_steps"),
+    _Kind("a pair of real numbers or of one-element real tensors",
+          lambda v: _reals(2)(v) or _reals(2, _real_tensor)(v)): ("betas",),
+    _Kind("a real number, or a pair of a real number or None and a real number (Adafactor's)",
+          lambda v: _number(v) or _reals(2)(v) or (isinstance(v, (list, tuple)) and len(v) == 2 and v[0] is None
+                                                   and _number(v[1]))): ("eps",),
+    _Kind("a pair of real numbers", _reals(2)): ("etas", "step_sizes"),
+    _Kind("three real numbers", _reals(3)): ("ns_coefficients",),
+    _Kind("a name or None", lambda v: v is None or isinstance(v, str)): ("line_search_fn", "adjust_lr_fn"),
+    _Kind("a list of names", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)): ("param_names",),
+}
+HYPERPARAMETERS: dict[str, _Kind] = {key: kind for kind, keys in _HYPERPARAMETER_KINDS.items() for key in keys}
+# A key no optimizer of torch's has (a custom optimizer's, a library's: ``correct_bias``, ``decay_rate``) reaches
+# only that optimizer's own step; the readers take it as a scalar at most (``numbers.real``), so anything a
+# hyperparameter can be passes, and nested containers or tensors of many elements, bytes and complex numbers do not.
+_OTHER = _Kind("a number, a bool, a name, None, a one-element tensor or a flat list of these",
+               lambda v: _scalar(v) or isinstance(v, (list, tuple)) and all(_scalar(x) for x in v))
+
+
+def _what(value: Any) -> str:
+    """A value's kind in words, never its content (it comes from the file)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        dtype = "complex" if value.is_complex() else "bool" if value.dtype == torch.bool else "real"
+        where = "" if value.device.type == "cpu" else f" on {value.device.type}"
+        return f"a {dtype} tensor{where}" + (f" of {value.numel()} elements" if value.numel() != 1 else "")
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    words = {bool: "a bool", int: "an int", float: "a float", str: "a string", dict: "a dict", type(None): "None"}
+    return words.get(type(value), f"a {type(value).__name__}")
 
 
 def _check_claim(t: torch.Tensor, where: Path) -> None:

@@ -166,12 +166,13 @@ GROUP = {"params": [0, 1], "lr": 0.1}
                                                         "that is neither a tensor nor a number"),
 ])
 def test_an_optimizer_state_dict_unlike_torchs_says_what(groups, state, problem):
-    assert optimizer_problem(sd(groups, state)) == problem
+    said = None if problem is None else f"optimizer state is malformed: {problem}"
+    assert optimizer_problem(sd(groups, state)) == said
     wrapped = {"optimizer": sd(groups, state), "epoch": 3}  # wherever it lies in the file
     if problem is None:
         assert check_tensors(wrapped, WHERE) is None
     else:
-        assert refusal(check_tensors, wrapped, WHERE) == f"{WHERE}: optimizer state is malformed: {problem}"
+        assert refusal(check_tensors, wrapped, WHERE) == f"{WHERE}: {said}"
 
 
 def test_only_a_dict_with_a_state_dict_and_a_param_groups_list_is_taken_for_optimizer_state():

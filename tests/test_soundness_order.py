@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nanforensics.checkpoints import soundness
 from nanforensics.checkpoints.scan import scan_checkpoint
+from nanforensics.errors import BadInput
 from nanforensics.formats import open_checkpoint
 from torch import nn
 
@@ -375,21 +376,26 @@ def test_long_healthy_bf16_adamw_is_clean_at_the_derived_slack(tmp_path):
 
 
 # (key, value in param_groups[0], the finding's name or None): each range at and past its edges, open or closed, and
-# the lists (betas, Adafactor's eps pair) named item by item, an item that is no number skipped
+# the lists (betas, Adafactor's eps pair) named item by item, Adafactor's None for eps[0] skipped
 HYPER_EDGES = [("momentum", 1.0, None), ("momentum", 1.5, "momentum"), ("rho", 1.0, None), ("lr", 0.0, None),
                ("lr", -1e-3, "lr"), ("betas", [0.9, 1.0], "betas[1]"), ("betas", [0.9, 1.5], "betas[1]"),
-               ("betas", [0.9, 0.999], None), ("betas", [2.0], "betas[0]"), ("eps", (1e-30, -1.0), "eps[1]"),
-               ("eps", ("auto", -1.0), "eps[1]"), ("eps", -1.0, "eps"), ("maximize", 2.0, None)]
+               ("betas", [0.9, 0.999], None), ("betas", [2.0, 0.999], "betas[0]"), ("eps", (1e-30, -1.0), "eps[1]"),
+               ("eps", (None, -1.0), "eps[1]"), ("eps", -1.0, "eps"), ("maximize", True, None)]
 
 
 def test_each_hyperparameter_is_judged_at_its_edges_and_named_by_item(trained, tmp_path):
     """A closed range's top is inside (momentum 1), an open one's is not (a beta of 1); list items are named by
-    position; the message shows the range with its bracket."""
+    position; the message shows the range with its bracket. A value not of its key's type is no finding but the
+    reader's refusal (tests/test_hyperparameters.py)."""
     model, osd = trained
     for key, value, name in HYPER_EDGES:
         ck = _save(tmp_path / "ck.pt", model, osd, lambda o: o["param_groups"][0].update({key: value}))
         found = [u for u in scan_checkpoint(open_checkpoint(ck)).unsound if u.check == soundness.HYPERPARAMETER]
         assert [u.tensor for u in found] == ([f"param_groups[0].{name}"] if name else []), (key, value, found)
+    for key, value in (("betas", [2.0]), ("eps", ("auto", -1.0)), ("maximize", 2.0)):
+        ck = _save(tmp_path / "ck.pt", model, osd, lambda o: o["param_groups"][0].update({key: value}))
+        with pytest.raises(BadInput, match=rf"ck\.pt: optimizer\.param_groups\[0\]\.{key} is a (list|tuple|float)"):
+            open_checkpoint(ck)
     ck = _save(tmp_path / "ck.pt", model, osd, lambda o: o["param_groups"][0].update(momentum=1.5))
     assert "momentum is 1.5, outside [0, 1]:" in scan_checkpoint(open_checkpoint(ck)).unsound[0].message
 

@@ -341,7 +341,7 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd:
     parameters that share their shape with another of their group)."""
     problem = optimizer_problem(sd)
     if problem is not None:
-        raise BadInput(where, f"optimizer state is malformed: {problem}")
+        raise BadInput(where, problem)
     huge = _unrepresentable(sd)
     if huge is not None:
         raise BadInput(where, f"optimizer state holds {huge}, an integer too large for a float: torch cannot step "

@@ -16,7 +16,7 @@ import torch
 from ..distributed.tensors import shard_like, whole
 from ..errors import BadInput
 from ..finite import decode_float, encode_float
-from ..inputs import TensorFile, load_json, one_line
+from ..inputs import TensorFile, hyperparameter_problem, load_json, one_line
 from ..schema import load
 from .files import json_bytes, make_build_dir, publish_dir_atomic, safetensors_parts, write_bytes_atomic
 from .optimizers import group_owners, loose_params, optimizer_params, optimizer_set
@@ -350,6 +350,9 @@ class Checkpoint:
         load(CheckpointMeta, meta, path)
         for key in ("param_groups", "state_scalars"):
             meta[key] = state_from_json(meta[key], None, path)
+        problem = hyperparameter_problem(meta["param_groups"], "param_groups")
+        if problem is not None:
+            raise BadInput(path, problem)
         return meta
 
     def optimizer_state(self, meta: dict[str, Any], params: list[torch.Tensor] | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from nanforensics import finite
 from nanforensics.replay import support
 from nanforensics.replay.engine import ReplayOptions, replay_run
 from nanforensics.replay.monitor import StepMonitor
-from nanforensics.rootcause.samples import ALONE_UP_TO, split_batch
+from nanforensics.rootcause.samples import ALONE_UP_TO, split_batch, split_in_two
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -701,6 +701,8 @@ def test_group_testing_under_batch_coupling_names_exactly_the_samples_that_fail_
                 continue
             assert sorted(found.samples) == alone and not any(set(g) & set(alone) for g in found.coupled), kinds
             assert found.status == ("coupled" if found.coupled else "attributed"), kinds
+            for g in found.coupled:  # what coupled_text says of it: it fails, neither half does, nor any sample alone
+                assert fails(g) and not any(map(fails, split_in_two(g))) and not any(fails([i]) for i in g), kinds
 
 
 def _averaged(weights: list[float]) -> Any:

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import assert_one_line_error, run_cli
 from oracle import programs
-from oracle.check import check, compare
+from oracle.check import CAVEAT, check, compare, samples_claim
 from oracle.reference import StepWatch, first_bad, reference, single_samples
 
 # ---- the reference monitor on hand-made steps ----------------------------------------------------------------------
@@ -974,3 +974,16 @@ def test_the_property_fails_on_a_wrong_report(folder: Path) -> None:
     assert [c for c, _ in compare(ref, other)] == ["operation"]
     fewer = replace(report, samples=replace(report.samples, status="attributed", samples=[0]))
     assert compare(ref, fewer)[0][0] == "samples.attributed"
+    # above ALONE_UP_TO the claim is weaker: group testing may miss a sample that fails alone, only when it says so,
+    # and never names one that does not; judged each alone, exactly those
+    two = replace(ref, samples=[0, 1], batch_size=48)
+    halved = replace(report, samples=replace(report.samples, status="attributed", samples=[1], judged="group_testing",
+                                             message=f"sample 1 of 48 produces the non-finite value alone (found by "
+                                                     f"group testing: 9 passes; {CAVEAT})"))
+    assert compare(two, halved) == [] and samples_claim(two, halved.samples) == "caveat"
+    wrong = {"alone": {"judged": "each_alone"}, "no caveat": {"message": "sample 1 of 48 produces it alone"},
+             "accused": {"samples": [1, 2]}, "none": {"samples": []}}
+    for name, change in wrong.items():
+        assert [c for c, _ in compare(two, replace(halved, samples=replace(halved.samples, **change)))] == [
+            "samples.attributed"], name
+    assert samples_claim(two, replace(halved.samples, samples=[0, 1], judged="each_alone")) == "exact"

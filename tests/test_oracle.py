@@ -940,6 +940,16 @@ def test_replay_agrees_with_the_reference_or_refuses_up_front(seed: int, folder:
     assert outcome.kind in ("agree", "refused"), (outcome.reason, outcome.axes, outcome.details)
 
 
+# --large-batches programs (tests/oracle/programs.py, LARGE_SIZES): batches above ALONE_UP_TO, judged by group testing
+LARGE = [280003, 280007]
+
+
+@pytest.mark.parametrize("seed", LARGE)
+def test_above_the_samples_limit_replay_holds_to_the_claim_group_testing_makes(seed: int, folder: Path) -> None:
+    outcome = check(seed, folder, large=True)
+    assert outcome.kind == "agree" and "judged group_testing" in outcome.reason, (outcome.reason, outcome.details)
+
+
 def _namespace(node: Any) -> Any:
     """The JSON report as attributes, the way ``compare`` reads the library's report."""
     if isinstance(node, dict):

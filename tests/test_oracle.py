@@ -18,13 +18,13 @@ from nanforensics import finite
 from nanforensics.replay import support
 from nanforensics.replay.engine import ReplayOptions, replay_run
 from nanforensics.replay.monitor import StepMonitor
-from nanforensics.rootcause.samples import ALONE_UP_TO, split_batch
+from nanforensics.rootcause.samples import ALONE_UP_TO, split_batch, split_in_two
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from conftest import assert_one_line_error, run_cli
 from oracle import programs
-from oracle.check import check, compare
+from oracle.check import CAVEAT, check, compare, samples_claim
 from oracle.reference import StepWatch, first_bad, reference, single_samples
 
 # ---- the reference monitor on hand-made steps ----------------------------------------------------------------------
@@ -701,6 +701,8 @@ def test_group_testing_under_batch_coupling_names_exactly_the_samples_that_fail_
                 continue
             assert sorted(found.samples) == alone and not any(set(g) & set(alone) for g in found.coupled), kinds
             assert found.status == ("coupled" if found.coupled else "attributed"), kinds
+            for g in found.coupled:  # what coupled_text says of it: it fails, neither half does, nor any sample alone
+                assert fails(g) and not any(map(fails, split_in_two(g))) and not any(fails([i]) for i in g), kinds
 
 
 def _averaged(weights: list[float]) -> Any:
@@ -938,6 +940,16 @@ def test_replay_agrees_with_the_reference_or_refuses_up_front(seed: int, folder:
     assert outcome.kind in ("agree", "refused"), (outcome.reason, outcome.axes, outcome.details)
 
 
+# --large-batches programs (tests/oracle/programs.py, LARGE_SIZES): batches above ALONE_UP_TO, judged by group testing
+LARGE = [280003, 280007]
+
+
+@pytest.mark.parametrize("seed", LARGE)
+def test_above_the_samples_limit_replay_holds_to_the_claim_group_testing_makes(seed: int, folder: Path) -> None:
+    outcome = check(seed, folder, large=True)
+    assert outcome.kind == "agree" and "judged group_testing" in outcome.reason, (outcome.reason, outcome.details)
+
+
 def _namespace(node: Any) -> Any:
     """The JSON report as attributes, the way ``compare`` reads the library's report."""
     if isinstance(node, dict):
@@ -972,3 +984,16 @@ def test_the_property_fails_on_a_wrong_report(folder: Path) -> None:
     assert [c for c, _ in compare(ref, other)] == ["operation"]
     fewer = replace(report, samples=replace(report.samples, status="attributed", samples=[0]))
     assert compare(ref, fewer)[0][0] == "samples.attributed"
+    # above ALONE_UP_TO the claim is weaker: group testing may miss a sample that fails alone, only when it says so,
+    # and never names one that does not; judged each alone, exactly those
+    two = replace(ref, samples=[0, 1], batch_size=48)
+    halved = replace(report, samples=replace(report.samples, status="attributed", samples=[1], judged="group_testing",
+                                             message=f"sample 1 of 48 produces the non-finite value alone (found by "
+                                                     f"group testing: 9 passes; {CAVEAT})"))
+    assert compare(two, halved) == [] and samples_claim(two, halved.samples) == "caveat"
+    wrong = {"alone": {"judged": "each_alone"}, "no caveat": {"message": "sample 1 of 48 produces it alone"},
+             "accused": {"samples": [1, 2]}, "none": {"samples": []}}
+    for name, change in wrong.items():
+        assert [c for c, _ in compare(two, replace(halved, samples=replace(halved.samples, **change)))] == [
+            "samples.attributed"], name
+    assert samples_claim(two, replace(halved.samples, samples=[0, 1], judged="each_alone")) == "exact"

@@ -16,7 +16,7 @@ from nanforensics.replay.session import Session, pinned_threads
 from nanforensics.report import Event, OperationCulprit, ReplayReport
 from nanforensics.rootcause.findings import operation_sentence
 from nanforensics.rootcause.operations import trace_step
-from nanforensics.rootcause.samples import ALONE_UP_TO, attribute_samples
+from nanforensics.rootcause.samples import ALONE_UP_TO, attribute_samples, coupled_text
 from nanforensics.runs.run import Run, UserCode
 
 import scenarios
@@ -117,10 +117,31 @@ def test_one_bad_sample_among_64_in_logarithmic_passes(reports):
 
 
 def test_batchnorm_failure_is_reported_as_coupled_not_guessed(reports):
+    """The message says what was tried: the group and its two halves. BatchNorm1d refuses a single sample, so no
+    sample was run alone and the message does not say that none fails alone; it says why."""
     s = reports["batchnorm_near_zero"].samples
     assert s.status == "coupled" and s.samples == []
     assert any(S in group for group in s.coupled_groups)
-    assert "fail only together" in s.message
+    g = s.coupled_groups[0]
+    assert s.message.startswith(f"samples {g} fail together, and neither half of them ({g[:len(g) // 2]}, "
+                                f"{g[len(g) // 2:]}) reproduces the failure: a failure that needs samples together "), s.message
+    assert "alone reproduces" not in s.message and "single samples could not be run: " in s.message
+    assert "smaller subset" not in s.message
+
+
+def test_a_coupled_group_s_message_claims_what_was_tried_and_no_more():
+    """Halving tries a failing group's two halves, never its other subsets; the samples alone only where each was
+    run alone (a pair's halves are its samples, so nothing is added for it)."""
+    assert coupled_text([0, 1, 2, 3], alone_ran=True) == (
+        "samples [0, 1, 2, 3] fail together, and neither half of them ([0, 1], [2, 3]) nor any of them alone reproduces "
+        "the failure: a failure that needs samples together (batch-coupled operations such as BatchNorm, or a loss "
+        "normalised over the batch)")
+    assert coupled_text([0, 1, 2, 3], alone_ran=False).startswith(
+        "samples [0, 1, 2, 3] fail together, and neither half of them ([0, 1], [2, 3]) reproduces the failure: ")
+    assert coupled_text([4, 5, 6], alone_ran=True).startswith(
+        "samples [4, 5, 6] fail together, and neither half of them ([4], [5, 6]) nor any of them alone reproduces ")
+    assert coupled_text([4, 5], alone_ran=True).startswith(
+        "samples [4, 5] fail together, and neither half of them ([4], [5]) reproduces the failure: ")
 
 
 def test_optimizer_only_failure_is_traced_to_its_sample_through_the_update(reports):

@@ -267,13 +267,29 @@ def group_test(group: list[int], fails: Callable[[list[int]], bool | None],
         if len(group) == 1:
             bad.append(group[0])  # a single sample's verdict is never None
             continue
-        half = len(group) // 2
-        halves = [(h, v) for h in (group[:half], group[half:]) if (v := fails(h)) is not False]
+        halves = [(h, v) for h in split_in_two(group) if (v := fails(h)) is not False]
         if halves:
             pending += halves
         elif verdict:
             coupled.append(group)
     return sorted(bad), coupled
+
+
+def split_in_two(group: list[int]) -> tuple[list[int], list[int]]:
+    """The two halves halving tries of ``group``: what a coupled group's message names as tried."""
+    half = len(group) // 2
+    return group[:half], group[half:]
+
+
+def coupled_text(group: list[int], alone_ran: bool) -> str:
+    """What a coupled group's evidence shows, and no more: the group fails, each of the two halves halving tried passes
+    (``split_in_two``), and, where every sample was run alone (``alone_ran``; a pair's halves are its samples), none
+    of its samples fails alone. Other subsets were not tried."""
+    first, second = split_in_two(group)
+    alone = " nor any of them alone" if alone_ran and len(group) > 2 else ""
+    return (f"samples {group} fail together, and neither half of them ({first}, {second}){alone} reproduces the failure: "
+            "a failure that needs samples together (batch-coupled operations such as BatchNorm, or a loss normalised "
+            "over the batch)")
 
 
 def probe_order(size: int, probes: int = PROBES) -> list[int]:
@@ -450,8 +466,10 @@ def attribute_samples(session: Session, hint: int | None = None, progress: Progr
         why = (f" (single samples could not be run: {tester.errors[0]}; a per-batch tensor whose length equals the "
                "batch size is split with the samples unless train_step.nanforensics_whole names it)"
                if tester.errors else "")
-        message = (f"no smaller subset reproduces the failure of samples {found.coupled[0]}: they fail only together "
-                   f"(batch-coupled operations such as BatchNorm, or a loss normalised over the batch){why}"
+        # a coupled group holds no sample that fails alone, judged each alone (split_batch), unless single samples
+        # could not be run
+        ran = found.judged == "each_alone" and not tester.errors
+        message = (coupled_text(found.coupled[0], ran) + why
                    + (f"; {alone}" if samples else ""))  # last, beside the ids the finding appends
         return SampleAttribution("coupled", size, samples, per_sample_leaves, tester.passes, found.coupled, message,
                                  located, whole_leaves=kept, judged=found.judged)

@@ -4,6 +4,12 @@
 A program is drawn axis by axis (``AXES``) from ``random.Random(seed)``, only among values that fit together (a sparse
 embedding trains with an optimizer that takes sparse gradients; a fault on float inputs needs float inputs), and
 written out as source: the same seed gives the same file, so a seed is a regression case.
+
+Large batches are opt-in (``draw(seed, large=True)``, ``python -m tests.oracle --large-batches``): the seed's program
+(every axis, its data seed) with a batch drawn from ``LARGE_SIZES``, all above ``ALONE_UP_TO``, so sample attribution
+probes and halves instead of running each sample alone. The plain draw never reaches them, and drawing them consumes
+nothing of the seed's own stream: every existing seed draws the same program as before. A large program is named by
+its seed and size (``prog_SEED_bSIZE``, the axis ``size``); ``(seed, large)`` is its regression case.
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ FAULTS = ("none", "inf_input", "nan_input", "huge_input", "constant_row", "log_z
 AXES: dict[str, tuple[str, ...]] = {"arch": ARCHS, "loss": LOSSES, "optimizer": OPTIMIZERS,
                                     "optimizers": OPTIMIZER_COUNTS, "step": STEP_SHAPES, "batch": BATCH_SHAPES,
                                     "fault": FAULTS, "checkpoints": tuple(CHECKPOINTS)}
+# the opt-in large batches: above rootcause/samples.py's ALONE_UP_TO (32), even (two micro-batches of accumulation keep
+# every row); 34 just above the limit; small models, so a pass stays cheap at 64 rows
+LARGE_SIZES = (34, 48, 64)
+LARGE_AXES: dict[str, tuple[str, ...]] = {**AXES, "size": tuple(map(str, LARGE_SIZES))}
 
 TOKENS = ("attention", "embedding", "embedding_sparse")  # archs fed token ids, not floats
 SPARSE_OK = ("SparseAdam", "SGD", "Adagrad")  # the optimizers that take a sparse gradient
@@ -61,11 +71,12 @@ class Program:
 
     @property
     def name(self) -> str:
-        return f"prog_{self.seed}"
+        return f"prog_{self.seed}" + (f"_b{self.axes['size']}" if "size" in self.axes else "")
 
 
-def draw(seed: int) -> Program:
-    """The program of ``seed``: each axis drawn uniformly among the values that fit the ones drawn before it."""
+def draw(seed: int, large: bool = False) -> Program:
+    """The program of ``seed``: each axis drawn uniformly among the values that fit the ones drawn before it;
+    ``large``: the same program with a batch from ``LARGE_SIZES`` (the module's docstring), axis ``size``."""
     rng = random.Random(seed)
     arch = rng.choice(ARCHS)
     losses = ("mse", "cross_entropy", "poisson", "kl") if arch == "func_per_sample" else LOSSES
@@ -111,6 +122,9 @@ def draw(seed: int) -> Program:
     axes = {"arch": arch, "loss": loss, "optimizer": optimizer, "optimizers": count, "step": step, "batch": batch,
             "fault": fault, "checkpoints": checkpoints}
     size = rng.choice((4, 8, 10))  # never 3 nor 6: a micro-batch of 3 rows would look like the (3,) tensor
+    if large:  # drawn apart, after the seed's own size, so the data seed below stays the seed's
+        size = random.Random(-seed - 8).choice(LARGE_SIZES)
+        axes["size"] = str(size)
     return Program(seed, axes, size, render(axes, size, rng.randrange(2 ** 31)))
 
 

@@ -375,24 +375,29 @@ def _reals(n: int, each: Callable[[Any], bool] = _number) -> Callable[[Any], boo
 
 
 def _scalar(value: Any) -> bool:
+    """What a custom key may hold: a number, a bool, a name, None, or a real or bool tensor of any shape on the CPU
+    (DeepSpeed's OnebitAdam keeps a mask, ``exp_avg_mask``); no reader interprets it beyond ``numbers.real``."""
     import torch
 
     return value is None or isinstance(value, (bool, int, float, str)) or (
-        isinstance(value, torch.Tensor) and (_real_tensor(value) or value.dtype == torch.bool and value.numel() == 1))
+        isinstance(value, torch.Tensor) and value.layout == torch.strided and value.device.type == "cpu"
+        and not value.is_complex())
 
 
 _FLAG = _Kind("a bool", lambda v: isinstance(v, bool))
 _REAL = _Kind("a real number", _number)
-_LR = _Kind("a real number or a one-element real tensor", lambda v: _number(v) or _real_tensor(v))
+_RATE = _Kind("a real number or a one-element real tensor", lambda v: _number(v) or _real_tensor(v))
 _HYPERPARAMETER_KINDS: dict[_Kind, tuple[str, ...]] = {
     _FLAG: ("amsgrad", "capturable", "centered", "decoupled_weight_decay", "differentiable", "maximize", "nesterov"),
     _Kind("a bool or None", lambda v: v is None or isinstance(v, bool)): ("foreach", "fused"),
     _REAL: ("alpha", "beta2_decay", "d", "dampening", "initial_accumulator_value", "lambd", "lr_decay", "momentum",
             "momentum_decay", "rho", "t0", "tolerance_change", "tolerance_grad", "base_momentum", "max_momentum"),
-    _LR: ("lr", "weight_decay", "initial_lr", "max_lr", "min_lr", "swa_lr"),  # the last four: LR schedulers' own
+    _Kind("a real number, a one-element real tensor or None", lambda v: v is None or _RATE.holds(v)): ("lr",),  # None:
+    # transformers' Adafactor with relative_step=True computes its own; every reader of lr takes it (numbers.real)
+    _RATE: ("weight_decay", "initial_lr", "max_lr", "min_lr", "swa_lr"),  # the last four: LR schedulers' own
     _Kind("an int", _count): ("max_iter", "max_eval", "history_size", "ns_steps"),
-    _Kind("a pair of real numbers or of one-element real tensors",
-          lambda v: _reals(2)(v) or _reals(2, _real_tensor)(v)): ("betas",),
+    _Kind("two or three real numbers or two one-element real tensors",  # three: bitsandbytes' AdEMAMix
+          lambda v: _reals(2)(v) or _reals(3)(v) or _reals(2, _real_tensor)(v)): ("betas",),
     _Kind("a real number, or a pair of a real number or None and a real number (Adafactor's)",
           lambda v: _number(v) or _reals(2)(v) or (isinstance(v, (list, tuple)) and len(v) == 2 and v[0] is None
                                                    and _number(v[1]))): ("eps",),
@@ -404,8 +409,9 @@ _HYPERPARAMETER_KINDS: dict[_Kind, tuple[str, ...]] = {
 HYPERPARAMETERS: dict[str, _Kind] = {key: kind for kind, keys in _HYPERPARAMETER_KINDS.items() for key in keys}
 # A key no optimizer of torch's has (a custom optimizer's, a library's: ``correct_bias``, ``decay_rate``) reaches
 # only that optimizer's own step; the readers take it as a scalar at most (``numbers.real``), so anything a
-# hyperparameter can be passes, and nested containers or tensors of many elements, bytes and complex numbers do not.
-_OTHER = _Kind("a number, a bool, a name, None, a one-element tensor or a flat list of these",
+# hyperparameter can be passes, real and bool tensors of any shape too, and nested containers, bytes and complex
+# numbers and tensors do not.
+_OTHER = _Kind("a number, a bool, a name, None, a real or bool tensor or a flat list of these",
                lambda v: _scalar(v) or isinstance(v, (list, tuple)) and all(_scalar(x) for x in v))
 
 

@@ -115,3 +115,21 @@ def test_a_state_value_of_the_wrong_type_names_the_checkpoint_not_the_step_funct
                  ("scan", "ckpts/step_000010.pt")):
         assert_one_line_error(run_cli(*args, cwd=unrecorded), f"ckpts/step_000010.pt: {said}")
     assert tree_digest(unrecorded) == before and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("step", [-5, torch.tensor(-5.0)], ids=["int", "tensor"])
+def test_a_negative_step_is_scans_finding_and_replays_refusal_naming_the_file(unrecorded, tmp_path, step):
+    """Its type passes the gate (a step's value is ``scan``'s: unsound, exit 5); replay would hand Adam a bias
+    correction whose square root is complex, which its step raised on (blamed on ``train.py``): refused in one line."""
+    path = unrecorded / "ckpts/step_000010.pt"
+    obj = torch.load(path, weights_only=True)
+    for entry in obj["optimizer"]["state"].values():
+        entry["step"] = step
+    torch.save(obj, path)
+    scan = run_cli("scan", "ckpts/step_000010.pt", "--quiet", cwd=unrecorded)
+    assert scan.code == 5 and "error" not in scan.stderr, scan.stderr
+    replay = run_cli("replay", "--checkpoint", "ckpts/step_000010.pt", "--code", "train.py", "--json", tmp_path / "r.json",
+                     cwd=unrecorded)
+    assert_one_line_error(replay, "ckpts/step_000010.pt: optimizer state holds step = -5 for parameter 0, a negative count "
+                                  "of updates: torch cannot step with it")
+    assert not (tmp_path / "r.json").exists()

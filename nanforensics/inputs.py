@@ -311,22 +311,21 @@ def optimizer_problem(sd: dict[str, Any], name: str = "") -> str | None:
     hashable parameter ids or names, and hyperparameters of the types ``HYPERPARAMETERS`` allows; per parameter,
     named tensors and numbers), so the gate after unpickling refuses any other shape, wherever it lies in the file
     (``name``: where, ``optimizer`` or ``optimizer_states[0]``; empty for a file that is the state dict)."""
-    import torch
-
     for g in sd["param_groups"]:
         if not (isinstance(g, dict) and isinstance(g.get("params"), list)):
             return "optimizer state is malformed: a parameter group without a 'params' list"
         if not all(_count(p) or isinstance(p, str) for p in g["params"]):
             return ("optimizer state is malformed: a parameter group's 'params' holds something other than parameter "
                     "ids or names")
-    for entry in sd["state"].values():
+    for pid, entry in sd["state"].items():
         if not isinstance(entry, dict):
             return f"optimizer state is malformed: a parameter's state is a {type(entry).__name__}, not a dict of named values"
         for key, value in entry.items():
-            values = value if isinstance(value, (list, tuple)) else [value]  # a list: LBFGS's history
-            if not isinstance(key, str) or not all(v is None or isinstance(v, (torch.Tensor, int, float)) for v in values):
-                return ("optimizer state is malformed: a parameter's state holds a key that is not a name or a value "
-                        "that is neither a tensor nor a number")
+            if not isinstance(key, str):
+                return "optimizer state is malformed: a parameter's state holds a key that is not a name"
+            kind = STATE.get(key, _OTHER_STATE)
+            if not kind.holds(value):
+                return f"{name + '.' if name else ''}state{_step(pid)}{_step(key)} is {_what(value)}, not {kind.said}"
     return hyperparameter_problem(sd["param_groups"], f"{name}.param_groups" if name else "param_groups")
 
 
@@ -375,24 +374,29 @@ def _reals(n: int, each: Callable[[Any], bool] = _number) -> Callable[[Any], boo
 
 
 def _scalar(value: Any) -> bool:
+    """What a custom key may hold: a number, a bool, a name, None, or a real or bool tensor of any shape on the CPU
+    (DeepSpeed's OnebitAdam keeps a mask, ``exp_avg_mask``); no reader interprets it beyond ``numbers.real``."""
     import torch
 
     return value is None or isinstance(value, (bool, int, float, str)) or (
-        isinstance(value, torch.Tensor) and (_real_tensor(value) or value.dtype == torch.bool and value.numel() == 1))
+        isinstance(value, torch.Tensor) and value.layout == torch.strided and value.device.type == "cpu"
+        and not value.is_complex())
 
 
 _FLAG = _Kind("a bool", lambda v: isinstance(v, bool))
 _REAL = _Kind("a real number", _number)
-_LR = _Kind("a real number or a one-element real tensor", lambda v: _number(v) or _real_tensor(v))
+_RATE = _Kind("a real number or a one-element real tensor", lambda v: _number(v) or _real_tensor(v))
 _HYPERPARAMETER_KINDS: dict[_Kind, tuple[str, ...]] = {
     _FLAG: ("amsgrad", "capturable", "centered", "decoupled_weight_decay", "differentiable", "maximize", "nesterov"),
     _Kind("a bool or None", lambda v: v is None or isinstance(v, bool)): ("foreach", "fused"),
     _REAL: ("alpha", "beta2_decay", "d", "dampening", "initial_accumulator_value", "lambd", "lr_decay", "momentum",
             "momentum_decay", "rho", "t0", "tolerance_change", "tolerance_grad", "base_momentum", "max_momentum"),
-    _LR: ("lr", "weight_decay", "initial_lr", "max_lr", "min_lr", "swa_lr"),  # the last four: LR schedulers' own
+    _Kind("a real number, a one-element real tensor or None", lambda v: v is None or _RATE.holds(v)): ("lr",),  # None:
+    # transformers' Adafactor with relative_step=True computes its own; every reader of lr takes it (numbers.real)
+    _RATE: ("weight_decay", "initial_lr", "max_lr", "min_lr", "swa_lr"),  # the last four: LR schedulers' own
     _Kind("an int", _count): ("max_iter", "max_eval", "history_size", "ns_steps"),
-    _Kind("a pair of real numbers or of one-element real tensors",
-          lambda v: _reals(2)(v) or _reals(2, _real_tensor)(v)): ("betas",),
+    _Kind("two or three real numbers or two one-element real tensors",  # three: bitsandbytes' AdEMAMix
+          lambda v: _reals(2)(v) or _reals(3)(v) or _reals(2, _real_tensor)(v)): ("betas",),
     _Kind("a real number, or a pair of a real number or None and a real number (Adafactor's)",
           lambda v: _number(v) or _reals(2)(v) or (isinstance(v, (list, tuple)) and len(v) == 2 and v[0] is None
                                                    and _number(v[1]))): ("eps",),
@@ -404,9 +408,49 @@ _HYPERPARAMETER_KINDS: dict[_Kind, tuple[str, ...]] = {
 HYPERPARAMETERS: dict[str, _Kind] = {key: kind for kind, keys in _HYPERPARAMETER_KINDS.items() for key in keys}
 # A key no optimizer of torch's has (a custom optimizer's, a library's: ``correct_bias``, ``decay_rate``) reaches
 # only that optimizer's own step; the readers take it as a scalar at most (``numbers.real``), so anything a
-# hyperparameter can be passes, and nested containers or tensors of many elements, bytes and complex numbers do not.
-_OTHER = _Kind("a number, a bool, a name, None, a one-element tensor or a flat list of these",
+# hyperparameter can be passes, real and bool tensors of any shape too, and nested containers, bytes and complex
+# numbers and tensors do not.
+_OTHER = _Kind("a number, a bool, a name, None, a real or bool tensor or a flat list of these",
                lambda v: _scalar(v) or isinstance(v, (list, tuple)) and all(_scalar(x) for x in v))
+
+
+# ---- a parameter's optimizer state: an allow-list of the types torch's optimizers keep under each key ---------------
+# Each step reads them as these (``exp_avg.lerp_``, ``1 - beta ** step``): a list, a bool tensor or None there ended in
+# the replayed step's error, blamed on the user's step function. Values are not checked here: a step of -5 or NaN
+# is ``scan``'s finding. A key no torch optimizer keeps (a library's) may hold a tensor, a number or None, or a flat
+# list of these (bitsandbytes' and transformers' own state).
+
+
+def _state_tensor(value: Any) -> bool:
+    """A tensor of a real dtype, of any shape and layout (a sparse momentum buffer is scanned by its values)."""
+    import torch
+
+    return isinstance(value, torch.Tensor) and not value.is_complex() and value.dtype != torch.bool
+
+
+def _tensors(none: bool) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and all(_state_tensor(x) or none and x is None for x in v)
+
+
+_STATE_KINDS: dict[_Kind, tuple[str, ...]] = {
+    _Kind("a real tensor", _state_tensor): (
+        "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "acc_delta", "grad_avg", "sum", "mu_product",
+        "eta", "mu", "ax", "prev", "step_size", "row_var", "col_var", "variance", "d", "H_diag", "prev_flat_grad"),
+    _Kind("a real tensor or None", lambda v: v is None or _state_tensor(v)): ("momentum_buffer",),
+    _Kind("a real number or a one-element real tensor", _RATE.holds): ("step", "t", "prev_loss"),
+    _Kind("an int", _count): ("func_evals", "n_iter"),
+    _Kind("a list of real tensors", _tensors(False)): ("old_dirs", "old_stps", "ro"),
+    _Kind("a list of real tensors or None", _tensors(True)): ("al",),
+}
+STATE: dict[str, _Kind] = {key: kind for kind, keys in _STATE_KINDS.items() for key in keys}
+_OTHER_STATE = _Kind("a tensor, a number, None or a flat list of these", lambda v: all(
+    x is None or isinstance(x, (int, float)) or _is_tensor(x) for x in (v if isinstance(v, (list, tuple)) else [v])))
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 def _what(value: Any) -> str:

@@ -18,6 +18,8 @@ import pytest
 import torch
 from nanforensics.errors import BadInput
 from nanforensics.inputs import HYPERPARAMETERS, check_tensors, hyperparameter_problem, optimizer_problem
+from nanforensics.integrations._watch import lrs as lrs_of
+from nanforensics.rootcause.precursors import PrecursorProbe
 
 from conftest import ROOT, assert_one_line_error, run_cli, tree_digest
 
@@ -30,7 +32,8 @@ VALUES = {  # every kind of value a pickle or meta.json can hold where a hyperpa
     "a complex number": 1j, "nested": [[0.5]], "a real tensor": torch.tensor(0.01), "a [1] tensor": torch.tensor([0.01]),
     "an int tensor": torch.tensor(3), "a tensor pair": (torch.tensor(0.9), torch.tensor(0.999)),
     "a bool tensor": torch.tensor(True), "a complex tensor": torch.zeros(2, dtype=torch.complex64),
-    "a complex scalar tensor": torch.tensor(1j), "a tensor of 2": torch.zeros(2),
+    "a complex scalar tensor": torch.tensor(1j), "a tensor of 2": torch.zeros(2), "a real matrix": torch.ones(2, 3),
+    "a bool mask": torch.ones(4, dtype=torch.bool), "four reals": (0.9, 0.999, 0.9999, 0.5),
 }
 NUMBERS = {"0", "0.5", "nan", "-inf", "10**400"}  # NaN and infinities too: their values are scan's findings
 TENSORS = {"a real tensor", "a [1] tensor", "an int tensor"}
@@ -43,17 +46,20 @@ FAMILIES: dict[str, tuple[set[str], set[str]]] = {
     "number": ({"alpha", "beta2_decay", "d", "dampening", "initial_accumulator_value", "lambd", "lr_decay", "momentum",
                 "momentum_decay", "rho", "t0", "tolerance_change", "tolerance_grad", "base_momentum", "max_momentum"},
                NUMBERS),
-    "rate": ({"lr", "weight_decay", "initial_lr", "max_lr", "min_lr", "swa_lr"}, NUMBERS | TENSORS),
+    # lr None: transformers' Adafactor with relative_step=True computes its own
+    "lr": ({"lr"}, NUMBERS | TENSORS | {"None"}),
+    "rate": ({"weight_decay", "initial_lr", "max_lr", "min_lr", "swa_lr"}, NUMBERS | TENSORS),
     "count": ({"max_iter", "max_eval", "history_size", "ns_steps"}, {"0", "10**400"}),
-    "betas": ({"betas"}, PAIRS | {"a tensor pair"}),
+    "betas": ({"betas"}, PAIRS | {"a tensor pair", "three reals"}),  # three: bitsandbytes' AdEMAMix
     "eps": ({"eps"}, NUMBERS | PAIRS | {"(None, 1e-3)"}),
     "pair": ({"etas", "step_sizes"}, PAIRS),
     "triple": ({"ns_coefficients"}, {"three reals"}),
     "name or None": ({"line_search_fn", "adjust_lr_fn"}, {"None", "a string"}),
     "names": ({"param_names"}, {"names"}),
-    # a custom optimizer's key reaches only its own step: any scalar or flat list of them
-    "custom": ({"correct_bias", "decay_rate"}, set(VALUES) - {"a dict", "bytes", "a complex number", "nested",
-                                                             "a complex tensor", "a complex scalar tensor", "a tensor of 2"}),
+    # a custom optimizer's key reaches only its own step: any scalar, real or bool tensor (DeepSpeed OnebitAdam's
+    # exp_avg_mask) or flat list of them
+    "custom": ({"correct_bias", "decay_rate", "exp_avg_mask"}, set(VALUES) - {"a dict", "bytes", "a complex number", "nested",
+                                                                             "a complex tensor", "a complex scalar tensor"}),
 }
 KEYS = {key: family for family, (keys, _) in FAMILIES.items() for key in keys}
 
@@ -89,8 +95,8 @@ def test_every_kind_of_value_of_every_key_passes_or_is_one_line_naming_the_field
     ({"optimizer_states": [_sd({"amsgrad": torch.zeros(2, dtype=torch.complex64)})]},
      "optimizer_states[0].param_groups[0].amsgrad is a complex tensor of 2 elements, not a bool"),
     (_sd({"amsgrad": torch.tensor(1.0)}), "param_groups[0].amsgrad is a real tensor, not a bool"),
-    ({"\x1b[2J": _sd({"lr": "x"})}, "['\\x1b[2J'].param_groups[0].lr is a string, not a real number or a one-element "
-                                    "real tensor"),
+    ({"\x1b[2J": _sd({"lr": "x"})}, "['\\x1b[2J'].param_groups[0].lr is a string, not a real number, a one-element "
+                                    "real tensor or None"),
     ({"o": _sd({0: 1.0})}, "o.param_groups[0] holds a key 0, not a name"),
 ])
 def test_the_field_path_names_where_the_state_dict_lies_in_the_file(obj, path):
@@ -180,3 +186,44 @@ def test_tensor_rates_as_torch_takes_them_replay_to_the_planted_defect(unrecorde
     assert result.code == 1, result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["responsible_step"] == faulty_row // train.ROWS_PER_STEP
+
+
+class _RelativeStep(torch.optim.Optimizer):
+    """An optimizer that computes its own step size where a group's lr is None, as transformers' Adafactor does
+    with ``relative_step=True``."""
+
+    def __init__(self, groups: list[dict]) -> None:
+        super().__init__(groups, {"lr": None})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 (torch's signature)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_(p.grad * (1e-3 if group["lr"] is None else group["lr"]))
+
+
+@pytest.mark.parametrize("lrs, largest", [([None], None), ([None, 0.5], 0.5), ([torch.tensor([0.25]), None], 0.25)])
+def test_an_lr_of_none_is_taken_by_every_reader_of_lr(lrs, largest):
+    """The readers of a live optimizer's lr, the replay's precursor probe and the integrations' recorded rates, take
+    None (they ended in ``float(None)``'s TypeError) and read the others as their numbers."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in lrs))
+    optimizer = _RelativeStep([{"params": layer.parameters(), "lr": lr} for layer, lr in zip(model, lrs)])
+    model(torch.ones(1, 2)).sum().backward()
+    with PrecursorProbe(model, optimizer) as probe:
+        optimizer.step()
+        assert probe.take(0).learning_rate == largest
+    assert lrs_of(optimizer) == [None if lr is None else float(lr) for lr in lrs]
+
+
+def test_real_optimizers_groups_pass_scan_through_both_readers(unrecorded, tmp_path):
+    """The holds side through the CLI: AdEMAMix's three betas, Adafactor's lr None and a OnebitAdam-like mask in a
+    custom key, in a pickle and in meta.json, scan as sound checkpoints do (exit 0)."""
+    _set_group(unrecorded / "ckpts/step_000010.pt", lr=None, betas=(0.9, 0.999, 0.9999), exp_avg_mask=torch.ones(2, 3))
+    assert run_cli("scan", "ckpts/step_000010.pt", cwd=unrecorded).code == 0
+    ck = tmp_path / "ck"
+    shutil.copytree(ROOT / "sample_runs/clean/checkpoints/step_00000010", ck)
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["param_groups"][0].update(lr=None, betas=[0.9, 0.999, 0.9999], exp_avg_mask=[1.0, 0.0, 1.0])
+    (ck / "meta.json").write_text(json.dumps(meta))
+    result = run_cli("scan", ck)
+    assert result.code == 0, result.stderr

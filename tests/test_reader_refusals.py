@@ -149,7 +149,8 @@ GROUP = {"params": [0, 1], "lr": 0.1}
 @pytest.mark.parametrize("groups, state, problem", [
     ([GROUP], {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2)}}, None),
     ([{"params": ["fc.weight"]}], {"fc.weight": {"momentum_buffer": None}}, None),
-    ([GROUP], {0: {"old_dirs": [torch.zeros(1), 2, 3.5], "n_iter": 4}}, None),  # LBFGS: lists of tensors and numbers
+    ([GROUP], {0: {"old_dirs": [torch.zeros(1)], "al": [None], "t": 3.5, "n_iter": 4}}, None),  # LBFGS: lists of tensors
+    ([GROUP], {0: {"exp_avg_sq_row": [torch.zeros(1), 2, 3.5]}}, None),  # a key no torch optimizer keeps: a flat list
     ([], {}, None),
     (["params"], {}, "a parameter group without a 'params' list"),
     ([{"lr": 1}], {}, "a parameter group without a 'params' list"),
@@ -158,21 +159,23 @@ GROUP = {"params": [0, 1], "lr": 0.1}
     ([{"params": [0, 1.0]}], {}, "a parameter group's 'params' holds something other than parameter ids or names"),
     ([GROUP], {0: [torch.zeros(1)]}, "a parameter's state is a list, not a dict of named values"),
     ([GROUP], {0: {}, 1: None}, "a parameter's state is a NoneType, not a dict of named values"),
-    ([GROUP], {0: {1: torch.zeros(1)}}, "a parameter's state holds a key that is not a name or a value that is neither a "
-                                        "tensor nor a number"),
-    ([GROUP], {0: {"step": "1"}}, "a parameter's state holds a key that is not a name or a value that is neither a tensor "
-                                  "nor a number"),
-    ([GROUP], {0: {"old_dirs": [torch.zeros(1), "x"]}}, "a parameter's state holds a key that is not a name or a value "
-                                                        "that is neither a tensor nor a number"),
+    ([GROUP], {0: {1: torch.zeros(1)}}, "a parameter's state holds a key that is not a name"),
+    # a value of a type its key does not take (inputs.STATE; test_optimizer_state_types enumerates them): by its field
+    ([GROUP], {0: {"step": "1"}}, "=state[0].step is a string, not a real number or a one-element real tensor"),
+    ([GROUP], {0: {"old_dirs": [torch.zeros(1), "x"]}}, "=state[0].old_dirs is a list of 2, not a list of real tensors"),
+    ([GROUP], {1: {"qmap1": [torch.zeros(1), "x"]}}, "=state[1].qmap1 is a list of 2, not a tensor, a number, None or a "
+                                                     "flat list of these"),
 ])
 def test_an_optimizer_state_dict_unlike_torchs_says_what(groups, state, problem):
-    said = None if problem is None else f"optimizer state is malformed: {problem}"
+    said = None if problem is None else problem[1:] if problem.startswith("=") else \
+        f"optimizer state is malformed: {problem}"
     assert optimizer_problem(sd(groups, state)) == said
     wrapped = {"optimizer": sd(groups, state), "epoch": 3}  # wherever it lies in the file
     if problem is None:
         assert check_tensors(wrapped, WHERE) is None
     else:
-        assert refusal(check_tensors, wrapped, WHERE) == f"{WHERE}: {said}"
+        field = "optimizer." if problem.startswith("=") else ""  # a field path names where the state dict lies
+        assert refusal(check_tensors, wrapped, WHERE) == f"{WHERE}: {field}{said}"
 
 
 def test_only_a_dict_with_a_state_dict_and_a_param_groups_list_is_taken_for_optimizer_state():

@@ -104,10 +104,11 @@ def test_each_step_counter_is_judged_against_the_checkpoints_step(tmp_path, fmt)
 
 
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.0), (0.5, 1.0), (1.0, 0.999), (0.9, 1.5), (0.9, -0.5),
-                                   (1.5, 0.5), (0.9,)], ids=str)
+                                   (1.5, 0.5), (0.9, 0.999, 0.9999)], ids=str)
 def test_a_reset_counter_says_the_bias_corrections_scale_where_the_betas_give_one(tmp_path, betas):
     """A counter of 0 beside moments that hold values: the scale the next update's bias correction puts on them,
-    where the betas make it a number (b1 < 1, b2 in [0, 1]), and no scale where they do not or are no pair."""
+    where the betas make it a number (b1 < 1, b2 in [0, 1]), and no scale where they do not or are no pair (three:
+    AdEMAMix's; one beta is refused before, inputs.HYPERPARAMETERS)."""
     _, unsound = _findings(tmp_path, "torch", dict.fromkeys(NAMES, 0), betas=betas)
     found = [u for u in unsound if u.check == soundness.STEP]
     _, words = _expected_step(0.0, "torch", True, betas)

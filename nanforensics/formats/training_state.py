@@ -39,7 +39,7 @@ import torch
 
 from ..errors import BadInput
 from ..inputs import TensorFile, optimizer_problem
-from ..numbers import spoken, unrepresentable
+from ..numbers import real, spoken, unrepresentable
 from ..runs.checkpoint import Checkpoint, b64, restore_rng, rng_state, state_from_json
 from . import torch_file, zero
 from .entries import MODEL, OPTIMIZER, OPTIMIZER_KEYS
@@ -342,10 +342,10 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd:
     problem = optimizer_problem(sd)
     if problem is not None:
         raise BadInput(where, problem)
-    huge = _unrepresentable(sd)
-    if huge is not None:
-        raise BadInput(where, f"optimizer state holds {huge}, an integer too large for a float: torch cannot step "
-                              "with it (`nanforensics scan` reports it as unsound)")
+    unsteppable = _unsteppable(sd)
+    if unsteppable is not None:
+        raise BadInput(where, f"optimizer state holds {unsteppable}: torch cannot step with it (`nanforensics scan` "
+                              "reports it as unsound)")
     named = _saved_names(sd["param_groups"])
     state, groups = (_by_name(model, optimizer, sd, named, where, factory) if named is not None
                      else _by_order(optimizer, sd, where, factory))
@@ -385,17 +385,22 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd:
     return ORDER, shared
 
 
-def _unrepresentable(sd: dict[str, Any]) -> str | None:
-    """The first hyperparameter or state scalar no float holds (``lr = 10**400``), named; None when there is none."""
+def _unsteppable(sd: dict[str, Any]) -> str | None:
+    """The first hyperparameter or state value torch's step raises on, named; None when there is none: an int no
+    float holds (``lr = 10**400``, OverflowError) or a negative step count (Adam's bias correction then takes the
+    square root of a negative number, a complex one the parameters cannot hold). Its type passed ``optimizer_problem``;
+    its value is ``scan``'s finding."""
     for g, group in enumerate(sd["param_groups"]):
         for key, value in _hyperparameters(group).items():
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if unrepresentable(item):
-                    return f"{key} = {spoken(item)} in group {g}"
+                    return f"{key} = {spoken(item)} in group {g}, an integer too large for a float"
     for pid, state in sd["state"].items():  # dicts of dicts: optimizer_problem passed it first
         for key, value in state.items():
             if unrepresentable(value):
-                return f"{key} = {spoken(value)} for parameter {pid}"
+                return f"{key} = {spoken(value)} for parameter {pid}, an integer too large for a float"
+            if key == "step" and (count := real(value)) is not None and count < 0:
+                return f"step = {count:g} for parameter {pid}, a negative count of updates"
     return None
 
 

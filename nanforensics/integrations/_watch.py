@@ -22,12 +22,13 @@ from ..views.escaping import visible
 log = logging.getLogger("nanforensics")
 
 
-def lrs(optimizer: torch.optim.Optimizer) -> list[float]:
-    """Each group's learning rate now: what the step about to run uses, whatever scheduler set it."""
-    return [float(g["lr"]) for g in optimizer.param_groups]
+def lrs(optimizer: torch.optim.Optimizer) -> list[float | None]:
+    """Each group's learning rate now: what the step about to run uses, whatever scheduler set it; None where the
+    optimizer computes its own (transformers' Adafactor with ``relative_step=True``), and replayed as None."""
+    return [None if g["lr"] is None else float(g["lr"]) for g in optimizer.param_groups]
 
 
-def set_lrs(optimizer: torch.optim.Optimizer, values: list[float]) -> None:
+def set_lrs(optimizer: torch.optim.Optimizer, values: list[float | None]) -> None:
     for group, lr in zip(optimizer.param_groups, values):
         group["lr"] = lr
 

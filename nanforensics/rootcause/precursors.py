@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import finite
 from ..distributed.tensors import whole
+from ..numbers import real
 from ..report import Precursor
 from ..runs.checkpoint import optimizer_params
 
@@ -69,7 +70,7 @@ class PrecursorProbe:
             self._grad_max = torch.stack([finite.abs_max(g) for g in grads]).max()
             self._grad_norm = _norm(grads, self._grad_max)
         self._before = [whole(p).detach().clone() for p in optimizer_params(self.optimizer)]
-        lrs = [float(g["lr"]) for g in optimizer.param_groups if "lr" in g]
+        lrs = [lr for g in optimizer.param_groups if (lr := real(g.get("lr"))) is not None]  # None: Adafactor's own
         self._lr = max(lrs) if lrs else None
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -108,11 +108,12 @@ def _unb64(text: str) -> torch.Tensor:
 def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str) -> Any:
     """A state as plain JSON, without pickle: the one writer of meta.json's tags. A tensor is moved to ``tensors`` and
     referenced as ``{"$tensor": key}``, or with ``tensors`` None (hyperparameters, state scalars: a tensor lr) stored
-    as its numbers; inf and nan, which JSON lacks, become ``{"$float": "inf"}`` (LBFGS keeps its last loss as a
-    float: nan once the loss was)."""
+    as its numbers, a one-element tensor as its one number whatever its shape (torch takes an lr of shape ``[1]``;
+    the reader takes a rate as a number, and replay steps with it as the float it is); inf and nan, which JSON lacks,
+    become ``{"$float": "inf"}`` (LBFGS keeps its last loss as a float: nan once the loss was)."""
     if isinstance(state, torch.Tensor):
         if tensors is None:
-            return state_to_json(state.tolist(), None, path)
+            return state_to_json(state.item() if state.numel() == 1 else state.tolist(), None, path)
         tensors[path] = state
         return {"$tensor": path}
     if isinstance(state, float) and not math.isfinite(state):

@@ -1,0 +1,311 @@
+"""The replay loop's facts, each read exactly: where it starts, the window it replays, where it stops and why, the
+step it rewinds to for the precursors, the records of each step, the checkpoints it compares, the tolerance it judges
+by, the progress it reports, and what it refuses. On tiny runs the project's recorder makes here (a defect at a
+chosen step; a replay of one is a tenth of a second), on copies of them changed where a case needs it, and on the
+committed sample runs, read and never written."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from nanforensics.errors import BadInput
+from nanforensics.replay import whatif
+from nanforensics.replay.engine import ReplayOptions, _explain, _start_checkpoint, replay, replay_run
+from nanforensics.replay.reproduction import STATE_RTOL
+from nanforensics.distributed.sessions import open_session
+from nanforensics.replay.unrecorded import replay_checkpoint
+from nanforensics.runs.cpu import this_cpu
+from nanforensics.runs.run import Run, UserCode
+from nanforensics.runs.unrecorded import open_unrecorded, user_checkpoint
+
+import scenarios
+from conftest import ROOT, tree_digest
+
+SEED_ADAM = ROOT / "sample_runs" / "seed_adam"  # recorded on another CPU: origin at step 27, NaN logged from step 28
+UNRECORDED = ROOT / "sample_runs" / "unrecorded"
+DEFECT = 20  # the long run's defect: an infinite gradient in features.gain[3], sample 5 of the batch
+STEPS, EVERY = 28, 4  # the long run: steps 0-27, checkpoints before steps 0, 4, ... 24
+NO_LABELS = 3  # the loss-only run's defect: a batch without a label, a NaN loss and nothing else
+
+
+class Log:
+    """Progress as the replay reports it, every phase and update in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def phase(self, what: str, total: int | None = None, unit: str = "step", at_most: bool = False) -> None:
+        self.events.append(("phase", what, total, unit, at_most))
+
+    def update(self, done: int, total: int | None = None) -> None:
+        self.events.append(("update", done, total))
+
+
+def phase(what: str, total: int | None = None, unit: str = "step", at_most: bool = False) -> tuple:
+    return ("phase", what, total, unit, at_most)
+
+
+def updates(first: int, last: int, total: int | None = None) -> list[tuple]:
+    return [("update", n, total) for n in range(first, last + 1)]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The long run (an origin at step 20, NaN logged from 21) and the loss-only run (steps 0-5, checkpoints every 2)."""
+    root = tmp_path_factory.mktemp("engine-facts")
+    scenarios.record(root / "long", "adam_near_zero", steps=STEPS, defect_step=DEFECT, checkpoint_every=EVERY)
+    scenarios.record(root / "no_labels", "decoder_no_labels", steps=6, defect_step=NO_LABELS, checkpoint_every=2)
+    return {"long": root / "long", "no_labels": root / "no_labels"}
+
+
+def changed(recorded: dict[str, Path], tmp_path: Path, name: str, *, manifest: dict | None = None,
+            losses: dict[int, float | str] | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of a recorded run with manifest fields replaced (None: removed), logged losses replaced, files dropped."""
+    run = tmp_path / name
+    shutil.copytree(recorded[name], run)
+    if manifest:
+        raw = json.loads((run / "manifest.json").read_text())
+        raw.update(manifest)
+        raw = {k: v for k, v in raw.items() if v is not None}
+        (run / "manifest.json").write_text(json.dumps(raw))
+    if losses:
+        lines = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+        lines = [{**line, "loss": losses.get(line["step"], line["loss"])} for line in lines]
+        (run / "steps.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    for path in drop:
+        target = run / path
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    return run
+
+
+def refusal(call, *args) -> tuple[str | Path, str]:
+    """Where and what the one-line refusal of ``call(*args)`` says (a path where it names a file)."""
+    with pytest.raises(BadInput) as refused:
+        call(*args)
+    where = refused.value.where
+    return (Path(where) if where and where.startswith("/") else where), refused.value.problem
+
+
+def logged_losses(run: Path) -> dict[int, float]:
+    return {line["step"]: float(line["loss"]) for line in map(json.loads, (run / "steps.jsonl").read_text().splitlines())}
+
+
+def test_the_long_run_rewinds_to_the_newest_old_enough_checkpoint_and_stops_a_step_past_the_nan_loss(recorded):
+    """Start: the newest finite checkpoint before the first NaN logged (21): step 20. The origin at step 20 leaves it
+    no room for precursors (16 steps), so the rewind goes to the newest checkpoint at or before step 4 (not the oldest);
+    the chain is complete at step 21 (every parameter NaN, the first NaN loss), the replay ends a step after."""
+    log, before = Log(), tree_digest(recorded["long"])
+    r = replay_run(recorded["long"], ReplayOptions(explain=False), log)
+    assert tree_digest(recorded["long"]) == before
+    assert (r.verdict, r.responsible_step, r.first_nonfinite_loss_step, r.logged_first_nonfinite_loss_step,
+            r.fully_nonfinite_step, r.diverged_at_step, r.reproduced, r.state_poisoned) == (
+        "nonfinite", DEFECT, DEFECT + 1, DEFECT + 1, DEFECT + 1, None, True, True)
+    assert (r.origin.step, r.origin.stage, r.origin.tensor, r.origin.index, r.origin.value) == (
+        DEFECT, "grad", "features.gain", [3], "inf")
+    assert r.responsible_batch.step == DEFECT and r.responsible_batch.file.endswith("step_00000020.safetensors")
+    assert (r.setup.from_checkpoint, r.setup.first_step, r.setup.last_step, r.setup.num_threads) == (20, 20, 22, 1)
+    assert r.setup.loss_rtol is None and r.setup.recorded_cpu == r.setup.replay_cpu == this_cpu()
+    assert [p.step for p in r.precursors] == list(range(4, DEFECT + 3))
+    assert [c.step for c in r.checkpoints_compared] == [24 - EVERY] * 0  # none recorded past the start within the window
+    logged = logged_losses(recorded["long"])
+    rows = [(s.step, s.params_nonfinite, s.params_total, s.state_nonfinite, s.state_total, s.buffers_nonfinite,
+             s.buffers_total, s.loss_ulps) for s in r.spread]
+    assert rows == [(20, 1, 1649, 2, 3305, 0, 0, 0), (21, 1649, 1649, 3298, 3305, 0, 0, None),
+                    (22, 1649, 1649, 3298, 3305, 0, 0, None)]
+    for s in r.spread:
+        assert s.logged_loss == logged[s.step] or math.isnan(s.logged_loss) and math.isnan(logged[s.step])
+        assert s.replayed_loss == s.logged_loss or math.isnan(s.replayed_loss) and math.isnan(s.logged_loss)
+    assert {e.step for e in r.events} == {20, 21, 22} and r.events[0] is r.origin
+    assert r.operation is None and r.samples is None and r.what_if == []
+    assert [(d.step, d.tensor, d.kind, d.index) for d in r.data_defects] == [(DEFECT, "batch['x']", "subnormal", [5, 3])]
+    assert r.loaded is None and r.unsound == [] and r.findings
+    assert log.events == [
+        phase("checking that the checkpoint at step 20 is finite"), phase("checking the batches of steps 20-27"),
+        phase("replaying steps 20-23", 4), phase("locating: re-running steps 4-19 with precursor probes", 16),
+        *updates(1, 16), phase("locating: steps 20-23, reading each first non-finite value", 4, at_most=True),
+        ("update", 1, 4), ("update", 2, 4), ("update", 3, 3)]
+
+
+def test_a_start_sixteen_steps_before_the_origin_needs_no_rewind_and_passes_each_later_checkpoint(recorded):
+    """From step 4, the origin 16 steps later: the precursors start at the start (restored from memory); every
+    recorded checkpoint passed is compared, bit for bit on the CPU the run was recorded on."""
+    log = Log()
+    r = replay_run(recorded["long"], ReplayOptions(explain=False, from_step=4), log)
+    assert (r.setup.from_checkpoint, r.setup.first_step, r.setup.last_step, r.responsible_step) == (4, 4, 22, DEFECT)
+    assert [p.step for p in r.precursors] == list(range(4, DEFECT + 3))
+    assert [(c.step, c.exact, c.tolerance) for c in r.checkpoints_compared] == [(s, True, 0.0) for s in (8, 12, 16, 20)]
+    assert [s.step for s in r.spread] == list(range(4, DEFECT + 3)) and r.reproduced
+    assert log.events == [
+        phase("checking that the checkpoint at step 4 is finite"), phase("checking the batches of steps 4-27"),
+        phase("replaying steps 4-23", 20), *updates(1, 16, 20),
+        phase("locating: steps 20-23, reading each first non-finite value", 4, at_most=True),
+        ("update", 1, 4), ("update", 2, 4), ("update", 3, 3)]
+
+
+def test_the_chain_waits_after_steps_past_the_nan_loss_and_the_window_grows_past_the_logs_guess(recorded):
+    """after=5: the chain is complete at step 21 + 5, past the log's guess (step 21 + 1 + 5 = 27 is the window's
+    end): the count's total is the window's; from step 16 the rewind goes to step 4."""
+    log = Log()
+    r = replay_run(recorded["long"], ReplayOptions(explain=False, from_step=16, after=5, max_steps=10), log)
+    assert (r.setup.from_checkpoint, r.setup.first_step, r.setup.last_step) == (16, 16, 25)
+    assert [p.step for p in r.precursors] == list(range(4, 26))
+    assert [(c.step, c.exact) for c in r.checkpoints_compared] == [(20, True), (24, True)]
+    assert log.events == [
+        phase("checking that the checkpoint at step 16 is finite"), phase("checking the batches of steps 16-25"),
+        phase("replaying steps 16-25", 10), *updates(1, 4, 10),
+        phase("locating: re-running steps 4-19 with precursor probes", 16), *updates(1, 16),
+        phase("locating: steps 20-25, reading each first non-finite value", 6, at_most=True), *updates(1, 6, 6)]
+
+
+def test_a_logged_nan_that_does_not_reproduce_stops_the_replay_after_steps_past_it(recorded, tmp_path):
+    """NaN logged at step 10 of a copy, the replay finite there: it starts at step 8 and stops at 10 + after, not
+    reproduced; with no origin, no precursors and nothing explained."""
+    run = changed(recorded, tmp_path, "long", losses={10: "nan"})
+    for after in (1, 2):
+        log = Log()
+        r = replay_run(run, ReplayOptions(after=after), log)
+        assert (r.verdict, r.responsible_step, r.logged_first_nonfinite_loss_step, r.diverged_at_step) == (
+            "not_reproduced", None, 10, None)
+        assert [s.step for s in r.spread] == list(range(8, 11 + after)) and r.precursors == []
+        assert r.operation is None and r.samples is None
+        total = min(STEPS - 1, 10 + 1 + after) - 8 + 1
+        assert log.events == [phase("checking that the checkpoint at step 8 is finite"),
+                              phase("checking the batches of steps 8-27"), phase(f"replaying steps 8-{10 + 1 + after}", total),
+                              *updates(1, 2 + after, total), ("update", 3 + after, 3 + after)]
+
+
+def test_a_loss_only_step_is_explained_from_the_state_kept_before_it(recorded):
+    """The loss-only run: its NaN loss (step 3) reaches nothing, so the replay runs on to the log's end; the loss is
+    explained (the operation, the samples) from the state kept before step 3, with no step re-run for it."""
+    log = Log()
+    r = replay_run(recorded["no_labels"], ReplayOptions(), log)
+    assert (r.verdict, r.loss_only_steps, r.origin, r.events, r.precursors) == ("loss_only", [NO_LABELS], None, [], [])
+    assert [s.step for s in r.spread] == [2, 3, 4, 5] and r.first_nonfinite_loss_step == NO_LABELS
+    assert [(c.step, c.exact) for c in r.checkpoints_compared] == [(4, True), (6, True)] and r.reproduced
+    assert r.operation.traced_from == "loss = nan" and r.operation.site.op == "aten::nll_loss_forward.default"
+    assert (r.samples.status, r.samples.compared_step, r.samples.compared_fails) == ("batch_wide", 2, False)
+    assert log.events[:6] == [phase("checking that the checkpoint at step 2 is finite"),
+                              phase("checking the batches of steps 2-5"), phase("replaying steps 2-5", 4),
+                              *updates(1, 3, 4)]
+    assert log.events[6:8] == [("update", 4, 4), phase("tracing the operation behind loss at step 3")]
+
+
+def test_the_tolerances_follow_the_cpu_the_compiler_and_the_option(recorded, tmp_path):
+    """Bit for bit on the CPU the run names; within STATE_RTOL and 1e-3 where it names another or none, or was compiled
+    with kernels of its own; --loss-rtol overrides the losses' tolerance."""
+    other = {"model": "another", "capability": "DEFAULT", "machine": "x86_64"}
+    cases = [({}, None, None, 0.0), ({"cpu": other}, None, 1e-3, STATE_RTOL), ({"cpu": None}, None, 1e-3, STATE_RTOL),
+             ({"compiled": {"backend": "inductor"}}, None, 1e-3, STATE_RTOL),
+             ({"compiled": {"backend": "eager"}}, None, None, 0.0), ({}, 0.25, 0.25, 0.0), ({"cpu": other}, 0.0, None,
+                                                                                          STATE_RTOL)]
+    for n, (manifest, option, loss_rtol, state_rtol) in enumerate(cases):
+        run = changed(recorded, tmp_path / str(n), "no_labels", manifest=manifest)
+        r = replay_run(run, ReplayOptions(explain=False, loss_rtol=option))
+        assert (r.setup.loss_rtol, [c.tolerance for c in r.checkpoints_compared], r.reproduced) == (
+            loss_rtol, [state_rtol] * 2, True), manifest
+
+
+def test_a_logged_loss_some_ulps_off_is_judged_by_the_ulps_allowed(recorded, tmp_path):
+    """Step 4's logged loss 3 float32 ulps off the replayed one (judged: past the last checkpoint compared, step 4's)."""
+    logged = logged_losses(recorded["no_labels"])[4]
+    off = float(torch.tensor(logged).view(torch.int32).add(3).view(torch.float32))
+    run = changed(recorded, tmp_path, "no_labels", losses={4: off}, drop=("checkpoints/step_00000006",))
+    for ulps, reproduced in ((2, False), (3, True)):
+        r = replay_run(run, ReplayOptions(explain=False, loss_ulps=ulps))
+        assert (r.reproduced, r.diverged_at_step if not reproduced else None, r.loss_max_ulps) == (
+            reproduced, 4 if not reproduced else None, 3)
+
+
+def test_the_batches_of_the_whole_window_are_checked_against_the_magnitude_given(recorded):
+    """The readings are exp(N(0, 0.5)): a bound of 1 flags each step's batch, over the window from the start to the
+    log's end (step 27), though the replay stops at step 22."""
+    r = replay_run(recorded["long"], ReplayOptions(explain=False, data_max_abs=1.0))
+    assert sorted({d.step for d in r.data_defects}) == list(range(20, STEPS))
+
+
+def test_a_what_if_is_replayed_from_the_start_at_the_origin(recorded):
+    r = replay_run(recorded["long"], ReplayOptions(explain=False, what_if=[whatif.parse("skip")], what_if_steps=2))
+    assert [(w.intervention, w.step, w.last_step) for w in r.what_if] == [("none", DEFECT, DEFECT + 2), ("skip", DEFECT, DEFECT + 2)]
+    assert any("skip" in f for f in r.findings)
+
+
+def test_the_explanation_without_the_state_kept_re_runs_from_the_session_start(recorded):
+    """_explain with nothing kept: the session restarts at its checkpoint and re-runs to the origin's step, and finds
+    what the replay finds from the state it kept."""
+    r = replay_run(recorded["long"], ReplayOptions(from_step=16))
+    run = Run(recorded["long"])
+    code = UserCode.load(run, (), False, False, ())
+    session = open_session(run, code, run.checkpoints()[4], torch.device("cpu"))
+    log = Log()
+    operation, samples = _explain(session, r.origin, None, log)
+    assert operation == r.operation and samples == r.samples and samples.samples == [scenarios.DEFECT_SAMPLE]
+    assert log.events[:2] == [phase("re-running steps 16-19 to the responsible one"),
+                              phase("tracing the operation behind grad at step 20")]
+
+
+def test_the_start_checkpoint_is_the_newest_finite_one_at_or_before_the_target(recorded, tmp_path):
+    run = Run(recorded["long"])
+    for target, start in ((None, 20), (28, 20), (27, 20), (21, 20), (20, 20), (19, 16), (0, 0)):
+        log = Log()
+        assert _start_checkpoint(run, target, log).step == start
+        tried = [28, 24] if target is None or target >= 28 else [24] if target >= 24 else []
+        assert log.events == [phase(f"checking that the checkpoint at step {s} is finite") for s in (*tried, start)]
+    gone = Run(changed(recorded, tmp_path / "a", "long", drop=("checkpoints/step_00000000",)))
+    assert refusal(_start_checkpoint, gone, 3) == (gone.checkpoint_folder, "no checkpoint at or before step 3 (oldest is step 4)")
+    late = Run(changed(recorded, tmp_path / "b", "long", drop=tuple(f"checkpoints/step_{s:08d}" for s in range(0, 24, 4))))
+    assert refusal(_start_checkpoint, late, 27) == (late.checkpoint_folder, (
+        "every checkpoint up to step 24 already holds non-finite values: the origin lies before the oldest one kept "
+        "(run `nanforensics bisect` on the folder)"))
+    none = Run(changed(recorded, tmp_path / "c", "long", drop=("checkpoints",)))
+    assert refusal(_start_checkpoint, none, 27) == (none.checkpoint_folder, "the run has no checkpoints")
+
+
+def test_the_rewind_stays_at_the_start_when_an_older_checkpoints_batches_are_missing(recorded, tmp_path):
+    """The rewind needs every batch from the older checkpoint to the start: step 4's or step 19's missing, the
+    precursors start at the start checkpoint (step 20) instead."""
+    for missing in (4, 19):
+        run = changed(recorded, tmp_path / str(missing), "long", drop=(f"batches/step_{missing:08d}.safetensors",))
+        r = replay_run(run, ReplayOptions(explain=False))
+        assert r.responsible_step == DEFECT and [p.step for p in r.precursors] == list(range(20, DEFECT + 3)), missing
+
+
+def test_refusals_before_any_step(recorded, tmp_path):
+    assert refusal(replay_run, recorded["long"], ReplayOptions(from_step=STEPS)) == (
+        "--from-step", "step 28 lies past the run's last logged step, 27")
+    assert refusal(replay_run, recorded["long"], ReplayOptions(device="tpu"))[0] == "--device"
+    late = changed(recorded, tmp_path / "late", "long")
+    (late / "steps.jsonl").write_text("".join(line + "\n" for line in (late / "steps.jsonl").read_text().splitlines()[18:]))
+    assert refusal(replay_run, late, ReplayOptions(from_step=19)) == (
+        late, "its step log starts at step 18, after the start checkpoint (step 16): the steps between were never logged")
+    empty = changed(recorded, tmp_path / "empty", "long")
+    (empty / "steps.jsonl").write_text("")
+    assert refusal(replay_run, empty) == (empty / "steps.jsonl", "no steps were logged")
+
+
+def test_a_run_nobody_recorded_has_its_batches_checked_where_the_replay_ran_them():
+    """No log says where it ends: --max-steps bounds the window, and the batches checked are those replayed."""
+    log = Log()
+    r = replay_checkpoint(UNRECORDED / "ckpts" / "step_000010.pt", str(UNRECORDED / "train.py"),
+                          options=ReplayOptions(explain=False, max_steps=9, data_max_abs=0.5), progress=log)
+    assert (r.verdict, r.responsible_step, r.setup.first_step, r.setup.last_step) == ("nonfinite", 17, 10, 18)
+    assert sorted({d.step for d in r.data_defects}) == list(range(10, 19))
+    assert not any(e[0] == "phase" and e[1].startswith("checking the batches") for e in log.events)
+    start = user_checkpoint(UNRECORDED / "ckpts" / "step_000010.pt")
+    run, code = open_unrecorded(start, str(UNRECORDED / "train.py"))
+    assert refusal(replay, run, code, ReplayOptions(explain=False)) == (
+        "--max-steps", "the run logged no steps, so nothing says where it ends: give --max-steps")
+
+
+def test_the_committed_sample_is_replayed_from_its_own_code_within_a_tolerance(tmp_path):
+    """seed_adam, recorded on another CPU: the origin and the tolerance, the sample unchanged."""
+    before = tree_digest(SEED_ADAM)
+    r = replay_run(SEED_ADAM, ReplayOptions(explain=False, code_paths=[ROOT / "sample_runs" / "code"]))
+    assert tree_digest(SEED_ADAM) == before
+    assert (r.responsible_step, r.origin.tensor, r.origin.index, r.setup.from_checkpoint, r.setup.num_threads) == (
+        27, "features.gain", [3], 20, 2)
+    assert r.setup.loss_rtol == 1e-3 and [p.step for p in r.precursors][0] == 10

@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanforensics.distributed.sessions import open_session
 from nanforensics.errors import BadInput
 from nanforensics.replay import whatif
 from nanforensics.replay.engine import ReplayOptions, _explain, _start_checkpoint, replay, replay_run
 from nanforensics.replay.reproduction import STATE_RTOL
-from nanforensics.distributed.sessions import open_session
 from nanforensics.replay.unrecorded import replay_checkpoint
 from nanforensics.runs.cpu import this_cpu
 from nanforensics.runs.run import Run, UserCode
 from nanforensics.runs.unrecorded import open_unrecorded, user_checkpoint
+from safetensors.torch import load_file, save_file
 
 import scenarios
 from conftest import ROOT, tree_digest
@@ -56,11 +57,15 @@ def updates(first: int, last: int, total: int | None = None) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The long run (an origin at step 20, NaN logged from 21) and the loss-only run (steps 0-5, checkpoints every 2)."""
+    """The long run (an origin at step 20, NaN logged from 21); steps 0-5 with checkpoints every 2 and a defect at
+    step 3 of: the loss-only run, a mixed-precision run whose scaler catches each overflow, a run whose batch norm's
+    running variance overflows."""
     root = tmp_path_factory.mktemp("engine-facts")
     scenarios.record(root / "long", "adam_near_zero", steps=STEPS, defect_step=DEFECT, checkpoint_every=EVERY)
-    scenarios.record(root / "no_labels", "decoder_no_labels", steps=6, defect_step=NO_LABELS, checkpoint_every=2)
-    return {"long": root / "long", "no_labels": root / "no_labels"}
+    for name in ("decoder_no_labels", "fp16_scaler_catches", "batchnorm_huge_pixel"):
+        scenarios.record(root / name, name, steps=6, defect_step=NO_LABELS, checkpoint_every=2)
+    return {"long": root / "long", "no_labels": root / "decoder_no_labels", "amp": root / "fp16_scaler_catches",
+            "buffer": root / "batchnorm_huge_pixel"}
 
 
 def changed(recorded: dict[str, Path], tmp_path: Path, name: str, *, manifest: dict | None = None,
@@ -230,7 +235,8 @@ def test_the_batches_of_the_whole_window_are_checked_against_the_magnitude_given
 
 def test_a_what_if_is_replayed_from_the_start_at_the_origin(recorded):
     r = replay_run(recorded["long"], ReplayOptions(explain=False, what_if=[whatif.parse("skip")], what_if_steps=2))
-    assert [(w.intervention, w.step, w.last_step) for w in r.what_if] == [("none", DEFECT, DEFECT + 2), ("skip", DEFECT, DEFECT + 2)]
+    assert [(w.intervention, w.step, w.last_step) for w in r.what_if] == [
+        ("none", DEFECT, DEFECT + 2), ("skip", DEFECT, DEFECT + 2)]
     assert any("skip" in f for f in r.findings)
 
 
@@ -278,6 +284,7 @@ def test_refusals_before_any_step(recorded, tmp_path):
     assert refusal(replay_run, recorded["long"], ReplayOptions(from_step=STEPS)) == (
         "--from-step", "step 28 lies past the run's last logged step, 27")
     assert refusal(replay_run, recorded["long"], ReplayOptions(device="tpu"))[0] == "--device"
+    assert replay_run(recorded["no_labels"], ReplayOptions(from_step=5, explain=False)).setup.from_checkpoint == 4
     late = changed(recorded, tmp_path / "late", "long")
     (late / "steps.jsonl").write_text("".join(line + "\n" for line in (late / "steps.jsonl").read_text().splitlines()[18:]))
     assert refusal(replay_run, late, ReplayOptions(from_step=19)) == (
@@ -309,3 +316,30 @@ def test_the_committed_sample_is_replayed_from_its_own_code_within_a_tolerance(t
     assert (r.responsible_step, r.origin.tensor, r.origin.index, r.setup.from_checkpoint, r.setup.num_threads) == (
         27, "features.gain", [3], 20, 2)
     assert r.setup.loss_rtol == 1e-3 and [p.step for p in r.precursors][0] == 10
+
+
+def test_an_unsound_start_is_replayed_from_itself_and_its_reset_is_tried(recorded, tmp_path):
+    """A negative second moment put into the checkpoint of step 16: the origin lies on it at step 16, the precursors
+    start there (an older checkpoint does not lead to the state the steps did not make), and resetting it is replayed
+    without being asked."""
+    run = changed(recorded, tmp_path, "long")
+    path = run / "checkpoints" / "step_00000016" / "optimizer.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(path).items()}
+    tensors["fc2.weight/exp_avg_sq"][1, 2] = -1.0
+    save_file(tensors, path, metadata={"format": "nanforensics.checkpoint/1", "step": "16"})
+    r = replay_run(run, ReplayOptions(explain=False, from_step=16, what_if_steps=2))
+    assert (r.responsible_step, r.origin.tensor, r.origin.index) == (16, "fc2.weight", [1, 2])
+    assert [(u.tensor, u.index) for u in r.unsound] == [("fc2.weight/exp_avg_sq", [1, 2])]
+    assert [p.step for p in r.precursors] == [s.step for s in r.spread] and r.spread[0].step == 16
+    assert [(w.intervention, w.step, w.finite) for w in r.what_if] == [("none", 16, False), ("reset-state", 16, True)]
+
+
+def test_a_caught_overflow_leaves_no_nan_pending_and_a_buffer_counts_in_the_records(recorded):
+    """The NaN logged at step 3 of the mixed-precision run was an overflow its scaler caught: nothing is pending, the
+    replay runs to the log's end. The batch norm's running variance: the buffer is the origin, counted each step."""
+    r = replay_run(recorded["amp"], ReplayOptions(explain=False))
+    assert (r.verdict, r.logged_first_nonfinite_loss_step, [s.step for s in r.spread]) == ("clean", NO_LABELS, [2, 3, 4, 5])
+    assert r.amp.scaler and NO_LABELS in [s.step for s in r.amp.steps if s.caught]
+    r = replay_run(recorded["buffer"], ReplayOptions(explain=False))
+    assert (r.responsible_step, r.origin.stage, r.origin.tensor) == (NO_LABELS, "buffer", "norm.running_var")
+    assert [(s.step, s.buffers_nonfinite, s.buffers_total) for s in r.spread] == [(2, 0, 8), (3, 4, 8), (4, 4, 8), (5, 4, 8)]

@@ -241,17 +241,19 @@ def test_a_what_if_is_replayed_from_the_start_at_the_origin(recorded):
 
 
 def test_the_explanation_without_the_state_kept_re_runs_from_the_session_start(recorded):
-    """_explain with nothing kept: the session restarts at its checkpoint and re-runs to the origin's step, and finds
-    what the replay finds from the state it kept."""
+    """_explain with nothing kept: the session restarts at its checkpoint and re-runs to the origin's step (none to
+    re-run from the origin's own checkpoint), and finds what the replay finds from the state it kept: the backward of
+    log at sample 5's reading, the sample found in 3 passes by starting from the one the operation's output points at."""
     r = replay_run(recorded["long"], ReplayOptions(from_step=16))
+    assert (r.operation.site.op, r.operation.output_index, r.samples.samples, r.samples.passes) == (
+        "aten::div.Tensor", [scenarios.DEFECT_SAMPLE, 3], [scenarios.DEFECT_SAMPLE], 3)
     run = Run(recorded["long"])
     code = UserCode.load(run, (), False, False, ())
-    session = open_session(run, code, run.checkpoints()[4], torch.device("cpu"))
-    log = Log()
-    operation, samples = _explain(session, r.origin, None, log)
-    assert operation == r.operation and samples == r.samples and samples.samples == [scenarios.DEFECT_SAMPLE]
-    assert log.events[:2] == [phase("re-running steps 16-19 to the responsible one"),
-                              phase("tracing the operation behind grad at step 20")]
+    for start, rerun in ((16, [phase("re-running steps 16-19 to the responsible one")]), (20, [])):
+        session = open_session(run, code, next(c for c in run.checkpoints() if c.step == start), torch.device("cpu"))
+        log = Log()
+        assert _explain(session, r.origin, None, log) == (r.operation, r.samples)
+        assert log.events[:len(rerun) + 1] == [*rerun, phase("tracing the operation behind grad at step 20")]
 
 
 def test_the_start_checkpoint_is_the_newest_finite_one_at_or_before_the_target(recorded, tmp_path):

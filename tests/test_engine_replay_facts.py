@@ -29,8 +29,8 @@ from conftest import ROOT, tree_digest
 
 SEED_ADAM = ROOT / "sample_runs" / "seed_adam"  # recorded on another CPU: origin at step 27, NaN logged from step 28
 UNRECORDED = ROOT / "sample_runs" / "unrecorded"
-DEFECT = 20  # the long run's defect: an infinite gradient in features.gain[3], sample 5 of the batch
-STEPS, EVERY = 28, 4  # the long run: steps 0-27, checkpoints before steps 0, 4, ... 24
+DEFECT = 26  # the long run's defect: an infinite gradient in features.gain[3], sample 5 of the batch
+STEPS, EVERY = 32, 2  # the long run: steps 0-31, checkpoints before steps 0, 2, ... 30 and after the last
 NO_LABELS = 3  # the loss-only run's defect: a batch without a label, a NaN loss and nothing else
 
 
@@ -57,15 +57,18 @@ def updates(first: int, last: int, total: int | None = None) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The long run (an origin at step 20, NaN logged from 21); steps 0-5 with checkpoints every 2 and a defect at
-    step 3 of: the loss-only run, a mixed-precision run whose scaler catches each overflow, a run whose batch norm's
-    running variance overflows."""
+    """The long run (an origin at step 26, NaN logged from 27); steps 0-5 with a defect at step 3 of: the loss-only
+    run and a mixed-precision run whose scaler catches each overflow (checkpoints every 2 steps), a run whose batch
+    norm's running variance overflows (checkpoints every step); and the mixed run: a batch without a label at step 1,
+    a fully padded one at step 4 (NaN in the forward pass from there)."""
     root = tmp_path_factory.mktemp("engine-facts")
     scenarios.record(root / "long", "adam_near_zero", steps=STEPS, defect_step=DEFECT, checkpoint_every=EVERY)
-    for name in ("decoder_no_labels", "fp16_scaler_catches", "batchnorm_huge_pixel"):
-        scenarios.record(root / name, name, steps=6, defect_step=NO_LABELS, checkpoint_every=2)
+    for name, every in (("decoder_no_labels", 2), ("fp16_scaler_catches", 2), ("batchnorm_huge_pixel", 1)):
+        scenarios.record(root / name, name, steps=6, defect_step=NO_LABELS, checkpoint_every=every)
+    scenarios.record(root / "mixed", "decoder_no_labels", steps=6, checkpoint_every=2,
+                     defects={1: "no_labels", 4: "fully_padded"})
     return {"long": root / "long", "no_labels": root / "decoder_no_labels", "amp": root / "fp16_scaler_catches",
-            "buffer": root / "batchnorm_huge_pixel"}
+            "buffer": root / "batchnorm_huge_pixel", "mixed": root / "mixed"}
 
 
 def changed(recorded: dict[str, Path], tmp_path: Path, name: str, *, manifest: dict | None = None,
@@ -101,9 +104,10 @@ def logged_losses(run: Path) -> dict[int, float]:
 
 
 def test_the_long_run_rewinds_to_the_newest_old_enough_checkpoint_and_stops_a_step_past_the_nan_loss(recorded):
-    """Start: the newest finite checkpoint before the first NaN logged (21): step 20. The origin at step 20 leaves it
-    no room for precursors (16 steps), so the rewind goes to the newest checkpoint at or before step 4 (not the oldest);
-    the chain is complete at step 21 (every parameter NaN, the first NaN loss), the replay ends a step after."""
+    """Start: the newest finite checkpoint before the first NaN logged (27): step 26. The origin at step 26 leaves it
+    no room for precursors (16 steps), so the rewind goes to the newest checkpoint at or before step 10 (not the oldest,
+    nor the one after it); the chain is complete at step 27 (every parameter NaN, the first NaN loss), the replay ends
+    a step after."""
     log, before = Log(), tree_digest(recorded["long"])
     r = replay_run(recorded["long"], ReplayOptions(explain=False), log)
     assert tree_digest(recorded["long"]) == before
@@ -112,63 +116,64 @@ def test_the_long_run_rewinds_to_the_newest_old_enough_checkpoint_and_stops_a_st
         "nonfinite", DEFECT, DEFECT + 1, DEFECT + 1, DEFECT + 1, None, True, True)
     assert (r.origin.step, r.origin.stage, r.origin.tensor, r.origin.index, r.origin.value) == (
         DEFECT, "grad", "features.gain", [3], "inf")
-    assert r.responsible_batch.step == DEFECT and r.responsible_batch.file.endswith("step_00000020.safetensors")
-    assert (r.setup.from_checkpoint, r.setup.first_step, r.setup.last_step, r.setup.num_threads) == (20, 20, 22, 1)
+    assert r.responsible_batch.step == DEFECT and r.responsible_batch.file.endswith("step_00000026.safetensors")
+    assert (r.setup.from_checkpoint, r.setup.first_step, r.setup.last_step, r.setup.num_threads) == (26, 26, 28, 1)
     assert r.setup.loss_rtol is None and r.setup.recorded_cpu == r.setup.replay_cpu == this_cpu()
-    assert [p.step for p in r.precursors] == list(range(4, DEFECT + 3))
-    assert [c.step for c in r.checkpoints_compared] == [24 - EVERY] * 0  # none recorded past the start within the window
+    assert [p.step for p in r.precursors] == list(range(10, DEFECT + 3))
+    assert [(c.step, c.exact) for c in r.checkpoints_compared] == [(28, True)]  # NaN where the run's was
     logged = logged_losses(recorded["long"])
     rows = [(s.step, s.params_nonfinite, s.params_total, s.state_nonfinite, s.state_total, s.buffers_nonfinite,
              s.buffers_total, s.loss_ulps) for s in r.spread]
-    assert rows == [(20, 1, 1649, 2, 3305, 0, 0, 0), (21, 1649, 1649, 3298, 3305, 0, 0, None),
-                    (22, 1649, 1649, 3298, 3305, 0, 0, None)]
+    assert rows == [(26, 1, 1649, 2, 3305, 0, 0, 0), (27, 1649, 1649, 3298, 3305, 0, 0, None),
+                    (28, 1649, 1649, 3298, 3305, 0, 0, None)]
     for s in r.spread:
         assert s.logged_loss == logged[s.step] or math.isnan(s.logged_loss) and math.isnan(logged[s.step])
         assert s.replayed_loss == s.logged_loss or math.isnan(s.replayed_loss) and math.isnan(s.logged_loss)
-    assert {e.step for e in r.events} == {20, 21, 22} and r.events[0] is r.origin
+    assert {e.step for e in r.events} == {26, 27, 28} and r.events[0] is r.origin
     assert r.operation is None and r.samples is None and r.what_if == []
     assert [(d.step, d.tensor, d.kind, d.index) for d in r.data_defects] == [(DEFECT, "batch['x']", "subnormal", [5, 3])]
     assert r.loaded is None and r.unsound == [] and r.findings
     assert log.events == [
-        phase("checking that the checkpoint at step 20 is finite"), phase("checking the batches of steps 20-27"),
-        phase("replaying steps 20-23", 4), phase("locating: re-running steps 4-19 with precursor probes", 16),
-        *updates(1, 16), phase("locating: steps 20-23, reading each first non-finite value", 4, at_most=True),
+        phase("checking that the checkpoint at step 26 is finite"), phase("checking the batches of steps 26-31"),
+        phase("replaying steps 26-29", 4), phase("locating: re-running steps 10-25 with precursor probes", 16),
+        *updates(1, 16), phase("locating: steps 26-29, reading each first non-finite value", 4, at_most=True),
         ("update", 1, 4), ("update", 2, 4), ("update", 3, 3)]
 
 
 def test_a_start_sixteen_steps_before_the_origin_needs_no_rewind_and_passes_each_later_checkpoint(recorded):
-    """From step 4, the origin 16 steps later: the precursors start at the start (restored from memory); every
+    """From step 10, the origin 16 steps later: the precursors start at the start (restored from memory); every
     recorded checkpoint passed is compared, bit for bit on the CPU the run was recorded on."""
     log = Log()
-    r = replay_run(recorded["long"], ReplayOptions(explain=False, from_step=4), log)
-    assert (r.setup.from_checkpoint, r.setup.first_step, r.setup.last_step, r.responsible_step) == (4, 4, 22, DEFECT)
-    assert [p.step for p in r.precursors] == list(range(4, DEFECT + 3))
-    assert [(c.step, c.exact, c.tolerance) for c in r.checkpoints_compared] == [(s, True, 0.0) for s in (8, 12, 16, 20)]
-    assert [s.step for s in r.spread] == list(range(4, DEFECT + 3)) and r.reproduced
+    r = replay_run(recorded["long"], ReplayOptions(explain=False, from_step=10), log)
+    assert (r.setup.from_checkpoint, r.setup.first_step, r.setup.last_step, r.responsible_step) == (10, 10, 28, DEFECT)
+    assert [p.step for p in r.precursors] == list(range(10, DEFECT + 3))
+    assert [(c.step, c.exact, c.tolerance) for c in r.checkpoints_compared] == [(s, True, 0.0) for s in range(12, 30, 2)]
+    assert [s.step for s in r.spread] == list(range(10, DEFECT + 3)) and r.reproduced
     assert log.events == [
-        phase("checking that the checkpoint at step 4 is finite"), phase("checking the batches of steps 4-27"),
-        phase("replaying steps 4-23", 20), *updates(1, 16, 20),
-        phase("locating: steps 20-23, reading each first non-finite value", 4, at_most=True),
+        phase("checking that the checkpoint at step 10 is finite"), phase("checking the batches of steps 10-31"),
+        phase("replaying steps 10-29", 20), *updates(1, 16, 20),
+        phase("locating: steps 26-29, reading each first non-finite value", 4, at_most=True),
         ("update", 1, 4), ("update", 2, 4), ("update", 3, 3)]
 
 
-def test_the_chain_waits_after_steps_past_the_nan_loss_and_the_window_grows_past_the_logs_guess(recorded):
-    """after=5: the chain is complete at step 21 + 5, past the log's guess (step 21 + 1 + 5 = 27 is the window's
-    end): the count's total is the window's; from step 16 the rewind goes to step 4."""
+def test_the_chain_waits_after_steps_past_the_nan_loss_from_a_start_that_rewinds(recorded):
+    """after=2 from step 20: detect mode to the origin, the rewind to step 10 re-run with the probes, then the chain
+    complete at step 27 + 2, inside the log's guess (27 + 1 + 2)."""
     log = Log()
-    r = replay_run(recorded["long"], ReplayOptions(explain=False, from_step=16, after=5, max_steps=10), log)
-    assert (r.setup.from_checkpoint, r.setup.first_step, r.setup.last_step) == (16, 16, 25)
-    assert [p.step for p in r.precursors] == list(range(4, 26))
-    assert [(c.step, c.exact) for c in r.checkpoints_compared] == [(20, True), (24, True)]
+    r = replay_run(recorded["long"], ReplayOptions(explain=False, from_step=20, after=2), log)
+    assert (r.setup.from_checkpoint, r.setup.first_step, r.setup.last_step) == (20, 20, 29)
+    assert [p.step for p in r.precursors] == list(range(10, 30))
+    assert [(c.step, c.exact) for c in r.checkpoints_compared] == [(s, True) for s in range(22, 32, 2)]
     assert log.events == [
-        phase("checking that the checkpoint at step 16 is finite"), phase("checking the batches of steps 16-25"),
-        phase("replaying steps 16-25", 10), *updates(1, 4, 10),
-        phase("locating: re-running steps 4-19 with precursor probes", 16), *updates(1, 16),
-        phase("locating: steps 20-25, reading each first non-finite value", 6, at_most=True), *updates(1, 6, 6)]
+        phase("checking that the checkpoint at step 20 is finite"), phase("checking the batches of steps 20-31"),
+        phase("replaying steps 20-30", 11), *updates(1, 6, 11),
+        phase("locating: re-running steps 10-25 with precursor probes", 16), *updates(1, 16),
+        phase("locating: steps 26-30, reading each first non-finite value", 5, at_most=True), *updates(1, 3, 5),
+        ("update", 4, 4)]
 
 
 def test_a_logged_nan_that_does_not_reproduce_stops_the_replay_after_steps_past_it(recorded, tmp_path):
-    """NaN logged at step 10 of a copy, the replay finite there: it starts at step 8 and stops at 10 + after, not
+    """NaN logged at step 10 of a copy, the replay finite there: it starts at step 10 and stops at 10 + after, not
     reproduced; with no origin, no precursors and nothing explained."""
     run = changed(recorded, tmp_path, "long", losses={10: "nan"})
     for after in (1, 2):
@@ -176,12 +181,12 @@ def test_a_logged_nan_that_does_not_reproduce_stops_the_replay_after_steps_past_
         r = replay_run(run, ReplayOptions(after=after), log)
         assert (r.verdict, r.responsible_step, r.logged_first_nonfinite_loss_step, r.diverged_at_step) == (
             "not_reproduced", None, 10, None)
-        assert [s.step for s in r.spread] == list(range(8, 11 + after)) and r.precursors == []
+        assert [s.step for s in r.spread] == list(range(10, 11 + after)) and r.precursors == []
         assert r.operation is None and r.samples is None
-        total = min(STEPS - 1, 10 + 1 + after) - 8 + 1
-        assert log.events == [phase("checking that the checkpoint at step 8 is finite"),
-                              phase("checking the batches of steps 8-27"), phase(f"replaying steps 8-{10 + 1 + after}", total),
-                              *updates(1, 2 + after, total), ("update", 3 + after, 3 + after)]
+        assert log.events == [phase("checking that the checkpoint at step 10 is finite"),
+                              phase(f"checking the batches of steps 10-{STEPS - 1}"),
+                              phase(f"replaying steps 10-{10 + 1 + after}", 2 + after),
+                              *updates(1, after, 2 + after), ("update", 1 + after, 1 + after)]
 
 
 def test_a_loss_only_step_is_explained_from_the_state_kept_before_it(recorded):
@@ -228,9 +233,9 @@ def test_a_logged_loss_some_ulps_off_is_judged_by_the_ulps_allowed(recorded, tmp
 
 def test_the_batches_of_the_whole_window_are_checked_against_the_magnitude_given(recorded):
     """The readings are exp(N(0, 0.5)): a bound of 1 flags each step's batch, over the window from the start to the
-    log's end (step 27), though the replay stops at step 22."""
+    log's end (step 31), though the replay stops at step 28."""
     r = replay_run(recorded["long"], ReplayOptions(explain=False, data_max_abs=1.0))
-    assert sorted({d.step for d in r.data_defects}) == list(range(20, STEPS))
+    assert sorted({d.step for d in r.data_defects}) == list(range(26, STEPS))
 
 
 def test_a_what_if_is_replayed_from_the_start_at_the_origin(recorded):
@@ -244,52 +249,56 @@ def test_the_explanation_without_the_state_kept_re_runs_from_the_session_start(r
     """_explain with nothing kept: the session restarts at its checkpoint and re-runs to the origin's step (none to
     re-run from the origin's own checkpoint), and finds what the replay finds from the state it kept: the backward of
     log at sample 5's reading, the sample found in 3 passes by starting from the one the operation's output points at."""
-    r = replay_run(recorded["long"], ReplayOptions(from_step=16))
+    r = replay_run(recorded["long"], ReplayOptions(from_step=20))
     assert (r.operation.site.op, r.operation.output_index, r.samples.samples, r.samples.passes) == (
         "aten::div.Tensor", [scenarios.DEFECT_SAMPLE, 3], [scenarios.DEFECT_SAMPLE], 3)
     run = Run(recorded["long"])
     code = UserCode.load(run, (), False, False, ())
-    for start, rerun in ((16, [phase("re-running steps 16-19 to the responsible one")]), (20, [])):
+    for start, rerun in ((20, [phase("re-running steps 20-25 to the responsible one")]), (26, [])):
         session = open_session(run, code, next(c for c in run.checkpoints() if c.step == start), torch.device("cpu"))
         log = Log()
         assert _explain(session, r.origin, None, log) == (r.operation, r.samples)
-        assert log.events[:len(rerun) + 1] == [*rerun, phase("tracing the operation behind grad at step 20")]
+        assert log.events[:len(rerun) + 1] == [*rerun, phase("tracing the operation behind grad at step 26")]
 
 
 def test_the_start_checkpoint_is_the_newest_finite_one_at_or_before_the_target(recorded, tmp_path):
+    """Those after the origin (28, 30 and the last, 32) hold NaN: each is tried, newest first, and passed over."""
     run = Run(recorded["long"])
-    for target, start in ((None, 20), (28, 20), (27, 20), (21, 20), (20, 20), (19, 16), (0, 0)):
+    for target, start, tried in ((None, 26, [32, 30, 28]), (32, 26, [32, 30, 28]), (31, 26, [30, 28]), (28, 26, [28]),
+                                 (27, 26, []), (26, 26, []), (25, 24, []), (0, 0, [])):
         log = Log()
         assert _start_checkpoint(run, target, log).step == start
-        tried = [28, 24] if target is None or target >= 28 else [24] if target >= 24 else []
         assert log.events == [phase(f"checking that the checkpoint at step {s} is finite") for s in (*tried, start)]
     gone = Run(changed(recorded, tmp_path / "a", "long", drop=("checkpoints/step_00000000",)))
-    assert refusal(_start_checkpoint, gone, 3) == (gone.checkpoint_folder, "no checkpoint at or before step 3 (oldest is step 4)")
-    late = Run(changed(recorded, tmp_path / "b", "long", drop=tuple(f"checkpoints/step_{s:08d}" for s in range(0, 24, 4))))
-    assert refusal(_start_checkpoint, late, 27) == (late.checkpoint_folder, (
-        "every checkpoint up to step 24 already holds non-finite values: the origin lies before the oldest one kept "
+    assert refusal(_start_checkpoint, gone, 1) == (gone.checkpoint_folder, "no checkpoint at or before step 1 (oldest is step 2)")
+    late = Run(changed(recorded, tmp_path / "b", "long", drop=tuple(f"checkpoints/step_{s:08d}" for s in range(0, 28, 2))))
+    assert refusal(_start_checkpoint, late, 31) == (late.checkpoint_folder, (
+        "every checkpoint up to step 30 already holds non-finite values: the origin lies before the oldest one kept "
         "(run `nanforensics bisect` on the folder)"))
     none = Run(changed(recorded, tmp_path / "c", "long", drop=("checkpoints",)))
-    assert refusal(_start_checkpoint, none, 27) == (none.checkpoint_folder, "the run has no checkpoints")
+    assert refusal(_start_checkpoint, none, 31) == (none.checkpoint_folder, "the run has no checkpoints")
 
 
-def test_the_rewind_stays_at_the_start_when_an_older_checkpoints_batches_are_missing(recorded, tmp_path):
-    """The rewind needs every batch from the older checkpoint to the start: step 4's or step 19's missing, the
-    precursors start at the start checkpoint (step 20) instead."""
-    for missing in (4, 19):
+def test_the_rewind_needs_every_batch_from_the_older_checkpoint_to_the_start(recorded, tmp_path):
+    """Step 10's batch or step 25's missing, the precursors start at the start checkpoint (step 26) instead of step 10;
+    step 2's, before step 10, does not matter. With no checkpoint old enough, the oldest is tried, and only it: the
+    buffer run, checkpoints every step, rewinds from 3 to 0, and stays at 3 without step 0's batch."""
+    for missing, start in ((2, 10), (10, 26), (25, 26)):
         run = changed(recorded, tmp_path / str(missing), "long", drop=(f"batches/step_{missing:08d}.safetensors",))
         r = replay_run(run, ReplayOptions(explain=False))
-        assert r.responsible_step == DEFECT and [p.step for p in r.precursors] == list(range(20, DEFECT + 3)), missing
+        assert r.responsible_step == DEFECT and [p.step for p in r.precursors] == list(range(start, DEFECT + 3)), missing
+    run = changed(recorded, tmp_path, "buffer", drop=("batches/step_00000000.safetensors",))
+    assert [p.step for p in replay_run(run, ReplayOptions(explain=False)).precursors] == [3, 4, 5]
 
 
 def test_refusals_before_any_step(recorded, tmp_path):
     assert refusal(replay_run, recorded["long"], ReplayOptions(from_step=STEPS)) == (
-        "--from-step", "step 28 lies past the run's last logged step, 27")
+        "--from-step", "step 32 lies past the run's last logged step, 31")
     assert refusal(replay_run, recorded["long"], ReplayOptions(device="tpu"))[0] == "--device"
     assert replay_run(recorded["no_labels"], ReplayOptions(from_step=5, explain=False)).setup.from_checkpoint == 4
     late = changed(recorded, tmp_path / "late", "long")
     (late / "steps.jsonl").write_text("".join(line + "\n" for line in (late / "steps.jsonl").read_text().splitlines()[18:]))
-    assert refusal(replay_run, late, ReplayOptions(from_step=19)) == (
+    assert refusal(replay_run, late, ReplayOptions(from_step=17)) == (
         late, "its step log starts at step 18, after the start checkpoint (step 16): the steps between were never logged")
     empty = changed(recorded, tmp_path / "empty", "long")
     (empty / "steps.jsonl").write_text("")
@@ -344,4 +353,42 @@ def test_a_caught_overflow_leaves_no_nan_pending_and_a_buffer_counts_in_the_reco
     assert r.amp.scaler and NO_LABELS in [s.step for s in r.amp.steps if s.caught]
     r = replay_run(recorded["buffer"], ReplayOptions(explain=False))
     assert (r.responsible_step, r.origin.stage, r.origin.tensor) == (NO_LABELS, "buffer", "norm.running_var")
-    assert [(s.step, s.buffers_nonfinite, s.buffers_total) for s in r.spread] == [(2, 0, 8), (3, 4, 8), (4, 4, 8), (5, 4, 8)]
+    assert [(s.step, s.buffers_nonfinite, s.buffers_total) for s in r.spread] == [(3, 4, 8), (4, 4, 8), (5, 4, 8)]
+    assert [p.step for p in r.precursors] == [0, 1, 2, 3, 4, 5]
+
+
+def test_the_trust_options_reach_the_policy(recorded, tmp_path):
+    """Code inside the run directory, a function of the standard library, one of an installed distribution: each
+    refused until its own option admits it (then called: the factory's result is no model)."""
+    inside = tmp_path / "inside"
+    changed(recorded, tmp_path, "no_labels").rename(inside)
+    shutil.copy(Path(scenarios.__file__), inside / "shipped.py")
+    manifest = json.loads((inside / "manifest.json").read_text())
+    (inside / "manifest.json").write_text(json.dumps({**manifest, "step_fn": f"{inside}/shipped.py:train_step_lm"}))
+    assert "lies inside the run directory" in refusal(replay_run, inside, ReplayOptions(code_paths=[inside]))[1]
+    assert replay_run(inside, ReplayOptions(explain=False, code_paths=[inside], trust_run_dir=True)).verdict == "loss_only"
+    for factory, options, says in (
+            ("os:getcwd", {}, "model_factory 'os:getcwd' is refused"),
+            ("os:getcwd", {"trust_packages": ["sympy"]}, "model_factory 'os:getcwd' is refused"),
+            ("os:getcwd", {"trust_code": True}, "model factory os:getcwd returned str, not a Module"),
+            ("sympy:symbols", {}, "model_factory 'sympy:symbols' is refused"),
+            ("sympy:symbols", {"trust_packages": ["sympy"]}, "model factory sympy:symbols raised TypeError")):
+        (inside / "manifest.json").write_text(json.dumps({**manifest, "model_factory": factory}))
+        assert refusal(replay_run, inside, ReplayOptions(**options))[1].startswith(says), (factory, options)
+
+
+def test_where_the_log_guesses_too_early_the_end_moves_to_the_windows(recorded):
+    """The log's guess is a step past its first NaN + after. after=0 on the loss-only run: nothing stops the replay at
+    step 4, so the total grows to the window's end. The mixed run: its first NaN (step 1) is loss-only, and the origin
+    (step 4) lies past the guess (step 3): located to the window's end."""
+    log = Log()
+    r = replay_run(recorded["no_labels"], ReplayOptions(explain=False, after=0), log)
+    assert [s.step for s in r.spread] == [2, 3, 4, 5] and r.verdict == "loss_only"
+    assert log.events[2:] == [phase("replaying steps 2-4", 3), *updates(1, 3, 3), ("update", 4, 4)]
+    log = Log()
+    r = replay_run(recorded["mixed"], ReplayOptions(explain=False), log)
+    assert (r.verdict, r.loss_only_steps, r.responsible_step, r.origin.stage) == ("nonfinite", [1], 4, "forward")
+    assert [s.step for s in r.spread] == [0, 1, 2, 3, 4, 5] and [p.step for p in r.precursors] == [0, 1, 2, 3, 4, 5]
+    assert log.events[2:] == [phase("replaying steps 0-3", 4), *updates(1, 4, 4),
+                              phase("locating: steps 4-5, reading each first non-finite value", 2, at_most=True),
+                              *updates(1, 2, 2)]

@@ -392,3 +392,15 @@ def test_where_the_log_guesses_too_early_the_end_moves_to_the_windows(recorded):
     assert log.events[2:] == [phase("replaying steps 0-3", 4), *updates(1, 4, 4),
                               phase("locating: steps 4-5, reading each first non-finite value", 2, at_most=True),
                               *updates(1, 2, 2)]
+
+
+def test_a_checkpoint_keeping_a_nonfinite_gradient_of_a_parameter_no_optimizer_holds_is_no_clean_start(recorded, tmp_path):
+    """The scan reads the state, not the gradients save_checkpoint keeps beside it (the next step starts from them):
+    the start checks them too. An infinite one in step 26's checkpoint moves the start to step 24; a finite one not."""
+    for value, start in ((math.inf, 24), (1.0, DEFECT)):
+        run = changed(recorded, tmp_path / str(value), "long")
+        folder = run / "checkpoints" / f"step_{DEFECT:08d}"
+        meta = json.loads((folder / "meta.json").read_text())
+        (folder / "meta.json").write_text(json.dumps({**meta, "loose_grads": ["features.gain"]}))
+        save_file({"loose_grads/features.gain": torch.full((16,), value)}, folder / "extras.safetensors")
+        assert _start_checkpoint(Run(run), DEFECT + 1).step == start

@@ -2,7 +2,7 @@
 step it rewinds to for the precursors, the records of each step, the checkpoints it compares, the tolerance it judges
 by, the progress it reports, and what it refuses. On tiny runs the project's recorder makes here (a defect at a
 chosen step; a replay of one is a tenth of a second), on copies of them changed where a case needs it, and on the
-committed sample runs, read and never written."""
+committed sample of a run nobody recorded, read and never written."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 import scenarios
 from conftest import ROOT, tree_digest
 
-SEED_ADAM = ROOT / "sample_runs" / "seed_adam"  # recorded on another CPU: origin at step 27, NaN logged from step 28
 UNRECORDED = ROOT / "sample_runs" / "unrecorded"
 DEFECT = 26  # the long run's defect: an infinite gradient in features.gain[3], sample 5 of the batch
 STEPS, EVERY = 32, 2  # the long run: steps 0-31, checkpoints before steps 0, 2, ... 30 and after the last
@@ -207,17 +206,20 @@ def test_a_loss_only_step_is_explained_from_the_state_kept_before_it(recorded):
 
 def test_the_tolerances_follow_the_cpu_the_compiler_and_the_option(recorded, tmp_path):
     """Bit for bit on the CPU the run names; within STATE_RTOL and 1e-3 where it names another or none, or was compiled
-    with kernels of its own; --loss-rtol overrides the losses' tolerance."""
+    with kernels of its own; --loss-rtol overrides the losses' tolerance. The run's thread count is pinned (sums round
+    by it)."""
     other = {"model": "another", "capability": "DEFAULT", "machine": "x86_64"}
-    cases = [({}, None, None, 0.0), ({"cpu": other}, None, 1e-3, STATE_RTOL), ({"cpu": None}, None, 1e-3, STATE_RTOL),
-             ({"compiled": {"backend": "inductor"}}, None, 1e-3, STATE_RTOL),
-             ({"compiled": {"backend": "eager"}}, None, None, 0.0), ({}, 0.25, 0.25, 0.0), ({"cpu": other}, 0.0, None,
-                                                                                          STATE_RTOL)]
+    cases = [({}, None, None, 0.0), ({"cpu": other}, None, 1e-3, STATE_RTOL),
+             ({"cpu": None}, None, 1e-3, STATE_RTOL), ({"compiled": {"backend": "inductor"}}, None, 1e-3, STATE_RTOL),
+             ({"compiled": {"backend": "eager"}}, None, None, 0.0), ({}, 0.25, 0.25, 0.0),
+             ({"cpu": other}, 0.0, None, STATE_RTOL)]
     for n, (manifest, option, loss_rtol, state_rtol) in enumerate(cases):
         run = changed(recorded, tmp_path / str(n), "no_labels", manifest=manifest)
         r = replay_run(run, ReplayOptions(explain=False, loss_rtol=option))
         assert (r.setup.loss_rtol, [c.tolerance for c in r.checkpoints_compared], r.reproduced) == (
             loss_rtol, [state_rtol] * 2, True), manifest
+    r = replay_run(changed(recorded, tmp_path / "threads", "no_labels", manifest={"num_threads": 2}), ReplayOptions())
+    assert r.setup.num_threads == 2 and torch.get_num_threads() == 1  # pinned for the replay, then restored
 
 
 def test_a_logged_loss_some_ulps_off_is_judged_by_the_ulps_allowed(recorded, tmp_path):
@@ -317,16 +319,6 @@ def test_a_run_nobody_recorded_has_its_batches_checked_where_the_replay_ran_them
     run, code = open_unrecorded(start, str(UNRECORDED / "train.py"))
     assert refusal(replay, run, code, ReplayOptions(explain=False)) == (
         "--max-steps", "the run logged no steps, so nothing says where it ends: give --max-steps")
-
-
-def test_the_committed_sample_is_replayed_from_its_own_code_within_a_tolerance(tmp_path):
-    """seed_adam, recorded on another CPU: the origin and the tolerance, the sample unchanged."""
-    before = tree_digest(SEED_ADAM)
-    r = replay_run(SEED_ADAM, ReplayOptions(explain=False, code_paths=[ROOT / "sample_runs" / "code"]))
-    assert tree_digest(SEED_ADAM) == before
-    assert (r.responsible_step, r.origin.tensor, r.origin.index, r.setup.from_checkpoint, r.setup.num_threads) == (
-        27, "features.gain", [3], 20, 2)
-    assert r.setup.loss_rtol == 1e-3 and [p.step for p in r.precursors][0] == 10
 
 
 def test_an_unsound_start_is_replayed_from_itself_and_its_reset_is_tried(recorded, tmp_path):

@@ -205,14 +205,15 @@ def test_a_loss_only_step_is_explained_from_the_state_kept_before_it(recorded):
 
 
 def test_the_tolerances_follow_the_cpu_the_compiler_and_the_option(recorded, tmp_path):
-    """Bit for bit on the CPU the run names; within STATE_RTOL and 1e-3 where it names another or none, or was compiled
-    with kernels of its own; --loss-rtol overrides the losses' tolerance. The run's thread count is pinned (sums round
-    by it)."""
+    """Bit for bit on the CPU the run names (a run naming no device ran on the CPU); within STATE_RTOL and 1e-3 where
+    it names another CPU or none, or was compiled with kernels of its own; --loss-rtol overrides the losses'
+    tolerance. The run's thread count is pinned (sums round by it)."""
     other = {"model": "another", "capability": "DEFAULT", "machine": "x86_64"}
     cases = [({}, None, None, 0.0), ({"cpu": other}, None, 1e-3, STATE_RTOL),
              ({"cpu": None}, None, 1e-3, STATE_RTOL), ({"compiled": {"backend": "inductor"}}, None, 1e-3, STATE_RTOL),
              ({"compiled": {"backend": "eager"}}, None, None, 0.0), ({}, 0.25, 0.25, 0.0),
-             ({"cpu": other}, 0.0, None, STATE_RTOL)]
+             ({"cpu": other}, 0.0, None, STATE_RTOL), ({"device": None}, None, None, 0.0),
+             ({"device": None, "cpu": other}, None, 1e-3, STATE_RTOL)]
     for n, (manifest, option, loss_rtol, state_rtol) in enumerate(cases):
         run = changed(recorded, tmp_path / str(n), "no_labels", manifest=manifest)
         r = replay_run(run, ReplayOptions(explain=False, loss_rtol=option))
@@ -396,3 +397,11 @@ def test_a_checkpoint_keeping_a_nonfinite_gradient_of_a_parameter_no_optimizer_h
         (folder / "meta.json").write_text(json.dumps({**meta, "loose_grads": ["features.gain"]}))
         save_file({"loose_grads/features.gain": torch.full((16,), value)}, folder / "extras.safetensors")
         assert _start_checkpoint(Run(run), DEFECT + 1).step == start
+
+
+def test_a_run_whose_log_holds_no_nan_is_replayed_from_the_newest_finite_checkpoint_before_its_last_step(recorded, tmp_path):
+    """The loss-only run with its NaN loss logged as a number: the target is the last logged step (5), not whatever
+    checkpoint is newest (the one after the last step, 6)."""
+    run = changed(recorded, tmp_path, "no_labels", losses={NO_LABELS: 1.0})
+    r = replay_run(run, ReplayOptions(explain=False))
+    assert (r.verdict, r.setup.from_checkpoint, [s.step for s in r.spread]) == ("clean", 4, [4, 5])

@@ -219,7 +219,8 @@ def test_the_tolerances_follow_the_cpu_the_compiler_and_the_option(recorded, tmp
         r = replay_run(run, ReplayOptions(explain=False, loss_rtol=option))
         assert (r.setup.loss_rtol, [c.tolerance for c in r.checkpoints_compared], r.reproduced) == (
             loss_rtol, [state_rtol] * 2, True), manifest
-    r = replay_run(changed(recorded, tmp_path / "threads", "no_labels", manifest={"num_threads": 2}), ReplayOptions())
+    threads = changed(recorded, tmp_path / "threads", "no_labels", manifest={"num_threads": 2})
+    r = replay_run(threads, ReplayOptions(explain=False))
     assert r.setup.num_threads == 2 and torch.get_num_threads() == 1  # pinned for the replay, then restored
 
 

@@ -205,15 +205,16 @@ def test_a_loss_only_step_is_explained_from_the_state_kept_before_it(recorded):
 
 
 def test_the_tolerances_follow_the_cpu_the_compiler_and_the_option(recorded, tmp_path):
-    """Bit for bit on the CPU the run names (a run naming no device ran on the CPU); within STATE_RTOL and 1e-3 where
-    it names another CPU or none, or was compiled with kernels of its own; --loss-rtol overrides the losses'
-    tolerance. The run's thread count is pinned (sums round by it)."""
+    """Bit for bit on the CPU the run names (a run naming no device ran on the CPU, "cpu:0" is the CPU); within
+    STATE_RTOL and 1e-3 where it names another CPU or none, or was compiled with kernels of its own; --loss-rtol
+    overrides the losses' tolerance. The run's thread count is pinned (sums round by it)."""
     other = {"model": "another", "capability": "DEFAULT", "machine": "x86_64"}
     cases = [({}, None, None, 0.0), ({"cpu": other}, None, 1e-3, STATE_RTOL),
              ({"cpu": None}, None, 1e-3, STATE_RTOL), ({"compiled": {"backend": "inductor"}}, None, 1e-3, STATE_RTOL),
              ({"compiled": {"backend": "eager"}}, None, None, 0.0), ({}, 0.25, 0.25, 0.0),
              ({"cpu": other}, 0.0, None, STATE_RTOL), ({"device": None}, None, None, 0.0),
-             ({"device": None, "cpu": other}, None, 1e-3, STATE_RTOL)]
+             ({"device": None, "cpu": other}, None, 1e-3, STATE_RTOL), ({"device": "cpu:0"}, None, None, 0.0),
+             ({"device": "cpu:0", "cpu": other}, None, 1e-3, STATE_RTOL)]
     for n, (manifest, option, loss_rtol, state_rtol) in enumerate(cases):
         run = changed(recorded, tmp_path / str(n), "no_labels", manifest=manifest)
         r = replay_run(run, ReplayOptions(explain=False, loss_rtol=option))

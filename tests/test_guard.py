@@ -335,14 +335,23 @@ def _skip_case(tmp: Path, which: int, poison: float | None, huge: bool, kind: st
 
 def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
     """torchrun, 2 gloo ranks, the bad batch on rank 1 only: both ranks skip the step (one collective on a flag),
-    finish with weights bit-identical to the loop that did not step there, and the incident replays to rank 1."""
+    finish with weights bit-identical to the loop that did not step there, and the incident replays to rank 1. A NaN
+    written into rank 1's copy of a weight alone (``flaky``) stops both ranks at the state check of that step, the
+    stop's log naming rank 1's tensor (the screen's flag is all-reduced: without it rank 0 would go on alone)."""
     import distributed_job as job
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(TESTS / "guard_job.py"), str(tmp_path), "ddp", "fsdp2"],
+                        str(TESTS / "guard_job.py"), str(tmp_path), "ddp", "fsdp2", "flaky"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
+    incident = f"{INCIDENTS}/step_{job.FLIP_STEP:08d}"
+    assert [json.loads((tmp_path / f"flaky.rank{r}.json").read_text()) for r in range(2)] == [
+        {"rank": r, "stopped": job.FLIP_STEP, "incident": incident} for r in range(2)]
+    stop = events(tmp_path / "flaky")[0]
+    assert (stop["event"], stop["step"], stop["incident"]) == ("state_nonfinite", job.FLIP_STEP, incident)
+    assert stop["found"] == [None, {"tensor": "fc2.weight", "state": "param", "rank": 1, "index": [0, 0],
+                                    "value": "nan"}]
     for how in ("ddp", "fsdp2"):
         results = [json.loads((tmp_path / f"{how}.rank{r}.json").read_text()) for r in range(2)]
         assert sorted(r["rank"] for r in results) == [0, 1] and all(r["finite"] and r["equal"] for r in results), how

@@ -272,9 +272,11 @@ class Guard:
         if self.size > 1:
             dist.all_reduce(flags)  # the one collective: every rank learns which ranks would skip
         pending = _Pending(flags, grads, losses=losses, hazard=hazard)
-        if self.pending is not None:  # a second optimizer.step() in one logged step: either skip counts
-            pending.flags = torch.maximum(pending.flags, self.pending.flags)
-        self.pending = pending
+        earlier, self.pending = self.pending, pending
+        if earlier is not None:  # a second optimizer.step() in one logged step: either skip counts, with what it saw
+            pending.flags = torch.maximum(flags, earlier.flags)
+            pending.grads, pending.losses = earlier.grads + grads, earlier.losses + losses
+            pending.hazard = earlier.hazard or hazard
         if self._takes_found_inf:
             self.optimizer.found_inf = (flags.sum() > 0).float()  # type: ignore[attr-defined]
             try:
@@ -282,8 +284,9 @@ class Guard:
             finally:
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
             return loss if closure is not None else out
-        pending.skipped = bool(flags.sum().item() > 0)  # the step's one host synchronisation
-        if pending.skipped:
+        skip = bool(flags.sum().item() > 0)  # the step's one host synchronisation
+        pending.skipped = skip or bool(earlier is not None and earlier.skipped)
+        if skip:
             return loss
         out = self._original(*args, **kwargs)
         if self.update_check is not None:

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +23,8 @@ from nanforensics.runs.guard import (
     INCIDENTS,
     GuardPolicy,
     GuardStop,
+    _link_or_copy,
+    _nonfinite_samples,
     _said,
     ring_nbytes,
 )
@@ -59,9 +62,19 @@ def batch(step: int, bad_row: int | None = None, ids: list[str] | None = None) -
     return {"x": x, "ids": ids if ids is not None else [f"a{step}", f"b{step}"]}
 
 
+OPEN: list["Run"] = []
+
+
+@pytest.fixture(autouse=True)
+def closed():
+    """Every recorder a test left open is closed after it: an open guard keeps watching ``backward()``."""
+    yield
+    while OPEN:
+        OPEN.pop().rec.close()
+
+
 class Run:
-    """A guarded recorder over ``build()``'s model; ``step`` sets the gradients (or runs ``closure``), calls
-    ``optimizer.step()`` and logs."""
+    """A guarded recorder over ``build()``'s model; ``step`` sets the gradients, calls ``optimizer.step()`` and logs."""
 
     def __init__(self, path: Path, make: Callable[[Any], torch.optim.Optimizer] = sgd, **options: Any) -> None:
         self.path = path
@@ -71,6 +84,7 @@ class Run:
         self.rec = Recorder(path, self.model, self.optimizer, model_factory=build, step_fn=step_fn, **options)
         self.guard = self.rec.guard
         self.next = 0
+        OPEN.append(self)
 
     def grads(self, values: list[list[float] | None]) -> None:
         for p, v in zip(self.model.parameters(), values):
@@ -481,3 +495,124 @@ def test_rollback_restores_the_newest_checkpoints_state_and_goes_on(tmp_path, ca
     assert same(run.params(), params) and run.guard.rollbacks == [3, 4]
     assert [(e["event"], e.get("rolled_back_to")) for e in run.events()] == [
         ("rollback", 2), ("rollback", 4), ("stop", None), ("summary", None)]
+
+
+# ---- installed and taken away; said once; the summary ---------------------------------------------------------------
+
+def test_close_says_what_was_skipped_once_and_gives_the_step_and_backward_back(tmp_path, caplog):
+    backward = torch.Tensor.backward
+    runs = [Run(tmp_path / "clean"), Run(tmp_path / "run")]
+    assert (tmp_path / "run" / INCIDENTS).is_dir() and torch.Tensor.backward is not backward
+    runs[0].step(FINE)
+    for grads in (FINE, with_value(0, 0, NAN), FINE, with_value(1, 0, INF)):
+        runs[1].step(grads)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nanforensics"):
+        for run in runs:
+            run.rec.close()
+            run.guard.close()
+    assert torch.Tensor.backward is backward
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "nanforensics guard: 1 steps, 0 skipped, 0 skipped by the GradScaler (benign), 0 rolled back; "
+                 f"incidents in {tmp_path / 'clean' / INCIDENTS}"),
+        ("WARNING", "nanforensics guard: 4 steps, 2 skipped (steps 1, 3), 0 skipped by the GradScaler (benign), "
+                    f"0 rolled back; incidents in {tmp_path / 'run' / INCIDENTS}")]
+    assert runs[0].events() == [{"event": "summary", "steps": 1, "skipped": 0, "skipped_steps": [], "scaler_skips": 0,
+                                 "rollbacks": [], "incidents": []}]
+    assert runs[1].events()[-1] == {"event": "summary", "steps": 4, "skipped": 2, "skipped_steps": [1, 3],
+                                    "scaler_skips": 0, "rollbacks": [],
+                                    "incidents": ["incidents/step_00000001", "incidents/step_00000003"]}
+    assert [e["event"] for e in runs[1].events()] == ["skip", "skip", "summary"]
+    run = runs[1]
+    assert "step" not in vars(run.optimizer)
+    run.grads(with_value(0, 0, NAN))
+    run.optimizer.step()  # the optimizer's own step again: nothing guards it
+    assert math.isnan(run.model[0].weight[0, 0].item())
+
+
+def scheduled(params: Any) -> torch.optim.Optimizer:
+    optimizer = sgd(params)
+    torch.optim.lr_scheduler.StepLR(optimizer, 1)  # wraps optimizer.step to count its calls
+    return optimizer
+
+
+def test_a_scheduler_made_before_the_recorder_still_counts_the_guarded_steps(tmp_path):
+    """The scheduler's counting wrapper is the step the guard calls; a scheduler made after does not wrap the guard
+    again; closing puts the wrapper back."""
+    run = Run(tmp_path / "run", make=scheduled)
+    wrapper = run.guard._original
+    installed = vars(run.optimizer)["step"]
+    assert installed is not wrapper and getattr(wrapper, "_wrapped_by_lr_sched", False)
+    torch.optim.lr_scheduler.StepLR(run.optimizer, 1)
+    assert vars(run.optimizer)["step"] is installed
+    run.optimizer._opt_called = False
+    run.step(FINE)
+    assert run.optimizer._opt_called and run.guard.skipped == []
+    run.step(with_value(0, 0, NAN))
+    assert run.guard.skipped == [1]
+    run.rec.close()
+    assert vars(run.optimizer)["step"] is wrapper
+
+
+def test_a_scheduler_made_after_the_recorder_wraps_the_guard(tmp_path):
+    run = Run(tmp_path / "run")
+    installed = vars(run.optimizer)["step"]
+    assert not hasattr(installed, "_wrapped_by_lr_sched")
+    torch.optim.lr_scheduler.StepLR(run.optimizer, 1)
+    assert vars(run.optimizer)["step"] is not installed
+    run.step(with_value(0, 0, NAN))
+    assert run.guard.skipped == [0]
+
+
+def adam_l2(params: Any) -> torch.optim.Optimizer:
+    params = list(params)
+    return torch.optim.Adam([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}], lr=0.1)
+
+
+def test_what_the_proof_cannot_cover_is_said_once(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="nanforensics"):
+        run = Run(tmp_path / "run", make=adam_l2)
+        Run(tmp_path / "plain", make=adam)
+    why = ("the update's proof knows Adam, AdamW and SGD (not a subclass, not sharded) without L2 weight decay, fused, "
+           "capturable or differentiable steps")
+    assert run.events() == [{"event": "gradient_check_only", "optimizer": "Adam", "groups": [1], "why": why}]
+    assert [r.getMessage() for r in caplog.records if "guard" in r.getMessage()] == [
+        f"nanforensics guard: Adam, groups [1]: gradients (and the loss) checked alone, not the update: {why}"]
+    assert not (tmp_path / "plain" / INCIDENTS / GUARD_LOG).exists()
+
+
+# ---- the words and the samples ----------------------------------------------------------------------------------------
+
+def test_the_skip_in_words():
+    update = {"tensor": "w", "index": [1, 2], "value": "-inf"}
+    assert _said({"reason": "update", "update": {**update, "state": "param"}}) == \
+        "finite gradients, but the update would make the parameter of w[1, 2] -inf"
+    assert _said({"reason": "update", "update": {**update, "state": "momentum_buffer"}}) == \
+        "finite gradients, but the update would make momentum_buffer of w[1, 2] -inf"
+    assert _said({"reason": "loss", "loss": "nan"}) == "non-finite loss nan"
+    assert _said({"reason": "gradient", "grad": {"tensor": "b", "index": [0], "value": "inf"}}) == \
+        "non-finite gradient b[0] = inf"
+    assert _said({"reason": "gradient", "grad": None}) == _said({}) == "a non-finite gradient"
+
+
+def test_the_samples_of_a_batch_that_hold_a_nonfinite_value():
+    x = torch.zeros(4, 2, 3)
+    x[2, 1, 0], x[0, 0, 2] = NAN, -INF
+    batch = {"x": x, "scalar": torch.tensor(INF), "fine": torch.ones(3), "ids": torch.arange(3),
+             "empty": torch.empty(0, 2), "half": torch.tensor([[1.0], [INF]], dtype=torch.float16), "s": ["a", "b"]}
+    assert _nonfinite_samples(batch) == {"batch['x']": [0, 2], "batch['scalar']": [0], "batch['half']": [1]}
+    assert _nonfinite_samples({"ok": torch.ones(2, 2)}) == {}
+
+
+def test_a_checkpoint_file_is_linked_where_it_can_be_and_copied_where_not(tmp_path):
+    src = tmp_path / "a"
+    src.write_bytes(b"state")
+    _link_or_copy(str(src), str(tmp_path / "b"))
+    assert (tmp_path / "b").stat().st_ino == src.stat().st_ino
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second file system to copy across")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as other:
+        _link_or_copy(str(src), os.path.join(other, "c"))
+        copied = os.stat(os.path.join(other, "c"))
+        assert copied.st_ino != src.stat().st_ino and Path(other, "c").read_bytes() == b"state"
+        assert copied.st_mtime == src.stat().st_mtime  # copy2: the file's times too

@@ -361,8 +361,14 @@ def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
         # FSDP2's shards are DTensors: the update's proof does not go there, and the log says so
         assert [e["event"] for e in log if e["event"] == "gradient_check_only"] == (["gradient_check_only"] if how ==
                                                                                    "fsdp2" else [])
-        assert job.BAD_RANK in skip["ranks_nonfinite_grad"] or how == "fsdp2"  # FSDP2: the shard that holds row 3
-        assert f"sample-{job.defect_index():05d}" in skip["per_rank"][job.BAD_RANK]["samples"]["batch['id']"]
+        # DDP averages the gradients: every rank's is infinite; FSDP2's: rank 0's shard holds row 3, rank 1's is finite
+        ranks = [0, 1] if how == "ddp" else [0]
+        grad = {"tensor": "features.gain", "index": [3], "value": "inf"}
+        assert skip["ranks_nonfinite_grad"] == ranks and skip["grad"] == {**grad, "rank": 0}
+        assert skip["per_rank"] == [
+            {"rank": r, "grad": {**grad, "rank": r} if r in ranks else None,
+             "samples": {"batch['id']": [f"sample-{job.defect_index(rank=r, position=i):05d}" for i in range(job.SHARD)]},
+             "nonfinite_inputs": {}, **({"reason": "gradient"} if r in ranks else {})} for r in range(2)]
         out = tmp_path / f"{how}.json"
         result = run_cli("replay", tmp_path / how / INCIDENTS / f"step_{job.DEFECT_STEP:08d}", "--json", out, cwd=ROOT)
         assert result.code == 1, result.stderr

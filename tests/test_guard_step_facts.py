@@ -490,8 +490,12 @@ def test_rollback_restores_the_newest_checkpoints_state_and_goes_on(tmp_path, ca
     assert [r.getMessage() for r in caplog.records] == [
         "nanforensics guard: step 3 left a non-finite state value; rolled back to the state before step 2 "
         "(incident incidents/step_00000003)"]
+    caplog.clear()
     with pytest.raises(GuardStop, match=r"2 consecutive steps skipped \(max_consecutive=2\)"):
         run.step(FINE, after=flaky)  # a second in a row: rolled back to step 4's copy, then the policy's limit
+    assert (caplog.records[-1].levelname, caplog.records[-1].getMessage()) == (
+        "WARNING", "nanforensics guard: 5 steps, 0 skipped, 0 skipped by the GradScaler (benign), 2 rolled back; "
+                   f"incidents in {tmp_path / 'run' / INCIDENTS}")
     assert same(run.params(), params) and run.guard.rollbacks == [3, 4]
     assert [(e["event"], e.get("rolled_back_to")) for e in run.events()] == [
         ("rollback", 2), ("rollback", 4), ("stop", None), ("summary", None)]

@@ -335,10 +335,12 @@ def _skip_case(tmp: Path, which: int, poison: float | None, huge: bool, kind: st
 
 def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
     """torchrun, 2 gloo ranks, the bad batch on rank 1 only: both ranks skip the step (one collective on a flag),
-    finish with weights bit-identical to the loop that did not step there, and the incident replays to rank 1. A NaN
-    written into rank 1's copy of a weight alone (``flaky``) stops both ranks at the state check of that step, the
-    stop's log naming rank 1's tensor (the screen's flag is all-reduced: without it rank 0 would go on alone)."""
+    finish with weights bit-identical to the loop that did not step there, and the incident replays to rank 1. In
+    ``flaky``, rank 1's loss alone is NaN at one step: both skip it, the record giving rank 1's reason (rank 0 has
+    none); then a NaN written into rank 1's copy of a weight alone stops both ranks at the state check of that step,
+    the stop's log naming rank 1's tensor (the screen's flag is all-reduced: without it rank 0 would go on alone)."""
     import distributed_job as job
+    import guard_job
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -348,7 +350,15 @@ def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
     incident = f"{INCIDENTS}/step_{job.FLIP_STEP:08d}"
     assert [json.loads((tmp_path / f"flaky.rank{r}.json").read_text()) for r in range(2)] == [
         {"rank": r, "stopped": job.FLIP_STEP, "incident": incident} for r in range(2)]
-    stop = events(tmp_path / "flaky")[0]
+    skip, stop = events(tmp_path / "flaky")[:2]  # rank 1's NaN loss (its gradients finite): its reason is the record's
+    ids = [[f"sample-{job.defect_index(step=guard_job.LOSS_STEP, rank=r, position=i):05d}" for i in range(job.SHARD)]
+           for r in range(2)]
+    assert skip == {"event": "skip", "step": guard_job.LOSS_STEP, "reason": "loss", "ranks_nonfinite_grad": [1],
+                    "grad": None, "loss": "nan", "per_rank": [
+                        {"rank": 0, "grad": None, "samples": {"batch['id']": ids[0]}, "nonfinite_inputs": {}},
+                        {"rank": 1, "grad": None, "samples": {"batch['id']": ids[1]}, "nonfinite_inputs": {},
+                         "reason": "loss", "loss": "nan"}],
+                    "incident": f"{INCIDENTS}/step_{guard_job.LOSS_STEP:08d}"}
     assert (stop["event"], stop["step"], stop["incident"]) == ("state_nonfinite", job.FLIP_STEP, incident)
     assert stop["found"] == [None, {"tensor": "fc2.weight", "state": "param", "rank": 1, "index": [0, 0],
                                     "value": "nan"}]

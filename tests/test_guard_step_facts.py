@@ -231,6 +231,25 @@ def test_two_optimizer_steps_in_one_logged_step_skip_if_either_would(tmp_path):
     assert skips[2]["update"] == {"tensor": "1.bias", "state": "param", "index": [0], "value": "inf"}
 
 
+def test_a_skip_whose_gradients_were_overwritten_in_place_is_still_recorded(tmp_path, caplog):
+    """Two calls, the gradients the first (skipped) call saw zeroed in place and refilled before the second: the
+    record can name no tensor, and says so (a non-finite gradient, no reason of its own)."""
+    run = Run(tmp_path / "run")
+    run.grads(with_value(0, 0, NAN))
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=False)
+    with torch.no_grad():
+        for p, g in zip(run.model.parameters(), FINE):
+            p.grad.copy_(torch.tensor(g).reshape(p.shape))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nanforensics"):
+        run.step()
+    skip = run.events()[0]
+    assert (skip["reason"], skip["grad"], "loss" in skip, "update" in skip) == (None, None, False, False)
+    assert caplog.records[0].getMessage() == ("nanforensics guard: skipped step 0 (a non-finite gradient); incident "
+                                              "incidents/step_00000000")
+
+
 def test_a_nonfinite_loss_skips_unless_the_policy_lets_it_through(tmp_path, caplog):
     """The loss each scalar ``backward()`` ran from since the last step; a backward with no step after it (an
     evaluation) is no step's loss."""

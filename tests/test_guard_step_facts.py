@@ -401,6 +401,8 @@ def test_max_consecutive_skips_stop_the_run_naming_the_newest_incident(tmp_path)
     assert str(stop.value) == ("nanforensics guard stopped the run: 2 consecutive steps skipped (max_consecutive=2); "
                                f"replay {stop.value.incident}")
     assert [e["event"] for e in run.events()] == ["skip", "skip", "stop", "summary"]  # the stop closed the recorder
+    assert run.events()[2] == {"event": "stop", "step": 1, "why": "2 consecutive steps skipped (max_consecutive=2)",
+                               "incident": "incidents/step_00000001"}
 
 
 def test_an_incident_never_writes_over_a_name_taken(tmp_path):

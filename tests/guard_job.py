@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from nanforensics import Recorder
 from nanforensics.distributed.tensors import is_dtensor
-from nanforensics.runs.guard import GuardStop
+from nanforensics.runs.guard import GuardPolicy, GuardStop
 from torch.utils.data import DataLoader, DistributedSampler
 
 import distributed_job as job
@@ -69,8 +69,13 @@ def flaky(run: Path) -> dict:
     loader = DataLoader(data, batch_size=job.SHARD, sampler=DistributedSampler(data, shuffle=False))
     model = job.wrap(scenarios.build_model(), "ddp")
     optimizer = torch.optim.AdamW(model.parameters())
-    rec = Recorder(run, model, optimizer, model_factory="tests/scenarios.py:build_model",
-                   step_fn="tests/scenarios.py:train_step", checkpoint_every=job.EVERY, overwrite=True, guard=True)
+    options: dict = {"model_factory": "tests/scenarios.py:build_model", "step_fn": "tests/scenarios.py:train_step",
+                     "checkpoint_every": job.EVERY, "overwrite": True}
+    try:  # each rank's batches differ: a ring bounded in bytes would checkpoint on one rank and not the other
+        Recorder(run.with_name("ring_bytes"), model, optimizer, guard=GuardPolicy(ring_bytes=1), **options)
+    except ValueError as e:
+        refused = str(e)
+    rec = Recorder(run, model, optimizer, guard=True, **options)
     try:
         for step, batch in enumerate(loader):
             loss = nan_loss_step(model, optimizer, batch, step == LOSS_STEP and dist.get_rank() == job.BAD_RANK)
@@ -79,9 +84,10 @@ def flaky(run: Path) -> dict:
                     model.module.fc2.weight[0, 0] = math.nan
             rec.log(step, batch, loss)
     except GuardStop as stop:
-        return {"rank": dist.get_rank(), "stopped": step, "incident": str(stop.incident.relative_to(run))}
+        return {"rank": dist.get_rank(), "stopped": step, "incident": str(stop.incident.relative_to(run)),
+                "refused": refused}
     rec.close()
-    return {"rank": dist.get_rank(), "stopped": None}
+    return {"rank": dist.get_rank(), "stopped": None, "refused": refused}
 
 
 def main() -> None:

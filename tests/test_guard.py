@@ -349,7 +349,9 @@ def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     incident = f"{INCIDENTS}/step_{job.FLIP_STEP:08d}"
     assert [json.loads((tmp_path / f"flaky.rank{r}.json").read_text()) for r in range(2)] == [
-        {"rank": r, "stopped": job.FLIP_STEP, "incident": incident} for r in range(2)]
+        {"rank": r, "stopped": job.FLIP_STEP, "incident": incident,
+         "refused": "ring_bytes bounds one process's ring; under torchrun bound it in steps (checkpoint_every)"}
+        for r in range(2)]
     skip, stop = events(tmp_path / "flaky")[:2]  # rank 1's NaN loss (its gradients finite): its reason is the record's
     ids = [[f"sample-{job.defect_index(step=guard_job.LOSS_STEP, rank=r, position=i):05d}" for i in range(job.SHARD)]
            for r in range(2)]

@@ -382,9 +382,11 @@ def test_a_repeated_sample_is_named_with_the_skip_that_first_held_it(tmp_path, c
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="nanforensics"):
         run.step(bad, b=batch(2, ids=["s3", "s4"]))
-    run.step(bad, b=batch(3, ids=["s5"]))
+    run.step(bad, b=batch(3, ids=["s5", {"file": "f", "row": 1}]))
+    run.step(bad, b=batch(4, ids=[{"row": 1, "file": "f"}]))  # the same id, its keys in another order
     skips = [e for e in run.events() if e["event"] == "skip"]
-    assert ["repeats" in e for e in skips] == [False, True, True, False]
+    assert ["repeats" in e for e in skips] == [False, True, True, False, True]
+    assert skips[4]["repeats"] == [{"step": 3, "samples": [{"file": "f", "row": 1}]}]
     assert skips[1]["repeats"] == [{"step": 0, "samples": ["s1", "s2"]}] or \
         skips[1]["repeats"] == [{"step": 0, "samples": ["s2", "s1"]}]
     assert skips[2]["repeats"] == [{"step": 1, "samples": ["s3"]}]
@@ -641,3 +643,25 @@ def test_a_checkpoint_file_is_linked_where_it_can_be_and_copied_where_not(tmp_pa
         copied = os.stat(os.path.join(other, "c"))
         assert copied.st_ino != src.stat().st_ino and Path(other, "c").read_bytes() == b"state"
         assert copied.st_mtime == src.stat().st_mtime  # copy2: the file's times too
+
+
+class Phases(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2))
+        self.z = nn.Parameter(torch.zeros(2, dtype=torch.cfloat))
+
+
+def test_a_complex_gradient_that_skips_the_step_is_the_one_named(tmp_path):
+    """The update's check reads a complex gradient's magnitudes: the record names it (it once named floating point
+    gradients alone, and a skip for a complex one said no tensor)."""
+    model = Phases()
+    optimizer = sgd(model.parameters())
+    rec = Recorder(tmp_path / "run", model, optimizer, model_factory=Phases, step_fn=step_fn, guard=True)
+    model.w.grad, model.z.grad = torch.ones(2), torch.tensor([0j, complex(0.0, NAN)])
+    optimizer.step()
+    rec.log(0, batch(0), 1.0)
+    rec.close()
+    skip = json.loads((tmp_path / "run" / INCIDENTS / GUARD_LOG).read_text().splitlines()[0])
+    assert (skip["reason"], skip["grad"]) == ("gradient", {"tensor": "z", "index": [1], "value": "nan", "rank": 0})
+    assert not model.z.any() and not model.w.any()

@@ -430,7 +430,7 @@ class Guard:
 
     def _first_bad_grad(self, pending: _Pending) -> dict[str, Any] | None:
         for index, grad in pending.grads:
-            if grad.is_floating_point() and not is_finite(grad):
+            if not is_finite(grad):  # every gradient the check read: a complex one too
                 where = locate(grad)
                 if where is not None:
                     return {"tensor": self.names[index], "index": where.index, "value": where.value, "rank": self.rank}

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import tempfile
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -125,6 +126,28 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+class NotedSGD(torch.optim.SGD):
+    """An optimizer whose step takes more than the closure, and returns what it did."""
+
+    def step(self, closure: Any = None, note: str = "") -> Any:  # type: ignore[override]
+        loss = super().step(closure)
+        return ("stepped", note, loss)
+
+
+class NotedAdamW(torch.optim.AdamW):
+    def step(self, closure: Any = None, note: str = "") -> Any:  # type: ignore[override]
+        loss = super().step(closure)
+        return ("stepped", note, loss)
+
+
+def noted_sgd(params: Any) -> torch.optim.Optimizer:
+    return NotedSGD(params, lr=0.5)
+
+
+def noted_adamw(params: Any) -> torch.optim.Optimizer:
+    return NotedAdamW(params, lr=0.1, fused=True)
+
+
 # ---- the step: stepped or skipped, and what the call returns ---------------------------------------------------------
 
 def test_a_nonfinite_gradient_skips_the_step_and_each_record_says_so(tmp_path, caplog):
@@ -197,15 +220,44 @@ def test_a_closure_runs_once_its_gradients_decide_and_its_loss_is_returned(tmp_p
             return torch.tensor(float(len(calls)))
         return run_it
 
-    before = run.params()
-    with torch.no_grad():
-        assert float(run.optimizer.step(closure(FINE))) == 1.0
-    run.rec.log(0, batch(0), 1.0)
-    assert calls == [True] and same(run.params(), exact_sgd(before, FINE))
-    stepped = run.params()
-    assert float(run.optimizer.step(closure=closure(with_value(1, 1, NAN)))) == 2.0
-    run.rec.log(1, batch(1), 1.0)
-    assert calls == [True, True] and same(run.params(), stepped) and run.guard.skipped == [1]
+    calls_by = [lambda c: run.optimizer.step(c), lambda c: run.optimizer.step(closure=c)]
+    for step, (by, grads) in enumerate((b, g) for b in calls_by for g in (FINE, with_value(1, 1, NAN))):
+        before = run.params()
+        with torch.no_grad():
+            assert float(by(closure(grads))) == step + 1
+        run.rec.log(step, batch(step), 1.0)
+        assert calls == [True] * (step + 1)
+        assert same(run.params(), before if grads is not FINE else exact_sgd(before, FINE)), step
+    assert run.guard.skipped == [1, 3]
+
+
+@pytest.mark.parametrize("make", [noted_sgd, noted_adamw], ids=["host", "device"])
+def test_the_steps_own_arguments_and_return_value_pass_through_the_guard(tmp_path, make):
+    """Whatever follows the closure reaches the optimizer's step in its own place (the closure's place once took the
+    next argument: ``step(closure, x)`` called ``step(x)``), and its return value comes back: the closure's loss
+    where there is one."""
+    run = Run(tmp_path / "run", make=make)
+    loss = torch.tensor(3.0)
+    steps = [lambda: run.optimizer.step(None, "a"), lambda: run.optimizer.step(note="b"),
+             lambda: run.optimizer.step(lambda: loss, "c"), lambda: run.optimizer.step()]
+    got = []
+    for call in steps:
+        run.grads(FINE)
+        got.append(call())
+        run.rec.log(run.next, batch(run.next), 1.0)
+        run.next += 1
+    assert got == [("stepped", "a", None), ("stepped", "b", None), loss, ("stepped", "", None)]
+    assert run.guard.skipped == []
+
+
+def test_a_grad_scalers_step_returns_what_the_optimizer_did(tmp_path):
+    model = build()
+    optimizer = noted_adamw(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    rec = Recorder(tmp_path / "run", model, optimizer, model_factory=build, step_fn=step_fn, scaler=scaler, guard=True)
+    OPEN.append(types.SimpleNamespace(rec=rec))
+    scaler.scale(model(torch.ones(3, 2)).sum()).backward()
+    assert scaler.step(optimizer, None, "scaled") == ("stepped", "scaled", None)
 
 
 def test_two_optimizer_steps_in_one_logged_step_skip_if_either_would(tmp_path):
@@ -231,10 +283,11 @@ def test_two_optimizer_steps_in_one_logged_step_skip_if_either_would(tmp_path):
     assert skips[2]["update"] == {"tensor": "1.bias", "state": "param", "index": [0], "value": "inf"}
 
 
-def test_a_skip_whose_gradients_were_overwritten_in_place_is_still_recorded(tmp_path, caplog):
+@pytest.mark.parametrize("make", [sgd, noted_sgd], ids=["proof", "gradients-only"])
+def test_a_skip_whose_gradients_were_overwritten_in_place_is_still_recorded(tmp_path, caplog, make):
     """Two calls, the gradients the first (skipped) call saw zeroed in place and refilled before the second: the
     record can name no tensor, and says so (a non-finite gradient, no reason of its own)."""
-    run = Run(tmp_path / "run")
+    run = Run(tmp_path / "run", make=make)
     run.grads(with_value(0, 0, NAN))
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=False)
@@ -244,7 +297,7 @@ def test_a_skip_whose_gradients_were_overwritten_in_place_is_still_recorded(tmp_
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="nanforensics"):
         run.step()
-    skip = run.events()[0]
+    skip = next(e for e in run.events() if e["event"] == "skip")
     assert (skip["reason"], skip["grad"], "loss" in skip, "update" in skip) == (None, None, False, False)
     assert caplog.records[0].getMessage() == ("nanforensics guard: skipped step 0 (a non-finite gradient); incident "
                                               "incidents/step_00000000")

@@ -248,7 +248,7 @@ class Guard:
 
     def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
         closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[0] if args else None)
-        args = args[1:] if args and closure is args[0] else args
+        args = (None, *args[1:]) if args and closure is args[0] else args  # it ran here: None in its place, the rest kept
         loss = None
         if closure is not None:  # Lightning's closure runs forward, backward and clipping: the gradients come after it
             with torch.enable_grad():

@@ -509,13 +509,16 @@ STOPPED = ("left a non-finite parameter or optimizer-state value that no skip co
 
 @pytest.mark.parametrize("where", ["param", "state", "both"])
 def test_a_nonfinite_value_written_after_the_step_stops_the_run_at_the_check(tmp_path, where):
-    """Found at the step the check is due (every second step here), the first by parameter, then by its state."""
+    """Found at the step the check is due (every second step here), the first by parameter, then by its state; the
+    first parameter never had a gradient, so the optimizer holds no state for it."""
     run = Run(tmp_path / "run", make=adam, guard=GuardPolicy(state_check_every=2))
-    run.step(FINE, after=poison(run.model[0].bias, (0,)) if where == "param" else None)  # not due: not seen yet
+    frozen = [None] + FINE[1:]
+    run.step(frozen, after=poison(run.model[0].bias, (0,)) if where == "param" else None)  # not due: not seen yet
     writes = [poison(run.optimizer.state[run.model[1].weight]["exp_avg"], (0, 1))] if where != "param" else []
     writes += [poison(run.model[0].bias, (1,))] if where == "both" else []
     with pytest.raises(GuardStop) as stop:
-        run.step(FINE, after=lambda: [w() for w in writes])
+        run.step(frozen, after=lambda: [w() for w in writes])
+    assert run.model[0].weight not in run.optimizer.state
     incident = tmp_path / "run" / INCIDENTS / "step_00000001"
     assert stop.value.incident == incident
     assert str(stop.value) == f"nanforensics guard stopped the run: step 1 {STOPPED}; replay {incident}"
@@ -575,6 +578,8 @@ def test_rollback_restores_the_newest_checkpoints_state_and_goes_on(tmp_path, ca
     assert same(run.params(), params) and run.guard.rollbacks == [3, 4]
     assert [(e["event"], e.get("rolled_back_to")) for e in run.events()] == [
         ("rollback", 2), ("rollback", 4), ("stop", None), ("summary", None)]
+    assert run.events()[2] == {"event": "stop", "step": 4, "why": "2 consecutive steps skipped (max_consecutive=2)",
+                               "incident": "incidents/step_00000004"}
 
 
 # ---- installed and taken away; said once; the summary ---------------------------------------------------------------
@@ -718,3 +723,44 @@ def test_a_complex_gradient_that_skips_the_step_is_the_one_named(tmp_path):
     skip = json.loads((tmp_path / "run" / INCIDENTS / GUARD_LOG).read_text().splitlines()[0])
     assert (skip["reason"], skip["grad"]) == ("gradient", {"tensor": "z", "index": [1], "value": "nan", "rank": 0})
     assert not model.z.any() and not model.w.any()
+
+
+class CountingSGD(torch.optim.SGD):
+    """An optimizer whose state holds a Python number beside its tensors (the steps each parameter took)."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        out = super().step(closure)
+        for p in (p for group in self.param_groups for p in group["params"] if p.grad is not None):
+            self.state[p]["calls"] = self.state[p].get("calls", 0) + 1
+        return out
+
+
+def counting_sgd(params: Any) -> torch.optim.Optimizer:
+    return CountingSGD(params, lr=0.5, momentum=0.5)
+
+
+def test_rollback_restores_state_that_is_not_a_tensor(tmp_path):
+    run = Run(tmp_path / "run", make=counting_sgd, checkpoint_every=2, guard=GuardPolicy(state_check_every=1,
+                                                                                          rollback=True))
+    run.step(FINE)
+    run.step(FINE)
+    params = run.params()
+    state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in run.optimizer.state[p].items()}
+             for p in run.model.parameters()]
+    run.step(FINE, after=poison(run.model[0].weight, (1, 1)))
+    assert run.guard.rollbacks == [2] and same(run.params(), params)
+    for p, saved in zip(run.model.parameters(), state):
+        assert run.optimizer.state[p]["calls"] == saved["calls"] == 2
+        assert torch.equal(run.optimizer.state[p]["momentum_buffer"], saved["momentum_buffer"])
+    run.step(FINE)
+    assert [run.optimizer.state[p]["calls"] for p in run.model.parameters()] == [3] * 4
+
+
+def test_a_watched_backward_passes_its_arguments_on(tmp_path):
+    """The guard keeps each scalar ``backward()`` runs from; the call itself is the user's, its arguments intact."""
+    run = Run(tmp_path / "run")
+    loss = run.model(torch.ones(3, 2)).sum()
+    want = [2 * g for g in torch.autograd.grad(loss, list(run.model.parameters()), retain_graph=True)]
+    loss.backward(torch.tensor(1.0), retain_graph=True)  # the graph kept: a second backward through it works
+    loss.backward(gradient=torch.tensor(1.0))
+    assert same([p.grad for p in run.model.parameters()], want) and len(run.guard.losses) == 2

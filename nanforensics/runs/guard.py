@@ -475,8 +475,9 @@ class Guard:
             for key, t in named:
                 if t.is_floating_point() and not is_finite(t):
                     where = locate(t)
-                    return {"tensor": self.names[index], "state": key, "rank": self.rank,
-                            "index": where.index if where else None, "value": where.value if where else None}
+                    assert where is not None  # t is not finite: locate finds its first coordinate that is not
+                    return {"tensor": self.names[index], "state": key, "rank": self.rank, "index": where.index,
+                            "value": where.value}
         return None
 
     def _restore(self) -> None:

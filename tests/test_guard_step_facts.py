@@ -764,3 +764,4 @@ def test_a_watched_backward_passes_its_arguments_on(tmp_path):
     loss.backward(torch.tensor(1.0), retain_graph=True)  # the graph kept: a second backward through it works
     loss.backward(gradient=torch.tensor(1.0))
     assert same([p.grad for p in run.model.parameters()], want) and len(run.guard.losses) == 2
+

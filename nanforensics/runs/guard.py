@@ -39,7 +39,7 @@ from ..finite import is_finite, locate, stored, value_name
 from ..replay.proof import Hazard, UpdateCheck, max_abs, provable
 from .batches import data_leaves, encoded, leaves
 from .checkpoint import checkpoint_name, optimizer_params, param_names
-from .files import make_build_dir, publish_dir_atomic, write_bytes_atomic, write_json_atomic
+from .files import json_bytes, make_build_dir, publish_dir_atomic, write_bytes_atomic, write_json_atomic
 from .layout import rank_dir
 from .run import MANIFEST, STEPS, batch_path
 
@@ -526,8 +526,8 @@ class Guard:
 
     def _note(self, entry: dict[str, Any]) -> None:
         if self.writes:
-            with open(self.folder / GUARD_LOG, "a", encoding="utf-8") as f:
-                f.write(json.dumps(entry, allow_nan=False, default=str) + "\n")
+            with open(self.folder / GUARD_LOG, "ab") as f:
+                f.write(json_bytes(entry, indent=None))
 
     def _incident(self, kind: str, step: int, entry: dict[str, Any]) -> Path:
         """``incidents/step_N/``: the run's manifest, its newest checkpoint (hard links where the file system allows),
@@ -563,7 +563,7 @@ class Guard:
             shutil.copytree(self.rec.path / "checkpoints" / checkpoint_name(start),
                             build / "checkpoints" / checkpoint_name(start), copy_function=_link_or_copy)
             write_json_atomic(build / INCIDENT_FILE, {"format": INCIDENT_FORMAT, "kind": kind, "step": step,
-                                                      "from_checkpoint": start, **_plain(entry)})
+                                                      "from_checkpoint": start, **entry})
             publish_dir_atomic(build, final)
         if self.size > 1:
             dist.barrier(group=object_group())
@@ -604,10 +604,6 @@ def _link_or_copy(src: str, dst: str) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
-
-
-def _plain(entry: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(entry, default=str))
 
 
 def _nonfinite_samples(batch: Any) -> dict[str, list[int]]:

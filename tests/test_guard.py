@@ -352,6 +352,8 @@ def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
         {"rank": r, "stopped": job.FLIP_STEP, "incident": incident,
          "refused": "ring_bytes bounds one process's ring; under torchrun bound it in steps (checkpoint_every)"}
         for r in range(2)]
+    assert sorted(os.listdir(tmp_path / "flaky" / INCIDENTS)) == [
+        GUARD_LOG, f"step_{guard_job.LOSS_STEP:08d}", f"step_{job.FLIP_STEP:08d}"]
     skip, stop = events(tmp_path / "flaky")[:2]  # rank 1's NaN loss (its gradients finite): its reason is the record's
     ids = [[f"sample-{job.defect_index(step=guard_job.LOSS_STEP, rank=r, position=i):05d}" for i in range(job.SHARD)]
            for r in range(2)]
@@ -369,6 +371,7 @@ def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
         assert sorted(r["rank"] for r in results) == [0, 1] and all(r["finite"] and r["equal"] for r in results), how
         log = events(tmp_path / how)
         skip = next(e for e in log if e["event"] == "skip")
+        assert sorted(os.listdir(tmp_path / how / INCIDENTS)) == [GUARD_LOG, f"step_{job.DEFECT_STEP:08d}"]  # no leftovers
         assert (skip["step"], skip["reason"]) == (job.DEFECT_STEP, "gradient")
         # FSDP2's shards are DTensors: the update's proof does not go there, and the log says so
         assert [e["event"] for e in log if e["event"] == "gradient_check_only"] == (["gradient_check_only"] if how ==

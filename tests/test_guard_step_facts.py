@@ -471,15 +471,22 @@ def test_an_incident_never_writes_over_a_name_taken(tmp_path):
     assert json.loads((taken.parent / "step_00000000.2" / "incident.json").read_text())["step"] == 0
 
 
-def test_a_disk_mode_incident_copies_the_batches_from_the_disk(tmp_path):
-    run = Run(tmp_path / "run", batches="disk", checkpoint_every=2)
-    for step in range(3):
-        run.step(FINE if step < 2 else with_value(0, 0, NAN))
-    incident = tmp_path / "run" / INCIDENTS / "step_00000002"
-    assert sorted(p.name for p in (incident / "batches").iterdir()) == ["step_00000002.safetensors"]
-    assert (incident / "batches" / "step_00000002.safetensors").read_bytes() == \
-        (tmp_path / "run" / "batches" / "step_00000002.safetensors").read_bytes()
-    assert json.loads((incident / "incident.json").read_text())["from_checkpoint"] == 2
+def test_an_incidents_batches_are_the_recorders_own_from_memory_or_disk(tmp_path):
+    """In memory, the ring's batches are written as the recorder writes them to disk: byte for byte the files of a
+    twin run that kept every batch on disk, from which its incident copies them."""
+    runs = [Run(tmp_path / mode, batches=mode, checkpoint_every=2) for mode in ("memory", "disk")]
+    for run in runs:
+        for step in range(4):
+            run.step(FINE if step < 3 else with_value(0, 0, NAN))
+    incidents = [tmp_path / mode / INCIDENTS / "step_00000003" for mode in ("memory", "disk")]
+    for incident in incidents:
+        assert sorted(p.name for p in (incident / "batches").iterdir()) == [f"step_0000000{s}.safetensors" for s in (2, 3)]
+        assert json.loads((incident / "incident.json").read_text())["from_checkpoint"] == 2
+        for s in (2, 3):
+            assert (incident / "batches" / f"step_0000000{s}.safetensors").read_bytes() == \
+                (tmp_path / "disk" / "batches" / f"step_0000000{s}.safetensors").read_bytes()
+        assert (incident / "steps.jsonl").read_text().splitlines() == \
+            (tmp_path / "disk" / "steps.jsonl").read_text().splitlines()[2:]
 
 
 ONE = ring_nbytes(snapshot(batch(0)))

@@ -772,3 +772,15 @@ def test_a_watched_backward_passes_its_arguments_on(tmp_path):
     loss.backward(gradient=torch.tensor(1.0))
     assert same([p.grad for p in run.model.parameters()], want) and len(run.guard.losses) == 2
 
+
+
+def test_an_optimizer_holding_no_parameter_is_guarded_on_the_cpu(tmp_path):
+    """A frozen model's optimizer (one empty group): nothing to check, the steps are recorded as they come."""
+    model = build()
+    optimizer = torch.optim.SGD([{"params": []}], lr=0.1)
+    rec = Recorder(tmp_path / "run", model, optimizer, model_factory=build, step_fn=step_fn, guard=True)
+    OPEN.append(types.SimpleNamespace(rec=rec))
+    assert rec.guard.device == torch.device("cpu")
+    optimizer.step()
+    rec.log(0, batch(0), 1.0)
+    assert rec.guard.skipped == [] and rec.guard.steps == 1

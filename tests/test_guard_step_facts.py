@@ -258,6 +258,9 @@ def test_a_grad_scalers_step_returns_what_the_optimizer_did(tmp_path):
     OPEN.append(types.SimpleNamespace(rec=rec))
     scaler.scale(model(torch.ones(3, 2)).sum()).backward()
     assert scaler.step(optimizer, None, "scaled") == ("stepped", "scaled", None)
+    scaler.update()
+    scaler.scale(model(torch.ones(3, 2)).sum()).backward()
+    assert float(scaler.step(optimizer, lambda: torch.tensor(5.0))) == 5.0  # a closure by position: its loss
 
 
 def test_two_optimizer_steps_in_one_logged_step_skip_if_either_would(tmp_path):

@@ -772,8 +772,8 @@ def test_a_watched_backward_passes_its_arguments_on(tmp_path):
     """The guard keeps each scalar ``backward()`` runs from; the call itself is the user's, its arguments intact."""
     run = Run(tmp_path / "run")
     loss = run.model(torch.ones(3, 2)).sum()
-    want = [2 * g for g in torch.autograd.grad(loss, list(run.model.parameters()), retain_graph=True)]
-    loss.backward(torch.tensor(1.0), retain_graph=True)  # the graph kept: a second backward through it works
+    want = [3 * g for g in torch.autograd.grad(loss, list(run.model.parameters()), retain_graph=True)]
+    loss.backward(torch.tensor(2.0), retain_graph=True)  # the graph kept: a second backward through it works
     loss.backward(gradient=torch.tensor(1.0))
     assert same([p.grad for p in run.model.parameters()], want) and len(run.guard.losses) == 2
 

@@ -262,6 +262,9 @@ def test_a_grad_scalers_step_returns_what_the_optimizer_did(tmp_path):
     assert scaler.step(optimizer, None, "scaled") == ("stepped", "scaled", None)
     scaler.update()
     scaler.scale(model(torch.ones(3, 2)).sum()).backward()
+    assert scaler.step(optimizer, note="by name") == ("stepped", "by name", None)
+    scaler.update()
+    scaler.scale(model(torch.ones(3, 2)).sum()).backward()
     assert float(scaler.step(optimizer, lambda: torch.tensor(5.0))) == 5.0  # a closure by position: its loss
 
 

@@ -1,22 +1,28 @@
 """The guard under torchrun: the known-answer data of ``distributed_job`` (rank 1's shard holds the near-zero reading at
 step DEFECT_STEP: an infinite local gradient on rank 1 only), trained guarded, then again without a recorder and with
 ``optimizer.step()`` not called at that step; each rank prints whether its parameters (its shards, under FSDP2) are
-finite and bit-identical in both (OUT/NAME.rankN.json).
+finite and bit-identical in both (OUT/NAME.rankN.json). ``flaky``: DDP on clean data, rank 1's loss NaN at step LOSS_STEP
+(its gradients finite: skipped for rank 1's reason), then rank 1's copy of a weight turned NaN after step FLIP_STEP (a
+bit flip on one rank): each rank writes the step its guard stopped at and the incident.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/guard_job.py OUT ddp fsdp2
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/guard_job.py OUT ddp fsdp2 flaky
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from nanforensics import Recorder
 from nanforensics.distributed.tensors import is_dtensor
+from nanforensics.runs.guard import GuardPolicy, GuardStop
 from torch.utils.data import DataLoader, DistributedSampler
 
 import distributed_job as job
@@ -44,11 +50,54 @@ def train(how: str, run: Path | None) -> list[torch.Tensor]:
     return [(p.to_local() if is_dtensor(p) else p).detach().clone() for p in model.parameters()]
 
 
+LOSS_STEP = 2
+
+
+def nan_loss_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, nan: bool) -> torch.Tensor:
+    """The regression step, its loss made NaN where ``nan`` (an auxiliary term gone bad): every gradient stays finite."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    (loss * 0 + math.nan if nan else loss).backward()
+    optimizer.step()
+    return loss
+
+
+def flaky(run: Path) -> dict:
+    """Only rank 1's state goes non-finite (its check is due at FLIP_STEP, a checkpoint's step): every rank must stop
+    there together (a rank that went on alone would wait for the others at its next collective)."""
+    data = job.Readings(job.STEPS * job.SHARD * job.WORLD, None)
+    loader = DataLoader(data, batch_size=job.SHARD, sampler=DistributedSampler(data, shuffle=False))
+    model = job.wrap(scenarios.build_model(), "ddp")
+    optimizer = torch.optim.AdamW(model.parameters())
+    options: dict = {"model_factory": "tests/scenarios.py:build_model", "step_fn": "tests/scenarios.py:train_step",
+                     "checkpoint_every": job.EVERY, "overwrite": True}
+    try:  # each rank's batches differ: a ring bounded in bytes would checkpoint on one rank and not the other
+        Recorder(run.with_name("ring_bytes"), model, optimizer, guard=GuardPolicy(ring_bytes=1), **options)
+    except ValueError as e:
+        refused = str(e)
+    rec = Recorder(run, model, optimizer, guard=True, **options)
+    try:
+        for step, batch in enumerate(loader):
+            loss = nan_loss_step(model, optimizer, batch, step == LOSS_STEP and dist.get_rank() == job.BAD_RANK)
+            if step == job.FLIP_STEP and dist.get_rank() == job.BAD_RANK:
+                with torch.no_grad():
+                    model.module.fc2.weight[0, 0] = math.nan
+            rec.log(step, batch, loss)
+    except GuardStop as stop:
+        return {"rank": dist.get_rank(), "stopped": step, "incident": str(stop.incident.relative_to(run)),
+                "refused": refused}
+    rec.close()
+    return {"rank": dist.get_rank(), "stopped": None, "refused": refused}
+
+
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     os.environ.setdefault("SOURCE_DATE_EPOCH", "1764633600")
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # ranks that fell out of step fail, not hang
     for how in names:
+        if how == "flaky":
+            (out / f"flaky.rank{dist.get_rank()}.json").write_text(json.dumps(flaky(out / how)))
+            continue
         guarded = train(how, out / how)
         plain = train(how, None)
         result = {"rank": dist.get_rank(), "finite": all(bool(torch.isfinite(p).all()) for p in guarded),

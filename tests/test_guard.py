@@ -335,25 +335,55 @@ def _skip_case(tmp: Path, which: int, poison: float | None, huge: bool, kind: st
 
 def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
     """torchrun, 2 gloo ranks, the bad batch on rank 1 only: both ranks skip the step (one collective on a flag),
-    finish with weights bit-identical to the loop that did not step there, and the incident replays to rank 1."""
+    finish with weights bit-identical to the loop that did not step there, and the incident replays to rank 1. In
+    ``flaky``, rank 1's loss alone is NaN at one step: both skip it, the record giving rank 1's reason (rank 0 has
+    none); then a NaN written into rank 1's copy of a weight alone stops both ranks at the state check of that step,
+    the stop's log naming rank 1's tensor (the screen's flag is all-reduced: without it rank 0 would go on alone)."""
     import distributed_job as job
+    import guard_job
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(TESTS / "guard_job.py"), str(tmp_path), "ddp", "fsdp2"],
+                        str(TESTS / "guard_job.py"), str(tmp_path), "ddp", "fsdp2", "flaky"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
+    incident = f"{INCIDENTS}/step_{job.FLIP_STEP:08d}"
+    assert [json.loads((tmp_path / f"flaky.rank{r}.json").read_text()) for r in range(2)] == [
+        {"rank": r, "stopped": job.FLIP_STEP, "incident": incident,
+         "refused": "ring_bytes bounds one process's ring; under torchrun bound it in steps (checkpoint_every)"}
+        for r in range(2)]
+    assert sorted(os.listdir(tmp_path / "flaky" / INCIDENTS)) == [
+        GUARD_LOG, f"step_{guard_job.LOSS_STEP:08d}", f"step_{job.FLIP_STEP:08d}"]
+    skip, stop = events(tmp_path / "flaky")[:2]  # rank 1's NaN loss (its gradients finite): its reason is the record's
+    ids = [[f"sample-{job.defect_index(step=guard_job.LOSS_STEP, rank=r, position=i):05d}" for i in range(job.SHARD)]
+           for r in range(2)]
+    assert skip == {"event": "skip", "step": guard_job.LOSS_STEP, "reason": "loss", "ranks_nonfinite_grad": [1],
+                    "grad": None, "loss": "nan", "per_rank": [
+                        {"rank": 0, "grad": None, "samples": {"batch['id']": ids[0]}, "nonfinite_inputs": {}},
+                        {"rank": 1, "grad": None, "samples": {"batch['id']": ids[1]}, "nonfinite_inputs": {},
+                         "reason": "loss", "loss": "nan"}],
+                    "incident": f"{INCIDENTS}/step_{guard_job.LOSS_STEP:08d}"}
+    assert (stop["event"], stop["step"], stop["incident"]) == ("state_nonfinite", job.FLIP_STEP, incident)
+    assert stop["found"] == [None, {"tensor": "fc2.weight", "state": "param", "rank": 1, "index": [0, 0],
+                                    "value": "nan"}]
     for how in ("ddp", "fsdp2"):
         results = [json.loads((tmp_path / f"{how}.rank{r}.json").read_text()) for r in range(2)]
         assert sorted(r["rank"] for r in results) == [0, 1] and all(r["finite"] and r["equal"] for r in results), how
         log = events(tmp_path / how)
         skip = next(e for e in log if e["event"] == "skip")
+        assert sorted(os.listdir(tmp_path / how / INCIDENTS)) == [GUARD_LOG, f"step_{job.DEFECT_STEP:08d}"]  # no leftovers
         assert (skip["step"], skip["reason"]) == (job.DEFECT_STEP, "gradient")
         # FSDP2's shards are DTensors: the update's proof does not go there, and the log says so
         assert [e["event"] for e in log if e["event"] == "gradient_check_only"] == (["gradient_check_only"] if how ==
                                                                                    "fsdp2" else [])
-        assert job.BAD_RANK in skip["ranks_nonfinite_grad"] or how == "fsdp2"  # FSDP2: the shard that holds row 3
-        assert f"sample-{job.defect_index():05d}" in skip["per_rank"][job.BAD_RANK]["samples"]["batch['id']"]
+        # DDP averages the gradients: every rank's is infinite; FSDP2's: rank 0's shard holds row 3, rank 1's is finite
+        ranks = [0, 1] if how == "ddp" else [0]
+        grad = {"tensor": "features.gain", "index": [3], "value": "inf"}
+        assert skip["ranks_nonfinite_grad"] == ranks and skip["grad"] == {**grad, "rank": 0}
+        assert skip["per_rank"] == [
+            {"rank": r, "grad": {**grad, "rank": r} if r in ranks else None,
+             "samples": {"batch['id']": [f"sample-{job.defect_index(rank=r, position=i):05d}" for i in range(job.SHARD)]},
+             "nonfinite_inputs": {}, **({"reason": "gradient"} if r in ranks else {})} for r in range(2)]
         out = tmp_path / f"{how}.json"
         result = run_cli("replay", tmp_path / how / INCIDENTS / f"step_{job.DEFECT_STEP:08d}", "--json", out, cwd=ROOT)
         assert result.code == 1, result.stderr

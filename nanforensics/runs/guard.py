@@ -39,7 +39,7 @@ from ..finite import is_finite, locate, stored, value_name
 from ..replay.proof import Hazard, UpdateCheck, max_abs, provable
 from .batches import data_leaves, encoded, leaves
 from .checkpoint import checkpoint_name, optimizer_params, param_names
-from .files import make_build_dir, publish_dir_atomic, write_bytes_atomic, write_json_atomic
+from .files import json_bytes, make_build_dir, publish_dir_atomic, write_bytes_atomic, write_json_atomic
 from .layout import rank_dir
 from .run import MANIFEST, STEPS, batch_path
 
@@ -248,7 +248,7 @@ class Guard:
 
     def _guarded_step(self, *args: Any, **kwargs: Any) -> Any:
         closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[0] if args else None)
-        args = args[1:] if args and closure is args[0] else args
+        args = (None, *args[1:]) if args and closure is args[0] else args  # it ran here: None in its place, the rest kept
         loss = None
         if closure is not None:  # Lightning's closure runs forward, backward and clipping: the gradients come after it
             with torch.enable_grad():
@@ -272,9 +272,11 @@ class Guard:
         if self.size > 1:
             dist.all_reduce(flags)  # the one collective: every rank learns which ranks would skip
         pending = _Pending(flags, grads, losses=losses, hazard=hazard)
-        if self.pending is not None:  # a second optimizer.step() in one logged step: either skip counts
-            pending.flags = torch.maximum(pending.flags, self.pending.flags)
-        self.pending = pending
+        earlier, self.pending = self.pending, pending
+        if earlier is not None:  # a second optimizer.step() in one logged step: either skip counts, with what it saw
+            pending.flags = torch.maximum(flags, earlier.flags)
+            pending.grads, pending.losses = earlier.grads + grads, earlier.losses + losses
+            pending.hazard = earlier.hazard or hazard
         if self._takes_found_inf:
             self.optimizer.found_inf = (flags.sum() > 0).float()  # type: ignore[attr-defined]
             try:
@@ -282,8 +284,9 @@ class Guard:
             finally:
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
             return loss if closure is not None else out
-        pending.skipped = bool(flags.sum().item() > 0)  # the step's one host synchronisation
-        if pending.skipped:
+        skip = bool(flags.sum().item() > 0)  # the step's one host synchronisation
+        pending.skipped = skip or bool(earlier is not None and earlier.skipped)
+        if skip:
             return loss
         out = self._original(*args, **kwargs)
         if self.update_check is not None:
@@ -427,7 +430,7 @@ class Guard:
 
     def _first_bad_grad(self, pending: _Pending) -> dict[str, Any] | None:
         for index, grad in pending.grads:
-            if grad.is_floating_point() and not is_finite(grad):
+            if not is_finite(grad):  # every gradient the check read: a complex one too
                 where = locate(grad)
                 if where is not None:
                     return {"tensor": self.names[index], "index": where.index, "value": where.value, "rank": self.rank}
@@ -472,8 +475,9 @@ class Guard:
             for key, t in named:
                 if t.is_floating_point() and not is_finite(t):
                     where = locate(t)
-                    return {"tensor": self.names[index], "state": key, "rank": self.rank,
-                            "index": where.index if where else None, "value": where.value if where else None}
+                    assert where is not None  # t is not finite: locate finds its first coordinate that is not
+                    return {"tensor": self.names[index], "state": key, "rank": self.rank, "index": where.index,
+                            "value": where.value}
         return None
 
     def _restore(self) -> None:
@@ -522,8 +526,8 @@ class Guard:
 
     def _note(self, entry: dict[str, Any]) -> None:
         if self.writes:
-            with open(self.folder / GUARD_LOG, "a", encoding="utf-8") as f:
-                f.write(json.dumps(entry, allow_nan=False, default=str) + "\n")
+            with open(self.folder / GUARD_LOG, "ab") as f:
+                f.write(json_bytes(entry, indent=None))
 
     def _incident(self, kind: str, step: int, entry: dict[str, Any]) -> Path:
         """``incidents/step_N/``: the run's manifest, its newest checkpoint (hard links where the file system allows),
@@ -559,7 +563,7 @@ class Guard:
             shutil.copytree(self.rec.path / "checkpoints" / checkpoint_name(start),
                             build / "checkpoints" / checkpoint_name(start), copy_function=_link_or_copy)
             write_json_atomic(build / INCIDENT_FILE, {"format": INCIDENT_FORMAT, "kind": kind, "step": step,
-                                                      "from_checkpoint": start, **_plain(entry)})
+                                                      "from_checkpoint": start, **entry})
             publish_dir_atomic(build, final)
         if self.size > 1:
             dist.barrier(group=object_group())
@@ -600,10 +604,6 @@ def _link_or_copy(src: str, dst: str) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
-
-
-def _plain(entry: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(entry, default=str))
 
 
 def _nonfinite_samples(batch: Any) -> dict[str, list[int]]:

@@ -296,7 +296,7 @@ def _step(key: Any) -> str:
     """One key of a field path: ``.name``, ``[3]``, or an excerpt of a key that is neither (``[b'\\xff']``)."""
     if isinstance(key, str) and key.isidentifier() and len(key) <= 40:
         return f".{key}"
-    return f"[{key}]" if _count(key) else f"[{shown(key)}]"
+    return f"[{shown(key)}]"  # an int too: a state id of 5,000 digits from the file, which ``str`` refuses to write
 
 
 def _count(value: Any) -> bool:
@@ -340,7 +340,7 @@ def hyperparameter_problem(groups: list[dict[str, Any]], at: str) -> str | None:
             if not isinstance(key, str):
                 return f"{at}[{g}] holds a key {shown(key)}, not a name"
             kind = HYPERPARAMETERS.get(key, _OTHER)
-            if key != "params" and not kind.holds(value):
+            if not kind.holds(value):  # ``params`` too: its ids or names, checked before, are a flat list of scalars
                 return f"{at}[{g}]{_step(key)} is {_what(value)}, not {kind.said}"
     return None
 

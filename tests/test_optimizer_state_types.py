@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from nanforensics.inputs import STATE, optimizer_problem
+from nanforensics.inputs import STATE, field_path, optimizer_problem
 
 from conftest import ROOT, assert_one_line_error, run_cli, tree_digest
 
@@ -40,6 +40,37 @@ FAMILIES: dict[str, tuple[set[str], set[str]]] = {
     "al": ({"al"}, {"a list of tensors", "a list of tensors and None"}),
 }
 KEYS = {key: family for family, (keys, _) in FAMILIES.items() for key in keys}
+
+
+FORTY = "k" * 40
+KEY_STEPS = {  # a key from the file -> its step in a field path: a name as itself, anything else as an excerpt
+    "lr": ".lr", FORTY: f".{FORTY}", FORTY + "k": "['" + "k" * 36 + "...]", "two words": "['two words']", 3: "[3]",
+    True: "[True]", b"\xff": "[b'\\xff']", 10**5000: "[<an integer of 16610 bits>]",
+}
+
+
+@pytest.mark.parametrize("key", list(KEY_STEPS), ids=lambda k: type(k).__name__ + str(len(repr(k)) if isinstance(k, str) else ""))
+def test_a_field_path_names_each_key_once_and_shortly(key):
+    """Every kind of key a pickle can hold, under a root key that starts with the characters the path's leading dot
+    is stripped of: an id of 5,000 digits is described, not written (``str`` refuses it, and the error was lost)."""
+    assert field_path((((None, "Xoptimizer"), "state"), key)) == f"Xoptimizer.state{KEY_STEPS[key]}"
+    said = optimizer_problem({"state": {key: {"exp_avg": None}}, "param_groups": [{"params": [0]}]}, "optimizer")
+    assert said == f"optimizer.state{KEY_STEPS[key]}.exp_avg is None, not a real tensor"
+
+
+WHAT = [  # a value's kind in the refusal's words, never its content
+    (True, "a bool"), (3, "an int"), (0.5, "a float"), ("x", "a string"), (b"x", "a bytes"), ({"a": 1}, "a dict"),
+    (None, "None"), ((1.0, 2.0), "a tuple of 2"), ([0.0], "a list of 1"), (torch.tensor(0.5), "a real tensor"),
+    (torch.ones(3, dtype=torch.bool), "a bool tensor of 3 elements"),
+    (torch.zeros(2, dtype=torch.complex64), "a complex tensor of 2 elements"),
+    (torch.empty(2, device="meta"), "a real tensor on meta of 2 elements"),
+]
+
+
+@pytest.mark.parametrize(("value", "words"), WHAT, ids=[w for _, w in WHAT])
+def test_the_refusal_says_each_kind_of_value_in_its_own_words(value, words):
+    said = optimizer_problem({"state": {0: {"old_dirs": value}}, "param_groups": [{"params": [0]}]}, "")
+    assert said is not None and said.startswith(f"state[0].old_dirs is {words}, not "), said  # LBFGS's: a list of tensors
 
 
 def test_the_families_name_every_key_of_the_allow_list():

@@ -99,6 +99,8 @@ def _worker(rank: int, world: int, out: Path, store: str) -> None:
             _mixed(precision, stage, out)
     dist.barrier()
     dist.destroy_process_group()
+    if world > 1:  # a spawned rank: its files are closed; the interpreter's teardown once aborted it ("terminate called
+        os._exit(0)  # without an active exception", a native thread destroyed still joinable), failing the whole job
 
 
 def _stage(stage: int, rank: int, world: int, out: Path) -> None:

@@ -305,6 +305,9 @@ def _count(value: Any) -> bool:
     return is_count(value)
 
 
+MALFORMED = "optimizer state is malformed: "  # a shape no torch optimizer writes; a field's wrong type names the field
+
+
 def optimizer_problem(sd: dict[str, Any], name: str = "") -> str | None:
     """What makes an optimizer state dict (``state`` a dict, ``param_groups`` a list) unlike any torch writes, as
     the error says it after the file's name, or None. Every reader indexes it as torch lays it out (groups of
@@ -313,16 +316,15 @@ def optimizer_problem(sd: dict[str, Any], name: str = "") -> str | None:
     (``name``: where, ``optimizer`` or ``optimizer_states[0]``; empty for a file that is the state dict)."""
     for g in sd["param_groups"]:
         if not (isinstance(g, dict) and isinstance(g.get("params"), list)):
-            return "optimizer state is malformed: a parameter group without a 'params' list"
+            return f"{MALFORMED}a parameter group without a 'params' list"
         if not all(_count(p) or isinstance(p, str) for p in g["params"]):
-            return ("optimizer state is malformed: a parameter group's 'params' holds something other than parameter "
-                    "ids or names")
+            return f"{MALFORMED}a parameter group's 'params' holds something other than parameter ids or names"
     for pid, entry in sd["state"].items():
         if not isinstance(entry, dict):
-            return f"optimizer state is malformed: a parameter's state is a {type(entry).__name__}, not a dict of named values"
+            return f"{MALFORMED}a parameter's state is a {type(entry).__name__}, not a dict of named values"
         for key, value in entry.items():
             if not isinstance(key, str):
-                return "optimizer state is malformed: a parameter's state holds a key that is not a name"
+                return f"{MALFORMED}a parameter's state holds a key that is not a name"
             kind = STATE.get(key, _OTHER_STATE)
             if not kind.holds(value):
                 return f"{name + '.' if name else ''}state{_step(pid)}{_step(key)} is {_what(value)}, not {kind.said}"

@@ -3,7 +3,8 @@ step DEFECT_STEP: an infinite local gradient on rank 1 only), trained guarded, t
 ``optimizer.step()`` not called at that step; each rank prints whether its parameters (its shards, under FSDP2) are
 finite and bit-identical in both (OUT/NAME.rankN.json). ``flaky``: DDP on clean data, rank 1's loss NaN at step LOSS_STEP
 (its gradients finite: skipped for rank 1's reason), then rank 1's copy of a weight turned NaN after step FLIP_STEP (a
-bit flip on one rank): each rank writes the step its guard stopped at and the incident.
+bit flip on one rank): each rank writes the step its guard stopped at and the incident. Its ranks' disks differ in
+speed (``slow_disks``): the incident must be whole and in place on every rank whatever order the ranks write in.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/guard_job.py OUT ddp fsdp2 flaky
 """
@@ -14,14 +15,18 @@ import json
 import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from nanforensics import Recorder
 from nanforensics.distributed.tensors import is_dtensor
+from nanforensics.runs import guard
 from nanforensics.runs.guard import GuardPolicy, GuardStop
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -62,6 +67,22 @@ def nan_loss_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     return loss
 
 
+def slow_disks() -> None:
+    """Rank 1 writes its part of an incident a second late, rank 0 publishes it half a second late: a rank that did not
+    wait for the others (the incident's two barriers) publishes without rank 1's files, or goes on before the incident
+    is in place. A delay, not a change: each write still happens, through the guard's own calls."""
+    def late(write: Callable[..., Any], when: Callable[..., bool], seconds: float) -> Callable[..., Any]:
+        def slowly(*args: Any, **kwargs: Any) -> Any:
+            if when(*args):
+                time.sleep(seconds)
+            return write(*args, **kwargs)
+        return slowly
+    if dist.get_rank() == 1:
+        guard.write_bytes_atomic = late(guard.write_bytes_atomic, lambda path, *_: Path(path).name == guard.STEPS, 1.0)
+    else:
+        guard.publish_dir_atomic = late(guard.publish_dir_atomic, lambda *_: True, 0.5)
+
+
 def flaky(run: Path) -> dict:
     """Only rank 1's state goes non-finite (its check is due at FLIP_STEP, a checkpoint's step): every rank must stop
     there together (a rank that went on alone would wait for the others at its next collective)."""
@@ -76,6 +97,7 @@ def flaky(run: Path) -> dict:
     except ValueError as e:
         refused = str(e)
     rec = Recorder(run, model, optimizer, guard=True, **options)
+    slow_disks()
     try:
         for step, batch in enumerate(loader):
             loss = nan_loss_step(model, optimizer, batch, step == LOSS_STEP and dist.get_rank() == job.BAD_RANK)
@@ -84,8 +106,9 @@ def flaky(run: Path) -> dict:
                     model.module.fc2.weight[0, 0] = math.nan
             rec.log(step, batch, loss)
     except GuardStop as stop:
+        in_place = sorted(str(p.relative_to(stop.incident)) for p in stop.incident.glob("**/*.json*"))
         return {"rank": dist.get_rank(), "stopped": step, "incident": str(stop.incident.relative_to(run)),
-                "refused": refused}
+                "refused": refused, "in_place": in_place}
     rec.close()
     return {"rank": dist.get_rank(), "stopped": None, "refused": refused}
 

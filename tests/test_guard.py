@@ -338,7 +338,8 @@ def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
     finish with weights bit-identical to the loop that did not step there, and the incident replays to rank 1. In
     ``flaky``, rank 1's loss alone is NaN at one step: both skip it, the record giving rank 1's reason (rank 0 has
     none); then a NaN written into rank 1's copy of a weight alone stops both ranks at the state check of that step,
-    the stop's log naming rank 1's tensor (the screen's flag is all-reduced: without it rank 0 would go on alone)."""
+    the stop's log naming rank 1's tensor (the screen's flag is all-reduced: without it rank 0 would go on alone).
+    Rank 1's disk is slow there, then rank 0's: each rank stops with the incident whole and in place."""
     import distributed_job as job
     import guard_job
 
@@ -350,7 +351,10 @@ def test_ddp_and_fsdp2_skip_together_and_the_incident_names_the_rank(tmp_path):
     incident = f"{INCIDENTS}/step_{job.FLIP_STEP:08d}"
     assert [json.loads((tmp_path / f"flaky.rank{r}.json").read_text()) for r in range(2)] == [
         {"rank": r, "stopped": job.FLIP_STEP, "incident": incident,
-         "refused": "ring_bytes bounds one process's ring; under torchrun bound it in steps (checkpoint_every)"}
+         "refused": "ring_bytes bounds one process's ring; under torchrun bound it in steps (checkpoint_every)",
+         # whole and in place as each rank's guard stops, though rank 1 wrote its part late and rank 0 published late
+         "in_place": [f"checkpoints/step_{job.FLIP_STEP // job.EVERY * job.EVERY:08d}/meta.json", "incident.json",
+                      "manifest.json", "ranks/rank_00000/steps.jsonl", "ranks/rank_00001/steps.jsonl"]}
         for r in range(2)]
     assert sorted(os.listdir(tmp_path / "flaky" / INCIDENTS)) == [
         GUARD_LOG, f"step_{guard_job.LOSS_STEP:08d}", f"step_{job.FLIP_STEP:08d}"]

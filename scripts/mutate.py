@@ -96,6 +96,12 @@ def dotted(module: str) -> str:
     return module.removesuffix(".py").replace("/", ".")
 
 
+def selector(module: str, only: str) -> str:
+    """mutmut's glob for ``--only``: a function's mutants (``x__checked``: every ``x__checked__mutmut_N``), or the mutants
+    a name with its numbers chooses (``x__checked__mutmut_9[0-3]``: 90-93, not 900-939 too)."""
+    return f"{dotted(module)}.{only}" + ("" if "__mutmut_" in only else "*")
+
+
 def scratch_dir(module: str, tests_at: str | None = None) -> Path:
     """Where a module's mutants are made and run (and stay, for `mutmut show` and `mutmut browse` there): one folder
     per checkout, so that two checkouts' runs on one machine (a `--count` here, a run there) never wipe each other's."""
@@ -122,6 +128,9 @@ def scratch_copy(module: str, tests_at: str | None = None, tests: Sequence[str] 
         "source_paths = nanforensics\n"
         f"only_mutate = {module}\n"
         f"pytest_add_cli_args_test_selection =\n    {selection}\n"
+        # each mutant forked from a server that never ran a test: a child forked from the process that took the statistics
+        # inherits its OpenMP pool and waits on it forever at its first parallel kernel (every survivor then timed out)
+        "process_isolation = forkserver\n"
         f"pytest_add_cli_args =\n    -n\n    0\n    -p\n    no:cacheprovider\n{deselect}"
         "also_copy =\n    tests\n    sample_runs\n    README.md\n    docs\n    pyproject.toml\n",
         encoding="utf-8",
@@ -213,7 +222,7 @@ def mutate(module: str, equivalents: dict[str, dict[str, str]], options: argpars
     if options.count:
         subprocess.run([sys.executable, "-c", GENERATE], cwd=scratch, check=True, capture_output=True)
     elif not options.again:
-        mutmut(scratch, "run", "--max-children", str(options.children), *[f"{dotted(module)}.{f}*" for f in options.only])
+        mutmut(scratch, "run", "--max-children", str(options.children), *[selector(module, f) for f in options.only])
     tally = Tally(module)
     made = statuses(scratch)
     tally.mutants = len(made)

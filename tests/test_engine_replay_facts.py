@@ -243,6 +243,15 @@ def test_the_batches_of_the_whole_window_are_checked_against_the_magnitude_given
     assert sorted({d.step for d in r.data_defects}) == list(range(26, STEPS))
 
 
+@pytest.mark.parametrize("max_steps", [6, 7])
+def test_a_window_bounded_by_max_steps_has_its_batches_checked_to_its_last_step_not_past(recorded, max_steps):
+    """From step 20, --max-steps 6 ends the window at step 25, a step before the defect's subnormal reading: no batch
+    past the window is checked (the defect's step is not named); --max-steps 7 takes step 26 in, and names it."""
+    r = replay_run(recorded["long"], ReplayOptions(explain=False, from_step=20, max_steps=max_steps))
+    assert (r.setup.from_checkpoint, r.setup.last_step) == (20, 19 + max_steps)
+    assert [(d.step, d.kind) for d in r.data_defects] == ([] if max_steps == 6 else [(DEFECT, "subnormal")])
+
+
 def test_a_what_if_is_replayed_from_the_start_at_the_origin(recorded):
     r = replay_run(recorded["long"], ReplayOptions(explain=False, what_if=[whatif.parse("skip")], what_if_steps=2))
     assert [(w.intervention, w.step, w.last_step) for w in r.what_if] == [
@@ -322,6 +331,39 @@ def test_a_run_nobody_recorded_has_its_batches_checked_where_the_replay_ran_them
     run, code = open_unrecorded(start, str(UNRECORDED / "train.py"))
     assert refusal(replay, run, code, ReplayOptions(explain=False)) == (
         "--max-steps", "the run logged no steps, so nothing says where it ends: give --max-steps")
+
+
+def test_a_run_nobody_recorded_never_asks_for_a_batch_past_the_steps_replayed(tmp_path):
+    """Its data holds 30 steps (a batch past them raises, as a loader run dry does), and --max-steps 1000 bounds the
+    window far past them: the replay stops at step 19 (the chain complete), having asked for no batch past it, so
+    the bound's batches (never replayed) are neither computed nor checked."""
+    code = tmp_path / "train.py"
+    code.write_text((UNRECORDED / "train.py").read_text() + '''
+
+_rows = batch_at
+
+
+def batch_at(step: int) -> dict[str, Any]:
+    if step >= STEPS:
+        raise IndexError(f"the data holds {STEPS} steps, not {step + 1}")
+    return _rows(step)
+''')
+    r = replay_checkpoint(UNRECORDED / "ckpts" / "step_000010.pt", str(code),
+                          options=ReplayOptions(explain=False, max_steps=1000, data_max_abs=0.5))
+    assert (r.verdict, r.responsible_step, r.setup.first_step, r.setup.last_step) == ("nonfinite", 17, 10, 19)
+    assert sorted({d.step for d in r.data_defects}) == list(range(10, 20))
+
+
+def test_an_optimizer_replay_does_not_support_is_refused_naming_the_run(tmp_path):
+    """LBFGS (a program of the generator, recorded): refused once its session is open, before any step, naming the run
+    directory, the optimizer and why."""
+    from tests.oracle import programs
+
+    code, run = tmp_path / "code", tmp_path / "run"
+    programs.record(programs.materialise(programs.draw(701), code), run, "every_2")
+    assert refusal(replay_run, run, ReplayOptions(code_paths=[code])) == (
+        run, "replay does not support the optimizer LBFGS: it calls the step function's closure inside "
+             "optimizer.step(), so the forward and backward run inside the update")
 
 
 def test_an_unsound_start_is_replayed_from_itself_and_its_reset_is_tried(recorded, tmp_path):

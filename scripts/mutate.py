@@ -130,7 +130,7 @@ def scratch_copy(module: str, tests_at: str | None = None, tests: Sequence[str] 
         f"pytest_add_cli_args_test_selection =\n    {selection}\n"
         # each mutant forked from a server that never ran a test: a child forked from the process that took the statistics
         # (torch's thread pools started, their locks copied as held) waited on a futex forever once past its first
-        # tests, so every survivor ran into mutmut's timeout (fifth session: 0 s of CPU a minute, all of them)
+        # tests, so every survivor ran into mutmut's timeout (sixth session: a minute at no CPU, each of them)
         "process_isolation = forkserver\n"
         f"pytest_add_cli_args =\n    -n\n    0\n    -p\n    no:cacheprovider\n{deselect}"
         "also_copy =\n    tests\n    sample_runs\n    README.md\n    docs\n    pyproject.toml\n",

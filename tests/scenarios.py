@@ -42,6 +42,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[s
     return _train_step(model, optimizer, batch)
 
 
+DATA_WRITE_STEP = 3  # train_step_nan_through_data's step
+
+
+def train_step_nan_through_data(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
+    """The plain step, then at step DATA_WRITE_STEP (its batch's first id says which) NaN written into the last
+    parameter through ``.data``: a write no version counter sees, which the update's proof assumes never happens."""
+    loss = train_step(model, optimizer, batch)
+    if batch["ids"][0] == f"s{DATA_WRITE_STEP:05d}-00":
+        list(model.parameters())[-1].data.fill_(math.nan)
+    return loss
+
+
 def train_step_clipped(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any]) -> torch.Tensor:
     optimizer.zero_grad(set_to_none=True)
     loss = F.mse_loss(model(batch["x"]), batch["y"])
@@ -501,16 +513,19 @@ SCENARIOS: dict[str, Scenario] = {
 
 def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int = 17, checkpoint_every: int = 10,
            seed: int = 0, keep_checkpoints: int | None = None, stop_on_nan: bool = False,
-           overwrite: bool = False, code: str | None = None, defects: dict[int, str] | None = None) -> list[float]:
+           overwrite: bool = False, code: str | None = None, defects: dict[int, str] | None = None,
+           step_fn: Callable[..., Any] | None = None) -> list[float]:
     """Train scenario ``name`` for ``steps`` steps under the recorder; returns the logged losses.
 
-    ``defects`` maps steps to the defects their batches get, in place of the scenario's one at ``defect_step``.
+    ``defects`` maps steps to the defects their batches get, in place of the scenario's one at ``defect_step``;
+    ``step_fn`` takes the place of the scenario's step function.
 
     ``stop_on_nan`` ends the loop a step after the first non-finite loss, as a job that
     aborts on NaN would. ``code`` names this file for replay (``tests/scenarios.py``, relative to the
     checkout's root) instead of its module name ``scenarios``.
     """
     sc = SCENARIOS[name]
+    step_fn = step_fn or sc.step_fn
     named = (lambda fn: fn) if code is None else (lambda fn: f"{code}:{fn.__qualname__}")
     model = sc.factory(**sc.model_kwargs)
     optimizer = sc.optimizer(model)
@@ -519,13 +534,13 @@ def record(run_dir: str | Path, name: str, *, steps: int = 30, defect_step: int 
     extras = {k: v for k, v in (("scaler", scaler), ("scheduler", scheduler)) if v is not None}
     losses: list[float] = []
     with Recorder(run_dir, model, optimizer, model_factory=named(sc.factory), model_kwargs=sc.model_kwargs,
-                  step_fn=named(sc.step_fn), checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                  step_fn=named(step_fn), checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                   overwrite=overwrite, scaler=scaler, scheduler=scheduler,
                   scheduler_factory=named(sc.scheduler) if sc.scheduler else None) as rec:
         for step in range(steps):
             defect = defects.get(step) if defects is not None else sc.defect if step == defect_step else None
             batch = sc.batches(step, seed, defect)
-            loss = sc.step_fn(model, optimizer, batch, **extras)
+            loss = step_fn(model, optimizer, batch, **extras)
             rec.log(step, batch, loss)
             losses.append(float(loss.detach()))
             if stop_on_nan and not all(math.isfinite(v) for v in losses[:-1]):

@@ -366,6 +366,20 @@ def test_an_optimizer_replay_does_not_support_is_refused_naming_the_run(tmp_path
              "optimizer.step(), so the forward and backward run inside the update")
 
 
+def test_read_all_sees_a_write_through_data_that_the_proof_assumes_never_happens(tmp_path):
+    """The step function writes NaN into the head's bias through ``.data`` after the update of step 3. The update's
+    proof (on by default) assumes only optimizer.step() writes parameters, so detect mode does not read the bias and
+    the NaN is first seen in step 4's forward; ``proof=False`` (``--read-all``) reads it at step 3, where it was
+    written. Both sides: the proof is on unless turned off, and off when it is."""
+    run = tmp_path / "run"
+    scenarios.record(run, "clean", steps=6, checkpoint_every=2, step_fn=scenarios.train_step_nan_through_data)
+    write = scenarios.DATA_WRITE_STEP
+    for proof, origin in ((True, (write + 1, "forward", "head")), (False, (write, "param", "head.bias"))):
+        r = replay_run(run, ReplayOptions(explain=False, proof=proof))
+        assert (r.setup.from_checkpoint, r.first_nonfinite_loss_step) == (2, write + 1)
+        assert (r.origin.step, r.origin.stage, r.origin.tensor, r.origin.value) == (*origin, "nan"), proof
+
+
 def test_an_unsound_start_is_replayed_from_itself_and_its_reset_is_tried(recorded, tmp_path):
     """A negative second moment put into the checkpoint of step 16: the origin lies on it at step 16, the precursors
     start there (an older checkpoint does not lead to the state the steps did not make), and resetting it is replayed

@@ -181,7 +181,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         unsound = start_soundness(getattr(checkpoint, "source", None) or open_checkpoint(checkpoint.path), r.model,
                                   r.optimizer)
         amp = AmpLog()
-        params_total, state_total = totals(r.model, r.optimizer)
+        params_total, state_total = totals(r.optimizer)
         buffers_all = buffers_total(r.model)
         # the recorded checkpoints past the start, to compare with; a run nobody recorded has only its start
         later = {c.step: c for c in run.checkpoints() if c.step > checkpoint.step}
@@ -259,7 +259,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                 # each rank of a distributed run reports its own copy of the buffers: the copy that holds the most
                 b_bad = max((sum(e.elements_nonfinite for e in step_events if e.stage == "buffer" and e.rank == rank)
                              for rank in {e.rank for e in step_events}), default=0)
-                state_total = max(state_total, totals(r.model, r.optimizer)[1])  # lazily created state
+                state_total = max(state_total, totals(r.optimizer)[1])  # lazily created state
                 logged_loss = logged.get(step)
                 spread.append(StepRecord(step, logged_loss, loss, p_bad, params_total, s_bad, state_total, b_bad,
                                          buffers_all, float32_ulps(logged_loss, loss) if logged_loss is not None

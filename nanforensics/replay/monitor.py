@@ -361,7 +361,7 @@ class StepMonitor:
             event.nan_elements += nans
 
 
-def totals(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+def totals(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """Element counts of the parameters and of the optimizer's floating-point state."""
     params = optimizer_params(optimizer)
     state = sum(v.numel() for p in params for v in optimizer.state.get(p, {}).values() if finite.checkable(v))

@@ -112,6 +112,14 @@ def test_replay_at_world_size(runs, torchrun_replays, name):
         at = [e for e in report["events"] if e["step"] == job.DEFECT_STEP]
         assert [(e["stage"], e["tensor"]) for e in at][:1] == [("grad", "0.gain")] and {e["rank"] for e in at} == {0}
         assert report["checkpoints_compared"][0]["step"] == job.DEFECT_STEP + 1
+        # the progress of each phase, the start's checks included: the newest checkpoint holds the NaN, the one before
+        # does not
+        assert [line.removeprefix("nanforensics: [replay] ") for line in result.stderr.splitlines()
+                if line.startswith("nanforensics: [replay] ")][:3] == [
+            f"checking that the checkpoint at step {job.DEFECT_STEP + 1} is finite",
+            f"checking that the checkpoint at step {job.DEFECT_STEP - 1} is finite",
+            f"replaying steps {job.DEFECT_STEP - 1}-{job.STEPS - 1}, one stage per rank "
+            f"({job.STEPS - job.DEFECT_STEP + 1} steps)"]
     else:
         assert result.codes == [4] * job.WORLD, result.stderr[-3000:]  # loss only, on both ranks
         check(report, "Schedule1F1B", stage=1, made="loss = inf", data=("batch['y']", 0, "extreme"),

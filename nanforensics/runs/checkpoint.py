@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from ..distributed.tensors import shard_like, whole
-from ..errors import BadInput
+from ..errors import BadInput, shown
 from ..finite import decode_float, encode_float
 from ..inputs import TensorFile, hyperparameter_problem, load_json, one_line
+from ..numbers import is_count
 from ..schema import load
 from .files import json_bytes, make_build_dir, publish_dir_atomic, safetensors_parts, write_bytes_atomic
 from .optimizers import group_owners, loose_params, optimizer_params, optimizer_set
@@ -102,18 +103,57 @@ def restore_rng(state: Any, where: Path | None = None) -> None:
 
 
 def _unb64(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+    data = bytearray(base64.b64decode(text, validate=True))
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)  # none: a 0-element one
+
+
+def _inline(tensor: torch.Tensor, path: str) -> dict[str, Any]:
+    """``state_to_json``'s inline tensor: its bytes (little-endian, as the safetensors files), dtype and shape."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    if INLINE_DTYPES.get(name) != tensor.dtype or tensor.layout != torch.strided:
+        raise ValueError(f"{path} is a {name} {str(tensor.layout).removeprefix('torch.')} tensor: a checkpoint holds "
+                         f"one of {', '.join(INLINE_DTYPES)} (strided) here")
+    raw = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
+    return {"$bytes": b64(raw), "dtype": name, "shape": list(tensor.shape)}
+
+
+def _from_inline(value: dict[str, Any], path: Path) -> torch.Tensor:
+    """The tensor ``_inline`` wrote; a tag whose dtype, shape and bytes do not agree is an error naming ``path``."""
+    dtype, shape = INLINE_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None, value["shape"]
+    if dtype is None or not (isinstance(shape, list) and all(is_count(n) for n in shape)):
+        raise BadInput(path, f"holds an inline tensor of dtype {shown(value['dtype'])} and shape {shown(shape)}, not "
+                             f"one of {', '.join(INLINE_DTYPES)} and a list of sizes")
+    try:
+        raw = _unb64(value["$bytes"])
+    except (TypeError, ValueError) as e:
+        raise BadInput(path, f"holds an inline tensor whose bytes are not base64 ({one_line(e)[:100]})") from None
+    if raw.numel() != math.prod(shape) * dtype.itemsize or (dtype == torch.bool and bool(raw.gt(1).any())):
+        raise BadInput(path, f"holds an inline {value['dtype']} tensor of shape {shape} in {raw.numel()} bytes that "
+                             "are not its values")
+    try:
+        return raw.view(dtype).reshape(shape).clone()
+    except RuntimeError as e:  # more dimensions than torch takes
+        raise BadInput(path, f"holds an inline tensor of shape {shown(shape)}: {one_line(e)[:100]}") from None
+
+
+# The dtypes of a tensor meta.json holds inline (``state_to_json``'s ``{"$bytes"}`` tag), by name: the real, bool and
+# complex ones of whole bytes (the inputs' gate says which a hyperparameter may be).
+INLINE_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
+    torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+    torch.complex64, torch.complex128)}
 
 
 def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str) -> Any:
     """A state as plain JSON, without pickle: the one writer of meta.json's tags. A tensor is moved to ``tensors`` and
-    referenced as ``{"$tensor": key}``, or with ``tensors`` None (hyperparameters, state scalars: a tensor lr) stored
-    as its numbers, a one-element tensor as its one number whatever its shape (torch takes an lr of shape ``[1]``;
-    the reader takes a rate as a number, and replay steps with it as the float it is); inf and nan, which JSON lacks,
-    become ``{"$float": "inf"}`` (LBFGS keeps its last loss as a float: nan once the loss was)."""
+    referenced as ``{"$tensor": key}``, or with ``tensors`` None (hyperparameters, state scalars: a tensor lr, a
+    user's mask, LBFGS's history) written inline as ``{"$bytes": base64, "dtype": "float32", "shape": []}``: the
+    reader rebuilds the very tensor, as no number does (Adam steps with a float32 lr of 0.01 otherwise than with
+    the float it holds, and a float of shape ``[]`` is not a tensor of shape ``[1]``); inf and nan, which JSON
+    lacks, become ``{"$float": "inf"}`` (LBFGS keeps its last loss as a float: nan once the loss was)."""
     if isinstance(state, torch.Tensor):
         if tensors is None:
-            return state_to_json(state.item() if state.numel() == 1 else state.tolist(), None, path)
+            return _inline(state, path)
         tensors[path] = state
         return {"$tensor": path}
     if isinstance(state, float) and not math.isfinite(state):
@@ -143,6 +183,8 @@ def state_from_json(value: Any, tensors: Callable[[], TensorFile] | None, path: 
                 return decode_float(value["$float"])
             except ValueError as e:
                 raise BadInput(path, f"holds {one_line(e)}") from None
+        if value.keys() == {"$bytes", "dtype", "shape"}:
+            return _from_inline(value, path)
         return {k: state_from_json(v, tensors, path) for k, v in value.items()}
     if isinstance(value, list):
         return [state_from_json(v, tensors, path) for v in value]
@@ -188,6 +230,11 @@ def state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     names, tensors, scalars, sd = optimizer_state(model, optimizer)
     groups = [{**{k: state_to_json(v, None, k) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
               for g in sd["param_groups"]]
+    # the gate meta.json's reader passes them through, here, while the training loop can still be told: never a
+    # checkpoint replay refuses (a nested list, a complex tensor, a string for a rate)
+    problem = hyperparameter_problem(state_from_json(groups, None, Path("meta.json")), "param_groups")
+    if problem is not None:
+        raise ValueError(f"optimizer {problem}: the checkpoint could not hold it as replay reads it back")
     model_sd = model.state_dict()
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     return ({"param_names": names, "param_groups": groups, "state_scalars": scalars,

@@ -111,8 +111,8 @@ def _inline(tensor: torch.Tensor, path: str) -> dict[str, Any]:
     """``state_to_json``'s inline tensor: its bytes (little-endian, as the safetensors files), dtype and shape."""
     name = str(tensor.dtype).removeprefix("torch.")
     if INLINE_DTYPES.get(name) != tensor.dtype or tensor.layout != torch.strided:
-        raise ValueError(f"{path} is a {name} {str(tensor.layout).removeprefix('torch.')} tensor: a checkpoint holds "
-                         f"one of {', '.join(INLINE_DTYPES)} (strided) here")
+        raise ValueError(f"{path} is a {name} {str(tensor.layout).removeprefix('torch.')} tensor: a checkpoint holds a "
+                         f"strided tensor of {_INLINE_SAID} here")
     raw = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
     return {"$bytes": b64(raw), "dtype": name, "shape": list(tensor.shape)}
 
@@ -122,7 +122,7 @@ def _from_inline(value: dict[str, Any], path: Path) -> torch.Tensor:
     dtype, shape = INLINE_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None, value["shape"]
     if dtype is None or not (isinstance(shape, list) and all(is_count(n) for n in shape)):
         raise BadInput(path, f"holds an inline tensor of dtype {shown(value['dtype'])} and shape {shown(shape)}, not "
-                             f"one of {', '.join(INLINE_DTYPES)} and a list of sizes")
+                             f"{_INLINE_SAID} and a list of sizes")
     try:
         raw = _unb64(value["$bytes"])
     except (TypeError, ValueError) as e:
@@ -132,7 +132,7 @@ def _from_inline(value: dict[str, Any], path: Path) -> torch.Tensor:
                              "are not its values")
     try:
         return raw.view(dtype).reshape(shape).clone()
-    except RuntimeError as e:  # more dimensions than torch takes
+    except (RuntimeError, TypeError) as e:  # a size beyond int64 beside a 0
         raise BadInput(path, f"holds an inline tensor of shape {shown(shape)}: {one_line(e)[:100]}") from None
 
 
@@ -142,6 +142,7 @@ INLINE_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d 
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
     torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
     torch.complex64, torch.complex128)}
+_INLINE_SAID = "float64/32/16, bfloat16, float8_e4m3fn/e5m2, (u)int8-64, bool or complex64/128"
 
 
 def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str) -> Any:
@@ -213,7 +214,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             if isinstance(value, torch.Tensor):
                 tensors[f"{names[index]}/{key}"] = value
             else:
-                scalars.setdefault(names[index], {})[key] = state_to_json(value, None, key)
+                scalars.setdefault(names[index], {})[key] = state_to_json(value, None, f"optimizer state {names[index]}/{key}")
     return names, tensors, scalars, sd
 
 
@@ -228,8 +229,8 @@ def state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     """meta.json's names of the state (``param_names``, ``param_groups``, ``state_scalars``, ``buffer_names``), the
     model's state dict and the optimizer's state tensors keyed ``"<name>/<key>"``."""
     names, tensors, scalars, sd = optimizer_state(model, optimizer)
-    groups = [{**{k: state_to_json(v, None, k) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-              for g in sd["param_groups"]]
+    groups = [{**{k: state_to_json(v, None, f"optimizer param_groups[{i}].{k}") for k, v in g.items() if k != "params"},
+               "params": [names[p] for p in g["params"]]} for i, g in enumerate(sd["param_groups"])]
     # the gate meta.json's reader passes them through, here, while the training loop can still be told: never a
     # checkpoint replay refuses (a nested list, a complex tensor, a string for a rate)
     problem = hyperparameter_problem(state_from_json(groups, None, Path("meta.json")), "param_groups")

@@ -72,28 +72,29 @@ def _bits(value: Any) -> Any:
     return type(value), value
 
 
-def _record_and_replay(run: Path, cls: type[torch.optim.Optimizer], lrs: list[Any]) -> tuple[dict[str, Any], list[str]]:
-    """meta.json of the checkpoint before step ``EVERY`` of a run of ``cls`` with a param group per lr in ``lrs``, as
-    the reader gives it, and what differs when the steps after it are replayed from it as replay rebuilds the
-    optimizer (its class over the checkpoint's groups, ``runs.run._optimizer``, then ``load_into``)."""
+def _record_and_replay(run: Path, cls: type[torch.optim.Optimizer], lrs: list[Any], steps: int = STEPS,
+                       every: int = EVERY) -> tuple[dict[str, Any], list[str]]:
+    """meta.json of the checkpoint before step ``every`` of a run of ``steps`` steps of ``cls`` with a param group per
+    lr in ``lrs``, as the reader gives it, and what differs when the steps after it are replayed from it as replay
+    rebuilds the optimizer (its class over the checkpoint's groups, ``runs.run._optimizer``, then ``load_into``)."""
     model = build(len(lrs))
     optimizer = cls([{"params": layer.parameters(), "lr": lr} for layer, lr in zip(model, lrs)])
     losses, weights = [], []
     with Recorder(run, model, optimizer, model_factory=build, model_kwargs={"groups": len(lrs)}, step_fn=step,
-                  checkpoint_every=EVERY) as rec:
-        for s in range(STEPS):
+                  checkpoint_every=every) as rec:
+        for s in range(steps):
             loss = step(model, optimizer, _batch(s))
             rec.log(s, _batch(s), loss)
             losses.append(loss.detach().clone())
             weights.append(_weights(model))
-    checkpoint = Checkpoint(run / "checkpoints" / checkpoint_name(EVERY), EVERY)
+    checkpoint = Checkpoint(run / "checkpoints" / checkpoint_name(every), every)
     meta = checkpoint.meta()
     again = build(len(lrs))
     named = dict(again.named_parameters())
     replayed = cls([{**g, "params": [named[n] for n in g["params"]]} for g in meta["param_groups"]])
     checkpoint.load_into(again, replayed)
     differs = []
-    for s in range(EVERY, STEPS):
+    for s in range(every, steps):
         loss = step(again, replayed, _batch(s))
         differs += [f"loss {s}"] * (_bits(loss) != _bits(losses[s]))
         differs += [f"weights {s}"] * (_bits(_weights(again)) != _bits(weights[s]))

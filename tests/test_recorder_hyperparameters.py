@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from nanforensics import Recorder
@@ -145,7 +146,8 @@ VALUES: dict[str, Any] = {
     "a list of tensors": [torch.ones(3), torch.zeros(2, dtype=torch.bool)], "names": ["fc.weight"], "nested": [[0.5]],
     "a dict": {"a": 1}, "bytes": b"x", "complex": 1j, "a transposed matrix": torch.arange(6.0).reshape(2, 3).t(),
     "an empty tensor": torch.zeros(0, 3), "a tensor that requires grad": torch.tensor(0.01, requires_grad=True),
-    "a sparse tensor": torch.eye(3).to_sparse(),
+    "a sparse tensor": torch.eye(3).to_sparse(), "a conjugate view": torch.tensor([1 + 2j]).conj(),
+    "numpy float64": numpy.float64(0.01), "numpy float32": numpy.float32(0.01), "numpy int64": numpy.int64(3),
     **{f"{str(d).removeprefix('torch.')} {shape}": _of(d, shape) for d in ALL_DTYPES for shape in ([], [1], [3], [2, 2])},
 }
 
@@ -188,7 +190,7 @@ def test_every_value_is_read_back_as_it_was_or_refused_in_one_line_before_writin
     for (name, value), group in zip(kept.items(), meta["param_groups"], strict=True):
         assert _bits(group[key]) == _bits(value), name
     assert HOLDS.get(key, set()) <= set(kept), HOLDS[key] - set(kept)
-    assert {"nested", "a dict", "bytes", "complex", "a sparse tensor"}.isdisjoint(kept)
+    assert {"nested", "a dict", "bytes", "complex", "a sparse tensor", "a conjugate view", "numpy float32"}.isdisjoint(kept)
 
 
 def test_a_value_replay_would_refuse_is_refused_in_the_training_loop_before_its_checkpoint(tmp_path):

@@ -102,6 +102,15 @@ def restore_rng(state: Any, where: Path | None = None) -> None:
         raise BadInput(where, f"{part} is not an RNG state recorded by nanforensics ({one_line(e)[:100]})") from None
 
 
+# The dtypes of a tensor meta.json holds inline (``state_to_json``'s ``{"$bytes"}`` tag), by name: the real, bool and
+# complex ones of whole bytes (the inputs' gate says which a hyperparameter may be).
+INLINE_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
+    torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+    torch.complex64, torch.complex128)}
+_INLINE_SAID = "float64/32/16, bfloat16, float8_e4m3fn/e5m2, (u)int8-64, bool or complex64/128"
+
+
 def _unb64(text: str) -> torch.Tensor:
     data = bytearray(base64.b64decode(text, validate=True))
     return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)  # none: a 0-element one
@@ -134,15 +143,6 @@ def _from_inline(value: dict[str, Any], path: Path) -> torch.Tensor:
         return raw.view(dtype).reshape(shape).clone()
     except (RuntimeError, TypeError) as e:  # a size beyond int64 beside a 0
         raise BadInput(path, f"holds an inline tensor of shape {shown(shape)}: {one_line(e)[:100]}") from None
-
-
-# The dtypes of a tensor meta.json holds inline (``state_to_json``'s ``{"$bytes"}`` tag), by name: the real, bool and
-# complex ones of whole bytes (the inputs' gate says which a hyperparameter may be).
-INLINE_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
-    torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
-    torch.complex64, torch.complex128)}
-_INLINE_SAID = "float64/32/16, bfloat16, float8_e4m3fn/e5m2, (u)int8-64, bool or complex64/128"
 
 
 def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str) -> Any:

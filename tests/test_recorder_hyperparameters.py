@@ -212,8 +212,36 @@ def test_a_value_replay_would_refuse_is_refused_in_the_training_loop_before_its_
     assert _bits(first["param_groups"][0]["mask"]) == _bits(mask)
 
 
+def test_a_tensor_the_groups_share_is_read_back_shared_and_replays_bit_for_bit(tmp_path):
+    """An lr tensor given as the optimizer's default is one object every group holds; a scheduler with a lambda per
+    group ``fill_``s it group by group, so in the run every group steps with the last group's rate. Read back as a
+    tensor per group, the replay stepped each group with its own rate and its weights went apart from the run's."""
+    def built() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        model = build(2)
+        optimizer = torch.optim.Adam([{"params": layer.parameters()} for layer in model], lr=torch.tensor(0.01))
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda e: 1.0, lambda e: 0.5 ** e])
+
+    def steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, few: range) -> None:
+        for s in few:
+            step(model, optimizer, _batch(s))
+            scheduler.step()
+
+    model, optimizer, scheduler = built()
+    steps(model, optimizer, scheduler, range(2))
+    checkpoint = Checkpoint(save_checkpoint(tmp_path, 2, model, optimizer, scheduler=scheduler), 2)
+    written = _bits(optimizer.param_groups[0]["lr"])
+    steps(model, optimizer, scheduler, range(2, 5))
+    lrs = [g["lr"] for g in checkpoint.meta()["param_groups"]]
+    assert lrs[0] is lrs[1] and _bits(lrs[0]) == written and '{"$same": ' in (checkpoint.path / "meta.json").read_text()
+    again, replayed, rescheduled = built()
+    checkpoint.load_into(again, replayed, scheduler=rescheduled)
+    assert replayed.param_groups[0]["lr"] is replayed.param_groups[1]["lr"]
+    steps(again, replayed, rescheduled, range(2, 5))
+    assert _bits(_weights(again)) == _bits(_weights(model))
+
+
 FLOAT32_ONE = base64.b64encode(struct.pack("<f", 1.0)).decode()
-DAMAGED = {  # an inline tensor as no writer writes it, each way its three fields can disagree
+DAMAGED = {  # an inline tensor as no writer writes it, each way its three fields can disagree, and a reference to none
     "a dtype no tensor is written in": {"$bytes": "AA==", "dtype": "uint4", "shape": []},
     "a dtype that is no name": {"$bytes": "AA==", "dtype": 5, "shape": []},
     "a shape that is no list": {"$bytes": FLOAT32_ONE, "dtype": "float32", "shape": 1},
@@ -225,6 +253,8 @@ DAMAGED = {  # an inline tensor as no writer writes it, each way its three field
     "too few bytes": {"$bytes": FLOAT32_ONE, "dtype": "float32", "shape": [2]},
     "too many bytes": {"$bytes": FLOAT32_ONE, "dtype": "float16", "shape": []},
     "a bool that is 2": {"$bytes": "Ag==", "dtype": "bool", "shape": []},
+    "the same as no tensor before": {"$same": 1}, "the same as itself": {"$same": 0},
+    "the same as a bool": {"$same": True},
 }
 
 

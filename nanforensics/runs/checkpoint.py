@@ -145,15 +145,22 @@ def _from_inline(value: dict[str, Any], path: Path) -> torch.Tensor:
         raise BadInput(path, f"holds an inline tensor of shape {shown(shape)}: {one_line(e)[:100]}") from None
 
 
-def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str) -> Any:
+def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str,
+                  _inlined: dict[int, int] | None = None) -> Any:
     """A state as plain JSON, without pickle: the one writer of meta.json's tags. A tensor is moved to ``tensors`` and
     referenced as ``{"$tensor": key}``, or with ``tensors`` None (hyperparameters, state scalars: a tensor lr, a
     user's mask, LBFGS's history) written inline as ``{"$bytes": base64, "dtype": "float32", "shape": []}``: the
     reader rebuilds the very tensor, as no number does (Adam steps with a float32 lr of 0.01 otherwise than with
-    the float it holds, and a float of shape ``[]`` is not a tensor of shape ``[1]``); inf and nan, which JSON
-    lacks, become ``{"$float": "inf"}`` (LBFGS keeps its last loss as a float: nan once the loss was)."""
+    the float it holds, and a float of shape ``[]`` is not a tensor of shape ``[1]``). A tensor met again (one lr
+    tensor, the optimizer's default, held by every group: a scheduler's ``fill_`` of one group's sets all) is
+    ``{"$same": n}``, the n-th inline tensor back, which stays true when another stage's groups come before. inf and
+    nan, which JSON lacks, become ``{"$float": "inf"}`` (LBFGS keeps its last loss as a float: nan once it was)."""
+    inlined = {} if _inlined is None else _inlined  # id of each tensor written inline -> its place among them
     if isinstance(state, torch.Tensor):
         if tensors is None:
+            if id(state) in inlined:
+                return {"$same": len(inlined) - inlined[id(state)]}
+            inlined[id(state)] = len(inlined)
             return _inline(state, path)
         tensors[path] = state
         return {"$tensor": path}
@@ -162,16 +169,18 @@ def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str
     if isinstance(state, dict):
         if not all(isinstance(k, str) for k in state):
             raise TypeError(f"{path}: state_dict keys must be strings to be recorded")
-        return {k: state_to_json(v, tensors, f"{path}.{k}") for k, v in state.items()}
+        return {k: state_to_json(v, tensors, f"{path}.{k}", inlined) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return [state_to_json(v, tensors, f"{path}.{i}") for i, v in enumerate(state)]
+        return [state_to_json(v, tensors, f"{path}.{i}", inlined) for i, v in enumerate(state)]
     return state
 
 
-def state_from_json(value: Any, tensors: Callable[[], TensorFile] | None, path: Path) -> Any:
+def state_from_json(value: Any, tensors: Callable[[], TensorFile] | None, path: Path,
+                    _inlined: list[torch.Tensor] | None = None) -> Any:
     """The inverse of ``state_to_json``: the one reader of meta.json's tags. ``tensors`` opens the
     extras file, only when a tensor is referenced (None where the recorder writes plain numbers); a tag that does not
     decode is an error naming ``path``."""
+    inlined = [] if _inlined is None else _inlined  # the inline tensors read so far, in order
     if isinstance(value, dict):
         if value.keys() == {"$tensor"}:
             if tensors is None:
@@ -185,10 +194,16 @@ def state_from_json(value: Any, tensors: Callable[[], TensorFile] | None, path: 
             except ValueError as e:
                 raise BadInput(path, f"holds {one_line(e)}") from None
         if value.keys() == {"$bytes", "dtype", "shape"}:
-            return _from_inline(value, path)
-        return {k: state_from_json(v, tensors, path) for k, v in value.items()}
+            inlined.append(_from_inline(value, path))
+            return inlined[-1]
+        if value.keys() == {"$same"}:
+            back = value["$same"]
+            if not (is_count(back) and 0 < back <= len(inlined)):
+                raise BadInput(path, f"holds {{\"$same\": {shown(back)}}}, but {len(inlined)} inline tensors come before it")
+            return inlined[-back]
+        return {k: state_from_json(v, tensors, path, inlined) for k, v in value.items()}
     if isinstance(value, list):
-        return [state_from_json(v, tensors, path) for v in value]
+        return [state_from_json(v, tensors, path, inlined) for v in value]
     return value
 
 
@@ -229,8 +244,9 @@ def state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     """meta.json's names of the state (``param_names``, ``param_groups``, ``state_scalars``, ``buffer_names``), the
     model's state dict and the optimizer's state tensors keyed ``"<name>/<key>"``."""
     names, tensors, scalars, sd = optimizer_state(model, optimizer)
-    groups = [{**{k: state_to_json(v, None, f"optimizer param_groups[{i}].{k}") for k, v in g.items() if k != "params"},
-               "params": [names[p] for p in g["params"]]} for i, g in enumerate(sd["param_groups"])]
+    hyper = state_to_json([{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]], None,
+                          "optimizer param_groups")  # at once: a tensor several groups hold is written once
+    groups = [{**h, "params": [names[p] for p in g["params"]]} for h, g in zip(hyper, sd["param_groups"])]
     # the gate meta.json's reader passes them through, here, while the training loop can still be told: never a
     # checkpoint replay refuses (a nested list, a complex tensor, a string for a rate)
     problem = hyperparameter_problem(state_from_json(groups, None, Path("meta.json")), "param_groups")

@@ -24,7 +24,14 @@ import torch
 from nanforensics import Recorder
 from nanforensics.errors import BadInput
 from nanforensics.inputs import HYPERPARAMETERS, hyperparameter_problem
-from nanforensics.runs.checkpoint import Checkpoint, checkpoint_name, checkpoint_state, save_checkpoint, state_from_json
+from nanforensics.runs.checkpoint import (
+    Checkpoint,
+    checkpoint_name,
+    checkpoint_state,
+    save_checkpoint,
+    state_from_json,
+    state_to_json,
+)
 
 # every form torch takes for an lr: the reader must give back that very value
 LR_FORMS: dict[str, Any] = {"float": 0.01, "0-d tensor": torch.tensor(0.01), "[1] tensor": torch.tensor([0.003])}
@@ -238,6 +245,16 @@ def test_a_tensor_the_groups_share_is_read_back_shared_and_replays_bit_for_bit(t
     assert replayed.param_groups[0]["lr"] is replayed.param_groups[1]["lr"]
     steps(again, replayed, rescheduled, range(2, 5))
     assert _bits(_weights(again)) == _bits(_weights(model))
+
+
+def test_a_shared_tensor_is_still_shared_where_another_stages_groups_come_before():
+    """A pipeline's rank 0 writes every stage's groups one after another, each stage's as that stage wrote them
+    (``distributed.pipeline``): a reference back counts inline tensors before it, so it holds in the joined list."""
+    stages = [torch.tensor(0.1), torch.tensor(0.2)]
+    written = [state_to_json([{"lr": lr}, {"lr": lr}], None, "param_groups") for lr in stages]
+    read = state_from_json(written[0] + written[1], None, Path("meta.json"))
+    assert [g["lr"].item() for g in read] == [lr.item() for lr in stages for _ in range(2)]
+    assert read[0]["lr"] is read[1]["lr"] and read[2]["lr"] is read[3]["lr"] and read[1]["lr"] is not read[2]["lr"]
 
 
 FLOAT32_ONE = base64.b64encode(struct.pack("<f", 1.0)).decode()

@@ -406,8 +406,8 @@ class Checkpoint:
         return TensorFile(self.optimizer_file).items()
 
     def meta(self) -> dict[str, Any]:
-        """meta.json, checked against ``CheckpointMeta`` (and returned as read: its hyperparameters as they are, the
-        non-finite floats among them and the state scalars decoded)."""
+        """meta.json, checked against ``CheckpointMeta`` and returned as read, its hyperparameters and state scalars
+        decoded (``state_from_json``: non-finite floats, inline tensors) and the hyperparameters through the gate."""
         path = self.path / "meta.json"
         meta = load_json(path)
         if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:

@@ -650,14 +650,15 @@ def test_a_tag_in_meta_json_that_does_not_decode_is_a_one_line_error(tmp_path, r
 
 
 def test_the_tag_writer_and_reader_round_trip_without_tensors(tmp_path):
-    """Hyperparameters and state scalars (no extras file): a tensor is kept as its numbers, inf and nan as tags, and a
-    tensor reference is refused where the writer never puts one."""
+    """Hyperparameters and state scalars (no extras file): a tensor is kept inline (its bytes, dtype and shape), inf
+    and nan as tags, and a tensor reference is refused where the writer never puts one."""
     from nanforensics.runs.checkpoint import state_from_json, state_to_json
 
     state = {"lr": torch.tensor(0.5), "betas": (0.9, 0.999), "prev_loss": math.nan, "bound": [-math.inf, 1]}
     written = json.loads(json.dumps(state_to_json(state, None, "g"), allow_nan=False))
     back = state_from_json(written, None, tmp_path / "meta.json")
-    assert back["lr"] == 0.5 and back["betas"] == [0.9, 0.999] and math.isnan(back["prev_loss"])
+    assert back["lr"].dtype == torch.float32 and back["lr"].shape == () and back["lr"].item() == 0.5
+    assert back["betas"] == [0.9, 0.999] and math.isnan(back["prev_loss"])
     assert back["bound"] == [-math.inf, 1]
     with pytest.raises(BadInput, match="meta.json: refers to a tensor where the recorder writes plain numbers"):
         state_from_json({"x": {"$tensor": "x"}}, None, tmp_path / "meta.json")

@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from ..distributed.tensors import shard_like, whole
-from ..errors import BadInput
+from ..errors import BadInput, shown
 from ..finite import decode_float, encode_float
 from ..inputs import TensorFile, hyperparameter_problem, load_json, one_line
+from ..numbers import is_count
 from ..schema import load
 from .files import json_bytes, make_build_dir, publish_dir_atomic, safetensors_parts, write_bytes_atomic
 from .optimizers import group_owners, loose_params, optimizer_params, optimizer_set
@@ -101,19 +102,66 @@ def restore_rng(state: Any, where: Path | None = None) -> None:
         raise BadInput(where, f"{part} is not an RNG state recorded by nanforensics ({one_line(e)[:100]})") from None
 
 
+# The dtypes of a tensor meta.json holds inline (``state_to_json``'s ``{"$bytes"}`` tag), by name: the real, bool and
+# complex ones of whole bytes (the inputs' gate says which a hyperparameter may be).
+INLINE_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
+    torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+    torch.complex64, torch.complex128)}
+_INLINE_SAID = "float64/32/16, bfloat16, float8_e4m3fn/e5m2, (u)int8-64, bool or complex64/128"
+
+
 def _unb64(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+    data = bytearray(base64.b64decode(text, validate=True))
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)  # none: a 0-element one
 
 
-def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str) -> Any:
+def _inline(tensor: torch.Tensor, path: str) -> dict[str, Any]:
+    """``state_to_json``'s inline tensor: its bytes (little-endian, as the safetensors files), dtype and shape."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    if INLINE_DTYPES.get(name) != tensor.dtype or tensor.layout != torch.strided:
+        raise ValueError(f"{path} is a {name} {str(tensor.layout).removeprefix('torch.')} tensor: a checkpoint holds a "
+                         f"strided tensor of {_INLINE_SAID} here")
+    raw = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
+    return {"$bytes": b64(raw), "dtype": name, "shape": list(tensor.shape)}
+
+
+def _from_inline(value: dict[str, Any], path: Path) -> torch.Tensor:
+    """The tensor ``_inline`` wrote; a tag whose dtype, shape and bytes do not agree is an error naming ``path``."""
+    dtype, shape = INLINE_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None, value["shape"]
+    if dtype is None or not (isinstance(shape, list) and all(is_count(n) for n in shape)):
+        raise BadInput(path, f"holds an inline tensor of dtype {shown(value['dtype'])} and shape {shown(shape)}, not "
+                             f"{_INLINE_SAID} and a list of sizes")
+    try:
+        raw = _unb64(value["$bytes"])
+    except (TypeError, ValueError) as e:
+        raise BadInput(path, f"holds an inline tensor whose bytes are not base64 ({one_line(e)[:100]})") from None
+    if raw.numel() != math.prod(shape) * dtype.itemsize or (dtype == torch.bool and bool(raw.gt(1).any())):
+        raise BadInput(path, f"holds an inline {value['dtype']} tensor of shape {shape} in {raw.numel()} bytes that "
+                             "are not its values")
+    try:
+        return raw.view(dtype).reshape(shape).clone()
+    except (RuntimeError, TypeError) as e:  # a size beyond int64 beside a 0
+        raise BadInput(path, f"holds an inline tensor of shape {shown(shape)}: {one_line(e)[:100]}") from None
+
+
+def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str,
+                  _inlined: dict[int, int] | None = None) -> Any:
     """A state as plain JSON, without pickle: the one writer of meta.json's tags. A tensor is moved to ``tensors`` and
-    referenced as ``{"$tensor": key}``, or with ``tensors`` None (hyperparameters, state scalars: a tensor lr) stored
-    as its numbers, a one-element tensor as its one number whatever its shape (torch takes an lr of shape ``[1]``;
-    the reader takes a rate as a number, and replay steps with it as the float it is); inf and nan, which JSON lacks,
-    become ``{"$float": "inf"}`` (LBFGS keeps its last loss as a float: nan once the loss was)."""
+    referenced as ``{"$tensor": key}``, or with ``tensors`` None (hyperparameters, state scalars: a tensor lr, a
+    user's mask, LBFGS's history) written inline as ``{"$bytes": base64, "dtype": "float32", "shape": []}``: the
+    reader rebuilds the very tensor, as no number does (Adam steps with a float32 lr of 0.01 otherwise than with
+    the float it holds, and a float of shape ``[]`` is not a tensor of shape ``[1]``). A tensor met again (one lr
+    tensor, the optimizer's default, held by every group: a scheduler's ``fill_`` of one group's sets all) is
+    ``{"$same": n}``, the n-th inline tensor back, which stays true when another stage's groups come before. inf and
+    nan, which JSON lacks, become ``{"$float": "inf"}`` (LBFGS keeps its last loss as a float: nan once it was)."""
+    inlined = {} if _inlined is None else _inlined  # id of each tensor written inline -> its place among them
     if isinstance(state, torch.Tensor):
         if tensors is None:
-            return state_to_json(state.item() if state.numel() == 1 else state.tolist(), None, path)
+            if id(state) in inlined:
+                return {"$same": len(inlined) - inlined[id(state)]}
+            inlined[id(state)] = len(inlined)
+            return _inline(state, path)
         tensors[path] = state
         return {"$tensor": path}
     if isinstance(state, float) and not math.isfinite(state):
@@ -121,16 +169,18 @@ def state_to_json(state: Any, tensors: dict[str, torch.Tensor] | None, path: str
     if isinstance(state, dict):
         if not all(isinstance(k, str) for k in state):
             raise TypeError(f"{path}: state_dict keys must be strings to be recorded")
-        return {k: state_to_json(v, tensors, f"{path}.{k}") for k, v in state.items()}
+        return {k: state_to_json(v, tensors, f"{path}.{k}", inlined) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return [state_to_json(v, tensors, f"{path}.{i}") for i, v in enumerate(state)]
+        return [state_to_json(v, tensors, f"{path}.{i}", inlined) for i, v in enumerate(state)]
     return state
 
 
-def state_from_json(value: Any, tensors: Callable[[], TensorFile] | None, path: Path) -> Any:
+def state_from_json(value: Any, tensors: Callable[[], TensorFile] | None, path: Path,
+                    _inlined: list[torch.Tensor] | None = None) -> Any:
     """The inverse of ``state_to_json``: the one reader of meta.json's tags. ``tensors`` opens the
     extras file, only when a tensor is referenced (None where the recorder writes plain numbers); a tag that does not
     decode is an error naming ``path``."""
+    inlined = [] if _inlined is None else _inlined  # the inline tensors read so far, in order
     if isinstance(value, dict):
         if value.keys() == {"$tensor"}:
             if tensors is None:
@@ -143,9 +193,17 @@ def state_from_json(value: Any, tensors: Callable[[], TensorFile] | None, path: 
                 return decode_float(value["$float"])
             except ValueError as e:
                 raise BadInput(path, f"holds {one_line(e)}") from None
-        return {k: state_from_json(v, tensors, path) for k, v in value.items()}
+        if value.keys() == {"$bytes", "dtype", "shape"}:
+            inlined.append(_from_inline(value, path))
+            return inlined[-1]
+        if value.keys() == {"$same"}:
+            back = value["$same"]
+            if not (is_count(back) and 0 < back <= len(inlined)):
+                raise BadInput(path, f"holds {{\"$same\": {shown(back)}}}, but {len(inlined)} inline tensors come before it")
+            return inlined[-back]
+        return {k: state_from_json(v, tensors, path, inlined) for k, v in value.items()}
     if isinstance(value, list):
-        return [state_from_json(v, tensors, path) for v in value]
+        return [state_from_json(v, tensors, path, inlined) for v in value]
     return value
 
 
@@ -171,7 +229,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             if isinstance(value, torch.Tensor):
                 tensors[f"{names[index]}/{key}"] = value
             else:
-                scalars.setdefault(names[index], {})[key] = state_to_json(value, None, key)
+                scalars.setdefault(names[index], {})[key] = state_to_json(value, None, f"optimizer state {names[index]}/{key}")
     return names, tensors, scalars, sd
 
 
@@ -186,8 +244,14 @@ def state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     """meta.json's names of the state (``param_names``, ``param_groups``, ``state_scalars``, ``buffer_names``), the
     model's state dict and the optimizer's state tensors keyed ``"<name>/<key>"``."""
     names, tensors, scalars, sd = optimizer_state(model, optimizer)
-    groups = [{**{k: state_to_json(v, None, k) for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-              for g in sd["param_groups"]]
+    hyper = state_to_json([{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]], None,
+                          "optimizer param_groups")  # at once: a tensor several groups hold is written once
+    groups = [{**h, "params": [names[p] for p in g["params"]]} for h, g in zip(hyper, sd["param_groups"])]
+    # the gate meta.json's reader passes them through, here, while the training loop can still be told: never a
+    # checkpoint replay refuses (a nested list, a complex tensor, a string for a rate)
+    problem = hyperparameter_problem(state_from_json(groups, None, Path("meta.json")), "param_groups")
+    if problem is not None:
+        raise ValueError(f"optimizer {problem}: the checkpoint could not hold it as replay reads it back")
     model_sd = model.state_dict()
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     return ({"param_names": names, "param_groups": groups, "state_scalars": scalars,
@@ -342,8 +406,8 @@ class Checkpoint:
         return TensorFile(self.optimizer_file).items()
 
     def meta(self) -> dict[str, Any]:
-        """meta.json, checked against ``CheckpointMeta`` (and returned as read: its hyperparameters as they are, the
-        non-finite floats among them and the state scalars decoded)."""
+        """meta.json, checked against ``CheckpointMeta`` and returned as read, its hyperparameters and state scalars
+        decoded (``state_from_json``: non-finite floats, inline tensors) and the hyperparameters through the gate."""
         path = self.path / "meta.json"
         meta = load_json(path)
         if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:

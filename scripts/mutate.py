@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -63,9 +64,10 @@ DESELECTED = ("tests/test_startup.py::test_the_package_imports_only_what_it_decl
 COPIED = ("nanforensics", "tests", "sample_runs", "README.md", "docs", "pyproject.toml")  # tests read the docs
 # a mutant the tests noticed. Not mutmut's "timeout": its limit is a multiple of the statistics' time, and on a loaded
 # machine a surviving mutant runs past it (8 of 23 timeouts in one engine run survived): a timed-out mutant is run
-# again like a survivor, where only HANG seconds of one test file mean the tests hang on it (an endless loop)
+# again like a survivor, where only a run HANG times as long as the statistics took for the same tests (at least
+# HANG_FLOOR seconds; HANG_UNTIMED where they timed none of them) means the tests hang on it (an endless loop)
 KILLED = {"killed", "segfault", "caught by type check"}
-HANG = 1800
+HANG, HANG_FLOOR, HANG_UNTIMED = 20, 120, 1800
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
@@ -183,6 +185,16 @@ def load_equivalents() -> dict[str, dict[str, str]]:
     return {entry["mutant"]: entry for entry in entries}
 
 
+def hang_limit(scratch: Path, tests: Sequence[str]) -> float:
+    """How long ``tests`` (files or test ids) may run on a mutant before it counts as hanging them: HANG times what the
+    unmutated tests took in mutmut's statistics (a survivor on a machine far busier than then stays well under it), at
+    least HANG_FLOOR seconds; HANG_UNTIMED where the statistics timed none of them (a whole file beyond ``--tests``)."""
+    stats = scratch / "mutants" / "mutmut-stats.json"
+    durations = json.loads(stats.read_text(encoding="utf-8"))["duration_by_test"] if stats.is_file() else {}
+    timed = [d for test, d in durations.items() if any(test == t or test.startswith(t.rstrip("/") + "::") for t in tests)]
+    return max(HANG_FLOOR, HANG * sum(timed)) if timed else HANG_UNTIMED
+
+
 def killed_by_the_files(scratch: Path, module: str, name: str, first: Sequence[str] = (), files: bool = True) -> bool:
     """Whether the module's whole test files kill the survivor ``name``: mutmut runs a mutant against the tests that
     reached its function while its statistics were taken, and a module fixture that does the work of many tests at
@@ -198,7 +210,8 @@ def killed_by_the_files(scratch: Path, module: str, name: str, first: Sequence[s
         for tests in ([first] if first else []) + ([MODULES[module]] if files or not first else []):
             try:
                 done = subprocess.run(["nice", sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
-                                       *deselect, *tests], cwd=scratch, capture_output=True, timeout=HANG,
+                                       *deselect, *tests], cwd=scratch, capture_output=True,
+                                      timeout=hang_limit(scratch, tests),
                                       env={**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"})
             except subprocess.TimeoutExpired:
                 return True  # the tests hang on it: noticed

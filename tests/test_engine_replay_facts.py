@@ -431,7 +431,8 @@ def test_the_trust_options_reach_the_policy(recorded, tmp_path):
 def test_where_the_log_guesses_too_early_the_end_moves_to_the_windows(recorded):
     """The log's guess is a step past its first NaN + after. after=0 on the loss-only run: nothing stops the replay at
     step 4, so the total grows to the window's end. The mixed run: its first NaN (step 1) is loss-only, and the origin
-    (step 4) lies past the guess (step 3): located to the window's end."""
+    (step 4) lies past the guess (step 3): located to the window's end; with after=2 the guess is the origin's own
+    step, and the total grows only as the replay passes it."""
     log = Log()
     r = replay_run(recorded["no_labels"], ReplayOptions(explain=False, after=0), log)
     assert [s.step for s in r.spread] == [2, 3, 4, 5] and r.verdict == "loss_only"
@@ -443,6 +444,11 @@ def test_where_the_log_guesses_too_early_the_end_moves_to_the_windows(recorded):
     assert log.events[2:] == [phase("replaying steps 0-3", 4), *updates(1, 4, 4),
                               phase("locating: steps 4-5, reading each first non-finite value", 2, at_most=True),
                               *updates(1, 2, 2)]
+    log = Log()  # after=2: the guess is the origin's step itself (1 + 1 + 2), kept until the replay passes it
+    replay_run(recorded["mixed"], ReplayOptions(explain=False, after=2), log)
+    assert log.events[2:] == [phase("replaying steps 0-4", 5), *updates(1, 4, 5),
+                              phase("locating: step 4, reading each first non-finite value", 1, at_most=True),
+                              ("update", 1, 1), ("update", 2, 2)]
 
 
 def test_a_checkpoint_keeping_a_nonfinite_gradient_of_a_parameter_no_optimizer_holds_is_no_clean_start(recorded, tmp_path):

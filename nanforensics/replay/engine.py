@@ -196,9 +196,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         # step re-runs from there in locate mode, and root cause starts from there, instead of replaying from the
         # checkpoint again. The precursor probe rides along from the start for the same reason.
         kept: dict[int, dict] = {}
-        hooks = ExitStack()
-        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.proof))
-        probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
+        hooks, monitor, probe = _watched(r, opts.proof)
         progress.phase(f"replaying {span(checkpoint.step, stop)}", stop - checkpoint.step + 1)
         first = checkpoint.step  # of the phase under way, for its count
         try:
@@ -244,9 +242,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
                                 precursors.append(warmup.take(r.step - 1))
                                 progress.update(r.step - first)
                         kept = {step: r.snapshot()}  # root cause starts here too
-                        hooks = ExitStack()
-                        monitor = hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=opts.proof))
-                        probe = hooks.enter_context(PrecursorProbe(r.model, r.optimizer))
+                        hooks, monitor, probe = _watched(r, opts.proof)
                     stop = stop if stop >= step else last
                     progress.phase(f"locating: {span(step, stop)}, reading each first non-finite value",
                                    stop - step + 1, at_most=True)
@@ -308,6 +304,14 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
     report.findings = (findings(report) + rank_findings(report) + amp_findings(report.amp) + resumed
                        + whatif.findings(report.what_if, requested=bool(changes)))
     return narrate(report)
+
+
+def _watched(r: Session, proof: bool) -> tuple[ExitStack, StepMonitor, PrecursorProbe]:
+    """The hooks each replayed step runs under, closed together: the monitor (``proof``: detect mode skips reading what
+    the update's proof shows finite) and the precursor probe."""
+    hooks = ExitStack()
+    return hooks, hooks.enter_context(StepMonitor(r.model, r.optimizer, prove=proof)), hooks.enter_context(
+        PrecursorProbe(r.model, r.optimizer))
 
 
 def _explain(session: Session, origin: Event, before: dict | None = None, progress: Progress = SILENT,

@@ -148,6 +148,8 @@ def test_a_start_sixteen_steps_before_the_origin_needs_no_rewind_and_passes_each
     assert [p.step for p in r.precursors] == list(range(10, DEFECT + 3))
     assert [(c.step, c.exact, c.tolerance) for c in r.checkpoints_compared] == [(s, True, 0.0) for s in range(12, 30, 2)]
     assert [s.step for s in r.spread] == list(range(10, DEFECT + 3)) and r.reproduced
+    healthy = [(s.params_nonfinite, s.state_nonfinite, s.buffers_nonfinite) for s in r.spread if s.step < DEFECT]
+    assert healthy == [(0, 0, 0)] * (DEFECT - 10)  # a step nothing turned non-finite counts none, in every column
     assert log.events == [
         phase("checking that the checkpoint at step 10 is finite"), phase("checking the batches of steps 10-31"),
         phase("replaying steps 10-29", 20), *updates(1, 16, 20),

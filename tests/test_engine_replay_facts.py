@@ -396,6 +396,9 @@ def test_an_unsound_start_is_replayed_from_itself_and_its_reset_is_tried(recorde
     assert [(u.tensor, u.index) for u in r.unsound] == [("fc2.weight/exp_avg_sq", [1, 2])]
     assert [p.step for p in r.precursors] == [s.step for s in r.spread] and r.spread[0].step == 16
     assert [(w.intervention, w.step, w.finite) for w in r.what_if] == [("none", 16, False), ("reset-state", 16, True)]
+    assert [f for f in r.findings if f.startswith("The start checkpoint")] == [
+        "The start checkpoint (step 16) is finite but its optimizer state is unsound: 1 finding, "
+        "negative_second_moment (fc2.weight) (each under unsound, with what it does at the next update)."]
 
 
 def test_a_caught_overflow_leaves_no_nan_pending_and_a_buffer_counts_in_the_records(recorded):

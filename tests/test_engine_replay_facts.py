@@ -255,10 +255,35 @@ def test_a_window_bounded_by_max_steps_has_its_batches_checked_to_its_last_step_
 
 
 def test_a_what_if_is_replayed_from_the_start_at_the_origin(recorded):
-    r = replay_run(recorded["long"], ReplayOptions(explain=False, what_if=[whatif.parse("skip")], what_if_steps=2))
+    """The run as recorded, then with the origin's step skipped, each from the start checkpoint through the what-if
+    steps after the origin: each its own phase, and the finding says which stayed finite."""
+    log = Log()
+    r = replay_run(recorded["long"], ReplayOptions(explain=False, what_if=[whatif.parse("skip")], what_if_steps=2), log)
     assert [(w.intervention, w.step, w.last_step) for w in r.what_if] == [
         ("none", DEFECT, DEFECT + 2), ("skip", DEFECT, DEFECT + 2)]
-    assert any("skip" in f for f in r.findings)
+    assert [f for f in r.findings if f.startswith("What-if")] == [
+        f"What-if at step {DEFECT}, checked through step {DEFECT + 2}: the run stays finite with skip."]
+    assert [e[1] for e in log.events if e[0] == "phase"][-2:] == [
+        f"what-if 1 of 2: as recorded, steps {DEFECT}-{DEFECT + 2}", f"what-if 2 of 2: skip, steps {DEFECT}-{DEFECT + 2}"]
+
+
+def test_a_distributed_run_names_its_ranks_and_its_what_if_changes_the_responsible_ranks_shard():
+    """The shipped two-rank DDP sample, emulated on this process (read, never written): the report names the world,
+    the responsible rank's batch file and each rank's losses, logged and replayed (within the tolerance of this
+    machine, whatever CPU it is); a what-if dropping sample 5 changes the shard of the origin's rank (1), where
+    sample-00075 is, and saves the run (rank 0's sample 5 is healthy: dropping it would not)."""
+    sample = ROOT / "sample_runs" / "ddp_two_ranks"
+    before = tree_digest(sample)
+    r = replay_run(sample, ReplayOptions(explain=False, what_if=[whatif.parse("drop-samples=5")], what_if_steps=2))
+    assert (r.setup.world_size, r.setup.wrapping, r.setup.ranks_replayed, r.origin.rank) == (2, "ddp", "emulated", 1)
+    batch = r.responsible_batch
+    assert (batch.step, batch.rank, batch.owner, batch.leaves["batch['id']"][5]) == (4, 1, "rank 1", "sample-00075")
+    assert batch.file.endswith("ranks/rank_00001/batches/step_00000004.safetensors")
+    assert [(c.rank, c.logged_first_nonfinite_loss_step, c.diverged_at_step) for c in r.ranks] == [(0, 5, None), (1, 5, None)]
+    assert [(s.step, len(s.rank_logged_losses), len(s.rank_replayed_losses)) for s in r.spread] == [
+        (step, 2, 2) for step in range(3, 7)]
+    assert [(w.intervention, w.step, w.finite) for w in r.what_if] == [("none", 4, False), ("drop-samples=5", 4, True)]
+    assert tree_digest(sample) == before
 
 
 def test_the_explanation_without_the_state_kept_re_runs_from_the_session_start(recorded):
@@ -407,6 +432,10 @@ def test_a_caught_overflow_leaves_no_nan_pending_and_a_buffer_counts_in_the_reco
     r = replay_run(recorded["amp"], ReplayOptions(explain=False))
     assert (r.verdict, r.logged_first_nonfinite_loss_step, [s.step for s in r.spread]) == ("clean", NO_LABELS, [2, 3, 4, 5])
     assert r.amp.scaler and NO_LABELS in [s.step for s in r.amp.steps if s.caught]
+    assert [f.split(":")[0] for f in r.findings if "scale" in f] == [  # the scaler's own findings, beside the verdict's
+        "No non-finite value reached the optimizer state or the parameters over steps 2-5",
+        "Loss scale 4.1943e+06 before step 2, 262144 after step 5",
+        "The scaler caught 4 overflows before optimizer.step() wrote the moments"]
     r = replay_run(recorded["buffer"], ReplayOptions(explain=False))
     assert (r.responsible_step, r.origin.stage, r.origin.tensor) == (NO_LABELS, "buffer", "norm.running_var")
     assert [(s.step, s.buffers_nonfinite, s.buffers_total) for s in r.spread] == [(3, 4, 8), (4, 4, 8), (5, 4, 8)]

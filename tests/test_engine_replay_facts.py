@@ -428,9 +428,11 @@ def test_an_unsound_start_is_replayed_from_itself_and_its_reset_is_tried(recorde
 
 def test_a_caught_overflow_leaves_no_nan_pending_and_a_buffer_counts_in_the_records(recorded):
     """The NaN logged at step 3 of the mixed-precision run was an overflow its scaler caught: nothing is pending, the
-    replay runs to the log's end. The batch norm's running variance: the buffer is the origin, counted each step."""
-    r = replay_run(recorded["amp"], ReplayOptions(explain=False))
+    replay runs to the log's end, and a what-if asked for has no step to change. The batch norm's running variance:
+    the buffer is the origin, counted each step."""
+    r = replay_run(recorded["amp"], ReplayOptions(explain=False, what_if=[whatif.parse("skip")]))
     assert (r.verdict, r.logged_first_nonfinite_loss_step, [s.step for s in r.spread]) == ("clean", NO_LABELS, [2, 3, 4, 5])
+    assert r.what_if == [] and r.findings[-1] == "What-if replays not run: the replay found no responsible step to change."
     assert r.amp.scaler and NO_LABELS in [s.step for s in r.amp.steps if s.caught]
     assert [f.split(":")[0] for f in r.findings if "scale" in f] == [  # the scaler's own findings, beside the verdict's
         "No non-finite value reached the optimizer state or the parameters over steps 2-5",

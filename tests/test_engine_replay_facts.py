@@ -11,6 +11,7 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from nanforensics.distributed.sessions import open_session
@@ -284,6 +285,34 @@ def test_a_distributed_run_names_its_ranks_and_its_what_if_changes_the_responsib
         (step, 2, 2) for step in range(3, 7)]
     assert [(w.intervention, w.step, w.finite) for w in r.what_if] == [("none", 4, False), ("drop-samples=5", 4, True)]
     assert tree_digest(sample) == before
+
+
+@pytest.mark.parametrize("off, loss_rtol, loss_ulps, parted", [
+    (5e-4, 1e-3, 8, None),  # thousands of ulps off, within the relative tolerance: the same loss
+    (2e-3, 1e-3, 8, 4),     # past it: rank 1's loss parts from the replay at step 4
+    (4, 0.0, 2, 4),         # 4 float32 ulps off (an int: ulps), 2 allowed and no relative tolerance: parted
+])
+def test_each_ranks_losses_are_judged_by_the_tolerances_the_replay_was_given(tmp_path, off, loss_rtol, loss_ulps, parted):
+    """Rank 1's logged loss at step 4 of a copy of the DDP sample moved ``off``; the window ends at step 4, before any
+    checkpoint is compared, so every rank's every loss is judged, by --loss-rtol and --loss-ulps as the run's own are
+    (the replay here computes step 4's rank 1 loss bit for bit; the other losses within 2 ulps on any CPU)."""
+    run = tmp_path / "ddp"
+    shutil.copytree(ROOT / "sample_runs" / "ddp_two_ranks", run)
+    log = run / "ranks" / "rank_00001" / "steps.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines[4]["step"] == 4
+    loss = lines[4]["loss"]
+    if isinstance(off, int):
+        moved = np.float32(loss)
+        for _ in range(off):
+            moved = np.nextafter(moved, np.float32(math.inf))
+        lines[4]["loss"] = float(moved)
+    else:
+        lines[4]["loss"] = loss * (1 + off)
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    r = replay_run(run, ReplayOptions(explain=False, from_step=3, max_steps=2, loss_rtol=loss_rtol, loss_ulps=loss_ulps))
+    assert (r.setup.last_step, r.checkpoints_compared) == (4, [])
+    assert [c.diverged_at_step for c in r.ranks] == [None, parted]
 
 
 def test_the_explanation_without_the_state_kept_re_runs_from_the_session_start(recorded):

@@ -5,11 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Collection, Literal, get_args
 
 from .finite import encode_float
-from .outputs import write_output
 
 REPLAY_SCHEMA = "nanforensics.replay/1"
 
@@ -443,8 +441,6 @@ def to_jsonable(obj: Any) -> Any:
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
     if isinstance(obj, float):
         return encode_float(obj)
     return obj
@@ -452,9 +448,3 @@ def to_jsonable(obj: Any) -> Any:
 
 def to_json(report: Any) -> str:
     return json.dumps(to_jsonable(report), indent=2, allow_nan=False) + "\n"
-
-
-def write_json(report: Any, destination: str) -> None:
-    """``-`` is stdout; a path is written atomically through ``outputs``' checks, so a failed run leaves an earlier
-    report as it was."""
-    write_output(destination, to_json(report))

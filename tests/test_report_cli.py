@@ -34,6 +34,8 @@ def test_every_schema_round_trips(runs, tmp_path):
         (tmp_path / f"{name}.json").write_text(text)
         loaded = load_report(tmp_path / f"{name}.json")
         assert type(loaded) is type(report) and to_json(loaded) == text, name
+        # what a reader meets first: the schema; then every level indented by two spaces, the file ending in a newline
+        assert next(iter(json.loads(text))) == "schema" and text == json.dumps(json.loads(text), indent=2) + "\n", name
     again = load_report(tmp_path / "postmortem.json")
     assert again.replay.origin.index == [3] and again.tensor_spread.rows[0].name == "features.gain"
 

@@ -18,9 +18,9 @@ from typing import Sequence
 
 from ..distributed.sessions import open_session
 from ..errors import BadInput
-from ..outputs import check_outputs, writing
+from ..outputs import check_outputs, write_output, writing
 from ..progress import SILENT, Progress
-from ..report import ReplayReport, WhatIfResult, write_json
+from ..report import ReplayReport, WhatIfResult, to_json
 from ..runs.checkpoint import Checkpoint, save_checkpoint
 from ..runs.files import make_build_dir, publish_dir_atomic, write_json_atomic
 from ..runs.run import MANIFEST, Run, UserCode
@@ -136,7 +136,7 @@ def repair_run(run_dir: str | Path, out: str | Path, options: RepairOptions | No
         report.findings = findings(report)
         if report.written:
             with writing("--out", out):
-                write_json(report, str(build / REPORT_FILE))
+                write_output(build / REPORT_FILE, to_json(report))
                 publish_dir_atomic(build, out)
     finally:
         shutil.rmtree(build, ignore_errors=True)  # gone once published; a failed or refused build is removed

@@ -29,6 +29,7 @@ import scenarios
 from conftest import ROOT, tree_digest
 
 UNRECORDED = ROOT / "sample_runs" / "unrecorded"
+DDP = ROOT / "sample_runs" / "ddp_two_ranks"  # the shipped two-rank sample: rank 1, step 4, sample-00075
 DEFECT = 26  # the long run's defect: an infinite gradient in features.gain[3], sample 5 of the batch
 STEPS, EVERY = 32, 2  # the long run: steps 0-31, checkpoints before steps 0, 2, ... 30 and after the last
 NO_LABELS = 3  # the loss-only run's defect: a batch without a label, a NaN loss and nothing else
@@ -273,9 +274,8 @@ def test_a_distributed_run_names_its_ranks_and_its_what_if_changes_the_responsib
     the responsible rank's batch file and each rank's losses, logged and replayed (within the tolerance of this
     machine, whatever CPU it is); a what-if dropping sample 5 changes the shard of the origin's rank (1), where
     sample-00075 is, and saves the run (rank 0's sample 5 is healthy: dropping it would not)."""
-    sample = ROOT / "sample_runs" / "ddp_two_ranks"
-    before = tree_digest(sample)
-    r = replay_run(sample, ReplayOptions(explain=False, what_if=[whatif.parse("drop-samples=5")], what_if_steps=2))
+    before = tree_digest(DDP)
+    r = replay_run(DDP, ReplayOptions(explain=False, what_if=[whatif.parse("drop-samples=5")], what_if_steps=2))
     assert (r.setup.world_size, r.setup.wrapping, r.setup.ranks_replayed, r.origin.rank) == (2, "ddp", "emulated", 1)
     batch = r.responsible_batch
     assert (batch.step, batch.rank, batch.owner, batch.leaves["batch['id']"][5]) == (4, 1, "rank 1", "sample-00075")
@@ -284,7 +284,7 @@ def test_a_distributed_run_names_its_ranks_and_its_what_if_changes_the_responsib
     assert [(s.step, len(s.rank_logged_losses), len(s.rank_replayed_losses)) for s in r.spread] == [
         (step, 2, 2) for step in range(3, 7)]
     assert [(w.intervention, w.step, w.finite) for w in r.what_if] == [("none", 4, False), ("drop-samples=5", 4, True)]
-    assert tree_digest(sample) == before
+    assert tree_digest(DDP) == before
 
 
 @pytest.mark.parametrize("off, loss_rtol, loss_ulps, parted", [
@@ -297,7 +297,7 @@ def test_each_ranks_losses_are_judged_by_the_tolerances_the_replay_was_given(tmp
     checkpoint is compared, so every rank's every loss is judged, by --loss-rtol and --loss-ulps as the run's own are
     (the replay here computes step 4's rank 1 loss bit for bit; the other losses within 2 ulps on any CPU)."""
     run = tmp_path / "ddp"
-    shutil.copytree(ROOT / "sample_runs" / "ddp_two_ranks", run)
+    shutil.copytree(DDP, run)
     log = run / "ranks" / "rank_00001" / "steps.jsonl"
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert lines[4]["step"] == 4

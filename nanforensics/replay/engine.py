@@ -22,6 +22,7 @@ from ..distributed.pipeline_replay import replay_pipeline
 from ..distributed.sessions import open_session, regrouped
 from ..errors import BadInput
 from ..finite import value_name
+from ..formats import CheckpointSource
 from ..formats.discover import open_checkpoint
 from ..progress import SILENT, Progress
 from ..report import (
@@ -112,10 +113,16 @@ def _precursor_start(run: StepSource, checkpoint: StartPoint, step: int) -> Star
     return checkpoint
 
 
+def _opened(c: StartPoint) -> CheckpointSource:
+    """The checkpoint's reader: the one a checkpoint nobody recorded was opened with to read its step (not opened
+    twice), else one opened from its path."""
+    return getattr(c, "source", None) or open_checkpoint(c.path)
+
+
 def _checkpoint_finite(c: StartPoint) -> bool:
     """Streamed, one tensor at a time, stopping at the first non-finite one (soundness is checked on the one chosen);
     a recorded checkpoint's gradients of parameters no optimizer holds too, which the next step starts from."""
-    if scan_checkpoint(open_checkpoint(c.path), soundness=False).verdict != CLEAN:
+    if scan_checkpoint(_opened(c), soundness=False).verdict != CLEAN:
         return False
     loose = c.loose_grads(c.meta()) if isinstance(c, Checkpoint) else {}
     return all(bool(torch.isfinite(grad).all()) for grad in loose.values())
@@ -178,8 +185,7 @@ def replay(run: StepSource, code: StepCode, opts: ReplayOptions, progress: Progr
         r = open_session(run, code, checkpoint, device)
         check_supported(run.path, r.optimizer)  # before any step
         # the start checkpoint's optimizer state beyond finiteness: an origin on what it flags is explained by it
-        unsound = start_soundness(getattr(checkpoint, "source", None) or open_checkpoint(checkpoint.path), r.model,
-                                  r.optimizer)
+        unsound = start_soundness(_opened(checkpoint), r.model, r.optimizer)
         amp = AmpLog()
         params_total, state_total = totals(r.optimizer)
         buffers_all = buffers_total(r.model)
